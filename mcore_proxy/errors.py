@@ -1,0 +1,25 @@
+"""One small exception family for bad input; the CLI catches it once and exits 2."""
+
+
+class ProxyError(ValueError):
+    """Bad input or usage. The message is one sentence naming the file and the fix."""
+
+
+class CheckpointError(ProxyError):
+    """A checkpoint folder is missing, truncated, or inconsistent."""
+
+
+class StatsError(ProxyError):
+    """A routing-statistics file is missing, truncated, or does not match the others."""
+
+
+class PlanError(ProxyError):
+    """A selection plan is infeasible or does not belong to the checkpoint."""
+
+
+class OutputError(ProxyError):
+    """The output location cannot be used (exists, inside the input, no space)."""
+
+
+class CheckFailed(Exception):
+    """A verification or comparison found a difference; the CLI exits 1."""

@@ -1,0 +1,232 @@
+"""Routing statistics: the contract between trace and select (DESIGN.md 4.1).
+
+A file is a safetensors blob plus a JSON sidecar of the same stem. Per MoE layer, keyed by its
+layer id (`"12"`: global 0-based decoder layer, as in `decoder.layers.12`; `"mtp.0"`: MTP
+layer 0), it holds sufficient statistics (sums), so per-rank files merge by element-wise sum.
+
+Tensor keys: `layer.{L}.{field}` for decoder layers, `mtp.{k}.{field}` for MTP layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mcore_proxy.errors import StatsError
+
+FORMAT = "mcore-proxy-stats/1"
+REQUIRED_FIELDS = ("tokens", "freq", "gate_mass", "coact", "proto_sum")
+OPTIONAL_FIELDS = ("saliency_sum",)
+DTYPES = {"tokens": np.int64, "freq": np.int64, "gate_mass": np.float64, "coact": np.int64,
+          "proto_sum": np.float64, "saliency_sum": np.float64}
+
+
+def layer_prefix(layer_id: str) -> str:
+    """`"12"` -> `"layer.12"`, `"mtp.0"` -> `"mtp.0"`."""
+    return layer_id if layer_id.startswith("mtp.") else f"layer.{layer_id}"
+
+
+def layer_sort_key(layer_id: str) -> tuple[int, int]:
+    """Decoder layers first in numeric order, then MTP layers."""
+    if layer_id.startswith("mtp."):
+        return (1, int(layer_id.split(".")[1]))
+    return (0, int(layer_id))
+
+
+@dataclass(frozen=True, repr=False)
+class LayerStats:
+    """Sums over the tokens one MoE layer routed.
+
+    tokens: routed tokens; freq [E] int64: top-k selections of e; gate_mass [E] float64: sum of
+    routing probabilities given to e; coact [E, E] int64: tokens selecting both (diag = freq);
+    proto_sum [E, H] float64: sum of router inputs of tokens routed to e; saliency_sum [E]
+    float64 or None: sum of gate x L2 norm of e's output.
+    """
+
+    tokens: int
+    freq: np.ndarray
+    gate_mass: np.ndarray
+    coact: np.ndarray
+    proto_sum: np.ndarray
+    saliency_sum: np.ndarray | None = None
+
+    def __post_init__(self):
+        e = self.freq.shape[0]
+        expected = {"freq": (e,), "gate_mass": (e,), "coact": (e, e), "saliency_sum": (e,)}
+        for name, shape in expected.items():
+            value = getattr(self, name)
+            if value is not None and value.shape != shape:
+                raise StatsError(f"routing statistics field {name} has shape {value.shape}, expected {shape}")
+        if self.proto_sum.ndim != 2 or self.proto_sum.shape[0] != e:
+            raise StatsError(f"routing statistics field proto_sum has shape {self.proto_sum.shape}, expected ({e}, H)")
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.freq.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.proto_sum.shape[1])
+
+    def prototypes(self) -> np.ndarray:
+        """Mean routed hidden state per expert, [E, H]; rows of never-selected experts are 0."""
+        return self.proto_sum / np.maximum(self.freq, 1)[:, None]
+
+    def __add__(self, other: "LayerStats") -> "LayerStats":
+        sal = None
+        if self.saliency_sum is not None and other.saliency_sum is not None:
+            sal = self.saliency_sum + other.saliency_sum
+        return LayerStats(self.tokens + other.tokens, self.freq + other.freq,
+                          self.gate_mass + other.gate_mass, self.coact + other.coact,
+                          self.proto_sum + other.proto_sum, sal)
+
+    def __repr__(self) -> str:
+        return f"LayerStats(tokens={self.tokens}, E={self.num_experts}, H={self.hidden_size})"
+
+
+@dataclass(frozen=True, repr=False)
+class RoutingStats:
+    """Statistics of every traced MoE layer plus the sidecar metadata."""
+
+    layers: dict[str, LayerStats]
+    topk: int
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.layers:
+            raise StatsError("routing statistics hold no MoE layer")
+        shapes = {(s.num_experts, s.hidden_size) for s in self.layers.values()}
+        if len(shapes) != 1:
+            raise StatsError(f"routing statistics mix layer shapes (E, H) {sorted(shapes)}")
+
+    @property
+    def num_experts(self) -> int:
+        return next(iter(self.layers.values())).num_experts
+
+    @property
+    def hidden_size(self) -> int:
+        return next(iter(self.layers.values())).hidden_size
+
+    @property
+    def layer_ids(self) -> list[str]:
+        return sorted(self.layers, key=layer_sort_key)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.layers.values())
+
+    def sidecar(self) -> dict:
+        meta = dict(self.meta)
+        meta.update(format=FORMAT, num_experts=self.num_experts, hidden_size=self.hidden_size,
+                    topk=self.topk, layers=self.layer_ids, total_tokens=self.total_tokens)
+        return meta
+
+    def __repr__(self) -> str:
+        return f"RoutingStats(layers={len(self.layers)}, E={self.num_experts}, topk={self.topk})"
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    return Path(path).with_suffix(".json")
+
+
+def save_stats(stats: RoutingStats, path: str | os.PathLike) -> Path:
+    """Write `path` (.safetensors) and its JSON sidecar atomically (temp file, then rename)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    tensors = {}
+    for layer_id, s in stats.layers.items():
+        prefix = layer_prefix(layer_id)
+        tensors[f"{prefix}.tokens"] = np.array([s.tokens], dtype=np.int64)
+        for name in REQUIRED_FIELDS[1:] + OPTIONAL_FIELDS:
+            value = getattr(s, name)
+            if value is not None:
+                tensors[f"{prefix}.{name}"] = np.ascontiguousarray(value, dtype=DTYPES[name])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    side_tmp = sidecar_path(tmp).with_name(sidecar_path(tmp).name)
+    side_tmp.write_text(json.dumps(stats.sidecar(), indent=2, sort_keys=True))
+    # the JSON last: a reader that finds the sidecar finds a complete tensor file beside it
+    os.replace(tmp, path)
+    os.replace(side_tmp, sidecar_path(path))
+    return path
+
+
+def _parse_key(key: str) -> tuple[str, str]:
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] in ("layer", "mtp"):
+        layer_id = parts[1] if parts[0] == "layer" else f"mtp.{parts[1]}"
+        return layer_id, parts[2]
+    raise ValueError(key)
+
+
+def load_stats(path: str | os.PathLike) -> RoutingStats:
+    """Read one statistics file (and its sidecar); StatsError names the file on any defect."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    side = sidecar_path(path)
+    if not path.is_file():
+        raise StatsError(f"{path}: routing-statistics file not found; pass a file written by "
+                         "`mcore-proxy stats merge` or a trace rank file")
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
+                         "re-run the trace or remove it from the folder") from None
+    try:
+        meta = json.loads(side.read_text()) if side.is_file() else {}
+    except json.JSONDecodeError:
+        raise StatsError(f"{side}: sidecar is not valid JSON; re-run the trace or remove it") from None
+    fields: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in raw.items():
+        try:
+            layer_id, name = _parse_key(key)
+        except ValueError:
+            raise StatsError(f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> "
+                             "or mtp.K.<field>") from None
+        fields.setdefault(layer_id, {})[name] = value
+    layers = {}
+    for layer_id, f in fields.items():
+        missing = [n for n in REQUIRED_FIELDS if n not in f]
+        if missing:
+            raise StatsError(f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is "
+                             "incomplete, re-run the trace")
+        layers[layer_id] = LayerStats(int(f["tokens"][0]), f["freq"], f["gate_mass"],
+                                      f["coact"], f["proto_sum"], f.get("saliency_sum"))
+    if "topk" not in meta:
+        raise StatsError(f"{side}: sidecar missing or without 'topk'; keep the .json written "
+                         "beside every statistics file")
+    try:
+        return RoutingStats(layers, int(meta["topk"]), meta)
+    except StatsError as err:
+        raise StatsError(f"{path}: {err}") from None
+
+
+def merge_stats(parts: list[tuple[Path, RoutingStats]]) -> RoutingStats:
+    """Element-wise sum of per-rank statistics; refuse files that describe another model."""
+    if not parts:
+        raise StatsError("no routing-statistics files to merge")
+    first_path, first = parts[0]
+    layers = dict(first.layers)
+    for path, s in parts[1:]:
+        for what, a, b in (("num_experts", first.num_experts, s.num_experts),
+                           ("hidden_size", first.hidden_size, s.hidden_size),
+                           ("topk", first.topk, s.topk)):
+            if a != b:
+                raise StatsError(f"{path}: {what} is {b} but {first_path} has {a}; merge only "
+                                 "files from one model")
+        if set(s.layers) != set(first.layers):
+            raise StatsError(f"{path}: layers {s.layer_ids} differ from {first.layer_ids} in "
+                             f"{first_path}; merge only files from one run")
+        for layer_id, ls in s.layers.items():
+            layers[layer_id] = layers[layer_id] + ls
+    meta = {k: v for k, v in first.meta.items() if k not in ("ranks_merged",)}
+    meta["ranks_merged"] = sum(int(s.meta.get("ranks_merged", 1)) for _, s in parts)
+    return dataclasses.replace(first, layers=layers, meta=meta)
