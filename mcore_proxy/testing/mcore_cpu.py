@@ -1,0 +1,117 @@
+"""Neutralise the few CUDA calls megatron-core 0.16.1 makes, so it builds, runs and saves on CPU.
+
+This is the only place that patches megatron-core (DESIGN.md 5). It replaces exactly:
+torch.cuda.current_device / synchronize (router weight placement, dist-checkpoint save), the
+CUDA RNG tracker's `fork` (dropout regions), the TE-only symbols megatron's MoE utilities
+reference even without Transformer Engine, and the `grouped_gemm` op GroupedMLP calls, with a
+pure-torch grouped GEMM. Call `patch_megatron_for_cpu()` before building a model.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+
+_PATCHED = False
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False):
+    """Pure-torch stand-in for grouped_gemm.ops.gmm: a [T, K] split by batch_sizes, b [G, K, N]."""
+    outs, start = [], 0
+    for g, n in enumerate(batch_sizes.tolist()):
+        w = b[g].t() if trans_b else b[g]
+        outs.append(a[start:start + n] @ w)
+        start += n
+    return torch.cat(outs) if outs else a.new_zeros(0, b.shape[-1])
+
+
+class _GroupedGemmOps:
+    gmm = staticmethod(_grouped_gemm)
+
+
+class _GroupedGemmModule:
+    ops = _GroupedGemmOps
+
+
+def patch_megatron_for_cpu() -> None:
+    """Idempotent; safe in every spawned rank."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    @contextlib.contextmanager
+    def _fork(self, name=None):  # CPU generator only: dropout is off in these models anyway
+        yield
+
+    mrandom.CudaRNGStatesTracker.fork = _fork
+    mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.states_.__setitem__(name, seed)
+
+    from megatron.core.transformer.moe import moe_utils
+    for symbol in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute",
+                   "fused_unpermute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                   "fused_sort_chunks_by_index_with_probs", "fused_compute_score_for_moe_aux_loss",
+                   "fused_moe_aux_loss"):
+        if not hasattr(moe_utils, symbol):
+            setattr(moe_utils, symbol, None)
+
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
+    grouped_gemm_util.grouped_gemm = _GroupedGemmModule
+    grouped_gemm_util.ops = _GroupedGemmOps
+    grouped_gemm_util.grouped_gemm_is_available = lambda: True
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    if hasattr(experts, "gg"):
+        experts.gg = grouped_gemm_util
+    _lift_grouped_mlp_bf16_assert(experts.GroupedMLP)
+    _PATCHED = True
+
+
+def _lift_grouped_mlp_bf16_assert(cls) -> None:
+    """GroupedMLP asserts bf16 because the CUDA grouped GEMM is bf16-only; the pure-torch GEMM
+    is not, and fp32 lets tests compare outputs tightly. The flag is restored after the call."""
+    original = cls.forward
+
+    def forward(self, *args, **kwargs):
+        saved, self.config.bf16 = self.config.bf16, True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.config.bf16 = saved
+
+    cls.forward = forward
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, port: int, *, tp=1, pp=1, ep=1, etp=None,
+                     vpp=None, seed: int = 1234) -> None:
+    """gloo process group and megatron parallel state for one CPU rank."""
+    patch_megatron_for_cpu()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
