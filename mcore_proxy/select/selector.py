@@ -1,0 +1,244 @@
+"""Multi-view, frequency-aware expert selection: checks, then per layer views -> fusion ->
+K-Medoids -> representatives (or a ranking baseline), then the plan (DESIGN.md 1, 4.2)."""
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from mcore_proxy.errors import PlanError, StatsError
+from mcore_proxy.select import baselines, cluster, fuse, views
+from mcore_proxy.select.constraints import GroupSetup, check_sizes, check_stats_match, resolve_groups
+from mcore_proxy.select.plan import Cluster, LayerPlan, SelectionPlan, SourceInfo
+from mcore_proxy.spec import router_weight_name
+from mcore_proxy.stats import LayerStats, RoutingStats, layer_sort_key
+
+log = logging.getLogger(__name__)
+
+VIEW_NAMES = ("router", "coact", "proto")
+VIEW_METHODS = {
+    "multiview": VIEW_NAMES,
+    "router": ("router",), "coact": ("coact",), "proto": ("proto",),
+    "router+coact": ("router", "coact"), "router+proto": ("router", "proto"),
+    "coact+proto": ("coact", "proto"),
+}
+METHODS = tuple(VIEW_METHODS) + baselines.RANKING_METHODS
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every knob of one selection, validated before any work (see `select_experts`)."""
+
+    method: str = "multiview"
+    weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    coact_mode: str = "partners"
+    norm: str = "minmax"
+    router_metric: str = "cosine"
+    seed: int = 0
+    restarts: int = 8
+
+    def __post_init__(self):
+        for name, value, allowed in (("--method", self.method, METHODS),
+                                     ("--coact-mode", self.coact_mode, views.COACT_MODES),
+                                     ("--norm", self.norm, fuse.NORMALISATIONS),
+                                     ("--router-metric", self.router_metric, views.ROUTER_METRICS)):
+            if value not in allowed:
+                raise PlanError(f"{name} {value!r} is not one of {', '.join(allowed)}")
+        w = tuple(float(x) for x in self.weights)
+        if len(w) != 3 or any(not np.isfinite(x) or x < 0 for x in w):
+            raise PlanError(f"--weights {self.weights} must be three non-negative numbers R,C,P")
+        object.__setattr__(self, "weights", w)
+        if self.method in VIEW_METHODS and not any(self.view_weights.values()):
+            raise PlanError(f"--weights {','.join(map(str, w))} give every view of --method "
+                            f"{self.method} weight 0; give at least one a positive weight")
+        if self.restarts < 1:
+            raise PlanError(f"--restarts {self.restarts} must be at least 1")
+
+    @property
+    def view_weights(self) -> dict[str, float]:
+        """Weights of the method's views, summing to 1 ({} for ranking baselines)."""
+        if self.method not in VIEW_METHODS:
+            return {}
+        raw = {v: w for v, w in zip(VIEW_NAMES, self.weights) if v in VIEW_METHODS[self.method]}
+        total = sum(raw.values())
+        return {v: w / total for v, w in raw.items()} if total else raw
+
+    def params(self, group_policy: str, stats: RoutingStats) -> dict:
+        p = {"seed": self.seed, "group_policy": group_policy,
+             "stats": {"total_tokens": stats.total_tokens, "topk": stats.topk}}
+        if self.method in VIEW_METHODS:
+            used = [v for v, w in self.view_weights.items() if w > 0]
+            p.update(views=used, weights={v: self.view_weights[v] for v in used},
+                     normalisation=self.norm, coact_mode=self.coact_mode,
+                     router_metric=self.router_metric, proto_metric="cosine",
+                     clustering="kmedoids.fasterpam", restarts=self.restarts,
+                     representative="most frequent member; ties: medoid, then lowest id")
+        return p
+
+
+@dataclass(frozen=True, repr=False)
+class LayerDetail:
+    """What the report draws for one layer: fused [E, E] distances (None for ranking
+    baselines) and labels [E], the cluster index of each expert in `plan.clusters` order."""
+
+    fused: np.ndarray | None
+    labels: np.ndarray | None
+
+
+def layer_seed(seed: int, layer_id: str) -> int:
+    """A 31-bit seed per (seed, layer): layers differ, runs repeat (crc32, not Python's hash)."""
+    ss = np.random.SeedSequence([int(seed), zlib.crc32(layer_id.encode())])
+    return int(ss.generate_state(1)[0] % (2**31 - 1))
+
+
+def _as_float64(w) -> np.ndarray:
+    if hasattr(w, "detach"):  # a torch tensor; bf16 has no numpy dtype, so convert in torch
+        import torch
+
+        return w.detach().to(dtype=torch.float64, device="cpu").numpy()
+    return np.asarray(w, dtype=np.float64)
+
+
+def layer_views(s: LayerStats, weight: np.ndarray | None, opts: Options) -> dict[str, np.ndarray]:
+    """The [E, E] distance views the method uses (views with weight 0 are not computed)."""
+    out = {}
+    for name, w in opts.view_weights.items():
+        if w == 0:
+            continue
+        if name == "router":
+            out[name] = views.router_distance(weight, opts.router_metric)
+        elif name == "coact":
+            out[name] = views.coactivation_distance(s.coact, s.freq, opts.coact_mode)
+        else:
+            out[name] = views.prototype_distance(s.proto_sum, s.freq)
+    return out
+
+
+def cluster_layer(fused: np.ndarray, freq: np.ndarray, setup: GroupSetup, seed: int,
+                  restarts: int) -> list[Cluster]:
+    """K-Medoids inside each routing group on fused [E, E]; one representative per cluster."""
+    clusters = []
+    for ids in setup.groups:
+        c = cluster.kmedoids(fused[np.ix_(ids, ids)], setup.per_group_k, seed, restarts)
+        for members, rep in cluster.representatives(c.labels, c.medoids, freq[ids]):
+            clusters.append(Cluster(tuple(int(ids[m]) for m in members), int(ids[rep])))
+    return sorted(clusters, key=lambda c: c.representative)
+
+
+def coverage(s: LayerStats, kept: list[int]) -> tuple[float, float]:
+    """Share of routed selections (freq) and of gate mass received by the kept experts."""
+    f_total, g_total = float(s.freq.sum()), float(s.gate_mass.sum())
+    tokens = float(s.freq[kept].sum()) / f_total if f_total > 0 else 0.0
+    mass = float(s.gate_mass[kept].sum()) / g_total if g_total > 0 else 0.0
+    return min(tokens, 1.0), min(mass, 1.0)
+
+
+def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup: GroupSetup,
+                 opts: Options) -> tuple[LayerPlan, LayerDetail]:
+    """Selection for one layer. weight: router weight [E, H] float64 (None if unused)."""
+    seed = layer_seed(opts.seed, layer_id)
+    fused, labels, clusters = None, None, ()
+    if opts.method in VIEW_METHODS:
+        fused = fuse.fuse(layer_views(s, weight, opts), opts.view_weights, opts.norm)
+        clusters = tuple(cluster_layer(fused, s.freq, setup, seed, opts.restarts))
+        kept = [c.representative for c in clusters]
+        labels = np.empty(s.num_experts, dtype=np.int64)
+        for i, c in enumerate(clusters):
+            labels[list(c.members)] = i
+    else:
+        scores = baselines.ranking_scores(opts.method, s, np.random.default_rng(seed), layer_id)
+        kept = sorted(i for ids in setup.groups for i in baselines.top_k(scores, setup.per_group_k, ids))
+    never = np.flatnonzero(s.freq == 0)
+    dead_kept = sorted(set(kept) & set(never.tolist()))
+    if dead_kept:
+        log.warning("layer %s keeps never-selected experts %s: a whole cluster had no routed "
+                    "tokens", layer_id, dead_kept)
+    tok, mass = coverage(s, kept)
+    plan = LayerPlan(tuple(sorted(kept)), clusters, tok, mass, tuple(int(i) for i in never))
+    return plan, LayerDetail(fused, labels)
+
+
+def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_function):
+    """(spec or None, routing facts, router-weight getter, iteration, fingerprint thunk) for a
+    ModelView or a {layer id: [E, H]} mapping. Reads no tensor: the fingerprint is deferred
+    until every check has passed."""
+    from mcore_proxy.checkpoint.view import ModelView, router_fingerprint
+
+    if isinstance(source, ModelView):
+        spec = source.spec
+        names = set(source.names())
+        missing = [lid for lid in spec.moe_layer_ids if router_weight_name(lid) not in names]
+        if missing:
+            raise PlanError(f"the checkpoint has no router weight for MoE layers {missing}; "
+                            "check that it is a complete MoE checkpoint")
+        facts = dict(topk=spec.topk, num_groups=spec.num_groups if num_groups is None else num_groups,
+                     group_topk=spec.group_topk if group_topk is None else group_topk,
+                     score_function=score_function or spec.score_function)
+        get = lambda lid: source.get(router_weight_name(lid))  # noqa: E731
+        return spec, facts, get, source.iteration, lambda: router_fingerprint(source)
+    if not isinstance(source, Mapping):
+        raise TypeError("select_experts needs a ModelView or a {layer id: router weight} mapping")
+    missing = sorted(set(stats.layers) - set(source), key=layer_sort_key)
+    if missing:
+        raise PlanError(f"no router weight given for layers {', '.join(missing)}")
+    facts = dict(topk=stats.topk, num_groups=num_groups, group_topk=group_topk,
+                 score_function=score_function or "softmax")
+    return None, facts, source.__getitem__, None, lambda: None
+
+
+def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
+                  target_ep: int = 1, weights=(1.0, 1.0, 1.0), coact_mode: str = "partners",
+                  norm: str = "minmax", router_metric: str = "cosine",
+                  group_policy: str | None = None, seed: int = 0, restarts: int = 8,
+                  num_groups: int | None = None, group_topk: int | None = None,
+                  score_function: str | None = None,
+                  progress: Callable[[Iterable], Iterable] | None = None,
+                  ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
+    """`select_experts`, also returning per-layer details for the report."""
+    opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts))
+    spec, facts, get_weight, iteration, fingerprint = _router_source(
+        source, stats, num_groups, group_topk, score_function)
+    if spec is not None:
+        check_stats_match(stats, spec)
+    elif stats.topk != facts["topk"]:
+        raise StatsError(f"statistics traced with top-{stats.topk}, router top-{facts['topk']}")
+    E = stats.num_experts
+    check_sizes(E, num_experts, facts["topk"], target_ep)
+    setup = resolve_groups(E, num_experts, facts["topk"], facts["num_groups"], facts["group_topk"],
+                           facts["score_function"], group_policy)
+    needs_router = opts.view_weights.get("router", 0) > 0
+    layer_ids = stats.layer_ids
+    layers, details = {}, {}
+    for lid in (progress(layer_ids) if progress else layer_ids):
+        weight = None
+        if needs_router:
+            weight = _as_float64(get_weight(lid))
+            if weight.shape != (E, stats.hidden_size):
+                raise PlanError(f"router weight of layer {lid} has shape {weight.shape}, expected "
+                                f"({E}, {stats.hidden_size}) as in the statistics")
+        layers[lid], details[lid] = select_layer(lid, stats.layers[lid], weight, setup, opts)
+    source_info = SourceInfo(E, facts["topk"], facts["num_groups"], facts["group_topk"],
+                             iteration, fingerprint())
+    plan = SelectionPlan(source_info, num_experts, target_ep, opts.method,
+                         opts.params(setup.policy, stats), setup.router, layers)
+    return plan, details
+
+
+def select_experts(source, stats: RoutingStats, num_experts: int, **kwargs) -> SelectionPlan:
+    """Choose `num_experts` (K) experts in every MoE layer and return the plan.
+
+    source: a ModelView (router weights `decoder.layers.{L}.mlp.router.weight` [E, H], model
+    spec, iteration and router fingerprint come from it) or a mapping {layer id: [E, H] array or
+    tensor} (then the fingerprint is None and routing groups come from the keywords).
+    stats: RoutingStats of exactly the checkpoint's MoE layers.
+    Keywords: method (METHODS), target_ep, weights (R, C, P), coact_mode ("partners" |
+    "substitutes"), norm ("minmax" | "rank"), router_metric ("cosine" | "euclidean"),
+    group_policy ("per-group" | "flatten"; default per-group when the router is group-limited),
+    seed, restarts, num_groups / group_topk / score_function (override the checkpoint's),
+    progress (wraps the iterable of layer ids, e.g. tqdm).
+    Raises PlanError / StatsError (ProxyError) on infeasible settings before any work.
+    """
+    return run_selection(source, stats, num_experts, **kwargs)[0]
