@@ -1,0 +1,84 @@
+"""`mcore-proxy select`: a thin layer over `mcore_proxy.select.run_selection`."""
+from __future__ import annotations
+
+import argparse
+import functools
+
+from mcore_proxy.errors import PlanError
+from mcore_proxy.select.constraints import GROUP_POLICIES
+from mcore_proxy.select.fuse import NORMALISATIONS
+from mcore_proxy.select.selector import METHODS
+from mcore_proxy.select.views import COACT_MODES, ROUTER_METRICS
+
+
+def parse_weights(text: str) -> tuple[float, float, float]:
+    """`"1,2,0.5"` -> (1.0, 2.0, 0.5): weights of the router, co-activation, prototype views."""
+    try:
+        w = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        w = ()
+    if len(w) != 3:
+        raise PlanError(f"--weights {text!r} must be three comma-separated numbers R,C,P, "
+                        "e.g. --weights 1,1,1")
+    return w
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "select", help="choose K experts per MoE layer and write plan.json",
+        description="Multi-view, frequency-aware expert selection: router-weight, co-activation "
+                    "and routed-context views, fused, clustered with K-Medoids; the most "
+                    "frequently activated expert of each cluster is kept.")
+    p.add_argument("--ckpt", required=True, help="source checkpoint (router weights, spec)")
+    p.add_argument("--stats", required=True, help="routing statistics (.safetensors + .json)")
+    p.add_argument("--num-experts", "-k", type=int, required=True, metavar="K",
+                   help="experts to keep in every MoE layer")
+    p.add_argument("--target-ep", type=int, default=1, metavar="N",
+                   help="expert-parallel degree K must divide (default 1)")
+    p.add_argument("--method", choices=METHODS, default="multiview")
+    p.add_argument("--weights", default="1,1,1", metavar="R,C,P",
+                   help="fusion weights of the router, co-activation, prototype views")
+    p.add_argument("--coact-mode", choices=COACT_MODES, default="partners",
+                   help="co-selected experts are partners (far apart) or substitutes (close)")
+    p.add_argument("--norm", choices=NORMALISATIONS, default="minmax")
+    p.add_argument("--router-metric", choices=ROUTER_METRICS, default="cosine")
+    p.add_argument("--group-policy", choices=GROUP_POLICIES, default=None,
+                   help="group-limited routing: keep K/G per group (default) or flatten to G=1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
+    p.add_argument("--report", metavar="DIR", help="write PNGs and a summary into DIR")
+    p.add_argument("-o", "--output", required=True, help="plan.json to write (overwritten)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.select.constraints import check_stats_match
+    from mcore_proxy.select.report import summary_table, write_report
+    from mcore_proxy.select.selector import run_selection
+    from mcore_proxy.stats import load_stats
+
+    weights = parse_weights(args.weights)
+    stats = load_stats(args.stats)
+    view = open_checkpoint(args.ckpt)
+    check_stats_match(stats, view.spec, str(args.stats))
+    common = dict(target_ep=args.target_ep, group_policy=args.group_policy, seed=args.seed)
+    plan, details = run_selection(
+        view, stats, args.num_experts, method=args.method, weights=weights,
+        coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
+        restarts=args.restarts, progress=functools.partial(tqdm, desc="select", unit="layer"),
+        **common)
+    path = plan.save(args.output)
+    print(summary_table(plan))
+    if plan.params.get("group_policy") == "flatten":
+        print("note: group-limited routing flattened: the proxy runs with "
+              "--moe-router-num-groups 1 --moe-router-group-topk 1")
+    print(f"wrote {path}")
+    if args.report:
+        baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
+                     for m in ("frequency", "random")}
+        files = write_report(args.report, plan, details, baselines)
+        print(f"wrote report: {len(files)} files in {args.report}")
+    return 0
