@@ -1,0 +1,585 @@
+"""Megatron legacy (`torch`) checkpoints: `iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`.
+
+Reading parses each rank file's pickle once (no tensor bytes), builds an index from canonical
+names to the shards that hold them, and reads a tensor's bytes only when `get` asks for it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name, stage_layer_counts
+from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
+from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
+from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.errors import CheckpointError
+from mcore_proxy.sharding import COLUMN, GLU_COLUMN, REPLICATED, ROW, is_ignored, join, rule_for
+from mcore_proxy.spec import ModelSpec, layer_module_prefix
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+# -- locating the iteration folder ----------------------------------------------------------
+
+def _rank_dirs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
+
+
+def is_legacy_checkpoint(path: Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and ((path / TRACKER).is_file() or bool(_rank_dirs(path))
+                              or any(_ITER_DIR.match(p.name) for p in path.iterdir()))
+
+
+def resolve_iteration_dir(path: str | Path) -> tuple[Path, int | str]:
+    """Checkpoint root (with tracker) or an iteration folder -> (iteration folder, iteration)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder; pass the folder Megatron saved "
+                              "(the one holding latest_checkpointed_iteration.txt)")
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            it_dir, iteration = path / "release", "release"
+        elif text.isdigit():
+            it_dir, iteration = path / f"iter_{int(text):07d}", int(text)
+        else:
+            raise CheckpointError(f"{tracker}: holds {text!r}, expected an iteration number or "
+                                  "'release'; fix the file or pass the iter_* folder directly")
+        if not it_dir.is_dir():
+            raise CheckpointError(f"{tracker}: names iteration {text} but {it_dir.name}/ does not "
+                                  "exist; fix the tracker or pass an existing iter_* folder")
+        return it_dir, iteration
+    if _rank_dirs(path):
+        m = _ITER_DIR.match(path.name)
+        return path, int(m.group(1)) if m else ("release" if path.name == "release" else path.name)
+    iters = sorted(p.name for p in path.iterdir() if _ITER_DIR.match(p.name) or p.name == "release")
+    if iters:
+        raise CheckpointError(f"{path}: has {', '.join(iters)} but no {TRACKER}; pass the iteration "
+                              f"folder you mean directly (e.g. {path / iters[-1]})")
+    raise CheckpointError(f"{path}: not a Megatron checkpoint (no {TRACKER}, iter_* or mp_rank_* "
+                          "folders); pass the folder Megatron saved with --save")
+
+
+# -- shards ----------------------------------------------------------------------------------
+
+class _GroupedExpert:
+    """One expert's fc1/fc2 inside a GroupedMLP `weight1` [H, El*n] / `weight2` [El*m, H].
+
+    Megatron views weight1 as (El, H, n) and weight2 as (El, m, H): expert j's bytes are one
+    contiguous run, so only they are read. Canonical shards: fc1 [n, H], fc2 [H, m].
+    """
+
+    def __init__(self, lazy: LazyTensor, fc: int, j: int, local_experts: int):
+        self.lazy, self.fc, self.j, self.el = lazy, fc, j, local_experts
+        rows, cols = lazy.shape
+        if (cols if fc == 1 else rows) % local_experts:
+            raise CheckpointError(f"{lazy.file.path}: GroupedMLP weight{fc} shape {tuple(lazy.shape)} "
+                                  f"does not divide into {local_experts} experts")
+        self.shape = (cols // local_experts, rows) if fc == 1 else (cols, rows // local_experts)
+        self.dtype = lazy.dtype
+
+    def load(self) -> torch.Tensor:
+        per = self.lazy.shape.numel() // self.el
+        flat = self.lazy.read_flat(self.j * per, per)
+        return flat.view(self.shape[1], self.shape[0]).t().contiguous()
+
+
+class _Constant:
+    """A non-tensor entry (`_extra_state`), copied as is."""
+
+    shape = None
+    dtype = None
+
+    def __init__(self, value):
+        self.value = value
+
+    def load(self):
+        return self.value
+
+
+@dataclass
+class _Entry:
+    """One canonical tensor: its rule and its shards in (E)TP rank order."""
+
+    rule: object
+    parts: int
+    shards: dict[int, object] = field(default_factory=dict)
+    where: dict[int, Path] = field(default_factory=dict)
+
+
+def _full_shape(entry: _Entry) -> tuple[int, ...] | None:
+    shard = entry.shards[0]
+    if shard.shape is None:
+        return None
+    shape = list(shard.shape)
+    if entry.rule.kind in (COLUMN, GLU_COLUMN):
+        shape[0] *= entry.parts
+    elif entry.rule.kind == ROW:
+        shape[1] *= entry.parts
+    return tuple(shape)
+
+
+# -- the reader ------------------------------------------------------------------------------
+
+def _layout_from_args(args, folder: Path) -> ParallelLayout:
+    get = lambda n, d=None: getattr(args, n, d) or d  # noqa: E731
+    tp, pp = int(get("tensor_model_parallel_size", 1)), int(get("pipeline_model_parallel_size", 1))
+    ep = int(get("expert_model_parallel_size", 1))
+    etp = int(get("expert_tensor_parallel_size", tp))
+    vpp = 1
+    if get("num_layers_per_virtual_pipeline_stage"):
+        vpp = int(args.num_layers) // (pp * int(args.num_layers_per_virtual_pipeline_stage))
+    elif get("virtual_pipeline_model_parallel_size"):
+        vpp = int(args.virtual_pipeline_model_parallel_size)
+    if get("pipeline_model_parallel_layout"):
+        raise CheckpointError(f"{folder}: pipeline_model_parallel_layout is not supported yet; "
+                              "convert from a checkpoint saved with first/last stage sizes")
+    counts = stage_layer_counts(int(args.num_layers), pp, get("decoder_first_pipeline_num_layers"),
+                                get("decoder_last_pipeline_num_layers"), get("num_layer_list"),
+                                where=str(folder))
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
+
+
+def _parse_rank_dir(name: str, layout: ParallelLayout) -> tuple[int, int, int]:
+    m = _RANK_DIR.match(name)
+    suffixes = [int(g) for g in m.groups()[1:] if g is not None]
+    expected = (layout.pp > 1) + (layout.ep > 1)
+    if len(suffixes) != expected:
+        raise CheckpointError(f"{name}: rank folder name does not fit {layout.describe()} from the "
+                              "checkpoint's args; the folder comes from another run, remove it")
+    pp = suffixes.pop(0) if layout.pp > 1 else 0
+    ep = suffixes.pop(0) if layout.ep > 1 else 0
+    return int(m.group(1)), pp, ep
+
+
+def _check_rank_dirs(it_dir: Path, coords: dict[tuple[int, int, int], Path], layout: ParallelLayout) -> None:
+    """Every folder a Megatron save of this layout writes must be there (and no stranger)."""
+    for c, path in coords.items():
+        if c[0] >= layout.tp or c[1] >= layout.pp or c[2] >= layout.ep:
+            raise CheckpointError(f"{path}: rank folder outside {layout.describe()}; it comes from "
+                                  "another run, remove it")
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            for ep in range(layout.ep):
+                needed = layout.etp == layout.tp
+                covered = (any((tp, pp, e) in coords for e in range(layout.ep))
+                           and any((t, pp, ep) in coords for t in range(layout.tp)))
+                if (tp, pp, ep) not in coords and (needed or not covered):
+                    missing = it_dir / rank_dir_name(tp, pp, ep, layout)
+                    raise CheckpointError(f"{missing}: rank folder missing for {layout.describe()}; "
+                                          "copy it from the source checkpoint")
+
+
+class LegacyCheckpoint(ModelView):
+    """A Megatron legacy checkpoint as a canonical ModelView."""
+
+    format = "legacy"
+
+    def __init__(self, path: str | Path):
+        self.path, self.iteration = resolve_iteration_dir(path)
+        dirs = _rank_dirs(self.path)
+        if not dirs:
+            raise CheckpointError(f"{self.path}: no mp_rank_* folders; the iteration folder is empty "
+                                  "or incomplete, copy it again from the source")
+        first = self._open(dirs[0])
+        self.args = first.obj.get("args")
+        if self.args is None:
+            raise CheckpointError(f"{first.path}: no 'args' entry; mcore-proxy needs the args Megatron "
+                                  "saves (was the checkpoint written with --no-save-args?)")
+        self.checkpoint_version = first.obj.get("checkpoint_version")
+        self.spec = ModelSpec.from_args(self.args)
+        layout = _layout_from_args(self.args, dirs[0])
+        coords = {_parse_rank_dir(d.name, layout): d for d in dirs}
+        _check_rank_dirs(self.path, coords, layout)
+        if layout.etp not in (1, layout.tp):
+            raise CheckpointError(f"{self.path}: expert tensor parallel size {layout.etp} differs from "
+                                  f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
+                                  "they hold, re-save with ETP=1 or ETP=TP")
+        self.files = {c: (first if d == dirs[0] else self._open(d)) for c, d in coords.items()}
+        self._entries: dict[str, _Entry] = {}
+        self.expert_layout = SEQUENTIAL
+        self.variants: set[str] = set()
+        self.linear_extra_state = False
+        for c in sorted(self.files):
+            self._index_file(c, self.files[c], layout)
+        self._check_complete()
+        self.layout = ParallelLayout(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
+                                     vpp=layout.vpp, expert_layout=self.expert_layout,
+                                     stage_layers=layout.stage_layers)
+        self._names = sorted(self._entries, key=canonical_sort_key)
+
+    @staticmethod
+    def _open(rank_dir: Path) -> TorchFile:
+        f = rank_dir / RANK_FILE
+        if not f.is_file():
+            raise CheckpointError(f"{f}: rank file missing; copy it from the source checkpoint")
+        return TorchFile(f)
+
+    def _model_chunks(self, tf: TorchFile, layout: ParallelLayout) -> list[dict]:
+        obj = tf.obj
+        if layout.vpp > 1:
+            chunks = [obj.get(f"model{v}") for v in range(layout.vpp)]
+        else:
+            chunks = [obj.get("model")]
+        if any(not isinstance(c, dict) for c in chunks):
+            raise CheckpointError(f"{tf.path}: no model state ('model' or 'model0'..) for "
+                                  f"{layout.describe()}; the file is not a Megatron model checkpoint")
+        return chunks
+
+    def _index_file(self, coords, tf: TorchFile, layout: ParallelLayout) -> None:
+        tp, pp, ep = coords
+        offsets = layout.chunk_offsets()
+        num_experts = self.spec.num_experts
+        local_experts = num_experts // layout.ep if num_experts else 0
+        for v, chunk in enumerate(self._model_chunks(tf, layout)):
+            offset, count = offsets[(pp, v)]
+            for key, value in chunk.items():
+                if is_ignored(key):
+                    continue
+                lk = parse_local_key(key, offset, ep * local_experts)
+                self._check_layer_range(key, lk, offset, count, tf)
+                for name, piece in self._pieces(lk, value, local_experts, ep, tf):
+                    rule = rule_for(name)
+                    parts = 1 if rule.kind == REPLICATED else (layout.etp if rule.group == "etp" else layout.tp)
+                    shard = 0 if parts == 1 else (tp if rule.group == "tp" or layout.etp == layout.tp else 0)
+                    self._add(name, rule, parts, shard, piece, tf.path)
+
+    def _check_layer_range(self, key: str, lk: LocalKey, offset: int, count: int, tf: TorchFile) -> None:
+        m = re.match(r"^decoder\.layers\.(\d+)\.", lk.canonical)
+        if m and not offset <= int(m.group(1)) < offset + count:
+            raise CheckpointError(f"{tf.path}: key {key} lies outside this stage's {count} layers; the "
+                                  "args' pipeline split does not match the files")
+
+    def _pieces(self, lk: LocalKey, value, local_experts: int, ep: int, tf: TorchFile):
+        """(canonical name, shard piece) pairs one local key contributes."""
+        if lk.expert_layout:
+            self.expert_layout = lk.expert_layout
+        if lk.variant:
+            self.variants.add(lk.variant)
+        if lk.kind == "grouped":
+            if not isinstance(value, LazyTensor) or len(value.shape) != 2:
+                raise CheckpointError(f"{tf.path}: {lk.canonical}.weight{lk.fc} is not a 2-D tensor")
+            for j in range(local_experts):
+                name = f"{lk.canonical}.{ep * local_experts + j}.linear_fc{lk.fc}.weight"
+                yield name, _GroupedExpert(value, lk.fc, j, local_experts)
+            return
+        if value is None and lk.canonical.endswith("._extra_state"):
+            # local linears save `_extra_state: None`; writers re-create it for the target modules
+            self.linear_extra_state = True
+            return
+        if lk.kind == "expert" and lk.local_expert >= local_experts:
+            raise CheckpointError(f"{tf.path}: local expert {lk.local_expert} but args say "
+                                  f"{self.spec.num_experts} experts over EP={self.spec.num_experts // local_experts}")
+        yield lk.canonical, value if isinstance(value, LazyTensor) else _Constant(value)
+
+    def _add(self, name, rule, parts, shard, piece, path) -> None:
+        entry = self._entries.setdefault(name, _Entry(rule, parts))
+        if shard in entry.shards:
+            old = entry.shards[shard]
+            if old.shape is not None and tuple(old.shape) != tuple(piece.shape):
+                raise CheckpointError(
+                    f"{path}: {name} has shape {list(piece.shape)} but {entry.where[shard]} has "
+                    f"{list(old.shape)}; the rank folders come from different runs, re-copy them")
+            return
+        for other, old in entry.shards.items():
+            if old.shape is not None and tuple(old.shape) != tuple(piece.shape):
+                raise CheckpointError(
+                    f"{path}: shard of {name} has shape {list(piece.shape)} but {entry.where[other]} has "
+                    f"{list(old.shape)}; the rank folders come from different runs, re-copy them")
+        entry.shards[shard] = piece
+        entry.where[shard] = path
+
+    def _check_complete(self) -> None:
+        for name, entry in self._entries.items():
+            missing = [r for r in range(entry.parts) if r not in entry.shards]
+            if missing:
+                raise CheckpointError(f"{self.path}: tensor {name} lacks shard(s) {missing}; a rank "
+                                      "folder is missing or incomplete, copy it from the source")
+        if self.spec.num_experts:
+            for layer_id in self.spec.moe_layer_ids:
+                prefix = f"{layer_module_prefix(layer_id)}.mlp.experts."
+                found = {n[len(prefix):].split(".")[0] for n in self._entries if n.startswith(prefix)}
+                if len(found) != self.spec.num_experts:
+                    raise CheckpointError(
+                        f"{self.path}: MoE layer {layer_id} holds {len(found)} experts but args say "
+                        f"num_experts={self.spec.num_experts}; the checkpoint is incomplete")
+
+    # -- ModelView ---------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def get(self, name: str):
+        entry = self._entries[name]
+        if entry.rule.kind == REPLICATED or entry.parts == 1:
+            return entry.shards[0].load()
+        return join([entry.shards[r].load() for r in range(entry.parts)], entry.rule)
+
+    def shape(self, name: str):
+        return _full_shape(self._entries[name])
+
+    def dtype(self, name: str):
+        return self._entries[name].shards[0].dtype
+
+
+def canonical_sort_key(name: str):
+    """Embedding first, decoder layers in order (experts by id), final norm/output, then MTP."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        e = re.match(r"^mlp\.experts\.(\d+)\.(.*)$", m.group(2))
+        return (1, int(m.group(1)), 1 if e else 0, int(e.group(1)) if e else 0, name)
+    m = re.match(r"^mtp\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        return (3, int(m.group(1)), 0, 0, name)
+    if name.startswith("embedding."):
+        return (0, 0, 0, 0, name)
+    return (2, 0, 0, 0, name)
+
+
+# -- the writer ------------------------------------------------------------------------------
+
+_LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
+
+
+def target_args(view: ModelView, target: ParallelLayout):
+    """The source `args` with the target layout and the view's expert/router settings."""
+    import copy
+
+    if view.args is None:
+        raise CheckpointError("the source has no Megatron args; a legacy checkpoint needs them")
+    args = copy.copy(view.args)
+    spec = view.spec
+    updates = dict(
+        tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
+        expert_model_parallel_size=target.ep, expert_tensor_parallel_size=target.etp,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        moe_grouped_gemm=target.expert_layout != SEQUENTIAL,
+        num_experts=spec.num_experts, moe_router_topk=spec.topk,
+        moe_router_num_groups=spec.num_groups, moe_router_group_topk=spec.group_topk,
+    )
+    counts = target.stage_layers
+    if getattr(args, "num_layer_list", None):  # MindSpeed spelling of uneven stages
+        updates["num_layer_list"] = ",".join(map(str, counts)) if target.uneven else None
+    else:
+        first_last = _first_last(counts)
+        updates["decoder_first_pipeline_num_layers"], updates["decoder_last_pipeline_num_layers"] = first_last
+    for key, value in updates.items():
+        setattr(args, key, value)
+    return args
+
+
+def _first_last(counts: tuple[int, ...]) -> tuple[int | None, int | None]:
+    """Express stage sizes as Megatron's first/last stage sizes (middle stages even)."""
+    if len(set(counts)) == 1:
+        return None, None
+    for first in (None, counts[0]):
+        for last in (None, counts[-1]):
+            try:
+                if stage_layer_counts(sum(counts), len(counts), first, last) == tuple(counts):
+                    return first, last
+            except Exception:  # noqa: BLE001 - try the next spelling
+                continue
+    raise CheckpointError(f"stage sizes {list(counts)} cannot be expressed with Megatron's first/last "
+                          "stage sizes; give even middle stages")
+
+
+def resolve_target(view: ModelView, tp=None, pp=None, ep=None, etp=None, expert_layout=None,
+                   stage_layers=None) -> ParallelLayout:
+    """Fill a target layout from the options given, defaulting to 1 / the source's expert layout,
+    and check the whole plan (divisibility of every sharded dimension) before a byte is moved."""
+    src = getattr(view, "layout", None)
+    pp = pp or 1
+    counts = tuple(stage_layers) if stage_layers else stage_layer_counts(
+        view.spec.num_layers, pp, where="target pipeline split")
+    target = ParallelLayout(tp=tp or 1, pp=pp, ep=ep or 1, etp=etp, expert_layout=expert_layout or
+                            (src.expert_layout if src else SEQUENTIAL), stage_layers=counts)
+    check_target(view, target)
+    return target
+
+
+def check_target(view: ModelView, target: ParallelLayout) -> None:
+    spec = view.spec
+    if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < 1:
+        raise CheckpointError(f"target stages {list(target.stage_layers)} must each hold a layer and sum "
+                              f"to num_layers={spec.num_layers}")
+    if spec.num_experts and spec.num_experts % target.ep:
+        raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
+                              "choose an expert-parallel size that divides the expert count")
+    if target.etp not in (1, target.tp):
+        raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
+                              "rank folders cannot say which other expert shard they hold")
+    for attr in ("num_attention_heads", "num_query_groups"):
+        n = getattr(view.args, attr, None) if view.args is not None else None
+        if n and int(n) % target.tp:
+            raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
+    for name in view.names():
+        rule = rule_for(name)
+        parts = target.etp if rule.group == "etp" else target.tp
+        shape = view.shape(name)
+        if rule.kind == REPLICATED or parts == 1 or shape is None:
+            continue
+        dim = 1 if rule.kind == ROW else 0
+        size = shape[dim] // 2 if rule.kind == GLU_COLUMN else shape[dim]
+        if size % parts:
+            raise CheckpointError(f"{name} dimension {dim} ({shape[dim]}) does not divide over "
+                                  f"{'ETP' if rule.group == 'etp' else 'TP'}={parts}; choose a size that divides it")
+
+
+def stage_of(name: str, target: ParallelLayout) -> int:
+    m = re.match(r"^decoder\.layers\.(\d+)\.", name)
+    if m:
+        layer, acc = int(m.group(1)), 0
+        for p, n in enumerate(target.stage_layers):
+            acc += n
+            if layer < acc:
+                return p
+        raise CheckpointError(f"{name}: layer beyond the target's {acc} layers")
+    return 0 if name.startswith("embedding.") else target.pp - 1
+
+
+class _RankOut:
+    """One output rank file being streamed."""
+
+    def __init__(self, path: Path, coords: tuple[int, int, int]):
+        from mcore_proxy.checkpoint.torchfile import TorchFileWriter
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.coords, self.path = coords, path
+        self.writer = TorchFileWriter(path)
+        self.model: dict = {}
+        self.grouped: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+
+    def add(self, key: str, value) -> None:
+        self.model[key] = self.writer.add(value) if isinstance(value, torch.Tensor) else value
+
+
+def _shard_for(tensor, rule, parts: int, index: int):
+    from mcore_proxy.sharding import split
+    return split(tensor, rule, parts)[index] if parts > 1 else tensor
+
+
+def _expert_local(name: str, target: ParallelLayout, num_experts: int):
+    """-> (ep rank, local key prefix, local expert j, rest) for an expert tensor name."""
+    from mcore_proxy.checkpoint.names import split_expert_name
+    prefix, e, rest = split_expert_name(name)
+    per = num_experts // target.ep
+    return e // per, prefix, e % per, rest
+
+
+def write_stage(view: ModelView, it_dir: Path, target: ParallelLayout, stage: int, args, header: dict,
+                extra_state: bool, variants=frozenset(), ranks=None, progress=None) -> list[Path]:
+    """Write every rank file of one pipeline stage, reading each canonical tensor once.
+
+    Memory: one canonical tensor, plus one layer's local experts for a GroupedMLP target.
+    `ranks`: optional subset of (tp, ep) coordinates to write (parallel workers split on it).
+    """
+    from mcore_proxy.checkpoint.names import GROUPED, local_expert_key, restore_variant, to_local_layer
+
+    offset = sum(target.stage_layers[:stage])
+    coords = [(t, e) for t in range(target.tp) for e in range(target.ep) if ranks is None or (t, e) in ranks]
+    outs = {c: _RankOut(it_dir / rank_dir_name(c[0], stage, c[1], target) / RANK_FILE, (c[0], stage, c[1]))
+            for c in coords}
+    names = [n for n in view.names() if stage_of(n, target) == stage]
+    num_experts = view.spec.num_experts
+    per = num_experts // target.ep if num_experts else 0
+    for name in names:
+        rule = rule_for(name)
+        if rule.expert:
+            ep, prefix, j, rest = _expert_local(name, target, num_experts)
+            dests = [c for c in coords if c[1] == ep]
+        else:
+            dests = coords
+        if not dests:
+            continue
+        tensor = view.get(name)
+        if progress is not None and isinstance(tensor, torch.Tensor):
+            progress.update(tensor.numel() * tensor.element_size())
+        parts = target.etp if rule.group == "etp" else target.tp
+        for c in dests:
+            index = 0 if parts == 1 else c[0]
+            shard = _shard_for(tensor, rule, parts, index)
+            out = outs[c]
+            if not rule.expert:
+                key = restore_variant(to_local_layer(name, offset), variants)
+                out.add(key, shard)
+                if extra_state and _LINEAR_WEIGHT.match(key):
+                    out.add(key[:-len(".weight")] + "._extra_state", None)
+                continue
+            local_prefix = to_local_layer(prefix, offset)
+            if target.expert_layout == GROUPED:
+                _add_grouped(out, local_prefix, j, rest, shard, per)
+            else:
+                key = local_expert_key(local_prefix, j, rest, target.expert_layout)
+                out.add(key, shard)
+                if extra_state and target.expert_layout == SEQUENTIAL and rest.endswith(".weight"):
+                    out.add(key[:-len(".weight")] + "._extra_state", None)
+        del tensor
+    paths = []
+    for out in outs.values():
+        if out.grouped:
+            raise CheckpointError(f"{out.path}: incomplete GroupedMLP experts {sorted(out.grouped)}")
+        state = dict(header)
+        state["args"] = args
+        state["model"] = out.model
+        out.writer.close(state)
+        paths.append(out.path)
+    return paths
+
+
+def _add_grouped(out: _RankOut, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
+    """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
+    fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
+    if fc is None:
+        raise CheckpointError(f"{prefix}.{j}.{rest}: GroupedMLP stores only expert fc1/fc2 weights; "
+                              "write this checkpoint with the sequential expert layout")
+    pending = out.grouped.setdefault((prefix, fc), {})
+    pending[j] = shard.t()
+    if len(pending) == per:
+        stacked = torch.stack([pending[i] for i in range(per)])      # [El, H, n] or [El, m, H]
+        rows = stacked.shape[1] if fc == 1 else stacked.shape[0] * stacked.shape[1]
+        out.add(f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
+        del out.grouped[(prefix, fc)]
+
+
+def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, inputs=(), progress=True) -> Path:
+    """Write `view` as a legacy checkpoint at `target` into `out` (created; must not exist).
+
+    Optimizer and RNG state are not written; `iteration` and `checkpoint_version` are kept.
+    Output goes to a hidden temporary folder renamed at the end, the tracker file last.
+    """
+    from tqdm import tqdm
+
+    from mcore_proxy.checkpoint.output import staged_output
+
+    check_target(view, target)
+    args = target_args(view, target)
+    iteration = view.iteration if view.iteration is not None else 0
+    header = {"checkpoint_version": getattr(view, "checkpoint_version", None) or 3.0,
+              "iteration": 0 if iteration == "release" else iteration}
+    sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    extra_state = getattr(view, "linear_extra_state", True)
+    variants = frozenset(getattr(view, "variants", ()))
+    total = sum(_nbytes(view, n) for n in view.names())
+    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True,
+                                                  desc="write legacy", disable=not progress) as bar:
+        for stage in range(target.pp):
+            write_stage(view, tmp / sub, target, stage, args, header, extra_state, variants, progress=bar)
+        (tmp / TRACKER).write_text(str(iteration))
+    return Path(out)
+
+
+def _nbytes(view: ModelView, name: str) -> int:
+    shape, dtype = view.shape(name), view.dtype(name)
+    if shape is None or dtype is None:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,351 @@
+"""Read and write `torch.save` zip files without torch.load and without an unrestricted unpickler.
+
+Reading parses only `data.pkl` with a whitelisting unpickler: tensors become `LazyTensor`
+handles that read their bytes from the zip member on demand (a dropped expert is never read),
+and globals outside the whitelist (megatron enums in `args`, numpy RNG state, optimizer
+classes) become inert `Unresolved` objects: no foreign code runs. Unresolved objects pickle
+back under their original class path, so `args` written here load in Megatron unchanged.
+
+Writing streams: `TorchFileWriter` writes each tensor's bytes as soon as it is added and the
+pickled structure last, so a rank file never has to exist in memory as a whole.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.errors import CheckpointError
+
+# -- reading -------------------------------------------------------------------------------
+
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "UntypedStorage": torch.uint8,
+}
+_DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
+
+# Data-only types whose construction runs no foreign code.
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("argparse", "Namespace"): __import__("argparse").Namespace,
+    ("torch", "Size"): torch.Size,
+    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray,
+    ("builtins", "range"): range,
+}
+
+
+class Unresolved:
+    """An object of a class this process does not (or may not) import, kept as data.
+
+    It remembers the constructor arguments and pickled state, and pickles back to the same
+    class path, so e.g. `args.attention_backend` (a megatron enum) survives a round trip.
+    """
+
+    _module = "?"
+    _name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj._args, obj._state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self._state = state
+
+    def __reduce__(self):
+        return (type(self), self._args, self._state) if self._state is not None else (type(self), self._args)
+
+    def __eq__(self, other):
+        return (type(self) is type(other) and self._args == other._args
+                and _state_eq(self._state, other._state))
+
+    def __hash__(self):
+        return hash((self._module, self._name, repr(self._args)))
+
+    def __repr__(self):
+        args = ", ".join(map(repr, self._args))
+        return f"<{self._module}.{self._name}({args})>"
+
+
+def _state_eq(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - numpy arrays and tensors compare element-wise
+        return a is b
+
+
+_UNRESOLVED_CLASSES: dict[tuple[str, str], type] = {}
+
+
+def unresolved_class(module: str, name: str) -> type:
+    """One stand-in class per original class path (classes compare by identity in pickles)."""
+    key = (module, name)
+    if key not in _UNRESOLVED_CLASSES:
+        _UNRESOLVED_CLASSES[key] = type(name, (Unresolved,), {
+            "_module": module, "_name": name, "__module__": module, "__qualname__": name})
+    return _UNRESOLVED_CLASSES[key]
+
+
+@dataclass(frozen=True, repr=False)
+class _StorageRef:
+    member: str          # zip member holding the bytes
+    dtype: torch.dtype
+    numel: int
+
+
+class LazyTensor:
+    """A tensor inside a torch zip file, read only when asked. `shape`/`dtype` cost nothing."""
+
+    __slots__ = ("file", "storage", "offset", "shape", "stride")
+
+    def __init__(self, file: "TorchFile", storage: _StorageRef, offset: int, shape, stride):
+        self.file, self.storage, self.offset = file, storage, int(offset)
+        self.shape, self.stride = torch.Size(shape), tuple(stride)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * _itemsize(self.dtype)
+
+    def is_contiguous(self) -> bool:
+        expected, acc = [], 1
+        for n in reversed(self.shape):
+            expected.append(acc)
+            acc *= n
+        return tuple(reversed(expected)) == self.stride or self.shape.numel() <= 1
+
+    def read_flat(self, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start+count) of this (contiguous) tensor's memory, 1-D."""
+        if not self.is_contiguous():
+            return self.load().reshape(-1)[start:start + count].clone()
+        return self.file.read_elements(self.storage, self.offset + start, count)
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor (a fresh CPU tensor owning its memory)."""
+        if self.is_contiguous():
+            return self.read_flat(0, self.shape.numel()).view(self.shape)
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if self.shape.numel() else 0
+        flat = self.file.read_elements(self.storage, self.offset, span)
+        return flat.as_strided(self.shape, self.stride).clone()
+
+    def __repr__(self):
+        return f"LazyTensor({tuple(self.shape)}, {self.dtype})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    return LazyTensor(storage[0], storage[1], offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad=False, hooks=None, *rest):
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    return func(*args)
+
+
+_TENSOR_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+}
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, file: "TorchFile"):
+        super().__init__(io.BytesIO(data))
+        self._file = file
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _TENSOR_GLOBALS:
+            return _TENSOR_GLOBALS[(module, name)]
+        if (module, name) in _SAFE_GLOBALS:
+            return _SAFE_GLOBALS[(module, name)]
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
+            return lambda text, encoding="latin1": text.encode(encoding)
+        return unresolved_class(module, name)
+
+    def persistent_load(self, pid):
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage":
+            raise pickle.UnpicklingError(f"unsupported persistent id {kind!r}")
+        dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else torch.uint8
+        member = f"{self._file.prefix}/data/{key}"
+        return (self._file, _StorageRef(member, dtype, int(numel)))
+
+
+class TorchFile:
+    """One `torch.save` zip file, opened for lazy reading. `obj` is the unpickled structure."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._zip = zipfile.ZipFile(self.path)
+            pkl = [n for n in self._zip.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(pkl) != 1:
+                raise zipfile.BadZipFile("no single data.pkl member")
+            self.prefix = pkl[0].rsplit("/", 1)[0] if "/" in pkl[0] else ""
+            self.obj = _RestrictedUnpickler(self._zip.read(pkl[0]), self).load()
+        except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+            raise CheckpointError(
+                f"{self.path}: not a readable torch checkpoint ({err}); the file is truncated or "
+                "damaged, copy it again from the source") from None
+
+    def read_elements(self, storage: _StorageRef, start: int, count: int) -> torch.Tensor:
+        """`count` elements from element `start` of a storage, reading only those bytes."""
+        item = _itemsize(storage.dtype)
+        if start + count > storage.numel:
+            raise CheckpointError(f"{self.path}: a tensor reaches past its storage; the file is damaged")
+        try:
+            info = self._zip.getinfo(storage.member)
+            if info.file_size < storage.numel * item:
+                raise CheckpointError(f"{self.path}: member {storage.member} holds {info.file_size} bytes, "
+                                      f"expected {storage.numel * item}; the file is truncated, copy it again")
+            with self._zip.open(info) as fh:
+                fh.seek(start * item)
+                raw = fh.read(count * item)
+        except (KeyError, zipfile.BadZipFile, OSError) as err:
+            raise CheckpointError(f"{self.path}: cannot read {storage.member} ({err}); the file is "
+                                  "truncated or damaged, copy it again from the source") from None
+        if len(raw) != count * item:
+            raise CheckpointError(f"{self.path}: {storage.member} ends early; the file is truncated")
+        return torch.frombuffer(bytearray(raw), dtype=storage.dtype) if count else torch.empty(0, dtype=storage.dtype)
+
+    def close(self):
+        self._zip.close()
+
+
+def materialize(obj):
+    """Replace every LazyTensor in a nested structure by its loaded tensor (small objects only)."""
+    if isinstance(obj, LazyTensor):
+        return obj.load()
+    if isinstance(obj, dict):
+        return type(obj)((k, materialize(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(materialize(v) for v in obj)
+    return obj
+
+
+# -- writing -------------------------------------------------------------------------------
+
+class _TensorRecord:
+    __slots__ = ("key", "dtype", "shape", "numel")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: torch.Size):
+        self.key, self.dtype, self.shape, self.numel = key, dtype, torch.Size(shape), shape.numel()
+
+
+class _StoragePid:
+    __slots__ = ("record",)
+
+    def __init__(self, record: _TensorRecord):
+        self.record = record
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolved class paths
+    def persistent_id(self, obj):
+        if isinstance(obj, _StoragePid):
+            r = obj.record
+            return ("storage", getattr(torch, _DTYPE_STORAGE[r.dtype]), r.key, "cpu", r.numel)
+        return None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, _TensorRecord):
+            stride = torch.empty(obj.shape, device="meta").stride()
+            return (torch._utils._rebuild_tensor_v2,
+                    (_StoragePid(obj), 0, obj.shape, stride, False, collections.OrderedDict()))
+        if isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved:
+            return NotImplemented  # handled in save_global
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved:
+            self.write(pickle.GLOBAL + f"{obj._module}\n{obj._name}\n".encode("utf-8"))
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[type] = save_global
+
+
+class TorchFileWriter:
+    """Write a `torch.save`-compatible zip incrementally: tensors first, structure last.
+
+    `add(tensor)` writes the bytes now and returns a placeholder to put in the structure;
+    `close(obj)` pickles the structure. torch.load (and so Megatron) reads the result.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._writer = torch._C.PyTorchFileWriter(str(self.path))
+        self._count = 0
+        self.bytes_written = 0
+
+    def add(self, tensor: torch.Tensor) -> _TensorRecord:
+        t = tensor.detach().contiguous().cpu()
+        key = str(self._count)
+        self._count += 1
+        nbytes = t.numel() * t.element_size()
+        self._writer.write_record(f"data/{key}", t.untyped_storage() if t.storage_offset() == 0 and
+                                  t.untyped_storage().nbytes() == nbytes else t.clone().untyped_storage(),
+                                  nbytes)
+        self.bytes_written += nbytes
+        return _TensorRecord(key, t.dtype, t.shape)
+
+    def close(self, obj) -> None:
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(obj)
+        data = buf.getvalue()
+        self._writer.write_record("data.pkl", data, len(data))
+        self._writer.write_record(".format_version", "1", 1)
+        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self._writer.write_end_of_file()
+
+
+def save_object(obj, path: str | Path) -> None:
+    """torch.save equivalent that keeps Unresolved objects' class paths; tensors anywhere in obj."""
+    writer = TorchFileWriter(path)
+
+    def convert(o):
+        if isinstance(o, torch.Tensor):
+            return writer.add(o)
+        if isinstance(o, LazyTensor):
+            return writer.add(o.load())
+        if isinstance(o, dict):
+            return type(o)((k, convert(v)) for k, v in o.items())
+        if isinstance(o, (list, tuple)) and not hasattr(o, "_fields"):
+            return type(o)(convert(v) for v in o)
+        return o
+
+    writer.close(convert(obj))
