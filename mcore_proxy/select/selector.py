@@ -47,7 +47,10 @@ class Options:
                                      ("--router-metric", self.router_metric, views.ROUTER_METRICS)):
             if value not in allowed:
                 raise PlanError(f"{name} {value!r} is not one of {', '.join(allowed)}")
-        w = tuple(float(x) for x in self.weights)
+        try:
+            w = tuple(float(x) for x in self.weights)
+        except (TypeError, ValueError):
+            w = ()
         if len(w) != 3 or any(not np.isfinite(x) or x < 0 for x in w):
             raise PlanError(f"--weights {self.weights} must be three non-negative numbers R,C,P")
         object.__setattr__(self, "weights", w)
@@ -123,6 +126,7 @@ def cluster_layer(fused: np.ndarray, freq: np.ndarray, setup: GroupSetup, seed: 
     clusters = []
     for ids in setup.groups:
         c = cluster.kmedoids(fused[np.ix_(ids, ids)], setup.per_group_k, seed, restarts)
+        log.debug("K-Medoids on %d experts, %d clusters: loss %.4f", len(ids), setup.per_group_k, c.loss)
         for members, rep in cluster.representatives(c.labels, c.medoids, freq[ids]):
             clusters.append(Cluster(tuple(int(ids[m]) for m in members), int(ids[rep])))
     return sorted(clusters, key=lambda c: c.representative)

@@ -187,6 +187,8 @@ def test_router_weights_as_a_mapping(default_model):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(method="kmeans"), PlanError, "--method 'kmeans' is not one of"),
     (dict(weights=(1, -1, 1)), PlanError, "three non-negative numbers"),
+    (dict(weights=("a", 1, 1)), PlanError, "three non-negative numbers"),
+    (dict(weights=(1, 1)), PlanError, "three non-negative numbers"),
     (dict(weights=(1, 0, 0), method="coact+proto"), PlanError, "every view of --method coact\\+proto weight 0"),
     (dict(coact_mode="rivals"), PlanError, "--coact-mode 'rivals'"),
     (dict(restarts=0), PlanError, "--restarts 0"),
