@@ -93,7 +93,8 @@ def _coverage_figure(plans: dict[str, SelectionPlan]):
     return fig
 
 
-def write_report(out_dir, plan: SelectionPlan, details: dict, baselines: dict[str, SelectionPlan]) -> list[Path]:
+def write_report(out_dir, plan: SelectionPlan, details: dict,
+                 baselines: dict[str, SelectionPlan]) -> list[Path]:
     """Write PNGs and summary.txt into out_dir; returns the files written.
 
     details: layer id -> LayerDetail (fused [E, E] distances; None for ranking baselines, which

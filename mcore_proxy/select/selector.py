@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcore_proxy.errors import PlanError, StatsError
+from mcore_proxy.errors import PlanError
 from mcore_proxy.select import baselines, cluster, fuse, views
 from mcore_proxy.select.constraints import GroupSetup, check_sizes, check_stats_match, resolve_groups
 from mcore_proxy.select.plan import Cluster, LayerPlan, SelectionPlan, SourceInfo
@@ -201,14 +201,12 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
                   score_function: str | None = None,
                   progress: Callable[[Iterable], Iterable] | None = None,
                   ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
-    """`select_experts`, also returning per-layer details for the report."""
+    """`select_experts` (same arguments), also returning per-layer details for the report."""
     opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts))
     spec, facts, get_weight, iteration, fingerprint = _router_source(
         source, stats, num_groups, group_topk, score_function)
-    if spec is not None:
+    if spec is not None:  # bare router weights take top-k from the statistics: nothing to match
         check_stats_match(stats, spec)
-    elif stats.topk != facts["topk"]:
-        raise StatsError(f"statistics traced with top-{stats.topk}, router top-{facts['topk']}")
     E = stats.num_experts
     check_sizes(E, num_experts, facts["topk"], target_ep)
     setup = resolve_groups(E, num_experts, facts["topk"], facts["num_groups"], facts["group_topk"],
@@ -231,18 +229,31 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
     return plan, details
 
 
-def select_experts(source, stats: RoutingStats, num_experts: int, **kwargs) -> SelectionPlan:
+def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
+                   target_ep: int = 1, weights=(1.0, 1.0, 1.0), coact_mode: str = "partners",
+                   norm: str = "minmax", router_metric: str = "cosine",
+                   group_policy: str | None = None, seed: int = 0, restarts: int = 8,
+                   num_groups: int | None = None, group_topk: int | None = None,
+                   score_function: str | None = None,
+                   progress: Callable[[Iterable], Iterable] | None = None) -> SelectionPlan:
     """Choose `num_experts` (K) experts in every MoE layer and return the plan.
 
     source: a ModelView (router weights `decoder.layers.{L}.mlp.router.weight` [E, H], model
     spec, iteration and router fingerprint come from it) or a mapping {layer id: [E, H] array or
     tensor} (then the fingerprint is None and routing groups come from the keywords).
-    stats: RoutingStats of exactly the checkpoint's MoE layers.
-    Keywords: method (METHODS), target_ep, weights (R, C, P), coact_mode ("partners" |
-    "substitutes"), norm ("minmax" | "rank"), router_metric ("cosine" | "euclidean"),
-    group_policy ("per-group" | "flatten"; default per-group when the router is group-limited),
-    seed, restarts, num_groups / group_topk / score_function (override the checkpoint's),
-    progress (wraps the iterable of layer ids, e.g. tqdm).
-    Raises PlanError / StatsError (ProxyError) on infeasible settings before any work.
+    stats: RoutingStats of exactly the checkpoint's MoE layers (MTP included).
+    method: one of METHODS ("multiview", a view subset such as "router+coact", or a ranking
+    baseline "frequency", "gate-mass", "saliency", "random", "first-k").
+    target_ep: expert-parallel degree K must divide. weights: (R, C, P) fusion weights.
+    coact_mode: "partners" | "substitutes". norm: "minmax" | "rank". router_metric: "cosine" |
+    "euclidean". group_policy: "per-group" | "flatten" (None: per-group when the router is
+    group-limited). seed, restarts: K-Medoids restarts (and the random baseline's seed).
+    num_groups / group_topk / score_function: override the checkpoint's routing settings.
+    progress: wraps the iterable of layer ids (e.g. tqdm).
+    Raises PlanError / StatsError (ProxyError) on infeasible settings before reading tensors.
     """
-    return run_selection(source, stats, num_experts, **kwargs)[0]
+    return run_selection(source, stats, num_experts, method=method, target_ep=target_ep,
+                         weights=weights, coact_mode=coact_mode, norm=norm,
+                         router_metric=router_metric, group_policy=group_policy, seed=seed,
+                         restarts=restarts, num_groups=num_groups, group_topk=group_topk,
+                         score_function=score_function, progress=progress)[0]

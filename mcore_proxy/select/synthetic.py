@@ -83,7 +83,8 @@ def planted_layer(num_experts: int = 32, clusters: int = 8, hidden: int = 64, to
     return PlantedLayer(labels, router.astype(np.float32), stats)
 
 
-def planted_stats(layer_ids: list[str], topk: int = 2, **kwargs) -> tuple[RoutingStats, dict[str, PlantedLayer]]:
+def planted_stats(layer_ids: list[str], topk: int = 2,
+                  **kwargs) -> tuple[RoutingStats, dict[str, PlantedLayer]]:
     """RoutingStats over `layer_ids`, each layer planted with its own seed (kwargs as for
     `planted_layer`, `seed` offsets every layer's seed)."""
     base = kwargs.pop("seed", 0)

@@ -2,8 +2,6 @@
 from tests/conftest.py), with synthetic statistics for exactly their MoE layers."""
 import json
 
-import pytest
-
 from mcore_proxy.checkpoint import open_checkpoint, router_fingerprint
 from mcore_proxy.cli import main
 from mcore_proxy.select import load_plan

@@ -171,7 +171,8 @@ def test_a_view_with_zero_weight_is_not_used(default_model):
     view, stats, _ = default_model
     plan = select_experts(view, stats, K, weights=(0, 1, 1))
     assert plan.params["views"] == ["coact", "proto"]
-    assert plan.to_json()["layers"] == select_experts(view, stats, K, method="coact+proto").to_json()["layers"]
+    pair = select_experts(view, stats, K, method="coact+proto")
+    assert plan.to_json()["layers"] == pair.to_json()["layers"]
 
 
 def test_router_weights_as_a_mapping(default_model):
@@ -189,7 +190,8 @@ def test_router_weights_as_a_mapping(default_model):
     (dict(weights=(1, -1, 1)), PlanError, "three non-negative numbers"),
     (dict(weights=("a", 1, 1)), PlanError, "three non-negative numbers"),
     (dict(weights=(1, 1)), PlanError, "three non-negative numbers"),
-    (dict(weights=(1, 0, 0), method="coact+proto"), PlanError, "every view of --method coact\\+proto weight 0"),
+    (dict(weights=(1, 0, 0), method="coact+proto"), PlanError,
+     "every view of --method coact\\+proto weight 0"),
     (dict(coact_mode="rivals"), PlanError, "--coact-mode 'rivals'"),
     (dict(restarts=0), PlanError, "--restarts 0"),
     (dict(target_ep=3), PlanError, "not divisible by --target-ep 3"),
