@@ -1,0 +1,108 @@
+"""What a checkpoint holds: format, layout, layers, routing settings, bytes. Reads no tensor data."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.sharding import rule_for
+
+
+def _nbytes(view: ModelView, name: str) -> int:
+    shape, dtype = view.shape(name), view.dtype(name)
+    if shape is None or dtype is None:
+        return 0
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _compact(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out) or "-"
+
+
+def describe(view: ModelView) -> dict:
+    """A JSON-ready description of a checkpoint (pure: shapes and args only)."""
+    spec = view.spec
+    names = view.names()
+    moe = sorted({int(m.group(1)) for n in names if (m := re.match(r"^decoder\.layers\.(\d+)\.mlp\.router\.weight$", n))})
+    layers = sorted({int(m.group(1)) for n in names if (m := re.match(r"^decoder\.layers\.(\d+)\.", n))})
+    mtp = sorted({int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))})
+    dtype_bytes: Counter = Counter()
+    expert_bytes = 0
+    for n in names:
+        b = _nbytes(view, n)
+        if b:
+            dtype_bytes[str(view.dtype(n)).replace("torch.", "")] += b
+            expert_bytes += b if rule_for(n).expert else 0
+    layout = getattr(view, "layout", None)
+    files = [p for p in Path(view.path).rglob("*") if p.is_file()] if getattr(view, "path", None) else []
+    return {
+        "path": str(getattr(view, "path", "")),
+        "format": getattr(view, "format", "?"),
+        "iteration": view.iteration,
+        "parallel": None if layout is None else {
+            "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
+            "stage_layers": list(layout.stage_layers) if layout.stage_layers else None},
+        "expert_layout": None if layout is None else layout.expert_layout,
+        "num_layers": spec.num_layers,
+        "dense_layers": [L for L in layers if L not in moe],
+        "moe_layers": moe,
+        "mtp_layers": mtp,
+        "hidden_size": spec.hidden_size,
+        "num_experts": spec.num_experts,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "shared_expert_size": spec.shared_expert_size,
+        "topk": spec.topk,
+        "score_function": spec.score_function,
+        "num_groups": spec.num_groups,
+        "group_topk": spec.group_topk,
+        "expert_bias": any(n.endswith("mlp.router.expert_bias") for n in names),
+        "dtype": dtype_bytes.most_common(1)[0][0] if dtype_bytes else None,
+        "bytes_by_dtype": dict(dtype_bytes),
+        "total_bytes": sum(dtype_bytes.values()),
+        "expert_bytes": expert_bytes,
+        "files": len(files),
+        "file_bytes": sum(p.stat().st_size for p in files),
+        "tensors": len(names),
+    }
+
+
+def _gib(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_description(d: dict) -> str:
+    """The plain-text report of `describe`."""
+    p = d["parallel"] or {}
+    rows = [
+        ("checkpoint", d["path"]),
+        ("format", f"{d['format']}, iteration {d['iteration']}"),
+        ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
+         + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")),
+        ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
+         + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else "")),
+        ("experts", f"{d['num_experts']} routed x F={d['moe_ffn_hidden_size']}, layout {d['expert_layout']}"
+         + (f", shared F={d['shared_expert_size']}" if d["shared_expert_size"] else "")),
+        ("router", f"top-{d['topk']} {d['score_function']}"
+         + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")
+         + (", expert bias" if d["expert_bias"] else "")),
+        ("hidden", str(d["hidden_size"])),
+        ("dtype", ", ".join(f"{k} {_gib(v)}" for k, v in d["bytes_by_dtype"].items())),
+        ("bytes", f"{_gib(d['total_bytes'])} model ({d['tensors']} tensors), {_gib(d['expert_bytes'])} "
+         f"routed experts; {_gib(d['file_bytes'])} in {d['files']} files"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,49 @@
+"""inspect reports each fixture's layout field by field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.checkpoint.inspect import describe
+from mcore_proxy.cli import main
+
+EXPECTED = {
+    "seq_tp2_pp2_ep2": dict(parallel=dict(tp=2, pp=2, ep=2, etp=2, vpp=1, stage_layers=[2, 2]),
+                            expert_layout="sequential", dense_layers=[], moe_layers=[0, 1, 2, 3],
+                            num_experts=8, topk=2, score_function="softmax", num_groups=None,
+                            expert_bias=False, shared_expert_size=None, dtype="float32", files=8),
+    "grouped_ep4": dict(parallel=dict(tp=1, pp=1, ep=4, etp=1, vpp=1, stage_layers=[4]),
+                        expert_layout="grouped", dense_layers=[], moe_layers=[0, 1, 2, 3],
+                        num_experts=8, topk=2, expert_bias=False, files=4),
+    "seq_tp2_etp1_ep2": dict(parallel=dict(tp=2, pp=1, ep=2, etp=1, vpp=1, stage_layers=[4]),
+                             expert_layout="sequential", files=2),
+    "deepseek_like_pp2_uneven": dict(parallel=dict(tp=1, pp=2, ep=2, etp=1, vpp=1, stage_layers=[1, 3]),
+                                     dense_layers=[0], moe_layers=[1, 2, 3], num_experts=8, topk=4,
+                                     score_function="sigmoid", num_groups=4, group_topk=2,
+                                     expert_bias=True, shared_expert_size=24, files=4),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(EXPECTED))
+def test_inspect_reports_layout(megatron_ckpt, fixture):
+    ckpt, _ = megatron_ckpt(fixture)
+    info = describe(open_checkpoint(ckpt))
+    assert info["format"] == "legacy" and info["iteration"] == 10 and info["num_layers"] == 4
+    for field, value in EXPECTED[fixture].items():
+        assert info[field] == value, field
+    # routed experts: E x L_moe x (fc1 [2F, H] + fc2 [H, F]) x 4 bytes
+    experts = 8 * len(info["moe_layers"]) * (2 * 16 * 32 + 32 * 16) * 4
+    assert info["expert_bytes"] == experts
+    assert info["total_bytes"] > experts
+
+
+def test_inspect_cli_json(megatron_ckpt, capsys):
+    ckpt, _ = megatron_ckpt("grouped_ep4")
+    assert main(["inspect", str(ckpt), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["expert_layout"] == "grouped" and info["parallel"]["ep"] == 4
+    assert main(["inspect", str(ckpt)]) == 0
+    text = capsys.readouterr().out
+    assert "TP=1 PP=1 EP=4" in text and "layout grouped" in text

@@ -1,0 +1,61 @@
+"""Session-wide fixtures: real Megatron checkpoints written by megatron-core on CPU.
+
+Each checkpoint is built once per session in spawned gloo ranks. Set MCORE_PROXY_FIXTURE_CACHE
+to a folder to keep them between sessions (keyed by the builder's source and configuration).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from mcore_proxy.testing.fixtures import FIXTURES, build_fixture
+
+
+@pytest.fixture(scope="session")
+def fixture_root(tmp_path_factory) -> Path:
+    cache = os.environ.get("MCORE_PROXY_FIXTURE_CACHE")
+    return Path(cache) if cache else tmp_path_factory.mktemp("megatron-fixtures")
+
+
+@pytest.fixture(scope="session")
+def megatron_ckpt(fixture_root):
+    """`megatron_ckpt(name)` -> (checkpoint folder, reference logits file), built once."""
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in built:
+            built[name] = build_fixture(name, fixture_root)
+        return built[name]
+
+    return get
+
+
+def tree_digest(path: Path) -> str:
+    """sha256 over every file's relative path and bytes: proves an input was not modified."""
+    h = hashlib.sha256()
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def digest():
+    return tree_digest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "megatron_ckpt" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.megatron)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "megatron: builds or runs real megatron-core models (slow)")
+
+
+__all__ = ["FIXTURES"]
