@@ -567,7 +567,7 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     extra_state = getattr(view, "linear_extra_state", True)
     variants = frozenset(getattr(view, "variants", ()))
     total = sum(_nbytes(view, n) for n in view.names())
-    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True,
+    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
                                                   desc="write legacy", disable=not progress) as bar:
         for stage in range(target.pp):
             write_stage(view, tmp / sub, target, stage, args, header, extra_state, variants, progress=bar)

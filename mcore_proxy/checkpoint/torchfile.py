@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
+import struct
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -209,7 +211,9 @@ class TorchFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._offsets: dict[str, tuple[int, int]] = {}
         try:
+            self._fd = os.open(self.path, os.O_RDONLY)
             self._zip = zipfile.ZipFile(self.path)
             pkl = [n for n in self._zip.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkl) != 1:
@@ -221,28 +225,52 @@ class TorchFile:
                 f"{self.path}: not a readable torch checkpoint ({err}); the file is truncated or "
                 "damaged, copy it again from the source") from None
 
+    def _data_offset(self, member: str) -> int:
+        """Byte offset of a stored member's data: torch writes members uncompressed, so a
+        tensor's bytes are one run of the file, read with pread and no copy through zipfile."""
+        if member not in self._offsets:
+            try:
+                info = self._zip.getinfo(member)
+            except KeyError:
+                raise CheckpointError(f"{self.path}: member {member} is missing; the file is damaged, "
+                                      "copy it again from the source") from None
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{self.path}: member {member} is compressed; torch never writes "
+                                      "that, the file was re-packed, copy the original")
+            header = os.pread(self._fd, 30, info.header_offset)
+            if len(header) != 30 or header[:4] != b"PK\x03\x04":
+                raise CheckpointError(f"{self.path}: bad local header of {member}; the file is truncated "
+                                      "or damaged, copy it again from the source")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            self._offsets[member] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+        return self._offsets[member]
+
     def read_elements(self, storage: _StorageRef, start: int, count: int) -> torch.Tensor:
         """`count` elements from element `start` of a storage, reading only those bytes."""
         item = _itemsize(storage.dtype)
-        if start + count > storage.numel:
-            raise CheckpointError(f"{self.path}: a tensor reaches past its storage; the file is damaged")
-        try:
-            info = self._zip.getinfo(storage.member)
-            if info.file_size < storage.numel * item:
-                raise CheckpointError(f"{self.path}: member {storage.member} holds {info.file_size} bytes, "
-                                      f"expected {storage.numel * item}; the file is truncated, copy it again")
-            with self._zip.open(info) as fh:
-                fh.seek(start * item)
-                raw = fh.read(count * item)
-        except (KeyError, zipfile.BadZipFile, OSError) as err:
-            raise CheckpointError(f"{self.path}: cannot read {storage.member} ({err}); the file is "
-                                  "truncated or damaged, copy it again from the source") from None
-        if len(raw) != count * item:
-            raise CheckpointError(f"{self.path}: {storage.member} ends early; the file is truncated")
-        return torch.frombuffer(bytearray(raw), dtype=storage.dtype) if count else torch.empty(0, dtype=storage.dtype)
+        offset, size = self._data_offset(storage.member)
+        if start + count > storage.numel or size < storage.numel * item:
+            raise CheckpointError(f"{self.path}: {storage.member} holds {size} bytes, fewer than its "
+                                  "tensors need; the file is truncated or damaged, copy it again")
+        out = torch.empty(count, dtype=storage.dtype)
+        buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
+        done = 0
+        while done < len(buf):  # pread may return short counts on large reads
+            n = os.preadv(self._fd, [buf[done:]], offset + start * item + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: {storage.member} ends early; the file is truncated, "
+                                      "copy it again from the source")
+            done += n
+        return out
 
     def close(self):
-        self._zip.close()
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+        if getattr(self, "_zip", None) is not None:
+            self._zip.close()
+
+    __del__ = close
 
 
 def materialize(obj):
