@@ -15,6 +15,7 @@ from mcore_proxy.errors import CheckFailed, ProxyError
 COMMAND_MODULES = (
     "mcore_proxy.checkpoint.cli",
     "mcore_proxy.select.cli",
+    "mcore_proxy.trace.cli",
 )
 
 

@@ -209,24 +209,51 @@ def load_stats(path: str | os.PathLike) -> RoutingStats:
         raise StatsError(f"{path}: {err}") from None
 
 
-def merge_stats(parts: list[tuple[Path, RoutingStats]]) -> RoutingStats:
-    """Element-wise sum of per-rank statistics; refuse files that describe another model."""
+def merge_stats(parts: list[tuple[Path, RoutingStats]], *, allow_missing_layers: bool = False) -> RoutingStats:
+    """Element-wise sum of per-rank statistics; refuse files that describe another model.
+
+    Pipeline stages hold different layers, so the merged layers are the union. When the
+    sidecars declare the model's MoE layers (`model_layers`, written by the tracer), every file
+    must declare the same list and hold only those layers, and the union must cover all of them
+    (a missing stage's file is an error unless `allow_missing_layers`); files without that
+    declaration must all hold the same layers. Files of runs with another world size are refused.
+    """
     if not parts:
         raise StatsError("no routing-statistics files to merge")
     first_path, first = parts[0]
+    declared = first.meta.get("model_layers")
     layers = dict(first.layers)
     for path, s in parts[1:]:
         for what, a, b in (("num_experts", first.num_experts, s.num_experts),
                            ("hidden_size", first.hidden_size, s.hidden_size),
-                           ("topk", first.topk, s.topk)):
-            if a != b:
+                           ("topk", first.topk, s.topk),
+                           ("world_size", first.meta.get("world_size"), s.meta.get("world_size"))):
+            if a != b and not (what == "world_size" and None in (a, b)):
                 raise StatsError(f"{path}: {what} is {b} but {first_path} has {a}; merge only "
-                                 "files from one model")
-        if set(s.layers) != set(first.layers):
+                                 "files from one model and one run")
+        if declared is not None or s.meta.get("model_layers") is not None:
+            if s.meta.get("model_layers") != declared:
+                raise StatsError(f"{path}: declares MoE layers {s.meta.get('model_layers')} but "
+                                 f"{first_path} declares {declared}; merge only files from one model")
+        elif set(s.layers) != set(first.layers):
             raise StatsError(f"{path}: layers {s.layer_ids} differ from {first.layer_ids} in "
                              f"{first_path}; merge only files from one run")
         for layer_id, ls in s.layers.items():
-            layers[layer_id] = layers[layer_id] + ls
-    meta = {k: v for k, v in first.meta.items() if k not in ("ranks_merged",)}
+            layers[layer_id] = layers[layer_id] + ls if layer_id in layers else ls
+    if declared is not None:
+        for path, s in parts:
+            extra = sorted(set(s.layers) - set(declared), key=layer_sort_key)
+            if extra:
+                raise StatsError(f"{path}: holds layers {extra} that its sidecar does not declare "
+                                 f"as MoE layers {declared}; the file is inconsistent, re-run the trace")
+        missing = sorted(set(declared) - set(layers), key=layer_sort_key)
+        if missing and not allow_missing_layers:
+            raise StatsError(f"{first_path.parent}: no file holds statistics for MoE layers "
+                             f"{missing}; a pipeline stage's rank files are missing (copy them in, "
+                             "or allow a partial merge explicitly)")
+    meta = {k: v for k, v in first.meta.items() if k not in ("ranks_merged", "rank", "steps")}
     meta["ranks_merged"] = sum(int(s.meta.get("ranks_merged", 1)) for _, s in parts)
+    ranks = sorted(r for _, s in parts for r in s.meta.get("ranks", [s.meta.get("rank")]) if r is not None)
+    if ranks:
+        meta["ranks"] = ranks
     return dataclasses.replace(first, layers=layers, meta=meta)

@@ -1,0 +1,183 @@
+"""megatron-core glue: router -> RouterInfo, forward hooks, and `install(model, out_dir)`.
+
+Layer ids come from the router's own `layer_number` (1-based, global: megatron adds the pipeline
+and virtual-pipeline offsets when it builds the layer), so every stage names its layers the way
+the canonical checkpoint does: L = layer_number - 1, and MTP layers, which megatron numbers after
+the decoder (num_layers + k + 1), become `mtp.{k}`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable
+
+import torch
+
+from mcore_proxy.trace.tracer import RouterInfo, Tracer
+
+log = logging.getLogger(__name__)
+
+_INFO_ATTR = "_mcore_proxy_trace_info"
+
+
+def layer_id(layer_number: int | None, num_layers: int) -> str:
+    """megatron's 1-based global `layer_number` -> stats layer id (`"12"` or `"mtp.0"`)."""
+    if layer_number is None:
+        raise RuntimeError("MoE router has no layer_number: megatron sets it when the MoE layer is "
+                           "built inside a TransformerLayer; trace whole models, not bare routers")
+    index = int(layer_number) - 1
+    return str(index) if index < num_layers else f"mtp.{index - num_layers}"
+
+
+def _tp_size_rank(module) -> tuple[int, int]:
+    group = getattr(module, "tp_group", None)
+    if group is not None:
+        return group.size(), group.rank()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1, 0
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank())
+
+
+def router_info(router) -> RouterInfo:
+    """Resolve (once, cached on the router) its layer id and whether this rank records it."""
+    info = getattr(router, _INFO_ATTR, None)
+    if info is None:
+        config = router.config
+        tp_size, tp_rank = _tp_size_rank(router)
+        counts = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
+        info = RouterInfo(layer_id(router.layer_number, config.num_layers),
+                          int(config.num_moe_experts), int(router.topk), counts)
+        setattr(router, _INFO_ATTR, info)
+    return info
+
+
+def saliency_supported(moe_layer) -> bool:
+    """Saliency reads each (token, expert) output row once across the world only when experts are
+    not tensor-parallel (ETP = 1: rows are whole, not partial sums) and attention TP ranks do not
+    feed duplicate tokens (TP = 1 or sequence parallelism); probabilities must be applied inside
+    the experts (megatron-core >= 0.11 without `moe_apply_probs_on_input`)."""
+    config = moe_layer.config
+    tp_size, _ = _tp_size_rank(moe_layer.router)
+    etp = getattr(config, "expert_tensor_parallel_size", None) or tp_size
+    return (etp == 1 and (tp_size == 1 or bool(config.sequence_parallel))
+            and not getattr(config, "moe_apply_probs_on_input", False))
+
+
+def model_layers(config) -> list[str] | None:
+    """Every MoE layer id of the whole model, from its config (None if it cannot be told)."""
+    from mcore_proxy.spec import moe_layer_pattern
+
+    try:
+        num_layers = int(config.num_layers)
+        pattern = moe_layer_pattern(num_layers, getattr(config, "moe_layer_freq", 1) or 1)
+        first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)  # MindSpeed-LLM
+        ids = [str(i) for i, moe in enumerate(pattern) if moe and i >= first_dense]
+        if getattr(config, "mtp_num_layers", None) and pattern and pattern[-1]:
+            ids += [f"mtp.{k}" for k in range(int(config.mtp_num_layers))]
+        return ids
+    except (AttributeError, TypeError, ValueError, SyntaxError) as err:
+        log.warning("trace: cannot list the model's MoE layers from its config (%s); the merge "
+                    "will not check that every layer has statistics", err)
+        return None
+
+
+def run_meta(config) -> dict:
+    """Sidecar facts about the run this rank belongs to."""
+    meta = {"source": source_info(), "model_layers": model_layers(config),
+            "sequence_parallel": bool(getattr(config, "sequence_parallel", False))}
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
+        value = getattr(config, key, None)
+        if value is not None:
+            meta[key] = int(value)
+    return meta
+
+
+def source_info() -> dict:
+    from importlib import metadata
+
+    info = {"framework": "megatron-core", "torch": torch.__version__}
+    try:
+        from megatron.core import package_info
+        info["megatron-core"] = package_info.__version__
+    except ImportError:
+        pass
+    for dist in ("mindspeed", "mindspeed-llm"):
+        try:
+            info[dist] = metadata.version(dist)
+            info["framework"] = "mindspeed"
+        except metadata.PackageNotFoundError:
+            pass
+    return info
+
+
+def record_router_call(tracer: Tracer, router, args: tuple, kwargs: dict, output) -> None:
+    """Feed one `TopKRouter.forward(input, padding_mask=None) -> (probs, routing_map)` call."""
+    info = router_info(router)
+    if "source" not in tracer.meta:
+        tracer.meta.update(run_meta(router.config))
+    hidden = args[0] if args else kwargs["input"]
+    padding_mask = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+    probs, routing_map = output[0], output[1]
+    tracer.record(info, hidden, probs, routing_map, padding_mask)
+
+
+def record_experts_call(tracer: Tracer, moe_layer, args: tuple, output) -> None:
+    """Feed one `experts(permuted_hidden, tokens_per_expert, permuted_probs) -> (out, bias)`."""
+    if len(args) < 3:  # an experts module that applies no probabilities itself
+        return
+    info = router_info(moe_layer.router)
+    if not info.counts:
+        return
+    experts = getattr(moe_layer, "_mcore_proxy_local_experts", None)
+    if experts is None:
+        experts = torch.tensor(moe_layer.local_expert_indices, dtype=torch.long)
+        moe_layer._mcore_proxy_local_experts = experts
+    out = output[0] if isinstance(output, tuple) else output
+    tracer.record_saliency(info.layer_id, experts, out, args[1])
+
+
+def _modules(model) -> Iterable[torch.nn.Module]:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        yield from chunk.modules()
+
+
+def install(model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency: bool = False,
+            rank: int | None = None) -> Tracer:
+    """Attach routing-statistics hooks to every `TopKRouter` of `model` (a module or the list
+    of virtual-pipeline chunks). Returns the Tracer; use it as a context manager, or call
+    `flush()` / `close()` yourself. `saliency=True` also hooks the experts modules where
+    `saliency_supported` holds (elsewhere the field stays absent, with a warning)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from mcore_proxy.trace import runtime
+
+    if runtime.env_tracing_active():
+        raise RuntimeError(f"routing statistics are already collected through {runtime.ENV_DIR}; "
+                           "unset it or do not call install()")
+    tracer = Tracer(out_dir, flush_every=flush_every, rank=rank)
+    routers, no_saliency = 0, []
+    for module in _modules(model):
+        if isinstance(module, TopKRouter):
+            routers += 1
+            tracer.attach(module.register_forward_hook(
+                lambda mod, args, kwargs, out: record_router_call(tracer, mod, args, kwargs, out),
+                with_kwargs=True))
+        elif saliency and isinstance(module, MoELayer):
+            if saliency_supported(module):
+                tracer.attach(module.experts.register_forward_hook(
+                    lambda mod, args, out, layer=module: record_experts_call(tracer, layer, args, out)))
+            else:
+                no_saliency.append(module.layer_number)
+    if no_saliency:
+        log.warning("trace: saliency_sum is not recorded for MoE layers with layer_number %s: "
+                    "experts are tensor-parallel or TP runs without sequence parallelism",
+                    no_saliency)
+    if not routers:
+        raise ValueError("install(): the model has no megatron-core TopKRouter; is it a MoE model?")
+    return tracer

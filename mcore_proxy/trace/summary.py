@@ -1,0 +1,116 @@
+"""Read-outs of routing statistics for `mcore-proxy stats show`: a text table and heatmaps."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mcore_proxy.stats import LayerStats, RoutingStats
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    """Load and co-activation figures of one layer (shares are of all top-k selections)."""
+
+    layer_id: str
+    tokens: int
+    top: list[tuple[int, float]]         # (expert, share), most loaded first
+    bottom: list[tuple[int, float]]      # (expert, share), least loaded first
+    dead: list[int]                      # experts never selected
+    entropy: float                       # load entropy / log(E): 1 = perfectly balanced
+    pairs_seen: int                      # expert pairs selected together at least once
+    pairs_total: int
+    top_pair: tuple[int, int, int, float] | None   # (i, j, tokens, lift = P(i,j) / P(i)P(j))
+
+
+def summarize_layer(layer_id: str, s: LayerStats, n: int = 3) -> LayerSummary:
+    freq = s.freq.astype(np.float64)
+    total = freq.sum()
+    share = freq / total if total else freq
+    order = np.argsort(-freq, kind="stable")
+    nonzero = share[share > 0]
+    entropy = float(-(nonzero * np.log(nonzero)).sum() / math.log(s.num_experts)) if s.num_experts > 1 else 1.0
+    off = s.coact.astype(np.float64).copy()
+    np.fill_diagonal(off, 0)
+    iu = np.triu_indices(s.num_experts, 1)
+    pairs_seen = int((off[iu] > 0).sum())
+    top_pair = None
+    if pairs_seen:
+        i, j = np.unravel_index(int(np.argmax(np.triu(off, 1))), off.shape)
+        lift = off[i, j] * s.tokens / (freq[i] * freq[j]) if freq[i] and freq[j] else float("nan")
+        top_pair = (int(i), int(j), int(off[i, j]), float(lift))
+    return LayerSummary(layer_id, s.tokens, [(int(e), float(share[e])) for e in order[:n]],
+                        [(int(e), float(share[e])) for e in order[::-1][:n]],
+                        [int(e) for e in np.flatnonzero(freq == 0)], entropy, pairs_seen,
+                        len(iu[0]), top_pair)
+
+
+def _experts(items) -> str:
+    return " ".join(f"{e}:{100 * sh:.1f}%" for e, sh in items)
+
+
+def summary_table(stats: RoutingStats, n: int = 3) -> str:
+    """Plain-text table, one row per layer."""
+    header = (f"{'layer':>7} {'tokens':>10}  {'top experts (share)':<{n * 11}} "
+              f"{'bottom experts':<{n * 11}} {'dead':>4} {'entropy':>7}  co-activation")
+    lines = [f"{len(stats.layers)} MoE layers, E={stats.num_experts}, top-{stats.topk}, "
+             f"H={stats.hidden_size}, {stats.meta.get('ranks_merged', 1)} rank file(s)", header]
+    for layer_id in stats.layer_ids:
+        ls = summarize_layer(layer_id, stats.layers[layer_id], n)
+        co = f"pairs seen {ls.pairs_seen}/{ls.pairs_total}"
+        if ls.top_pair:
+            i, j, tok, lift = ls.top_pair
+            co += f", top pair {i}+{j}: {tok} tokens (lift {lift:.2f})"
+        lines.append(f"{layer_id:>7} {ls.tokens:>10}  {_experts(ls.top):<{n * 11}} "
+                     f"{_experts(ls.bottom):<{n * 11}} {len(ls.dead):>4} {ls.entropy:>7.3f}  {co}")
+        if ls.dead:
+            lines.append(f"{'':>7} dead experts: {ls.dead}")
+    return "\n".join(lines)
+
+
+def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
+    """`load.png`: share of selections per (layer, expert); `coact.png`: per layer, co-activation
+    counts normalised by the layer's tokens (diagonal blanked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = stats.layer_ids
+    load = np.stack([s.freq / max(s.freq.sum(), 1) for s in (stats.layers[i] for i in ids)])
+    fig, ax = plt.subplots(figsize=(max(6, stats.num_experts / 8), max(3, len(ids) / 4)))
+    im = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(ids)), ids, fontsize=6)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title("expert load (share of top-k selections)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    paths = [out_dir / "load.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    cols = math.ceil(math.sqrt(len(ids)))
+    rows = math.ceil(len(ids) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for ax, layer_id in zip(axes.flat, ids):
+        s = stats.layers[layer_id]
+        co = s.coact / max(s.tokens, 1)
+        co = co.astype(np.float64)
+        np.fill_diagonal(co, np.nan)
+        ax.imshow(co, cmap="magma", interpolation="nearest")
+        ax.set_title(f"layer {layer_id}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in list(axes.flat)[len(ids):]:
+        ax.axis("off")
+    fig.suptitle("co-activation (tokens selecting both / tokens)")
+    fig.tight_layout()
+    paths.append(out_dir / "coact.png")
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
