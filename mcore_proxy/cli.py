@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "mcore_proxy.checkpoint.cli",
     "mcore_proxy.select.cli",
     "mcore_proxy.trace.cli",
+    "mcore_proxy.convert.cli",
 )
 
 

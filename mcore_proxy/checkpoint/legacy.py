@@ -379,7 +379,7 @@ def _first_last(counts: tuple[int, ...]) -> tuple[int | None, int | None]:
     """Express stage sizes as Megatron's first/last stage sizes (middle stages even)."""
     if len(set(counts)) == 1:
         return None, None
-    for first in (None, counts[0]):
+    for first in (counts[0], None):
         for last in (None, counts[-1]):
             try:
                 if stage_layer_counts(sum(counts), len(counts), first, last) == tuple(counts):
@@ -548,6 +548,38 @@ def _add_grouped(out: _RankOut, prefix: str, j: int, rest: str, shard: torch.Ten
         del out.grouped[(prefix, fc)]
 
 
+def legacy_units(target: ParallelLayout) -> list[tuple[int, int, int]]:
+    """Every output rank file as (stage, tp, ep): the unit parallel writers split."""
+    return [(p, t, e) for p in range(target.pp) for t in range(target.tp) for e in range(target.ep)]
+
+
+def iteration_subdir(view: ModelView) -> str:
+    it = view.iteration if view.iteration is not None else 0
+    return "release" if it == "release" else f"iter_{int(it):07d}"
+
+
+def write_legacy_units(view: ModelView, root: Path, target: ParallelLayout, units, progress=None) -> list[Path]:
+    """Write the given output rank files (see `legacy_units`) under `root/iter_*/`."""
+    args = target_args(view, target)
+    iteration = view.iteration if view.iteration is not None else 0
+    header = {"checkpoint_version": getattr(view, "checkpoint_version", None) or 3.0,
+              "iteration": 0 if iteration == "release" else iteration}
+    extra_state = getattr(view, "linear_extra_state", True)
+    variants = frozenset(getattr(view, "variants", ()))
+    paths = []
+    for stage in sorted({u[0] for u in units}):
+        ranks = {(t, e) for p, t, e in units if p == stage}
+        paths += write_stage(view, Path(root) / iteration_subdir(view), target, stage, args, header,
+                             extra_state, variants, ranks=ranks, progress=progress)
+    return paths
+
+
+def write_tracker(view: ModelView, root: Path) -> None:
+    """The tracker file: written last, it marks the checkpoint complete for Megatron."""
+    it = view.iteration if view.iteration is not None else 0
+    (Path(root) / TRACKER).write_text(str(it))
+
+
 def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, inputs=(), progress=True) -> Path:
     """Write `view` as a legacy checkpoint at `target` into `out` (created; must not exist).
 
@@ -559,19 +591,11 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     from mcore_proxy.checkpoint.output import staged_output
 
     check_target(view, target)
-    args = target_args(view, target)
-    iteration = view.iteration if view.iteration is not None else 0
-    header = {"checkpoint_version": getattr(view, "checkpoint_version", None) or 3.0,
-              "iteration": 0 if iteration == "release" else iteration}
-    sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    extra_state = getattr(view, "linear_extra_state", True)
-    variants = frozenset(getattr(view, "variants", ()))
     total = sum(_nbytes(view, n) for n in view.names())
     with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
                                                   desc="write legacy", disable=not progress) as bar:
-        for stage in range(target.pp):
-            write_stage(view, tmp / sub, target, stage, args, header, extra_state, variants, progress=bar)
-        (tmp / TRACKER).write_text(str(iteration))
+        write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
+        write_tracker(view, tmp)
     return Path(out)
 
 

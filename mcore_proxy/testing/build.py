@@ -261,7 +261,47 @@ def save_checkpoint(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, 
     return ref_path
 
 
-def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path):
+def restrict_routers(gpt, keep: dict[str, list[int]]) -> None:
+    """Let every router choose only its layer's kept experts: the reference a correct proxy
+    must reproduce exactly. Logits of dropped experts become -inf (softmax: probability 0;
+    sigmoid: score 0) and their expert bias -inf, so selection never picks them.
+
+    keep: layer id ("3", "mtp.0") -> kept original expert ids.
+    """
+    num_layers = gpt.config.num_layers
+    for module in gpt.modules():
+        if not hasattr(module, "gating") or not hasattr(module, "expert_bias"):
+            continue
+        n = module.layer_number
+        layer_id = str(n - 1) if n <= num_layers else f"mtp.{n - num_layers - 1}"
+        dropped = torch.ones(module.weight.shape[0], dtype=torch.bool)
+        dropped[keep[layer_id]] = False
+        original = module.gating
+
+        def gating(x, _original=original, _dropped=dropped):
+            return _original(x).masked_fill(_dropped, float("-inf"))
+
+        module.gating = gating
+        if module.expert_bias is not None:
+            module.expert_bias.masked_fill_(dropped, float("-inf"))
+
+
+def toy_from_args(args) -> ToyMoE:
+    """The ToyMoE a tiny checkpoint's Megatron args describe (local spec, RMSNorm, SwiGLU, RoPE)."""
+    freq = args.moe_layer_freq
+    return ToyMoE(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        topk=args.moe_router_topk, moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+        shared_expert_size=args.moe_shared_expert_intermediate_size,
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        score_function=args.moe_router_score_function, expert_bias=args.moe_router_enable_expert_bias,
+        num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
+        vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
+
+
+def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None):
     init_distributed(rank, world, port, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
     try:
         gpt = build_gpt(model, layout)
@@ -272,6 +312,8 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path):
         path = root / sub / legacy_rank_dir(*coords, layout) / "model_optim_rng.pt"
         state = torch.load(path, map_location="cpu", weights_only=False)
         gpt.load_state_dict(state["model"], strict=True)
+        if keep is not None:
+            restrict_routers(gpt, keep)
         logits = forward_logits(gpt, fixed_tokens(model))
         first = _writes_folder(coords, world)  # a collective: every rank calls it once
         if logits is not None and first and coords == (0, layout.pp - 1, 0):
@@ -281,10 +323,12 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path):
         destroy_distributed()
 
 
-def load_and_run(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, out_path) -> torch.Tensor:
+def load_and_run(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, out_path,
+                 keep: dict[str, list[int]] | None = None) -> torch.Tensor:
     """Load a legacy checkpoint into megatron-core models built at `layout` (strict), run the
-    fixed tokens, and return the logits [b, s, vocab]."""
+    fixed tokens, and return the logits [b, s, vocab]. `keep` restricts the routers to those
+    experts (see `restrict_routers`)."""
     torch.multiprocessing.spawn(_load_worker, args=(layout.world_size, free_port(), model, layout,
-                                                    str(ckpt_dir), str(out_path)),
+                                                    str(ckpt_dir), str(out_path), keep),
                                 nprocs=layout.world_size, join=True)
     return torch.load(out_path)

@@ -20,10 +20,11 @@ FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
     # expert TP differs from attention TP: some mp_rank folders legitimately do not exist
     "seq_tp2_etp1_ep2": (ToyMoE(), Layout(tp=2, pp=1, ep=2, etp=1)),
     # DeepSeek-like: dense first layer, shared experts with gate, sigmoid scores with expert
-    # bias, group-limited routing (4 groups, top-2 groups), uneven pipeline stages (1 + 3)
+    # bias, group-limited routing (16 experts in 4 groups, top-2 groups, top-4), uneven stages (1 + 3)
     "deepseek_like_pp2_uneven": (
-        ToyMoE(num_layers=4, moe_layer_freq=(0, 1, 1, 1), shared_expert_size=24, shared_expert_gate=True,
-               score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2, topk=4),
+        ToyMoE(num_layers=4, num_experts=16, moe_layer_freq=(0, 1, 1, 1), shared_expert_size=24,
+               shared_expert_gate=True, score_function="sigmoid", expert_bias=True, num_groups=4,
+               group_topk=2, topk=4),
         Layout(tp=1, pp=2, ep=2, first_stage_layers=1)),
 }
 

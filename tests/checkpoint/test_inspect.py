@@ -20,7 +20,7 @@ EXPECTED = {
     "seq_tp2_etp1_ep2": dict(parallel=dict(tp=2, pp=1, ep=2, etp=1, vpp=1, stage_layers=[4]),
                              expert_layout="sequential", files=2),
     "deepseek_like_pp2_uneven": dict(parallel=dict(tp=1, pp=2, ep=2, etp=1, vpp=1, stage_layers=[1, 3]),
-                                     dense_layers=[0], moe_layers=[1, 2, 3], num_experts=8, topk=4,
+                                     dense_layers=[0], moe_layers=[1, 2, 3], num_experts=16, topk=4,
                                      score_function="sigmoid", num_groups=4, group_topk=2,
                                      expert_bias=True, shared_expert_size=24, files=4),
 }
@@ -34,7 +34,7 @@ def test_inspect_reports_layout(megatron_ckpt, fixture):
     for field, value in EXPECTED[fixture].items():
         assert info[field] == value, field
     # routed experts: E x L_moe x (fc1 [2F, H] + fc2 [H, F]) x 4 bytes
-    experts = 8 * len(info["moe_layers"]) * (2 * 16 * 32 + 32 * 16) * 4
+    experts = info["num_experts"] * len(info["moe_layers"]) * (2 * 16 * 32 + 32 * 16) * 4
     assert info["expert_bytes"] == experts
     assert info["total_bytes"] > experts
 

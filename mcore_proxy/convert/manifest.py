@@ -1,0 +1,50 @@
+"""manifest.json: sha256 and size of every file of an output, with its provenance."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+FORMAT = "mcore-proxy-manifest/1"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_table(folder: Path) -> dict[str, dict]:
+    """Relative path -> {size, sha256} for every file under `folder` except the manifest."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def write_manifest(folder: Path, info: dict) -> Path:
+    """Hash every file of `folder` and write the manifest (the last file written)."""
+    doc = {"format": FORMAT, **info, "files": file_table(folder)}
+    path = Path(folder) / MANIFEST
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def check_manifest(folder: Path) -> list[str]:
+    """Differences between the files of `folder` and its manifest; empty when they agree."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return [f"{path}: no manifest"]
+    recorded = json.loads(path.read_text()).get("files", {})
+    found = file_table(folder)
+    problems = [f"{name}: listed in the manifest but missing" for name in sorted(set(recorded) - set(found))]
+    problems += [f"{name}: not listed in the manifest" for name in sorted(set(found) - set(recorded))]
+    problems += [f"{name}: sha256 differs from the manifest" for name in sorted(set(found) & set(recorded))
+                 if found[name]["sha256"] != recorded[name]["sha256"]]
+    return problems
+
+
+def plan_fingerprint(plan_path: Path) -> str:
+    return hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()

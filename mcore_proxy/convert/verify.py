@@ -1,0 +1,123 @@
+"""Verify a proxy against its source and plan: bit-exact tensors, consistent args, manifest hashes,
+and optionally the same outputs as the source restricted to the kept experts."""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.convert.manifest import check_manifest
+from mcore_proxy.convert.prune import PrunedView
+from mcore_proxy.errors import CheckFailed
+
+
+@dataclass
+class VerifyReport:
+    checked_tensors: int = 0
+    checked_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    functional: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise equality (NaN == NaN, -0.0 != 0.0), dtype and shape included."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a == b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
+
+
+def compare_tensors(expected: ModelView, proxy: ModelView, report: VerifyReport, progress=None) -> None:
+    want, have = set(expected.names()), set(proxy.names())
+    report.problems += [f"{n}: missing from the proxy" for n in sorted(want - have)]
+    report.problems += [f"{n}: in the proxy but not expected" for n in sorted(have - want)]
+    for name in expected.names():
+        if name not in have:
+            continue
+        a, b = expected.get(name), proxy.get(name)
+        if not same_bits(a, b):
+            src = expected.source_name(name) if hasattr(expected, "source_name") else name
+            shape_a = tuple(a.shape) if isinstance(a, torch.Tensor) else a
+            shape_b = tuple(b.shape) if isinstance(b, torch.Tensor) else b
+            report.problems.append(f"{name}: differs from source {src} ({shape_a} vs {shape_b})")
+        if isinstance(a, torch.Tensor):
+            report.checked_tensors += 1
+            report.checked_bytes += a.numel() * a.element_size()
+            if progress is not None:
+                progress.update(a.numel() * a.element_size())
+
+
+def compare_args(plan, proxy: ModelView, source: ModelView, report: VerifyReport) -> None:
+    got, router = proxy.spec, plan.router
+    checks = [("num_experts", got.num_experts, plan.num_experts), ("moe_router_topk", got.topk, router.topk),
+              ("moe_router_num_groups", got.num_groups, router.num_groups),
+              ("moe_router_group_topk", got.group_topk, router.group_topk),
+              ("moe_router_score_function", got.score_function, source.spec.score_function),
+              ("MoE layers", got.moe_layer_ids, source.spec.moe_layer_ids),
+              ("num_layers", got.num_layers, source.spec.num_layers),
+              ("hidden_size", got.hidden_size, source.spec.hidden_size)]
+    report.problems += [f"args {what} is {have!r}, expected {want!r}" for what, have, want in checks if have != want]
+
+
+def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, progress: bool = True) -> VerifyReport:
+    """Every check; problems are collected, not raised (the CLI turns them into exit code 1)."""
+    from tqdm import tqdm
+
+    from mcore_proxy.select.plan import load_plan
+
+    plan = load_plan(plan_path)
+    source = open_checkpoint(orig)
+    expected = PrunedView(source, plan)
+    proxy_view = open_checkpoint(proxy)
+    report = VerifyReport()
+    compare_args(plan, proxy_view, source, report)
+    total = sum(_nbytes(expected, n) for n in expected.names())
+    with tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="verify", disable=not progress) as bar:
+        compare_tensors(expected, proxy_view, report, bar)
+    report.problems += [f"manifest: {p}" for p in check_manifest(Path(proxy))]
+    if functional and report.ok:
+        report.functional = functional_check(source, proxy_view, plan)
+        if not report.functional["match"]:
+            report.problems.append(
+                f"functional: proxy logits differ from the source restricted to kept experts by "
+                f"{report.functional['max_abs_diff']:.3g} (tolerance {report.functional['atol']:.1g})")
+    return report
+
+
+def _nbytes(view: ModelView, name: str) -> int:
+    from mcore_proxy.checkpoint.legacy import _nbytes as nbytes
+    return nbytes(view, name)
+
+
+def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
+    """Build both models in megatron-core on CPU (TP=PP=EP=1, small models only), run fixed
+    tokens, and compare the proxy's logits with the source's when its routers may only choose
+    the kept experts. The two are the same function, so they must agree to rounding."""
+    from mcore_proxy.checkpoint.legacy import resolve_target, write_legacy
+    from mcore_proxy.testing.build import Layout, load_and_run, toy_from_args
+
+    keep = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
+    with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
+        tmp = Path(tmp)
+        for label, view in (("source", source), ("proxy", proxy)):
+            write_legacy(view, tmp / label, resolve_target(view, expert_layout="sequential"), progress=False)
+        try:
+            ref = load_and_run(toy_from_args(source.args), Layout(), tmp / "source", tmp / "source.pt", keep=keep)
+            got = load_and_run(toy_from_args(proxy.args), Layout(), tmp / "proxy", tmp / "proxy.pt")
+        except torch.multiprocessing.ProcessRaisedException as err:
+            last = str(err).strip().splitlines()[-1]
+            raise CheckFailed(f"functional: megatron-core could not run the models ({last})") from None
+    floating = {source.dtype(n) for n in source.names() if source.dtype(n) is not None}
+    atol = 1e-5 if floating <= {torch.float32} else 2e-2
+    diff = (ref.float() - got.float()).abs().max().item()
+    return {"max_abs_diff": diff, "atol": atol, "match": bool(diff <= atol + atol * ref.abs().max().item()),
+            "tokens": int(ref.shape[0] * ref.shape[1])}
