@@ -40,7 +40,7 @@ class PrunedView(ModelView):
             self._map(name)
 
     def _map(self, name: str) -> None:
-        if (m := _ROUTER_ROWS.match(name)) and group_of(name) in self._kept:
+        if _ROUTER_ROWS.match(name) and group_of(name) in self._kept:
             self._origin[name] = name
             self._rows[name] = self._kept[group_of(name)]
             return

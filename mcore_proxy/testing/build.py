@@ -6,7 +6,7 @@ checkpoints are written by megatron-core's own modules at a real TP/PP/EP/ETP la
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import random
 from dataclasses import dataclass
@@ -261,14 +261,16 @@ def save_checkpoint(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, 
     return ref_path
 
 
-def restrict_routers(gpt, keep: dict[str, list[int]]) -> None:
-    """Let every router choose only its layer's kept experts: the reference a correct proxy
-    must reproduce exactly. Logits of dropped experts become -inf (softmax: probability 0;
-    sigmoid: score 0) and their expert bias -inf, so selection never picks them.
+@contextlib.contextmanager
+def restrict_routers(gpt, keep: dict[str, list[int]]):
+    """Within the block, every router may choose only its layer's kept experts: the reference a
+    correct proxy must reproduce exactly (DESIGN.md 7). Logits of dropped experts become -inf
+    (softmax: probability 0; sigmoid: score 0) and their expert bias -inf, so selection never
+    picks them. Restored on exit.
 
     keep: layer id ("3", "mtp.0") -> kept original expert ids.
     """
-    num_layers = gpt.config.num_layers
+    num_layers, saved = gpt.config.num_layers, []
     for module in gpt.modules():
         if not hasattr(module, "gating") or not hasattr(module, "expert_bias"):
             continue
@@ -276,14 +278,18 @@ def restrict_routers(gpt, keep: dict[str, list[int]]) -> None:
         layer_id = str(n - 1) if n <= num_layers else f"mtp.{n - num_layers - 1}"
         dropped = torch.ones(module.weight.shape[0], dtype=torch.bool)
         dropped[keep[layer_id]] = False
-        original = module.gating
-
-        def gating(x, _original=original, _dropped=dropped):
-            return _original(x).masked_fill(_dropped, float("-inf"))
-
-        module.gating = gating
-        if module.expert_bias is not None:
+        bias = None if module.expert_bias is None else module.expert_bias.clone()
+        saved.append((module, bias))
+        module.gating = lambda x, _orig=module.gating, _d=dropped: _orig(x).masked_fill(_d, float("-inf"))
+        if bias is not None:
             module.expert_bias.masked_fill_(dropped, float("-inf"))
+    try:
+        yield
+    finally:
+        for module, bias in saved:
+            del module.gating  # back to the class method
+            if bias is not None:
+                module.expert_bias.copy_(bias)
 
 
 def toy_from_args(args) -> ToyMoE:
@@ -312,9 +318,8 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None
         path = root / sub / legacy_rank_dir(*coords, layout) / "model_optim_rng.pt"
         state = torch.load(path, map_location="cpu", weights_only=False)
         gpt.load_state_dict(state["model"], strict=True)
-        if keep is not None:
-            restrict_routers(gpt, keep)
-        logits = forward_logits(gpt, fixed_tokens(model))
+        with restrict_routers(gpt, keep) if keep is not None else contextlib.nullcontext():
+            logits = forward_logits(gpt, fixed_tokens(model))
         first = _writes_folder(coords, world)  # a collective: every rank calls it once
         if logits is not None and first and coords == (0, layout.pp - 1, 0):
             torch.save(logits, out_path)

@@ -7,14 +7,13 @@ are build.py's.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import torch
 
 from mcore_proxy.testing.build import (Layout, ToyMoE, _rank_coords, _writes_folder, build_gpt, diversify_weights,
-                                       fixed_tokens, forward_logits, legacy_rank_dir)
+                                       fixed_tokens, forward_logits, legacy_rank_dir, restrict_routers)
 from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -28,27 +27,6 @@ def dist_args(model: ToyMoE, layout: Layout):
     args = model.megatron_args(layout)
     args.ckpt_format = "torch_dist"
     return args
-
-
-@contextlib.contextmanager
-def restrict_routers(gpt, kept: dict[int, list[int]]):
-    """Route every token only to `kept[L]` experts of MoE layer L (global, 0-based): the logits
-    of the other experts become -inf. With the same weights this is exactly the pruned proxy
-    (DESIGN.md 7), the reference of functional-equivalence tests."""
-    routers = []
-    for layer in gpt.decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is None:
-            continue
-        mask = torch.full((router.weight.shape[0],), float("-inf"))
-        mask[kept[layer.layer_number - 1]] = 0.0
-        router.gating = lambda x, original=router.gating, mask=mask: original(x) + mask
-        routers.append(router)
-    try:
-        yield
-    finally:
-        for router in routers:
-            del router.gating  # back to the class method
 
 
 def iteration_dir(ckpt_dir) -> Path:
@@ -85,7 +63,7 @@ def _save_worker(rank, world, port, model, layout, ckpt_dir, iteration, ref_path
         tokens = fixed_tokens(model)
         _write_on_last_stage(forward_logits(gpt, tokens), layout, world, ref_path)
         if kept is not None:
-            with restrict_routers(gpt, kept):
+            with restrict_routers(gpt, {str(k): v for k, v in kept.items()}):
                 _write_on_last_stage(forward_logits(gpt, tokens), layout, world, kept_ref)
         it_dir = Path(ckpt_dir) / f"iter_{iteration:07d}"
         it_dir.mkdir(parents=True, exist_ok=True)
