@@ -5,17 +5,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import torch
 
-from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.sharding import rule_for
-
-
-def _nbytes(view: ModelView, name: str) -> int:
-    shape, dtype = view.shape(name), view.dtype(name)
-    if shape is None or dtype is None:
-        return 0
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
 
 
 def _compact(ids: list[int]) -> str:
@@ -40,7 +32,7 @@ def describe(view: ModelView) -> dict:
     dtype_bytes: Counter = Counter()
     expert_bytes = 0
     for n in names:
-        b = _nbytes(view, n)
+        b = tensor_nbytes(view, n)
         if b:
             dtype_bytes[str(view.dtype(n)).replace("torch.", "")] += b
             expert_bytes += b if rule_for(n).expert else 0

@@ -14,7 +14,7 @@ import torch
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name, stage_layer_counts
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
-from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.sharding import COLUMN, GLU_COLUMN, REPLICATED, ROW, is_ignored, join, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
@@ -591,19 +591,9 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     from mcore_proxy.checkpoint.output import staged_output
 
     check_target(view, target)
-    total = sum(_nbytes(view, n) for n in view.names())
+    total = sum(tensor_nbytes(view, n) for n in view.names())
     with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
                                                   desc="write legacy", disable=not progress) as bar:
         write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
         write_tracker(view, tmp)
     return Path(out)
-
-
-def _nbytes(view: ModelView, name: str) -> int:
-    shape, dtype = view.shape(name), view.dtype(name)
-    if shape is None or dtype is None:
-        return 0
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()

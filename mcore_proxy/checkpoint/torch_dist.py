@@ -51,7 +51,7 @@ import torch
 from mcore_proxy.checkpoint.layout import ParallelLayout, stage_layer_counts
 from mcore_proxy.checkpoint.names import GROUPED, SEQUENTIAL, TE_GROUPED
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile, _RestrictedUnpickler, materialize, save_object
-from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
@@ -965,6 +965,18 @@ def write_torch_dist(view: ModelView, out, target: ParallelLayout | None = None,
     target = _complete_target(view, target)
     if target is not None:
         check_dist_target(view, target)
+    total = sum(tensor_nbytes(view, n) for n in view.names())
+    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
+                                                  desc="write torch_dist", disable=not progress) as bar:
+        write_torch_dist_into(view, tmp, target, bar)
+    return Path(out)
+
+
+def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | None, progress=None) -> None:
+    """The body of `write_torch_dist`: write into the existing (empty, staged) folder `root`."""
+    target = _complete_target(view, target)
+    if target is not None:
+        check_dist_target(view, target)
     args = dist_target_args(view, target)
     style = KeyStyle.from_args(args, view.spec)
     iteration = view.iteration if view.iteration is not None else 0
@@ -973,27 +985,15 @@ def write_torch_dist(view: ModelView, out, target: ParallelLayout | None = None,
               "iteration": 0 if iteration == "release" else iteration,
               "content_metadata": dict(CONTENT_METADATA)}
     extra_state = bool(getattr(view, "linear_extra_state", True))
-    groups = view.groups()
-    total = sum(_nbytes(view, n) for names in groups.values() for n in names)
-    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True,
-                                                  desc="write torch_dist", disable=not progress) as bar:
-        it_dir = tmp / sub
-        it_dir.mkdir()
-        writer = _DcpWriter(it_dir)
-        for n, names in enumerate(groups.values()):
-            file = f"__0_{n}.distcp"
-            with open(it_dir / file, "wb") as fh:
-                _write_group(view, names, fh, file, writer, style, target, extra_state, bar)
-        with open(it_dir / DCP_METADATA, "wb") as fh:
-            pickle.dump(writer.metadata(), fh)
-        save_object(common, it_dir / COMMON_FILE)
-        (it_dir / CONFIG_FILE).write_text(json.dumps(CONFIG))
-        (tmp / TRACKER).write_text(str(iteration))
-    return Path(out)
-
-
-def _nbytes(view: ModelView, name: str) -> int:
-    shape, dtype = view.shape(name), view.dtype(name)
-    if shape is None or dtype is None:
-        return 0
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    it_dir = Path(root) / sub
+    it_dir.mkdir()
+    writer = _DcpWriter(it_dir)
+    for n, names in enumerate(view.groups().values()):
+        file = f"__0_{n}.distcp"
+        with open(it_dir / file, "wb") as fh:
+            _write_group(view, names, fh, file, writer, style, target, extra_state, progress)
+    with open(it_dir / DCP_METADATA, "wb") as fh:
+        pickle.dump(writer.metadata(), fh)
+    save_object(common, it_dir / COMMON_FILE)
+    (it_dir / CONFIG_FILE).write_text(json.dumps(CONFIG))  # marks the iteration complete
+    (Path(root) / TRACKER).write_text(str(iteration))

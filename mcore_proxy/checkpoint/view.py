@@ -88,3 +88,11 @@ def router_fingerprint(view: ModelView) -> str:
                 h.update(str(t.dtype).encode())
                 h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def tensor_nbytes(view: ModelView, name: str) -> int:
+    """Bytes of one canonical tensor from its shape and dtype (0 for non-tensor entries)."""
+    shape, dtype = view.shape(name), view.dtype(name)
+    if shape is None or dtype is None:
+        return 0
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()

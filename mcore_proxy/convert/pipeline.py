@@ -16,10 +16,9 @@ from pathlib import Path
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.layout import ParallelLayout
-from mcore_proxy.checkpoint.legacy import (_nbytes, legacy_units, resolve_target, write_legacy_units,
-                                           write_tracker)
+from mcore_proxy.checkpoint.legacy import legacy_units, resolve_target, write_legacy_units, write_tracker
 from mcore_proxy.checkpoint.output import staged_output
-from mcore_proxy.checkpoint.view import ModelView, router_fingerprint
+from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import ProxyError
@@ -155,16 +154,18 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False) -
     start = time.perf_counter()
     source, view, plan = open_views(req.ckpt, req.plan)
     target = plan_target(req, source, view, plan)
-    read = sum(_nbytes(view, n) for n in view.names())
+    read = sum(tensor_nbytes(view, n) for n in view.names())
     result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
                            launch_flags(view, target, plan))
     if dry_run:
         return result
     if req.format == "torch_dist":
-        from mcore_proxy.checkpoint.torch_dist import write_torch_dist
+        from mcore_proxy.checkpoint.torch_dist import write_torch_dist_into
 
         def write_body(tmp: Path) -> None:
-            write_torch_dist(view, tmp, target, progress=progress)
+            with tqdm(total=read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                      disable=not progress) as bar:
+                write_torch_dist_into(view, tmp, target, bar)
     else:
         def write_body(tmp: Path) -> None:
             if req.workers > 1:

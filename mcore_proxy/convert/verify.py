@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.convert.manifest import check_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import CheckFailed
@@ -80,7 +80,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     proxy_view = open_checkpoint(proxy)
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
-    total = sum(_nbytes(expected, n) for n in expected.names())
+    total = sum(tensor_nbytes(expected, n) for n in expected.names())
     with tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="verify", disable=not progress) as bar:
         compare_tensors(expected, proxy_view, report, bar)
     report.problems += [f"manifest: {p}" for p in check_manifest(Path(proxy))]
@@ -91,11 +91,6 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
                 f"functional: proxy logits differ from the source restricted to kept experts by "
                 f"{report.functional['max_abs_diff']:.3g} (tolerance {report.functional['atol']:.1g})")
     return report
-
-
-def _nbytes(view: ModelView, name: str) -> int:
-    from mcore_proxy.checkpoint.legacy import _nbytes as nbytes
-    return nbytes(view, name)
 
 
 def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
