@@ -8,6 +8,9 @@ representatives, coverage, router fingerprint), not the data generation.
 
     python bench/bench_select.py                 # K=16 and K=64, median of 3 runs
     python bench/bench_select.py --k 64 --runs 5 --group-policy flatten
+
+On a shared machine, multi-threaded OpenBLAS slows down sharply when other processes hold the
+cores; OPENBLAS_NUM_THREADS=1 keeps the time stable there (see bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
           f"python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")
     print(f"command: python {' '.join(sys.argv)}")
+    print("load average (1, 5, 15 min) before: %.2f %.2f %.2f" % os.getloadavg())
     print("| K | method | group policy | runs | median s | min s | max s | mean token coverage |")
     print("|---|---|---|---|---|---|---|---|")
     for k in args.k:
@@ -77,6 +81,7 @@ def main(argv=None) -> int:
         print(f"| {k} | {args.method} | {plan.params['group_policy']} | {args.runs} | "
               f"{statistics.median(times):.2f} | {min(times):.2f} | {max(times):.2f} | "
               f"{plan.mean_coverage()[0]:.3f} |")
+    print("load average (1, 5, 15 min) after: %.2f %.2f %.2f" % os.getloadavg())
     return 0
 
 
