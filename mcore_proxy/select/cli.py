@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+from pathlib import Path
 
-from mcore_proxy.errors import PlanError
+from mcore_proxy.errors import OutputError, PlanError
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
 from mcore_proxy.select.selector import METHODS
@@ -33,7 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--stats", required=True, help="routing statistics (.safetensors + .json)")
     p.add_argument("--num-experts", "-k", type=int, required=True, metavar="K",
                    help="experts to keep in every MoE layer")
-    p.add_argument("--target-ep", type=int, default=1, metavar="N",
+    p.add_argument("--target-ep", "--target-expert-parallel-size", type=int, default=1, metavar="N",
                    help="expert-parallel degree K must divide (default 1)")
     p.add_argument("--method", choices=METHODS, default="multiview")
     p.add_argument("--weights", default="1,1,1", metavar="R,C,P",
@@ -61,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     from mcore_proxy.stats import load_stats
 
     weights = parse_weights(args.weights)
+    if Path(args.output).is_dir():
+        raise OutputError(f"-o {args.output} is a folder; pass the plan file to write, e.g. "
+                          f"-o {Path(args.output) / 'plan.json'}")
     stats = load_stats(args.stats)
     view = open_checkpoint(args.ckpt)
     check_stats_match(stats, view.spec, str(args.stats))

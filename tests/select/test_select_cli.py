@@ -75,6 +75,16 @@ def test_bad_input_exits_2_with_one_sentence(tmp_path, cli_model, capsys, argv, 
     assert re.search(match, err)
 
 
+def test_output_folder_is_refused_and_ep_alias_works(tmp_path, cli_model, capsys):
+    _, _, stats_path, _ = cli_model
+    base = ["select", "--ckpt", "C", "--stats", str(stats_path), "-k", "8"]
+    assert main(base + ["-o", str(tmp_path)]) == 2
+    assert "is a folder; pass the plan file" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    assert main(base + ["--target-expert-parallel-size", "8", "-o", str(out)]) == 0
+    assert load_plan(out).expert_parallel_size == 8
+
+
 def test_missing_stats_file_names_it(tmp_path, cli_model, capsys):
     code = main(["select", "--ckpt", "C", "--stats", str(tmp_path / "nope.safetensors"), "-k", "8",
                  "-o", str(tmp_path / "plan.json")])
