@@ -152,15 +152,22 @@ def install(model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency
     of virtual-pipeline chunks). Returns the Tracer; use it as a context manager, or call
     `flush()` / `close()` yourself. `saliency=True` also hooks the experts modules where
     `saliency_supported` holds (elsewhere the field stays absent, with a warning)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.router import TopKRouter
-
     from mcore_proxy.trace import runtime
 
     if runtime.env_tracing_active():
         raise RuntimeError(f"routing statistics are already collected through {runtime.ENV_DIR}; "
                            "unset it or do not call install()")
     tracer = Tracer(out_dir, flush_every=flush_every, rank=rank)
+    attach_hooks(tracer, model, saliency=saliency)
+    return tracer
+
+
+def attach_hooks(tracer: Tracer, model, *, saliency: bool = False) -> int:
+    """Register the forward hooks of `install` on `model`, owned by `tracer` (removed by
+    `tracer.detach()`); returns the number of routers hooked."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+
     routers, no_saliency = 0, []
     for module in _modules(model):
         if isinstance(module, TopKRouter):
@@ -180,4 +187,4 @@ def install(model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency
                     no_saliency)
     if not routers:
         raise ValueError("install(): the model has no megatron-core TopKRouter; is it a MoE model?")
-    return tracer
+    return routers

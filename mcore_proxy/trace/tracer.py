@@ -121,7 +121,9 @@ class Tracer:
         if acc is None:  # the router of this layer is not recorded on this rank
             return
         with torch.no_grad():
-            norms = output.detach().float().norm(dim=-1)
+            # the reduction accumulates in fp32 for bf16/fp16 rows; only the [N] result is
+            # rounded to the output dtype (a float copy of all rows would cost 8x the time)
+            norms = output.detach().norm(dim=-1)
             counts = torch.as_tensor(tokens_per_expert, device=norms.device)
             owner = torch.repeat_interleave(torch.arange(counts.numel(), device=norms.device), counts,
                                             output_size=norms.shape[0])

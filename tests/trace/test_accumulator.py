@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from mcore_proxy.trace.accumulator import LayerAccumulator, full_routing
+from mcore_proxy.trace import accumulator
+from mcore_proxy.trace.accumulator import LayerAccumulator, full_routing, routed_sum
 
 
 def random_routing(tokens=40, experts=6, hidden=5, topk=2, seed=0):
@@ -82,3 +83,17 @@ def test_saliency_is_added_per_global_expert():
     assert acc.to_layer_stats().saliency_sum is None
     acc.add_saliency(torch.tensor([3, 4, 5]), torch.tensor([1.0, 0.0, 2.5], dtype=torch.float64))
     np.testing.assert_array_equal(acc.to_layer_stats().saliency_sum, [0, 0, 0, 1.0, 0, 2.5])
+
+
+def test_routed_sum_falls_back_to_fp32_where_the_fp32_output_gemm_is_missing(monkeypatch):
+    """CPU has no `mm(..., out_dtype=float32)`; pretend it might, as on a GPU: the first call
+    falls back, remembers, and the result is the exact fp32 product either way."""
+    monkeypatch.setattr(accumulator, "_FP32_OUT_GEMM", {("cpu", torch.bfloat16): True})
+    hidden, _, routing_map, _, _ = random_routing(tokens=600, hidden=8)   # > one CPU slice
+    mask, h = routing_map.float(), hidden.bfloat16()
+    expected = mask.t().double() @ h.double()
+    for _ in range(2):
+        out = routed_sum(mask, h)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+    assert accumulator._FP32_OUT_GEMM[("cpu", torch.bfloat16)] is False
