@@ -39,6 +39,7 @@ class ToyMoE:
     vocab_size: int = 128
     seq_length: int = 16
     router_std: float = 1.0              # wide router rows: decisive, diverse routing
+    weight_seed: int = 0                 # different seeds: different router and expert weights
 
     def transformer_config(self, layout: "Layout"):
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -149,7 +150,7 @@ def diversify_weights(gpt, model: ToyMoE) -> None:
         mlp = layer.mlp
         if not hasattr(mlp, "router"):
             continue
-        g = torch.Generator().manual_seed(1000 + layer.layer_number)
+        g = torch.Generator().manual_seed(1000 + layer.layer_number + 7919 * model.weight_seed)
         mlp.router.weight.data.copy_(torch.randn(mlp.router.weight.shape, generator=g) * model.router_std)
         if getattr(mlp.router, "expert_bias", None) is not None:
             mlp.router.expert_bias.copy_(torch.randn(mlp.router.expert_bias.shape, generator=g) * 0.1)
@@ -157,7 +158,8 @@ def diversify_weights(gpt, model: ToyMoE) -> None:
         for name, p in mlp.experts.named_parameters():
             for j in range(local):
                 expert = ep_rank * local + j
-                gen = torch.Generator().manual_seed(layer.layer_number * 100_003 + expert * 101 + tp_rank)
+                gen = torch.Generator().manual_seed(layer.layer_number * 100_003 + expert * 101 + tp_rank
+                                                    + 7919 * model.weight_seed)
                 _add_expert_noise(p, name, j, local, gen)
 
 

@@ -16,9 +16,9 @@ FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
     # SequentialMLP, softmax top-2 of 8, TP=2 PP=2 EP=2 (8 ranks)
     "seq_tp2_pp2_ep2": (ToyMoE(), Layout(tp=2, pp=2, ep=2)),
     # GroupedMLP (weight1/weight2, as MindSpeed-LLM writes with --moe-grouped-gemm), EP=4
-    "grouped_ep4": (ToyMoE(), Layout(tp=1, pp=1, ep=4, grouped=True)),
+    "grouped_ep4": (ToyMoE(weight_seed=1), Layout(tp=1, pp=1, ep=4, grouped=True)),
     # expert TP differs from attention TP: some mp_rank folders legitimately do not exist
-    "seq_tp2_etp1_ep2": (ToyMoE(), Layout(tp=2, pp=1, ep=2, etp=1)),
+    "seq_tp2_etp1_ep2": (ToyMoE(weight_seed=2), Layout(tp=2, pp=1, ep=2, etp=1)),
     # DeepSeek-like: dense first layer, shared experts with gate, sigmoid scores with expert
     # bias, group-limited routing (16 experts in 4 groups, top-2 groups, top-4), uneven stages (1 + 3)
     "deepseek_like_pp2_uneven": (

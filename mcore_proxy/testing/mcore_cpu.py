@@ -95,6 +95,12 @@ def free_port() -> int:
 def init_distributed(rank: int, world_size: int, port: int, *, tp=1, pp=1, ep=1, etp=None,
                      vpp=None, seed: int = 1234) -> None:
     """gloo process group and megatron parallel state for one CPU rank."""
+    import warnings
+
+    # every spawned rank would repeat megatron's "Transformer Engine not installed" notices
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     patch_megatron_for_cpu()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
