@@ -249,8 +249,8 @@ def merge_stats(parts: list[tuple[Path, RoutingStats]], *, allow_missing_layers:
         missing = sorted(set(declared) - set(layers), key=layer_sort_key)
         if missing and not allow_missing_layers:
             raise StatsError(f"{first_path.parent}: no file holds statistics for MoE layers "
-                             f"{missing}; a pipeline stage's rank files are missing (copy them in, "
-                             "or allow a partial merge explicitly)")
+                             f"{missing}; a pipeline stage's rank files are missing: copy them in, "
+                             "or if those layers really route nothing pass --allow-missing-layers")
     meta = {k: v for k, v in first.meta.items() if k not in ("ranks_merged", "rank", "steps")}
     meta["ranks_merged"] = sum(int(s.meta.get("ranks_merged", 1)) for _, s in parts)
     ranks = sorted(r for _, s in parts for r in s.meta.get("ranks", [s.meta.get("rank")]) if r is not None)

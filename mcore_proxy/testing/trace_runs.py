@@ -26,6 +26,7 @@ class TraceRun:
 
     model: ToyMoE = field(default_factory=ToyMoE)
     layout: Layout = field(default_factory=Layout)
+    vpp: int | None = None           # virtual pipeline stages per rank (model chunks)
     sequence_parallel: bool = False
     mtp_layers: int = 0
     recompute: bool = False          # full recompute, training-mode forward + backward (PP=1)
@@ -86,6 +87,8 @@ def _swap_torch_norm(spec):
 def run_config(run: TraceRun):
     config = run.model.transformer_config(run.layout)
     extra = {"sequence_parallel": run.sequence_parallel}
+    if run.vpp:
+        extra["virtual_pipeline_model_parallel_size"] = run.vpp
     if run.mtp_layers:
         extra["mtp_num_layers"] = run.mtp_layers
     if run.recompute:
@@ -94,22 +97,28 @@ def run_config(run: TraceRun):
 
 
 def build_stage(run: TraceRun):
-    """This rank's GPT stage of `run` (call after init_distributed)."""
+    """This rank's GPT stage of `run` (call after init_distributed); with `run.vpp`, the list
+    of its model chunks, as Megatron builds them for the interleaved schedule."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     config = run_config(run)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    if run.sequence_parallel:
-        spec = _swap_torch_norm(spec)
-    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if run.mtp_layers else None
-    gpt = GPTModel(config, spec, vocab_size=run.model.vocab_size,
-                   max_sequence_length=run.model.seq_length,
-                   pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                   parallel_output=False, position_embedding_type="rope", mtp_block_spec=mtp)
-    fill_global_weights(gpt, seed=run.seed, router_std=run.model.router_std)
-    return gpt
+    chunks = []
+    for vp in (range(run.vpp) if run.vpp else [None]):
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization="RMSNorm", vp_stage=vp)
+        if run.sequence_parallel:
+            spec = _swap_torch_norm(spec)
+        mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
+               if run.mtp_layers else None)
+        chunks.append(GPTModel(
+            config, spec, vocab_size=run.model.vocab_size, max_sequence_length=run.model.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            parallel_output=False, position_embedding_type="rope", mtp_block_spec=mtp, vp_stage=vp))
+    fill_global_weights(chunks, seed=run.seed, router_std=run.model.router_std)
+    return chunks if run.vpp else chunks[0]
 
 
 def replica_tokens(run: TraceRun) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -127,7 +136,10 @@ def replica_tokens(run: TraceRun) -> tuple[torch.Tensor, torch.Tensor | None, in
 
 
 def forward(gpt, run: TraceRun, tokens: torch.Tensor, pad: torch.Tensor | None):
-    """One forward pass (and backward with `run.recompute`); logits [b, s, V] on the last stage."""
+    """One forward pass (and backward with `run.recompute`); logits [b, s, V] on the last stage.
+
+    Stages (and, with virtual pipelining, the chunks in their interleaved order: rank 0 chunk 0,
+    rank 1 chunk 0, ..., rank 0 chunk 1, ...) pass activations on by p2p around the PP ring."""
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
@@ -141,17 +153,20 @@ def forward(gpt, run: TraceRun, tokens: torch.Tensor, pad: torch.Tensor | None):
         out = gpt(tokens, positions, mask, **kwargs)
         out.float().pow(2).mean().backward()
         return out.detach()
-    gpt.eval()
-    with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            s_local = s // ps.get_tensor_model_parallel_world_size() if run.sequence_parallel else s
-            recv = torch.empty(s_local, b, gpt.config.hidden_size)
-            torch.distributed.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
-            gpt.set_input_tensor(recv)
-        out = gpt(tokens, positions, mask, **kwargs)
-        if not ps.is_pipeline_last_stage():
-            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return None
+    out = None
+    for vp, chunk in enumerate(gpt if isinstance(gpt, list) else [gpt]):
+        chunk.eval()
+        vp_stage = vp if run.vpp else None
+        with torch.no_grad():
+            if not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
+                s_local = s // ps.get_tensor_model_parallel_world_size() if run.sequence_parallel else s
+                recv = torch.empty(s_local, b, chunk.config.hidden_size)
+                torch.distributed.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(recv)
+            out = chunk(tokens, positions, mask, **kwargs)
+            if not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
+                torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+                out = None
     return out
 
 
@@ -171,9 +186,10 @@ def _traced_forward_passes(run: TraceRun, out_dir: Path) -> None:
 
 
 def _worker(rank, world, port, runs: dict, out_dir: str):
-    lay = next(iter(runs.values())).layout
+    first = next(iter(runs.values()))
+    lay = first.layout
     torch.set_num_threads(1)  # several ranks share few cores: no intra-op oversubscription
-    init_distributed(rank, world, port, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
+    init_distributed(rank, world, port, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, vpp=first.vpp)
     try:
         allow_recompute_on_cpu()
         for name, run in runs.items():
@@ -186,14 +202,14 @@ def run_traced(runs: dict[str, TraceRun], out_dir: str | os.PathLike) -> dict[st
     """Run each of `runs` (one layout for all: they share the spawned gloo ranks, which saves
     the per-rank start-up) one after the other; returns {name: out_dir/name} holding the rank
     files and logits of that run."""
-    layouts = {run.layout for run in runs.values()}
+    layouts = {(run.layout, run.vpp) for run in runs.values()}
     if len(layouts) != 1:
         raise ValueError(f"run_traced: runs of one call must share a layout, got {layouts}")
     out_dir = Path(out_dir)
     folders = {name: out_dir / name for name in runs}
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
-    world = layouts.pop().world_size
+    world = layouts.pop()[0].world_size
     torch.multiprocessing.spawn(_worker, args=(world, free_port(), dict(runs), str(out_dir)),
                                 nprocs=world, join=True)
     return folders

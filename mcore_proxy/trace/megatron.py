@@ -74,7 +74,8 @@ def model_layers(config) -> list[str] | None:
         num_layers = int(config.num_layers)
         pattern = moe_layer_pattern(num_layers, getattr(config, "moe_layer_freq", 1) or 1)
         first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)  # MindSpeed-LLM
-        ids = [str(i) for i, moe in enumerate(pattern) if moe and i >= first_dense]
+        noop = {int(i) for i in (getattr(config, "noop_layers", None) or ())}  # MindSpeed
+        ids = [str(i) for i, moe in enumerate(pattern) if moe and i >= first_dense and i not in noop]
         if getattr(config, "mtp_num_layers", None) and pattern and pattern[-1]:
             ids += [f"mtp.{k}" for k in range(int(config.mtp_num_layers))]
         return ids

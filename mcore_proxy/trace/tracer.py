@@ -48,10 +48,13 @@ class RouterInfo:
     counts: bool = True      # False on TP ranks > 0 without sequence parallelism
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def in_backward() -> bool:
     """True while the autograd engine executes a backward pass on this thread, which is where
-    activation checkpointing re-runs forward code."""
-    return torch._C._current_graph_task_id() != -1
+    activation checkpointing re-runs forward code. (torch < 2.0 cannot tell: never skipped.)"""
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 def _global_rank() -> int:

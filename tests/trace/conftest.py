@@ -63,6 +63,7 @@ RUNS = {
     "tp2ep2_sp": {"tp2ep2_sp": TraceRun(layout=Layout(tp=2, ep=2), sequence_parallel=True)},
     "pp2ep2_grouped": {"pp2ep2_grouped": TraceRun(layout=Layout(pp=2, ep=2, grouped=True),
                                                   saliency=True)},                # 4 ranks, DP 2
+    "pp2vpp2": {"pp2vpp2": TraceRun(layout=Layout(pp=2), vpp=2)},   # 2 ranks x 2 model chunks
 }
 GROUP_OF = {name: group for group, runs in RUNS.items() for name in runs}
 

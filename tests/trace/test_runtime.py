@@ -82,3 +82,19 @@ def test_registered_with_mindspeed_as_wrappers(standin_manager, monkeypatch):
 
     standin_manager.MindSpeedPatchesManager.register_patch(runtime.ROUTER_FORWARD, topk_router_forward)
     assert info[runtime.ROUTER_FORWARD].patch_func is topk_router_forward
+
+
+def test_install_refuses_when_the_environment_already_traces(monkeypatch, tmp_path):
+    monkeypatch.setenv(runtime.ENV_DIR, str(tmp_path))
+    with pytest.raises(RuntimeError, match="already collected through MCORE_PROXY_TRACE_DIR"):
+        megatron.install(object(), tmp_path)
+
+
+def test_model_layers_from_config():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_layers=6, moe_layer_freq=[0, 1, 1, 1, 1, 1], mtp_num_layers=1,
+                             first_k_dense_replace=2, noop_layers={4})
+    assert megatron.model_layers(config) == ["2", "3", "5", "mtp.0"]
+    assert megatron.model_layers(SimpleNamespace(num_layers=4, moe_layer_freq=2)) == ["0", "2"]
+    assert megatron.model_layers(SimpleNamespace(num_layers=4, moe_layer_freq=[1])) is None
