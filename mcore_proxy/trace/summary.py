@@ -31,7 +31,9 @@ def summarize_layer(layer_id: str, s: LayerStats, n: int = 3) -> LayerSummary:
     share = freq / total if total else freq
     order = np.argsort(-freq, kind="stable")
     nonzero = share[share > 0]
-    entropy = float(-(nonzero * np.log(nonzero)).sum() / math.log(s.num_experts)) if s.num_experts > 1 else 1.0
+    entropy = 1.0
+    if s.num_experts > 1:
+        entropy = float(-(nonzero * np.log(nonzero)).sum() / math.log(s.num_experts))
     off = s.coact.astype(np.float64).copy()
     np.fill_diagonal(off, 0)
     iu = np.triu_indices(s.num_experts, 1)
@@ -97,7 +99,7 @@ def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
     cols = math.ceil(math.sqrt(len(ids)))
     rows = math.ceil(len(ids) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
-    for ax, layer_id in zip(axes.flat, ids):
+    for ax, layer_id in zip(axes.flat, ids, strict=False):   # spare axes are blanked below
         s = stats.layers[layer_id]
         co = s.coact / max(s.tokens, 1)
         co = co.astype(np.float64)

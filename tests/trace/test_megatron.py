@@ -12,6 +12,8 @@ from mcore_proxy.testing.trace_runs import replica_logits
 from mcore_proxy.trace.cli import merge_folder
 from mcore_proxy.trace.megatron import layer_id
 
+pytestmark = pytest.mark.megatron   # real megatron-core models (slow)
+
 TOKENS = 4 * 16          # batch x sequence of every run
 TOPK = 2
 

@@ -14,9 +14,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mcore_proxy.stats import load_stats
 from mcore_proxy.trace.cli import merge_folder
+
+pytestmark = pytest.mark.megatron   # real megatron-core models (slow)
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches"
