@@ -149,12 +149,19 @@ def save_stats(stats: RoutingStats, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    side_tmp = sidecar_path(tmp).with_name(sidecar_path(tmp).name)
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600; others on the cluster merge these
+    side_tmp = sidecar_path(tmp)
     side_tmp.write_text(json.dumps(stats.sidecar(), indent=2, sort_keys=True))
     # the JSON last: a reader that finds the sidecar finds a complete tensor file beside it
     os.replace(tmp, path)
     os.replace(side_tmp, sidecar_path(path))
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _parse_key(key: str) -> tuple[str, str]:

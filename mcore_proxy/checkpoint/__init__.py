@@ -20,10 +20,7 @@ _FORMATS = (
 
 
 def _load(module: str, attr: str):
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        return None
+    return getattr(importlib.import_module(module), attr)
 
 
 def detect_format(path: str | Path) -> str:
@@ -36,8 +33,7 @@ def detect_format(path: str | Path) -> str:
     if not any(path.iterdir()):
         raise CheckpointError(f"{path}: folder is empty; pass the folder Megatron saved with --save")
     for name, module, detector, _ in _FORMATS:
-        detect = _load(module, detector)
-        if detect is not None and detect(path):
+        if _load(module, detector)(path):
             return name
     raise CheckpointError(f"{path}: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, "
                           "iter_*, mp_rank_* or torch_dist metadata); pass the folder Megatron saved")

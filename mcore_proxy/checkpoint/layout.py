@@ -94,3 +94,32 @@ def rank_dir_name(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
     if layout.ep > 1:
         name += f"_{ep:03d}"
     return name
+
+
+def check_fits(view, target: ParallelLayout) -> None:
+    """Whether megatron can hold `view` at `target`: stage sizes, EP dividing the expert count,
+    heads and every sharded dimension dividing over TP/ETP. Checked before a byte is written."""
+    from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
+
+    spec = view.spec
+    if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < 1:
+        raise CheckpointError(f"target stages {list(target.stage_layers)} must each hold a layer and sum "
+                              f"to num_layers={spec.num_layers}")
+    if spec.num_experts and spec.num_experts % target.ep:
+        raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
+                              "choose an expert-parallel size that divides the expert count")
+    for attr in ("num_attention_heads", "num_query_groups"):
+        n = getattr(view.args, attr, None) if view.args is not None else None
+        if n and int(n) % target.tp:
+            raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
+    for name in view.names():
+        rule = rule_for(name)
+        parts = target.etp if rule.group == "etp" else target.tp
+        shape = view.shape(name)
+        if rule.kind == REPLICATED or parts == 1 or shape is None:
+            continue
+        dim = 1 if rule.kind == ROW else 0
+        size = shape[dim] // 2 if rule.kind == GLU_COLUMN else shape[dim]
+        if size % parts:
+            raise CheckpointError(f"{name} dimension {dim} ({shape[dim]}) does not divide over "
+                                  f"{'ETP' if rule.group == 'etp' else 'TP'}={parts}; choose a size that divides it")

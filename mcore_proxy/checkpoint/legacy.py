@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name, stage_layer_counts
+from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, rank_dir_name, stage_layer_counts
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
@@ -405,31 +405,11 @@ def resolve_target(view: ModelView, tp=None, pp=None, ep=None, etp=None, expert_
 
 
 def check_target(view: ModelView, target: ParallelLayout) -> None:
-    spec = view.spec
-    if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < 1:
-        raise CheckpointError(f"target stages {list(target.stage_layers)} must each hold a layer and sum "
-                              f"to num_layers={spec.num_layers}")
-    if spec.num_experts and spec.num_experts % target.ep:
-        raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
-                              "choose an expert-parallel size that divides the expert count")
+    """`check_fits`, and the one limit of legacy folders: ETP must be 1 or TP."""
+    check_fits(view, target)
     if target.etp not in (1, target.tp):
         raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
                               "rank folders cannot say which other expert shard they hold")
-    for attr in ("num_attention_heads", "num_query_groups"):
-        n = getattr(view.args, attr, None) if view.args is not None else None
-        if n and int(n) % target.tp:
-            raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
-    for name in view.names():
-        rule = rule_for(name)
-        parts = target.etp if rule.group == "etp" else target.tp
-        shape = view.shape(name)
-        if rule.kind == REPLICATED or parts == 1 or shape is None:
-            continue
-        dim = 1 if rule.kind == ROW else 0
-        size = shape[dim] // 2 if rule.kind == GLU_COLUMN else shape[dim]
-        if size % parts:
-            raise CheckpointError(f"{name} dimension {dim} ({shape[dim]}) does not divide over "
-                                  f"{'ETP' if rule.group == 'etp' else 'TP'}={parts}; choose a size that divides it")
 
 
 def stage_of(name: str, target: ParallelLayout) -> int:

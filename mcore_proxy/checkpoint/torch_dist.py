@@ -48,9 +48,10 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.checkpoint.layout import ParallelLayout, stage_layer_counts
+from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, stage_layer_counts
 from mcore_proxy.checkpoint.names import GROUPED, SEQUENTIAL, TE_GROUPED
-from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile, _RestrictedUnpickler, materialize, save_object
+from mcore_proxy.checkpoint.torchfile import (LazyTensor, TorchFile, _RestrictedUnpickler, materialize, save_object,
+                                              unresolved_class)
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
@@ -265,58 +266,6 @@ def resolve_dist_dir(path) -> tuple[Path, int | str]:
 
 # -- reading .metadata without running foreign code -------------------------------------------
 
-class _Record:
-    """An object of a class from a `.metadata` pickle, kept as inert data (no foreign code runs).
-
-    Dataclasses pickle as (class, state dict): fields are read as attributes of that state.
-    """
-
-    _module = "?"
-    _name = "?"
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj._args, obj._state = args, None
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self._state = state
-
-    def __getattr__(self, attr):
-        state = self.__dict__.get("_state")
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
-        if isinstance(state, dict) and attr in state:
-            return state[attr]
-        raise AttributeError(f"{self._name} has no field {attr!r}")
-
-    def __hash__(self):
-        return hash((self._name, _freeze(self._args), _freeze(self._state)))
-
-    def __eq__(self, other):
-        return type(self) is type(other) and (self._args, _freeze(self._state)) == \
-            (other._args, _freeze(other._state))
-
-    def __repr__(self):
-        return f"<{self._module}.{self._name} {self._state!r}>"
-
-
-def _freeze(obj):
-    if isinstance(obj, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return tuple(_freeze(v) for v in obj)
-    return obj if isinstance(obj, collections.abc.Hashable) else id(obj)
-
-
-@lru_cache(maxsize=None)
-def _record_class(module: str, name: str) -> type:
-    return type(name, (_Record,), {"_module": module, "_name": name})
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch", "Size"):
@@ -326,7 +275,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        return _record_class(module, name)
+        return unresolved_class(module, name)
 
 
 def read_dcp_metadata(path: Path):
@@ -884,28 +833,7 @@ def dist_target_args(view: ModelView, target: ParallelLayout | None):
 
 def check_dist_target(view: ModelView, target: ParallelLayout) -> None:
     """Whether megatron can build the view at `target` (it re-shards torch_dist on load)."""
-    spec = view.spec
-    if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < 1:
-        raise CheckpointError(f"target stages {list(target.stage_layers)} must each hold a layer and sum "
-                              f"to num_layers={spec.num_layers}")
-    if spec.num_experts and spec.num_experts % target.ep:
-        raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
-                              "choose an expert-parallel size that divides the expert count")
-    for attr in ("num_attention_heads", "num_query_groups"):
-        n = getattr(view.args, attr, None) if view.args is not None else None
-        if n and int(n) % target.tp:
-            raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
-    for name in view.names():
-        rule = rule_for(name)
-        parts = target.etp if rule.group == "etp" else target.tp
-        shape = view.shape(name)
-        if rule.kind == REPLICATED or parts == 1 or shape is None:
-            continue
-        dim = 1 if rule.kind == ROW else 0
-        size = shape[dim] // 2 if rule.kind == GLU_COLUMN else shape[dim]
-        if size % parts:
-            raise CheckpointError(f"{name} dimension {dim} ({shape[dim]}) does not divide over "
-                                  f"{'ETP' if rule.group == 'etp' else 'TP'}={parts}; choose a size that divides it")
+    check_fits(view, target)
 
 
 def _complete_target(view: ModelView, target: ParallelLayout | None) -> ParallelLayout | None:

@@ -12,6 +12,7 @@ pickled structure last, so a rank file never has to exist in memory as a whole.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import io
 import os
 import pickle
@@ -51,6 +52,7 @@ class Unresolved:
 
     It remembers the constructor arguments and pickled state, and pickles back to the same
     class path, so e.g. `args.attention_backend` (a megatron enum) survives a round trip.
+    Fields of a pickled dict state (dataclasses, plain objects) read as attributes.
     """
 
     _module = "?"
@@ -67,26 +69,36 @@ class Unresolved:
     def __setstate__(self, state):
         self._state = state
 
+    def __getattr__(self, attr):
+        state = self.__dict__.get("_state")
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
+        if isinstance(state, dict) and attr in state:
+            return state[attr]
+        raise AttributeError(f"{self._module}.{self._name} has no field {attr!r}")
+
     def __reduce__(self):
         return (type(self), self._args, self._state) if self._state is not None else (type(self), self._args)
 
     def __eq__(self, other):
-        return (type(self) is type(other) and self._args == other._args
-                and _state_eq(self._state, other._state))
+        return type(self) is type(other) and (_freeze(self._args), _freeze(self._state)) == \
+            (_freeze(other._args), _freeze(other._state))
 
     def __hash__(self):
-        return hash((self._module, self._name, repr(self._args)))
+        return hash((self._module, self._name, _freeze(self._args), _freeze(self._state)))
 
     def __repr__(self):
         args = ", ".join(map(repr, self._args))
         return f"<{self._module}.{self._name}({args})>"
 
 
-def _state_eq(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - numpy arrays and tensors compare element-wise
-        return a is b
+def _freeze(obj):
+    """A hashable stand-in of nested data (unhashable leaves such as arrays compare by identity)."""
+    if isinstance(obj, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_freeze(v) for v in obj)
+    return obj if isinstance(obj, collections.abc.Hashable) else id(obj)
 
 
 _UNRESOLVED_CLASSES: dict[tuple[str, str], type] = {}
