@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mcore_proxy.checkpoint.layout import rank_dir_name
 from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
 
 
@@ -192,13 +193,8 @@ def forward_logits(gpt, tokens: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def legacy_rank_dir(tp: int, pp: int, ep: int, layout: Layout) -> str:
-    name = f"mp_rank_{tp:02d}"
-    if layout.pp > 1:
-        name += f"_{pp:03d}"
-    if layout.ep > 1:
-        name += f"_{ep:03d}"
-    return name
+# the rank folder name of Megatron's legacy format (`mp_rank_TT[_PPP][_EEE]`)
+legacy_rank_dir = rank_dir_name
 
 
 def _rank_coords(layout: Layout) -> tuple[int, int, int]:
