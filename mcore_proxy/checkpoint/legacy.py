@@ -466,7 +466,11 @@ def write_stage(view: ModelView, it_dir: Path, target: ParallelLayout, stage: in
     coords = [(t, e) for t in range(target.tp) for e in range(target.ep) if ranks is None or (t, e) in ranks]
     outs = {c: _RankOut(it_dir / rank_dir_name(c[0], stage, c[1], target) / RANK_FILE, (c[0], stage, c[1]))
             for c in coords}
-    names = [n for n in view.names() if stage_of(n, target) == stage]
+    # MTP layers sit on the last stage, which then holds its own copy of the word embeddings
+    # (megatron-core builds `embedding` wherever `mtp_process`; tied to the first stage's)
+    mtp_embedding = view.spec.mtp_layers and stage == target.pp - 1
+    names = [n for n in view.names()
+             if stage_of(n, target) == stage or (mtp_embedding and n.startswith("embedding."))]
     num_experts = view.spec.num_experts
     per = num_experts // target.ep if num_experts else 0
     for name in names:
