@@ -3,8 +3,8 @@
 This is the only place that patches megatron-core (DESIGN.md 5). It replaces exactly:
 torch.cuda.current_device / synchronize (router weight placement, dist-checkpoint save), the
 CUDA RNG tracker's `fork` (dropout regions), the TE-only symbols megatron's MoE utilities
-reference even without Transformer Engine, and the `grouped_gemm` op GroupedMLP calls, with a
-pure-torch grouped GEMM. Call `patch_megatron_for_cpu()` before building a model.
+reference even without Transformer Engine, the `grouped_gemm` op GroupedMLP calls (with a
+pure-torch grouped GEMM), and the `.cuda()` of the MTP stage's tied embedding. Call `patch_megatron_for_cpu()` before building a model.
 """
 from __future__ import annotations
 
@@ -68,7 +68,28 @@ def patch_megatron_for_cpu() -> None:
     if hasattr(experts, "gg"):
         experts.gg = grouped_gemm_util
     _lift_grouped_mlp_bf16_assert(experts.GroupedMLP)
+    _keep_tied_embeddings_on_cpu()
     _PATCHED = True
+
+
+def _keep_tied_embeddings_on_cpu() -> None:
+    """With MTP on a later pipeline stage, megatron-core ties that stage's copy of the word
+    embeddings to the first stage's by an all-reduce after `weight.data.cuda()`
+    (`LanguageModule.setup_embeddings_and_output_layer`); gloo all-reduces CPU tensors, so
+    there `Tensor.cuda` is the identity, and only there."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = saved
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 def _lift_grouped_mlp_bf16_assert(cls) -> None:

@@ -81,23 +81,6 @@ def _enter_layout(rank: int, world: int, port: int, run: TraceRun) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-@contextlib.contextmanager
-def _cpu_embedding_tie():
-    """With MTP on a later pipeline stage, megatron-core 0.16.1 ties that stage's copy of the
-    word embeddings to the first stage's by an all-reduce after `weight.data.cuda()`
-    (`LanguageModule.setup_embeddings_and_output_layer`); on a CPU-only torch the tensor stays
-    where it is (gloo all-reduces CPU tensors). Only while building; nothing else moves to CUDA."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = saved
-
-
 def _chunks(gpt) -> list:
     return gpt if isinstance(gpt, list) else [gpt]
 
@@ -128,8 +111,7 @@ def _heads(gpt, run: TraceRun, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def _job(job: Job, world: int) -> None:
     run = job.run
-    with _cpu_embedding_tie():
-        gpt = build_stage(run)
+    gpt = build_stage(run)
     coords = _rank_coords(run.layout)
     writer = _writes_folder(coords, world)  # a collective: every rank calls it once per job
     if job.load:
