@@ -573,7 +573,9 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     from tqdm import tqdm
 
     from mcore_proxy.checkpoint.output import staged_output
+    from mcore_proxy.memory import return_freed_buffers_to_os
 
+    return_freed_buffers_to_os()
     check_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
     with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,

@@ -226,6 +226,9 @@ class TorchFile:
         self._offsets: dict[str, tuple[int, int]] = {}
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):
+                # we pread exactly the tensors we need; readahead would pull in dropped experts
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._zip = zipfile.ZipFile(self.path)
             pkl = [n for n in self._zip.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkl) != 1:

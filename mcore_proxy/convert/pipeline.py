@@ -22,6 +22,7 @@ from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nb
 from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import ProxyError
+from mcore_proxy.memory import return_freed_buffers_to_os
 
 FORMATS = ("legacy", "torch_dist")
 
@@ -110,6 +111,7 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
 
 def _unit_worker(ckpt: str, plan: str | None, target: ParallelLayout, root: str, units) -> int:
     """One worker process: reopen the views (cheap: metadata only) and write its rank files."""
+    return_freed_buffers_to_os()
     _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None)
     write_legacy_units(view, Path(root), target, units)
     return sum(Path(p).stat().st_size for p in Path(root).rglob("*.pt"))
@@ -151,6 +153,7 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False) -
     """Run one conversion; every check happens before the first byte is written."""
     from tqdm import tqdm
 
+    return_freed_buffers_to_os()
     start = time.perf_counter()
     source, view, plan = open_views(req.ckpt, req.plan)
     target = plan_target(req, source, view, plan)

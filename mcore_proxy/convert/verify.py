@@ -72,8 +72,10 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     """Every check; problems are collected, not raised (the CLI turns them into exit code 1)."""
     from tqdm import tqdm
 
+    from mcore_proxy.memory import return_freed_buffers_to_os
     from mcore_proxy.select.plan import load_plan
 
+    return_freed_buffers_to_os()
     plan = load_plan(plan_path)
     source = open_checkpoint(orig)
     expected = PrunedView(source, plan)
