@@ -37,9 +37,16 @@ def is_legacy_checkpoint(path: Path) -> bool:
                               or any(_ITER_DIR.match(p.name) for p in path.iterdir()))
 
 
-def resolve_iteration_dir(path: str | Path) -> tuple[Path, int | str]:
-    """Checkpoint root (with tracker) or an iteration folder -> (iteration folder, iteration)."""
+def resolve_iteration_dir(path: str | Path, holds_data=None,
+                          not_found: str = "not a Megatron checkpoint (no latest_checkpointed_iteration.txt, "
+                          "iter_* or mp_rank_* folders); pass the folder Megatron saved with --save",
+                          ) -> tuple[Path, int | str]:
+    """Checkpoint root (with tracker) or an iteration folder -> (iteration folder, iteration).
+
+    holds_data(folder): whether `folder` is itself an iteration folder of this format (default:
+    it has mp_rank_* folders); not_found: the message when nothing fits."""
     path = Path(path)
+    holds_data = holds_data or (lambda folder: bool(_rank_dirs(folder)))
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder; pass the folder Megatron saved "
                               "(the one holding latest_checkpointed_iteration.txt)")
@@ -57,15 +64,14 @@ def resolve_iteration_dir(path: str | Path) -> tuple[Path, int | str]:
             raise CheckpointError(f"{tracker}: names iteration {text} but {it_dir.name}/ does not "
                                   "exist; fix the tracker or pass an existing iter_* folder")
         return it_dir, iteration
-    if _rank_dirs(path):
+    if holds_data(path):
         m = _ITER_DIR.match(path.name)
         return path, int(m.group(1)) if m else ("release" if path.name == "release" else path.name)
     iters = sorted(p.name for p in path.iterdir() if _ITER_DIR.match(p.name) or p.name == "release")
     if iters:
         raise CheckpointError(f"{path}: has {', '.join(iters)} but no {TRACKER}; pass the iteration "
                               f"folder you mean directly (e.g. {path / iters[-1]})")
-    raise CheckpointError(f"{path}: not a Megatron checkpoint (no {TRACKER}, iter_* or mp_rank_* "
-                          "folders); pass the folder Megatron saved with --save")
+    raise CheckpointError(f"{path}: {not_found}")
 
 
 # -- shards ----------------------------------------------------------------------------------

@@ -67,7 +67,6 @@ CONFIG = {"sharded_backend": BACKEND, "sharded_backend_version": 1,
 # The `sharded_state_dict` flags Megatron reads back from common.pt before loading; False is the
 # layout described above (True splits experts and GLU halves into separate keys).
 CONTENT_METADATA = {"singleton_local_shards": False}
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 # -- key mapping: torch_dist keys <-> canonical names (data first) -------------------------------
@@ -245,23 +244,13 @@ def is_torch_dist_checkpoint(path) -> bool:
 
 
 def resolve_dist_dir(path) -> tuple[Path, int | str]:
-    """Checkpoint root (with tracker) or an iteration folder -> (iteration folder, iteration)."""
-    path = Path(path)
-    if (path / TRACKER).is_file():
-        from mcore_proxy.checkpoint.legacy import resolve_iteration_dir
+    """Checkpoint root (with tracker) or an iteration folder -> (iteration folder, iteration):
+    the legacy rules and messages, with torch_dist's files marking an iteration folder."""
+    from mcore_proxy.checkpoint.legacy import resolve_iteration_dir
 
-        return resolve_iteration_dir(path)  # same tracker rules and messages as legacy
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder; pass the folder Megatron saved")
-    if _has_markers(path):
-        m = _ITER_DIR.match(path.name)
-        return path, int(m.group(1)) if m else ("release" if path.name == "release" else path.name)
-    iters = sorted(p.name for p in path.iterdir() if _ITER_DIR.match(p.name) or p.name == "release")
-    if iters:
-        raise CheckpointError(f"{path}: has {', '.join(iters)} but no {TRACKER}; pass the iteration "
-                              f"folder you mean directly (e.g. {path / iters[-1]})")
-    raise CheckpointError(f"{path}: not a torch_dist checkpoint (no {CONFIG_FILE}, {DCP_METADATA} or "
-                          "*.distcp files); pass the folder Megatron saved with --ckpt-format torch_dist")
+    return resolve_iteration_dir(
+        path, _has_markers, f"not a torch_dist checkpoint (no {CONFIG_FILE}, {DCP_METADATA} or *.distcp "
+        "files); pass the folder Megatron saved with --ckpt-format torch_dist")
 
 
 # -- reading .metadata without running foreign code -------------------------------------------
