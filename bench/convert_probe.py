@@ -1,0 +1,58 @@
+"""`mcore-proxy` with wall time per convert phase, and optional diagnostic patches (bench only).
+
+    python bench/convert_probe.py convert SRC --plan plan.json -o OUT ...    (any mcore-proxy arguments)
+
+Prints one line `PHASES {json}` on stderr: import, open views, write rank files (of which pread
+of source bytes and torch's zip write_record), manifest sha256, total (seconds, this process;
+with --workers > 1 the writing happens in worker processes and is not broken down).
+With MCORE_PROXY_PROBE_FADVISE=1 every source rank file gets posix_fadvise(POSIX_FADV_RANDOM)
+(no kernel readahead), to measure how many bytes readahead adds to the kept bytes. This patches
+nothing on disk; the library is unchanged.
+"""
+import os
+import sys
+import time
+
+t_start = time.perf_counter()
+import json
+
+from mcore_proxy.checkpoint import torchfile
+from mcore_proxy.convert import pipeline
+
+T = {"import": time.perf_counter() - t_start}
+
+
+def timed(owner, name: str, key: str) -> None:
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            T[key] = T.get(key, 0.0) + time.perf_counter() - t
+
+    setattr(owner, name, wrapper)
+
+
+timed(pipeline, "open_views", "open views")
+timed(pipeline, "write_legacy_units", "write rank files")
+timed(torchfile.TorchFile, "read_elements", "pread")
+timed(torchfile.TorchFileWriter, "add", "write_record")
+timed(pipeline, "write_manifest", "manifest sha256")
+
+if os.environ.get("MCORE_PROXY_PROBE_FADVISE") == "1":
+    _init = torchfile.TorchFile.__init__
+
+    def _init_random(self, path):
+        _init(self, path)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    torchfile.TorchFile.__init__ = _init_random
+
+from mcore_proxy.cli import main
+
+rc = main()
+T["total"] = time.perf_counter() - t_start
+print("PHASES " + json.dumps({k: round(v, 2) for k, v in T.items()}), file=sys.stderr)
+sys.exit(rc)
