@@ -50,7 +50,7 @@ import torch
 
 from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, stage_layer_counts
 from mcore_proxy.checkpoint.names import GROUPED, SEQUENTIAL, TE_GROUPED
-from mcore_proxy.checkpoint.torchfile import (LazyTensor, TorchFile, _RestrictedUnpickler, materialize, save_object,
+from mcore_proxy.checkpoint.torchfile import (LazyTensor, TorchFile, materialize, save_object, unpickle_torch_zip,
                                               unresolved_class)
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError, ProxyError
@@ -355,11 +355,7 @@ class _Blob:
         self._fh = open(chunk.file, "rb")
         try:
             self._zip = zipfile.ZipFile(_Window(self._fh, chunk.start, chunk.length))
-            pkl = [n for n in self._zip.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise zipfile.BadZipFile("no single data.pkl member")
-            self.prefix = pkl[0].rsplit("/", 1)[0] if "/" in pkl[0] else ""
-            self.obj = _RestrictedUnpickler(self._zip.read(pkl[0]), self).load()
+            self.obj = unpickle_torch_zip(self._zip, self)
         except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
             self._fh.close()
             raise self._damaged(str(err)) from None

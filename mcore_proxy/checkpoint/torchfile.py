@@ -218,6 +218,16 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return (self._file, _StorageRef(member, dtype, int(numel)))
 
 
+def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
+    """The structure of a torch.save zip, through the restricted unpickler. Sets `owner.prefix`
+    (the archive folder); its LazyTensors read their bytes through `owner.read_elements`."""
+    pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise zipfile.BadZipFile("no single data.pkl member")
+    owner.prefix = pkl[0].rsplit("/", 1)[0] if "/" in pkl[0] else ""
+    return _RestrictedUnpickler(zf.read(pkl[0]), owner).load()
+
+
 class TorchFile:
     """One `torch.save` zip file, opened for lazy reading. `obj` is the unpickled structure."""
 
@@ -230,11 +240,7 @@ class TorchFile:
                 # we pread exactly the tensors we need; readahead would pull in dropped experts
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._zip = zipfile.ZipFile(self.path)
-            pkl = [n for n in self._zip.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise zipfile.BadZipFile("no single data.pkl member")
-            self.prefix = pkl[0].rsplit("/", 1)[0] if "/" in pkl[0] else ""
-            self.obj = _RestrictedUnpickler(self._zip.read(pkl[0]), self).load()
+            self.obj = unpickle_torch_zip(self._zip, self)
         except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
             raise CheckpointError(
                 f"{self.path}: not a readable torch checkpoint ({err}); the file is truncated or "
