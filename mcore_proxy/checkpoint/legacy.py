@@ -15,7 +15,8 @@ from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, rank_dir_n
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.megatron_args import arg, arg_int
 from mcore_proxy.sharding import COLUMN, GLU_COLUMN, REPLICATED, ROW, is_ignored, join, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
@@ -136,21 +137,33 @@ def _full_shape(entry: _Entry) -> tuple[int, ...] | None:
 # -- the reader ------------------------------------------------------------------------------
 
 def _layout_from_args(args, folder: Path) -> ParallelLayout:
-    get = lambda n, d=None: getattr(args, n, d) or d  # noqa: E731
-    tp, pp = int(get("tensor_model_parallel_size", 1)), int(get("pipeline_model_parallel_size", 1))
-    ep = int(get("expert_model_parallel_size", 1))
-    etp = int(get("expert_tensor_parallel_size", tp))
+    """The saving run's layout from its args (absent fields: Megatron's defaults)."""
+    where = str(folder)
+    size = lambda n: arg_int(args, n, where, minimum=1, maximum=1 << 20)  # noqa: E731
+    tp, pp = size("tensor_model_parallel_size") or 1, size("pipeline_model_parallel_size") or 1
+    ep = size("expert_model_parallel_size") or 1
+    etp = size("expert_tensor_parallel_size") or tp
+    num_layers = arg_int(args, "num_layers", where, minimum=1)
     vpp = 1
-    if get("num_layers_per_virtual_pipeline_stage"):
-        vpp = int(args.num_layers) // (pp * int(args.num_layers_per_virtual_pipeline_stage))
-    elif get("virtual_pipeline_model_parallel_size"):
-        vpp = int(args.virtual_pipeline_model_parallel_size)
-    if get("pipeline_model_parallel_layout"):
+    if size("num_layers_per_virtual_pipeline_stage"):
+        vpp = max(1, num_layers // (pp * size("num_layers_per_virtual_pipeline_stage")))
+    elif size("virtual_pipeline_model_parallel_size"):
+        vpp = size("virtual_pipeline_model_parallel_size")
+    if arg(args, "pipeline_model_parallel_layout", where):
         raise CheckpointError(f"{folder}: pipeline_model_parallel_layout is not supported yet; "
                               "convert from a checkpoint saved with first/last stage sizes")
-    counts = stage_layer_counts(int(args.num_layers), pp, get("decoder_first_pipeline_num_layers"),
-                                get("decoder_last_pipeline_num_layers"), get("num_layer_list"),
-                                where=str(folder))
+    layer_list = arg(args, "num_layer_list", where)
+    if layer_list is not None and not isinstance(layer_list, (str, list, tuple)):
+        raise CheckpointError(f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
+                              "comma-separated stage sizes; fix the args")
+    try:
+        counts = stage_layer_counts(num_layers, pp, size("decoder_first_pipeline_num_layers"),
+                                    size("decoder_last_pipeline_num_layers"), layer_list, where=where)
+    except ValueError as err:  # a num_layer_list entry that is not a number
+        if isinstance(err, ProxyError):
+            raise
+        raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
+                              "sizes; fix the args") from None
     return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
 
 
@@ -201,7 +214,7 @@ class LegacyCheckpoint(ModelView):
             raise CheckpointError(f"{first.path}: no 'args' entry; mcore-proxy needs the args Megatron "
                                   "saves (was the checkpoint written with --no-save-args?)")
         self.checkpoint_version = first.obj.get("checkpoint_version")
-        self.spec = ModelSpec.from_args(self.args)
+        self.spec = ModelSpec.from_args(self.args, where=str(first.path))
         layout = _layout_from_args(self.args, dirs[0])
         coords = {_parse_rank_dir(d.name, layout): d for d in dirs}
         _check_rank_dirs(self.path, coords, layout)

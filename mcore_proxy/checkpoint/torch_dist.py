@@ -54,6 +54,8 @@ from mcore_proxy.checkpoint.torchfile import (LazyTensor, TorchFile, materialize
                                               unresolved_class)
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.layer_pattern import parse_layer_pattern
+from mcore_proxy.megatron_args import arg, arg_int
 from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
@@ -181,21 +183,18 @@ def homogeneous_layers(args) -> bool:
     """Whether megatron's TransformerBlock stacks layers on one axis (its `non_homogeneous_layers`
     test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs."""
     for attr in ("moe_layer_freq", "linear_attention_freq"):
-        value = getattr(args, attr, None)
-        if isinstance(value, str):  # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings
-            value = eval(value, {"__builtins__": {}}, {})  # noqa: S307 - a list literal
-        if isinstance(value, (list, tuple)) or (isinstance(value, int) and value > 1):
+        # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings: the safe parser, never eval
+        value = parse_layer_pattern(arg(args, attr), f"args {attr}")
+        if isinstance(value, list) or (isinstance(value, int) and value > 1):
             return False
-    if getattr(args, "heterogeneous_layers_config_path", None) or \
-            getattr(args, "heterogeneous_layers_config_encoded_json", None):
+    if arg(args, "heterogeneous_layers_config_path") or arg(args, "heterogeneous_layers_config_encoded_json"):
         return False
     return True
 
 
 def uses_local_spec(args) -> bool:
     """Megatron's local layer spec (not TE) without MLA renames its norms' sharded keys."""
-    return (getattr(args, "transformer_impl", "transformer_engine") == "local"
-            and not getattr(args, "multi_latent_attention", False))
+    return arg(args, "transformer_impl") == "local" and not arg(args, "multi_latent_attention")
 
 
 def object_key(key: str, index: tuple[int, ...], sizes: tuple[int, ...]) -> str:
@@ -471,18 +470,19 @@ def _layout_of(args, where: Path) -> ParallelLayout:
     """The saving run's layout (informational: torch_dist files do not depend on it)."""
     from mcore_proxy.checkpoint.legacy import _layout_from_args
 
-    if getattr(args, "moe_grouped_gemm", False):
-        te = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-        expert_layout = TE_GROUPED if te and not getattr(args, "moe_use_legacy_grouped_gemm", False) else GROUPED
+    if arg(args, "moe_grouped_gemm"):
+        te = arg(args, "transformer_impl") == "transformer_engine"
+        expert_layout = TE_GROUPED if te and not arg(args, "moe_use_legacy_grouped_gemm") else GROUPED
     else:
         expert_layout = SEQUENTIAL
     try:
         base = _layout_from_args(args, where)
     except ProxyError:  # e.g. pipeline_model_parallel_layout: keep sizes, no stage split
-        get = lambda n, d=1: getattr(args, n, None) or d  # noqa: E731
-        base = ParallelLayout(tp=int(get("tensor_model_parallel_size")), pp=int(get("pipeline_model_parallel_size")),
-                              ep=int(get("expert_model_parallel_size")),
-                              etp=int(get("expert_tensor_parallel_size", get("tensor_model_parallel_size"))))
+        size = lambda n: arg_int(args, n, str(where), minimum=1, maximum=1 << 20)  # noqa: E731
+        tp = size("tensor_model_parallel_size") or 1
+        base = ParallelLayout(tp=tp, pp=size("pipeline_model_parallel_size") or 1,
+                              ep=size("expert_model_parallel_size") or 1,
+                              etp=size("expert_tensor_parallel_size") or tp)
     return ParallelLayout(tp=base.tp, pp=base.pp, ep=base.ep, etp=base.etp, vpp=base.vpp,
                           expert_layout=expert_layout, stage_layers=base.stage_layers)
 
@@ -512,7 +512,7 @@ class TorchDistCheckpoint(ModelView):
         if self.content_metadata.get("singleton_local_shards"):
             raise CheckpointError(f"{self.path}: saved with singleton_local_shards (one key per expert and "
                                   "GLU half), which is not supported yet; re-save without it")
-        self.spec = ModelSpec.from_args(self.args)
+        self.spec = ModelSpec.from_args(self.args, where=str(self.path / COMMON_FILE))
         self.layout = _layout_of(self.args, self.path)
         self.local_spec = uses_local_spec(self.args)
         self.linear_extra_state = False
