@@ -13,10 +13,11 @@ import torch
 
 from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, rank_dir_name, stage_layer_counts
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
+from mcore_proxy.checkpoint.safe_globals import check_writable, writable_args
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.megatron_args import arg, arg_int
+from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
 from mcore_proxy.sharding import COLUMN, GLU_COLUMN, REPLICATED, ROW, is_ignored, join, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
@@ -369,11 +370,9 @@ _LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
 
 def target_args(view: ModelView, target: ParallelLayout):
     """The source `args` with the target layout and the view's expert/router settings."""
-    import copy
-
     if view.args is None:
         raise CheckpointError("the source has no Megatron args; a legacy checkpoint needs them")
-    args = copy.copy(view.args)
+    args = writable_args(view.args, needed=DEFAULTS)
     spec = view.spec
     updates = dict(
         tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
@@ -456,6 +455,8 @@ class _RankOut:
         self.grouped: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
 
     def add(self, key: str, value) -> None:
+        if not isinstance(value, torch.Tensor):
+            check_writable(value, f"model entry {key}")
         self.model[key] = self.writer.add(value) if isinstance(value, torch.Tensor) else value
 
 
@@ -565,7 +566,7 @@ def write_legacy_units(view: ModelView, root: Path, target: ParallelLayout, unit
     """Write the given output rank files (see `legacy_units`) under `root/iter_*/`."""
     args = target_args(view, target)
     iteration = view.iteration if view.iteration is not None else 0
-    header = {"checkpoint_version": getattr(view, "checkpoint_version", None) or 3.0,
+    header = {"checkpoint_version": checkpoint_version(view),
               "iteration": 0 if iteration == "release" else iteration}
     extra_state = getattr(view, "linear_extra_state", True)
     variants = frozenset(getattr(view, "variants", ()))
@@ -575,6 +576,17 @@ def write_legacy_units(view: ModelView, root: Path, target: ParallelLayout, unit
         paths += write_stage(view, Path(root) / iteration_subdir(view), target, stage, args, header,
                              extra_state, variants, ranks=ranks, progress=progress)
     return paths
+
+
+def checkpoint_version(view: ModelView) -> float:
+    """The source's `checkpoint_version` (Megatron's format revision, a number), 3.0 if absent."""
+    version = getattr(view, "checkpoint_version", None)
+    if version is None:
+        return 3.0
+    if isinstance(version, bool) or not isinstance(version, (int, float)):
+        raise CheckpointError(f"the source's checkpoint_version is {str(version)[:60]}, not a number; the "
+                              "checkpoint is damaged, copy it again from the source")
+    return version
 
 
 def write_tracker(view: ModelView, root: Path) -> None:

@@ -57,6 +57,9 @@ def run_convert(args) -> int:
           f"{r.source_experts} experts per MoE layer, {t.describe()}, layout {t.expert_layout}")
     print(f"reads {_gib(r.bytes_read)} of tensors" + ("" if args.dry_run else
                                                       f"; {r.files} files in {r.seconds:.1f} s; manifest.json lists sha256 of each"))
+    for name, why in r.dropped_args.items():
+        print(f"args {name} {'would be' if args.dry_run else 'was'} dropped: it holds {why} "
+              "(recorded in manifest.json)")
     print("optimizer and RNG state are not carried over; launch the proxy with these flags changed:")
     print("  " + " ".join(f for f in r.launch_flags if not f.startswith("(")))
     return 0

@@ -21,7 +21,9 @@ from mcore_proxy.checkpoint.output import staged_output
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
+from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.errors import ProxyError
+from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
 
 FORMATS = ("legacy", "torch_dist")
@@ -60,6 +62,7 @@ class ConvertResult:
     files: int
     seconds: float
     launch_flags: list[str] = field(default_factory=list)
+    dropped_args: dict[str, str] = field(default_factory=dict)   # args field -> why it was not written
 
 
 def open_views(ckpt: Path, plan_path: Path | None) -> tuple[ModelView, ModelView, object]:
@@ -143,6 +146,7 @@ def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, targ
                    "router_fingerprint": router_fingerprint(source)},
         "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
+        "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {"format": req.format, "tp": target.tp, "pp": target.pp, "ep": target.ep,
                    "etp": target.etp, "expert_layout": target.expert_layout,
                    "stage_layers": list(target.stage_layers), "num_experts": view.spec.num_experts},
@@ -159,7 +163,7 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False) -
     target = plan_target(req, source, view, plan)
     read = sum(tensor_nbytes(view, n) for n in view.names())
     result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
-                           launch_flags(view, target, plan))
+                           launch_flags(view, target, plan), unsafe_args(source.args, needed=DEFAULTS))
     if dry_run:
         return result
     if req.format == "torch_dist":

@@ -314,6 +314,8 @@ def toy_from_args(args, where: str | None = None) -> ToyMoE:
 
 
 def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None):
+    from mcore_proxy.checkpoint.safe_globals import load_weights_only
+
     init_distributed(rank, world, port, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
     try:
         gpt = build_gpt(model, layout)
@@ -322,7 +324,7 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None
         sub = "release" if tracker == "release" else f"iter_{int(tracker):07d}"
         coords = _rank_coords(layout)
         path = root / sub / legacy_rank_dir(*coords, layout) / "model_optim_rng.pt"
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_weights_only(path)  # what verify --functional loads: nothing in it may run
         gpt.load_state_dict(state["model"], strict=True)
         with restrict_routers(gpt, keep) if keep is not None else contextlib.nullcontext():
             logits = forward_logits(gpt, fixed_tokens(model))
