@@ -448,7 +448,7 @@ class _RankOut:
     def __init__(self, path: Path, coords: tuple[int, int, int]):
         from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
         self.coords, self.path = coords, path
         self.writer = TorchFileWriter(path)
         self.model: dict = {}
@@ -571,9 +571,11 @@ def write_legacy_units(view: ModelView, root: Path, target: ParallelLayout, unit
     extra_state = getattr(view, "linear_extra_state", True)
     variants = frozenset(getattr(view, "variants", ()))
     paths = []
+    it_dir = Path(root) / iteration_subdir(view)
+    it_dir.mkdir(exist_ok=True)
     for stage in sorted({u[0] for u in units}):
         ranks = {(t, e) for p, t, e in units if p == stage}
-        paths += write_stage(view, Path(root) / iteration_subdir(view), target, stage, args, header,
+        paths += write_stage(view, it_dir, target, stage, args, header,
                              extra_state, variants, ranks=ranks, progress=progress)
     return paths
 
@@ -589,10 +591,11 @@ def checkpoint_version(view: ModelView) -> float:
     return version
 
 
-def write_tracker(view: ModelView, root: Path) -> None:
-    """The tracker file: written last, it marks the checkpoint complete for Megatron."""
+def tracker_marker(view: ModelView) -> dict[str, bytes]:
+    """The tracker file (relative path -> bytes): written last, it marks the checkpoint complete
+    for Megatron, so writers hand it to the caller instead of writing it (see output.write_markers)."""
     it = view.iteration if view.iteration is not None else 0
-    (Path(root) / TRACKER).write_text(str(it))
+    return {TRACKER: str(it).encode()}
 
 
 def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, inputs=(), progress=True) -> Path:
@@ -603,14 +606,15 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     """
     from tqdm import tqdm
 
-    from mcore_proxy.checkpoint.output import staged_output
+    from mcore_proxy.checkpoint.output import staged_output, write_markers
     from mcore_proxy.memory import return_freed_buffers_to_os
 
     return_freed_buffers_to_os()
     check_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
-    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
-                                                  desc="write legacy", disable=not progress) as bar:
+    with staged_output(out, inputs, check_space=False) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="write legacy",
+                 disable=not progress) as bar:
         write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
-        write_tracker(view, tmp)
+        write_markers(tmp, tracker_marker(view))
     return Path(out)

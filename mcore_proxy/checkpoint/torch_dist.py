@@ -931,20 +931,25 @@ def write_torch_dist(view: ModelView, out, target: ParallelLayout | None = None,
     """
     from tqdm import tqdm
 
-    from mcore_proxy.checkpoint.output import staged_output
+    from mcore_proxy.checkpoint.output import staged_output, write_markers
 
     target = _complete_target(view, target)
     if target is not None:
         check_dist_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
-    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
-                                                  desc="write torch_dist", disable=not progress) as bar:
-        write_torch_dist_into(view, tmp, target, bar)
+    with staged_output(out, inputs, check_space=False) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="write torch_dist",
+                 disable=not progress) as bar:
+        write_markers(tmp, write_torch_dist_into(view, tmp, target, bar))
     return Path(out)
 
 
-def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | None, progress=None) -> None:
-    """The body of `write_torch_dist`: write into the existing (empty, staged) folder `root`."""
+def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | None,
+                          progress=None) -> dict[str, bytes]:
+    """The body of `write_torch_dist`: write into the existing (empty, staged) folder `root`.
+
+    Returns the completeness markers, not yet written (relative path -> bytes, in order):
+    metadata.json, then the tracker. The caller writes them last (after its manifest)."""
     target = _complete_target(view, target)
     if target is not None:
         check_dist_target(view, target)
@@ -970,5 +975,5 @@ def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | 
         pickle.dump(writer.metadata(), fh)
     fh.check()
     save_object(common, it_dir / COMMON_FILE)
-    (it_dir / CONFIG_FILE).write_text(json.dumps(CONFIG))  # marks the iteration complete
-    (Path(root) / TRACKER).write_text(str(iteration))
+    # metadata.json marks the iteration complete for megatron-core, the tracker the checkpoint
+    return {f"{sub}/{CONFIG_FILE}": json.dumps(CONFIG).encode(), TRACKER: str(iteration).encode()}

@@ -31,11 +31,19 @@ def file_table(folder: Path) -> dict[str, dict]:
     return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
 
 
-def write_manifest(folder: Path, info: dict) -> Path:
-    """Hash every file of `folder` and write the manifest (the last file written)."""
-    doc = {"format": FORMAT, **info, "files": file_table(folder)}
+def write_manifest(folder: Path, info: dict, pending: dict[str, bytes] | None = None) -> Path:
+    """Hash every file of `folder` and write the manifest.
+
+    `pending`: files written after the manifest (the completeness markers, relative path -> bytes),
+    listed with the hash of the bytes they will hold: the tracker stays the last file written."""
+    from mcore_proxy.checkpoint.output import write_synced
+
+    files = file_table(folder)
+    for rel, data in (pending or {}).items():
+        files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    doc = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
     path = Path(folder) / MANIFEST
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    write_synced(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     return path
 
 
