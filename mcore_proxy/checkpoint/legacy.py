@@ -39,6 +39,16 @@ def is_legacy_checkpoint(path: Path) -> bool:
                               or any(_ITER_DIR.match(p.name) for p in path.iterdir()))
 
 
+def read_tracker(tracker: Path) -> str:
+    """The tracker's text (stripped); a file that is not short text is refused by name."""
+    data = tracker.read_bytes()[:4096]
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: holds binary data, expected an iteration number or 'release'; "
+                              "fix the file or pass the iter_* folder directly") from None
+
+
 def resolve_iteration_dir(path: str | Path, holds_data=None,
                           not_found: str = "not a Megatron checkpoint (no latest_checkpointed_iteration.txt, "
                           "iter_* or mp_rank_* folders); pass the folder Megatron saved with --save",
@@ -54,7 +64,7 @@ def resolve_iteration_dir(path: str | Path, holds_data=None,
                               "(the one holding latest_checkpointed_iteration.txt)")
     tracker = path / TRACKER
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        text = read_tracker(tracker)
         if text == "release":
             it_dir, iteration = path / "release", "release"
         elif text.isdigit():

@@ -216,7 +216,7 @@ def _tracker_target(path: Path) -> Path | None:
     tracker = path / TRACKER
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    text = tracker.read_bytes()[:4096].decode("utf-8", "replace").strip()
     return path / ("release" if text == "release" else f"iter_{int(text):07d}") if text.isdigit() or \
         text == "release" else None
 
@@ -226,8 +226,8 @@ def _is_dist_folder(folder: Path) -> bool:
     config = folder / CONFIG_FILE
     if config.is_file():
         try:
-            return json.loads(config.read_text()).get("sharded_backend") is not None
-        except (ValueError, OSError, AttributeError):
+            return json.loads(config.read_bytes()).get("sharded_backend") is not None
+        except (ValueError, OSError, AttributeError, RecursionError):
             return True  # damaged metadata.json: let the reader say so
     return _has_markers(folder)
 
@@ -466,8 +466,8 @@ def _check_config(it_dir: Path) -> None:
         raise CheckpointError(f"{path}: missing, so the torch_dist save did not complete (Megatron writes "
                               "it last); use a checkpoint whose save finished")
     try:
-        backend = json.loads(path.read_text()).get("sharded_backend")
-    except (ValueError, OSError, AttributeError) as err:
+        backend = json.loads(path.read_bytes()).get("sharded_backend")
+    except (ValueError, OSError, AttributeError, RecursionError) as err:
         raise CheckpointError(f"{path}: unreadable ({err}); copy it again from the source") from None
     if backend != BACKEND:
         raise CheckpointError(f"{path}: sharded backend {backend!r} is not supported, only {BACKEND!r}; "

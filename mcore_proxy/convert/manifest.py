@@ -52,12 +52,16 @@ def check_manifest(folder: Path) -> list[str]:
     path = Path(folder) / MANIFEST
     if not path.is_file():
         return [f"{path}: no manifest"]
-    recorded = json.loads(path.read_text()).get("files", {})
+    try:
+        recorded = json.loads(path.read_bytes()).get("files", {})
+        recorded = {k: v for k, v in recorded.items() if isinstance(v, dict)}
+    except (ValueError, AttributeError, RecursionError):   # a damaged manifest is a difference, not a crash
+        return [f"{path}: not a readable manifest"]
     found = file_table(folder)
     problems = [f"{name}: listed in the manifest but missing" for name in sorted(set(recorded) - set(found))]
     problems += [f"{name}: not listed in the manifest" for name in sorted(set(found) - set(recorded))]
     problems += [f"{name}: sha256 differs from the manifest" for name in sorted(set(found) & set(recorded))
-                 if found[name]["sha256"] != recorded[name]["sha256"]]
+                 if found[name]["sha256"] != recorded[name].get("sha256")]
     return problems
 
 
