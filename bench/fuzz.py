@@ -489,8 +489,10 @@ def campaign(cases: list[Case], corpus: Path, work: Path, jobs: int = 1, limit: 
 
     The parent stays single-threaded (it only forks and waits): forking from a threaded process
     could hand a child a lock held by another thread."""
+    import tqdm as tqdm_module
     from tqdm import tqdm
 
+    tqdm_module.tqdm.monitor_interval = 0   # no monitor thread: the parent forks
     pending, running, records = list(cases), {}, []
     with tqdm(total=len(cases), disable=not progress, desc="fuzz") as bar:
         while pending or running:
