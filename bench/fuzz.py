@@ -369,12 +369,13 @@ WEIGHTS = {"legacy": 5, "dist": 3, "proxy": 1, "plan": 1, "stats": 1}
 
 def make_cases(n: int, seed: int, targets=None) -> list[Case]:
     rng = random.Random(seed)
-    targets = targets or list(WEIGHTS)
+    with_mdist = bool(targets) and "mdist" in targets
+    targets = [t for t in (targets or WEIGHTS) if t in WEIGHTS]
     weights = [WEIGHTS[t] for t in targets]
     out = []
     for i in range(n):
         target = rng.choices(targets, weights)[0]
-        if target == "dist" and "mdist" in targets and rng.random() < 0.5:
+        if target == "dist" and with_mdist and rng.random() < 0.5:
             target = "mdist"
         base = "dist" if target == "mdist" else target
         out.append(Case(i, target, rng.choice(KINDS[base]), rng.choice(COMMANDS[base]), rng.randrange(1 << 30)))
