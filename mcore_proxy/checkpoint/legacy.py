@@ -170,9 +170,9 @@ def _layout_from_args(args, folder: Path) -> ParallelLayout:
     try:
         counts = stage_layer_counts(num_layers, pp, size("decoder_first_pipeline_num_layers"),
                                     size("decoder_last_pipeline_num_layers"), layer_list, where=where)
-    except ValueError as err:  # a num_layer_list entry that is not a number
-        if isinstance(err, ProxyError):
-            raise
+    except ProxyError:
+        raise
+    except (ValueError, TypeError):  # a num_layer_list entry that is not a number
         raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
                               "sizes; fix the args") from None
     return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
