@@ -607,6 +607,8 @@ def main(argv=None) -> int:
     p.add_argument("--megatron-dist", action="store_true",
                    help="also fuzz a torch_dist checkpoint saved by megatron-core itself (built once)")
     p.add_argument("--json", type=Path, help="write every record here")
+    p.add_argument("--only", nargs="+", metavar="INPUT",
+                   help="run only the cases (same numbers and seeds) that damage these inputs, e.g. stats")
     args = p.parse_args(argv)
 
     from mcore_proxy.testing.fixtures import build_fixture
@@ -619,6 +621,8 @@ def main(argv=None) -> int:
     preload(corpus)
     targets = list(WEIGHTS) + (["mdist"] if mdist else [])
     cases = make_cases(args.cases, args.seed, targets)
+    if args.only:
+        cases = [c for c in cases if c.target in args.only]
     start = time.perf_counter()
     records = campaign(cases, corpus, args.workdir / "cases", jobs=args.jobs)
     wall = time.perf_counter() - start

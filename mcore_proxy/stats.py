@@ -212,6 +212,8 @@ def load_stats(path: str | os.PathLike) -> RoutingStats:
     if "topk" not in meta:
         raise StatsError(f"{side}: sidecar missing or without 'topk'; keep the .json written "
                          "beside every statistics file")
+    if isinstance(meta["topk"], bool) or not isinstance(meta["topk"], int):
+        raise StatsError(f"{side}: 'topk' is {meta['topk']!r}, not an integer; re-run the trace or fix the sidecar")
     try:
         return RoutingStats(layers, int(meta["topk"]), meta)
     except StatsError as err:
