@@ -242,7 +242,11 @@ def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
         raise zipfile.BadZipFile(f"data.pkl is compressed or declares {pkl[0].file_size} bytes")
     name = pkl[0].filename
     owner.prefix = name.rsplit("/", 1)[0] if "/" in name else ""
-    sizes = {i.filename: i.file_size for i in infos if i.compress_type == zipfile.ZIP_STORED}
+    pos = zf.fp.tell()
+    end = zf.fp.seek(0, os.SEEK_END)  # a member's declared size must fit inside the file
+    zf.fp.seek(pos)
+    sizes = {i.filename: i.file_size for i in infos
+             if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end}
     return _RestrictedUnpickler(zf.read(name), owner, sizes).load()
 
 
