@@ -23,3 +23,18 @@ class OutputError(ProxyError):
 
 class CheckFailed(Exception):
     """A verification or comparison found a difference; the CLI exits 1."""
+
+
+class InternalError(RuntimeError):
+    """A failure that is neither bad input nor a found difference (a bug, a crashed worker);
+    the CLI prints one line and exits 3."""
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP arrived; the CLI exits 128 + signal after cleaning up.
+
+    A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

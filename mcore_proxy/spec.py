@@ -8,6 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mcore_proxy.errors import CheckpointError
+from mcore_proxy.layer_pattern import MAX_LAYERS, parse_layer_pattern
+from mcore_proxy.megatron_args import DEFAULTS, arg, arg_bool, arg_int, arg_str
+
+
+MAX_EXPERTS = 1 << 16   # routed experts per layer: far above any real model, bounds per-expert tables
 
 
 def layer_module_prefix(layer_id: str) -> str:
@@ -27,15 +32,20 @@ def expert_bias_name(layer_id: str) -> str:
     return f"{layer_module_prefix(layer_id)}.mlp.router.expert_bias"
 
 
-def moe_layer_pattern(num_layers: int, moe_layer_freq) -> list[bool]:
-    """Megatron's `moe_layer_freq`: int N -> every N-th layer is MoE, list -> 1/0 per layer."""
-    if isinstance(moe_layer_freq, int):
-        return [i % moe_layer_freq == 0 for i in range(num_layers)]
-    if isinstance(moe_layer_freq, str):  # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings
-        moe_layer_freq = eval(moe_layer_freq, {"__builtins__": {}}, {})  # noqa: S307 - list literal
-    pattern = [bool(x) for x in moe_layer_freq]
+def moe_layer_pattern(num_layers: int, moe_layer_freq, where: str | None = None) -> list[bool]:
+    """Megatron's `moe_layer_freq`: int N -> every N-th layer is MoE, list -> 1/0 per layer.
+
+    Strings (`"[0]*3+[1]*58"`, as MindSpeed and Megatron accept) go through the safe parser in
+    `layer_pattern`, never through eval."""
+    what = "args moe_layer_freq" + (f" in {where}" if where else "")
+    freq = parse_layer_pattern(moe_layer_freq, what)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise CheckpointError(f"{what} is {freq}, expected a frequency >= 1 or a list; fix the args")
+        return [i % freq == 0 for i in range(num_layers)]
+    pattern = [bool(x) for x in freq]
     if len(pattern) != num_layers:
-        raise CheckpointError(f"moe_layer_freq has {len(pattern)} entries, expected num_layers={num_layers}")
+        raise CheckpointError(f"{what} has {len(pattern)} entries, expected num_layers={num_layers}; fix the args")
     return pattern
 
 
@@ -70,28 +80,33 @@ class ModelSpec:
         return [str(L) for L in self.moe_layers] + mtp
 
     @classmethod
-    def from_args(cls, args) -> "ModelSpec":
-        """Build from a Megatron/MindSpeed `args` namespace (attribute access)."""
-        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-        num_layers = int(get("num_layers"))
-        num_experts = get("num_experts") or 0
-        pattern = moe_layer_pattern(num_layers, get("moe_layer_freq", 1) or 1) if num_experts else []
-        if num_experts and get("first_k_dense_replace"):  # MindSpeed-LLM DeepSeek argument
-            k = int(get("first_k_dense_replace"))
-            pattern = [i >= k and p for i, p in enumerate(pattern)]
+    def from_args(cls, args, where: str | None = None) -> "ModelSpec":
+        """Build from a Megatron/MindSpeed `args` namespace (attribute access).
+
+        Absent fields take Megatron's defaults (`megatron_args.DEFAULTS`); `where` (the file the
+        args come from) is named in every message about them."""
+        num_layers = arg_int(args, "num_layers", where, minimum=1, maximum=MAX_LAYERS)
+        num_experts = arg_int(args, "num_experts", where, maximum=MAX_EXPERTS) or 0
+        freq = arg(args, "moe_layer_freq", where)
+        pattern = moe_layer_pattern(num_layers, 1 if freq is None else freq, where) if num_experts else []
+        first_dense = arg_int(args, "first_k_dense_replace", where)  # MindSpeed-LLM DeepSeek argument
+        if num_experts and first_dense:
+            pattern = [i >= first_dense and p for i, p in enumerate(pattern)]
+        ffn = arg_int(args, "ffn_hidden_size", where, minimum=1)
+        topk = arg_int(args, "moe_router_topk", where)
         return cls(
             num_layers=num_layers,
-            hidden_size=int(get("hidden_size")),
-            num_experts=int(num_experts),
-            topk=int(get("moe_router_topk", 2) or 0),
+            hidden_size=arg_int(args, "hidden_size", where, minimum=1),
+            num_experts=num_experts,
+            topk=DEFAULTS["moe_router_topk"] if topk is None else topk,
             moe_layers=tuple(i for i, p in enumerate(pattern) if p),
-            mtp_layers=int(get("mtp_num_layers") or 0),
-            ffn_hidden_size=get("ffn_hidden_size"),
-            moe_ffn_hidden_size=get("moe_ffn_hidden_size") or get("ffn_hidden_size"),
-            shared_expert_size=get("moe_shared_expert_intermediate_size"),
-            score_function=get("moe_router_score_function", "softmax") or "softmax",
-            num_groups=get("moe_router_num_groups"),
-            group_topk=get("moe_router_group_topk"),
-            expert_bias=bool(get("moe_router_enable_expert_bias", False)),
-            gated_linear_unit=bool(get("swiglu", False) or get("gated_linear_unit", False)),
+            mtp_layers=arg_int(args, "mtp_num_layers", where, maximum=MAX_LAYERS) or 0,
+            ffn_hidden_size=ffn,
+            moe_ffn_hidden_size=arg_int(args, "moe_ffn_hidden_size", where, minimum=1) or ffn,
+            shared_expert_size=arg_int(args, "moe_shared_expert_intermediate_size", where) or None,
+            score_function=arg_str(args, "moe_router_score_function", where) or "softmax",
+            num_groups=arg_int(args, "moe_router_num_groups", where) or None,
+            group_topk=arg_int(args, "moe_router_group_topk", where) or None,
+            expert_bias=arg_bool(args, "moe_router_enable_expert_bias", where),
+            gated_linear_unit=arg_bool(args, "swiglu", where) or arg_bool(args, "gated_linear_unit", where),
         )

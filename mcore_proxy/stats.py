@@ -189,8 +189,10 @@ def load_stats(path: str | os.PathLike) -> RoutingStats:
                          "re-run the trace or remove it from the folder") from None
     try:
         meta = json.loads(side.read_text()) if side.is_file() else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: absurd nesting
         raise StatsError(f"{side}: sidecar is not valid JSON; re-run the trace or remove it") from None
+    if not isinstance(meta, dict):
+        raise StatsError(f"{side}: sidecar is not a JSON object; re-run the trace or remove it")
     fields: dict[str, dict[str, np.ndarray]] = {}
     for key, value in raw.items():
         try:
@@ -210,6 +212,8 @@ def load_stats(path: str | os.PathLike) -> RoutingStats:
     if "topk" not in meta:
         raise StatsError(f"{side}: sidecar missing or without 'topk'; keep the .json written "
                          "beside every statistics file")
+    if isinstance(meta["topk"], bool) or not isinstance(meta["topk"], int):
+        raise StatsError(f"{side}: 'topk' is {meta['topk']!r}, not an integer; re-run the trace or fix the sidecar")
     try:
         return RoutingStats(layers, int(meta["topk"]), meta)
     except StatsError as err:

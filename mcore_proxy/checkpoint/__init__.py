@@ -25,7 +25,10 @@ def _load(module: str, attr: str):
 
 def detect_format(path: str | Path) -> str:
     """The format name of a checkpoint folder; CheckpointError with the fix if none fits."""
+    from mcore_proxy.checkpoint.output import refuse_staging
+
     path = Path(path)
+    refuse_staging(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
     if not path.is_dir():

@@ -13,9 +13,11 @@ import torch
 
 from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, rank_dir_name, stage_layer_counts
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
+from mcore_proxy.checkpoint.safe_globals import check_writable, writable_args
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
 from mcore_proxy.sharding import COLUMN, GLU_COLUMN, REPLICATED, ROW, is_ignored, join, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
@@ -37,6 +39,16 @@ def is_legacy_checkpoint(path: Path) -> bool:
                               or any(_ITER_DIR.match(p.name) for p in path.iterdir()))
 
 
+def read_tracker(tracker: Path) -> str:
+    """The tracker's text (stripped); a file that is not short text is refused by name."""
+    data = tracker.read_bytes()[:4096]
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: holds binary data, expected an iteration number or 'release'; "
+                              "fix the file or pass the iter_* folder directly") from None
+
+
 def resolve_iteration_dir(path: str | Path, holds_data=None,
                           not_found: str = "not a Megatron checkpoint (no latest_checkpointed_iteration.txt, "
                           "iter_* or mp_rank_* folders); pass the folder Megatron saved with --save",
@@ -52,7 +64,7 @@ def resolve_iteration_dir(path: str | Path, holds_data=None,
                               "(the one holding latest_checkpointed_iteration.txt)")
     tracker = path / TRACKER
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        text = read_tracker(tracker)
         if text == "release":
             it_dir, iteration = path / "release", "release"
         elif text.isdigit():
@@ -136,21 +148,33 @@ def _full_shape(entry: _Entry) -> tuple[int, ...] | None:
 # -- the reader ------------------------------------------------------------------------------
 
 def _layout_from_args(args, folder: Path) -> ParallelLayout:
-    get = lambda n, d=None: getattr(args, n, d) or d  # noqa: E731
-    tp, pp = int(get("tensor_model_parallel_size", 1)), int(get("pipeline_model_parallel_size", 1))
-    ep = int(get("expert_model_parallel_size", 1))
-    etp = int(get("expert_tensor_parallel_size", tp))
+    """The saving run's layout from its args (absent fields: Megatron's defaults)."""
+    where = str(folder)
+    size = lambda n: arg_int(args, n, where, minimum=1, maximum=1 << 20)  # noqa: E731
+    tp, pp = size("tensor_model_parallel_size") or 1, size("pipeline_model_parallel_size") or 1
+    ep = size("expert_model_parallel_size") or 1
+    etp = size("expert_tensor_parallel_size") or tp
+    num_layers = arg_int(args, "num_layers", where, minimum=1)
     vpp = 1
-    if get("num_layers_per_virtual_pipeline_stage"):
-        vpp = int(args.num_layers) // (pp * int(args.num_layers_per_virtual_pipeline_stage))
-    elif get("virtual_pipeline_model_parallel_size"):
-        vpp = int(args.virtual_pipeline_model_parallel_size)
-    if get("pipeline_model_parallel_layout"):
+    if size("num_layers_per_virtual_pipeline_stage"):
+        vpp = max(1, num_layers // (pp * size("num_layers_per_virtual_pipeline_stage")))
+    elif size("virtual_pipeline_model_parallel_size"):
+        vpp = size("virtual_pipeline_model_parallel_size")
+    if arg(args, "pipeline_model_parallel_layout", where):
         raise CheckpointError(f"{folder}: pipeline_model_parallel_layout is not supported yet; "
                               "convert from a checkpoint saved with first/last stage sizes")
-    counts = stage_layer_counts(int(args.num_layers), pp, get("decoder_first_pipeline_num_layers"),
-                                get("decoder_last_pipeline_num_layers"), get("num_layer_list"),
-                                where=str(folder))
+    layer_list = arg(args, "num_layer_list", where)
+    if layer_list is not None and not isinstance(layer_list, (str, list, tuple)):
+        raise CheckpointError(f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
+                              "comma-separated stage sizes; fix the args")
+    try:
+        counts = stage_layer_counts(num_layers, pp, size("decoder_first_pipeline_num_layers"),
+                                    size("decoder_last_pipeline_num_layers"), layer_list, where=where)
+    except ProxyError:
+        raise
+    except (ValueError, TypeError):  # a num_layer_list entry that is not a number
+        raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
+                              "sizes; fix the args") from None
     return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
 
 
@@ -201,7 +225,7 @@ class LegacyCheckpoint(ModelView):
             raise CheckpointError(f"{first.path}: no 'args' entry; mcore-proxy needs the args Megatron "
                                   "saves (was the checkpoint written with --no-save-args?)")
         self.checkpoint_version = first.obj.get("checkpoint_version")
-        self.spec = ModelSpec.from_args(self.args)
+        self.spec = ModelSpec.from_args(self.args, where=str(first.path))
         layout = _layout_from_args(self.args, dirs[0])
         coords = {_parse_rank_dir(d.name, layout): d for d in dirs}
         _check_rank_dirs(self.path, coords, layout)
@@ -356,11 +380,9 @@ _LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
 
 def target_args(view: ModelView, target: ParallelLayout):
     """The source `args` with the target layout and the view's expert/router settings."""
-    import copy
-
     if view.args is None:
         raise CheckpointError("the source has no Megatron args; a legacy checkpoint needs them")
-    args = copy.copy(view.args)
+    args = writable_args(view.args, needed=DEFAULTS)
     spec = view.spec
     updates = dict(
         tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
@@ -436,13 +458,15 @@ class _RankOut:
     def __init__(self, path: Path, coords: tuple[int, int, int]):
         from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
         self.coords, self.path = coords, path
         self.writer = TorchFileWriter(path)
         self.model: dict = {}
         self.grouped: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
 
     def add(self, key: str, value) -> None:
+        if not isinstance(value, torch.Tensor):
+            check_writable(value, f"model entry {key}")
         self.model[key] = self.writer.add(value) if isinstance(value, torch.Tensor) else value
 
 
@@ -552,22 +576,36 @@ def write_legacy_units(view: ModelView, root: Path, target: ParallelLayout, unit
     """Write the given output rank files (see `legacy_units`) under `root/iter_*/`."""
     args = target_args(view, target)
     iteration = view.iteration if view.iteration is not None else 0
-    header = {"checkpoint_version": getattr(view, "checkpoint_version", None) or 3.0,
+    header = {"checkpoint_version": checkpoint_version(view),
               "iteration": 0 if iteration == "release" else iteration}
     extra_state = getattr(view, "linear_extra_state", True)
     variants = frozenset(getattr(view, "variants", ()))
     paths = []
+    it_dir = Path(root) / iteration_subdir(view)
+    it_dir.mkdir(exist_ok=True)
     for stage in sorted({u[0] for u in units}):
         ranks = {(t, e) for p, t, e in units if p == stage}
-        paths += write_stage(view, Path(root) / iteration_subdir(view), target, stage, args, header,
+        paths += write_stage(view, it_dir, target, stage, args, header,
                              extra_state, variants, ranks=ranks, progress=progress)
     return paths
 
 
-def write_tracker(view: ModelView, root: Path) -> None:
-    """The tracker file: written last, it marks the checkpoint complete for Megatron."""
+def checkpoint_version(view: ModelView) -> float:
+    """The source's `checkpoint_version` (Megatron's format revision, a number), 3.0 if absent."""
+    version = getattr(view, "checkpoint_version", None)
+    if version is None:
+        return 3.0
+    if isinstance(version, bool) or not isinstance(version, (int, float)):
+        raise CheckpointError(f"the source's checkpoint_version is {str(version)[:60]}, not a number; the "
+                              "checkpoint is damaged, copy it again from the source")
+    return version
+
+
+def tracker_marker(view: ModelView) -> dict[str, bytes]:
+    """The tracker file (relative path -> bytes): written last, it marks the checkpoint complete
+    for Megatron, so writers hand it to the caller instead of writing it (see output.write_markers)."""
     it = view.iteration if view.iteration is not None else 0
-    (Path(root) / TRACKER).write_text(str(it))
+    return {TRACKER: str(it).encode()}
 
 
 def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, inputs=(), progress=True) -> Path:
@@ -578,14 +616,15 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     """
     from tqdm import tqdm
 
-    from mcore_proxy.checkpoint.output import staged_output
+    from mcore_proxy.checkpoint.output import staged_output, write_markers
     from mcore_proxy.memory import return_freed_buffers_to_os
 
     return_freed_buffers_to_os()
     check_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
-    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
-                                                  desc="write legacy", disable=not progress) as bar:
+    with staged_output(out, inputs, check_space=False) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="write legacy",
+                 disable=not progress) as bar:
         write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
-        write_tracker(view, tmp)
+        write_markers(tmp, tracker_marker(view))
     return Path(out)

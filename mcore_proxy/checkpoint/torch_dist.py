@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-import copy
+import contextlib
 import io
 import json
 import math
@@ -50,10 +50,13 @@ import torch
 
 from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, stage_layer_counts
 from mcore_proxy.checkpoint.names import GROUPED, SEQUENTIAL, TE_GROUPED
-from mcore_proxy.checkpoint.torchfile import (LazyTensor, TorchFile, materialize, save_object, unpickle_torch_zip,
-                                              unresolved_class)
+from mcore_proxy.checkpoint.safe_globals import check_writable, writable_args
+from mcore_proxy.checkpoint.torchfile import (UNREADABLE, LazyTensor, TorchFile, WriteSink, brief_error, materialize,
+                                              save_object, unpickle_torch_zip, unresolved_class)
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.layer_pattern import parse_layer_pattern
+from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
 from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
@@ -181,21 +184,18 @@ def homogeneous_layers(args) -> bool:
     """Whether megatron's TransformerBlock stacks layers on one axis (its `non_homogeneous_layers`
     test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs."""
     for attr in ("moe_layer_freq", "linear_attention_freq"):
-        value = getattr(args, attr, None)
-        if isinstance(value, str):  # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings
-            value = eval(value, {"__builtins__": {}}, {})  # noqa: S307 - a list literal
-        if isinstance(value, (list, tuple)) or (isinstance(value, int) and value > 1):
+        # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings: the safe parser, never eval
+        value = parse_layer_pattern(arg(args, attr), f"args {attr}")
+        if isinstance(value, list) or (isinstance(value, int) and value > 1):
             return False
-    if getattr(args, "heterogeneous_layers_config_path", None) or \
-            getattr(args, "heterogeneous_layers_config_encoded_json", None):
+    if arg(args, "heterogeneous_layers_config_path") or arg(args, "heterogeneous_layers_config_encoded_json"):
         return False
     return True
 
 
 def uses_local_spec(args) -> bool:
     """Megatron's local layer spec (not TE) without MLA renames its norms' sharded keys."""
-    return (getattr(args, "transformer_impl", "transformer_engine") == "local"
-            and not getattr(args, "multi_latent_attention", False))
+    return arg(args, "transformer_impl") == "local" and not arg(args, "multi_latent_attention")
 
 
 def object_key(key: str, index: tuple[int, ...], sizes: tuple[int, ...]) -> str:
@@ -216,7 +216,7 @@ def _tracker_target(path: Path) -> Path | None:
     tracker = path / TRACKER
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    text = tracker.read_bytes()[:4096].decode("utf-8", "replace").strip()
     return path / ("release" if text == "release" else f"iter_{int(text):07d}") if text.isdigit() or \
         text == "release" else None
 
@@ -226,8 +226,8 @@ def _is_dist_folder(folder: Path) -> bool:
     config = folder / CONFIG_FILE
     if config.is_file():
         try:
-            return json.loads(config.read_text()).get("sharded_backend") is not None
-        except (ValueError, OSError, AttributeError):
+            return json.loads(config.read_bytes()).get("sharded_backend") is not None
+        except (ValueError, OSError, AttributeError, RecursionError):
             return True  # damaged metadata.json: let the reader say so
     return _has_markers(folder)
 
@@ -276,12 +276,19 @@ def read_dcp_metadata(path: Path):
         with open(path, "rb") as fh:
             md = _MetadataUnpickler(fh).load()
         sd_md, storage = md.state_dict_metadata, md.storage_data
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as err:
-        raise CheckpointError(f"{path}: not a readable PyTorch DCP metadata file ({err}); it is "
+    except UNREADABLE as err:
+        raise CheckpointError(f"{path}: not a readable PyTorch DCP metadata file ({brief_error(err)}); it is "
                               "truncated or damaged, copy it again from the source") from None
     if not isinstance(sd_md, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{path}: holds no key table; it is damaged, copy it again from the source")
     return sd_md, storage
+
+
+def _byte_count(value, path: Path, key) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{path}: storage entry of {str(key)[:60]} has byte offset or length "
+                              f"{str(value)[:40]}; the file is damaged, copy it again")
+    return value
 
 
 def _props_dtype(props) -> torch.dtype:
@@ -356,9 +363,9 @@ class _Blob:
         try:
             self._zip = zipfile.ZipFile(_Window(self._fh, chunk.start, chunk.length))
             self.obj = unpickle_torch_zip(self._zip, self)
-        except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+        except UNREADABLE as err:
             self._fh.close()
-            raise self._damaged(str(err)) from None
+            raise self._damaged(brief_error(err)) from None
 
     def _damaged(self, why: str) -> CheckpointError:
         c = self._chunk
@@ -459,8 +466,8 @@ def _check_config(it_dir: Path) -> None:
         raise CheckpointError(f"{path}: missing, so the torch_dist save did not complete (Megatron writes "
                               "it last); use a checkpoint whose save finished")
     try:
-        backend = json.loads(path.read_text()).get("sharded_backend")
-    except (ValueError, OSError, AttributeError) as err:
+        backend = json.loads(path.read_bytes()).get("sharded_backend")
+    except (ValueError, OSError, AttributeError, RecursionError) as err:
         raise CheckpointError(f"{path}: unreadable ({err}); copy it again from the source") from None
     if backend != BACKEND:
         raise CheckpointError(f"{path}: sharded backend {backend!r} is not supported, only {BACKEND!r}; "
@@ -471,18 +478,19 @@ def _layout_of(args, where: Path) -> ParallelLayout:
     """The saving run's layout (informational: torch_dist files do not depend on it)."""
     from mcore_proxy.checkpoint.legacy import _layout_from_args
 
-    if getattr(args, "moe_grouped_gemm", False):
-        te = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-        expert_layout = TE_GROUPED if te and not getattr(args, "moe_use_legacy_grouped_gemm", False) else GROUPED
+    if arg(args, "moe_grouped_gemm"):
+        te = arg(args, "transformer_impl") == "transformer_engine"
+        expert_layout = TE_GROUPED if te and not arg(args, "moe_use_legacy_grouped_gemm") else GROUPED
     else:
         expert_layout = SEQUENTIAL
     try:
         base = _layout_from_args(args, where)
     except ProxyError:  # e.g. pipeline_model_parallel_layout: keep sizes, no stage split
-        get = lambda n, d=1: getattr(args, n, None) or d  # noqa: E731
-        base = ParallelLayout(tp=int(get("tensor_model_parallel_size")), pp=int(get("pipeline_model_parallel_size")),
-                              ep=int(get("expert_model_parallel_size")),
-                              etp=int(get("expert_tensor_parallel_size", get("tensor_model_parallel_size"))))
+        size = lambda n: arg_int(args, n, str(where), minimum=1, maximum=1 << 20)  # noqa: E731
+        tp = size("tensor_model_parallel_size") or 1
+        base = ParallelLayout(tp=tp, pp=size("pipeline_model_parallel_size") or 1,
+                              ep=size("expert_model_parallel_size") or 1,
+                              etp=size("expert_tensor_parallel_size") or tp)
     return ParallelLayout(tp=base.tp, pp=base.pp, ep=base.ep, etp=base.etp, vpp=base.vpp,
                           expert_layout=expert_layout, stage_layers=base.stage_layers)
 
@@ -508,11 +516,15 @@ class TorchDistCheckpoint(ModelView):
                 isinstance(common.get("iteration"), int):
             self.iteration = common["iteration"]  # a folder not named iter_*: trust common.pt
         self.checkpoint_version = common.get("checkpoint_version")
-        self.content_metadata = dict(common.get("content_metadata") or {})
+        content = common.get("content_metadata") or {}
+        if not isinstance(content, dict):
+            raise CheckpointError(f"{self.path / COMMON_FILE}: content_metadata is a {type(content).__name__}, "
+                                  "not Megatron's dict of flags; the file is damaged, copy it again")
+        self.content_metadata = dict(content)
         if self.content_metadata.get("singleton_local_shards"):
             raise CheckpointError(f"{self.path}: saved with singleton_local_shards (one key per expert and "
                                   "GLU half), which is not supported yet; re-save without it")
-        self.spec = ModelSpec.from_args(self.args)
+        self.spec = ModelSpec.from_args(self.args, where=str(self.path / COMMON_FILE))
         self.layout = _layout_of(self.args, self.path)
         self.local_spec = uses_local_spec(self.args)
         self.linear_extra_state = False
@@ -521,15 +533,7 @@ class TorchDistCheckpoint(ModelView):
         self._storage = self._index_storage(storage)
         self._tensors: dict[str, _TensorEntry] = {}
         self._objects: dict[str, _ObjectEntry] = {}
-        for key, md in sd_md.items():
-            if any(p.search(key.split("/shard_")[0]) for p in _IGNORED):
-                continue
-            if getattr(md, "_name", "") == "BytesStorageMetadata":
-                self._index_object(key)
-            elif getattr(md, "_name", "") == "TensorStorageMetadata":
-                self._index_tensor(key, md)
-            else:
-                raise CheckpointError(f"{self.path / DCP_METADATA}: key {key} has unknown metadata {md!r}")
+        self._index_metadata(sd_md)
         self._check_files()
         self._check_complete()
         self._resolve_none_objects()
@@ -541,21 +545,61 @@ class TorchDistCheckpoint(ModelView):
 
     # -- indexing ----------------------------------------------------------------------------
     def _index_storage(self, storage: dict) -> dict:
+        """(key, chunk offsets) -> (data file, byte offset, byte length), every entry checked: a
+        file name from `.metadata` must be a plain name inside this folder (never `../x` or an
+        absolute path), offsets and lengths non-negative integers."""
+        md_path = self.path / DCP_METADATA
         out = {}
         for idx, info in storage.items():
             try:
                 offset = getattr(idx, "offset", None)  # pickles leave out None fields
                 offset = None if offset is None else tuple(offset)
-                where = (self.path / info.relative_path, int(info.offset), int(info.length))
+                fqn, name = idx.fqn, info.relative_path
+                start, length = info.offset, info.length
                 transforms = getattr(info, "transform_descriptors", None)
-            except AttributeError as err:
-                raise CheckpointError(f"{self.path / DCP_METADATA}: storage table entry without {err}; the "
-                                      "file is damaged, copy it again") from None
+            except (AttributeError, TypeError) as err:
+                raise CheckpointError(f"{md_path}: storage table entry without {err}; the file is damaged, "
+                                      "copy it again") from None
+            if not isinstance(fqn, str) or not all(isinstance(o, int) for o in offset or ()):
+                raise CheckpointError(f"{md_path}: storage table entry {str(fqn)[:60]} is damaged; copy the "
+                                      "file again")
+            out[(fqn, offset)] = (self._data_file(name), _byte_count(start, md_path, fqn),
+                                  _byte_count(length, md_path, fqn))
             if transforms:
-                raise CheckpointError(f"{self.path / DCP_METADATA}: chunks are stored with transforms "
+                raise CheckpointError(f"{md_path}: chunks are stored with transforms "
                                       f"{transforms} (compression), which is not supported; re-save without")
-            out[(idx.fqn, offset)] = where
         return out
+
+    def _data_file(self, name) -> Path:
+        """A data file named by `.metadata`, confined to this iteration folder."""
+        bad = (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+               or "\0" in name or Path(name).is_absolute())
+        if bad:
+            raise CheckpointError(f"{self.path / DCP_METADATA}: names the data file {str(name)[:80]!r}, which "
+                                  "is not a file of this folder; the metadata is damaged or hostile, copy the "
+                                  "checkpoint again from its source")
+        return self.path / name
+
+    def _index_metadata(self, sd_md: dict) -> None:
+        """Index every key of `.metadata`; records of the wrong shape are one sentence, not a crash."""
+        try:
+            for key, md in sd_md.items():
+                if not isinstance(key, str):
+                    raise CheckpointError(f"{self.path / DCP_METADATA}: key {str(key)[:60]} is not a string; "
+                                          "the file is damaged, copy it again")
+                if any(p.search(key.split("/shard_")[0]) for p in _IGNORED):
+                    continue
+                if getattr(md, "_name", "") == "BytesStorageMetadata":
+                    self._index_object(key)
+                elif getattr(md, "_name", "") == "TensorStorageMetadata":
+                    self._index_tensor(key, md)
+                else:
+                    raise CheckpointError(f"{self.path / DCP_METADATA}: key {key} has unknown metadata {md!r}")
+        except ProxyError:
+            raise
+        except (TypeError, AttributeError, ValueError, IndexError, OverflowError, RuntimeError) as err:
+            raise CheckpointError(f"{self.path / DCP_METADATA}: a key record is damaged ({brief_error(err)}); "
+                                  "copy the file again from the source") from None
 
     def _chunk(self, key: str, offsets) -> _Chunk:
         where = self._storage.get((key, offsets))
@@ -568,14 +612,21 @@ class TorchDistCheckpoint(ModelView):
         dist = parse_dist_key(key, self.local_spec)
         n = len(dist.axes)
         size = tuple(md.size)
+        if not all(isinstance(x, int) and x >= 0 for x in size):
+            raise CheckpointError(f"{self.path / DCP_METADATA}: key {key} has shape {size}; the file is damaged")
         self._check_axes(key, dist, size)
         dtype = _props_dtype(md.properties)
+        itemsize = torch.empty((), dtype=dtype).element_size()
         for c in md.chunks:
             offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-            if len(offsets) != len(size) or any(o + s > g for o, s, g in zip(offsets, sizes, size)):
+            if not all(isinstance(x, int) and x >= 0 for x in offsets + sizes) or len(sizes) != len(size) or \
+                    len(offsets) != len(size) or any(o + s > g for o, s, g in zip(offsets, sizes, size)):
                 raise CheckpointError(f"{self.path / DCP_METADATA}: chunk {offsets}+{sizes} of {key} lies "
                                       f"outside its shape {size}; the file is damaged")
             where = self._chunk(key, offsets)
+            if where.length < math.prod(sizes) * itemsize:  # before anything is allocated for it
+                raise CheckpointError(f"{self.path / DCP_METADATA}: chunk {offsets}+{sizes} of {key} declares "
+                                      f"more elements than its {where.length} stored bytes hold; the file is damaged")
             chunk = _Chunk(key, offsets, sizes, where.file, where.start, where.length)
             ranges = [range(o, o + s) for o, s in zip(offsets[:n], sizes[:n])]
             for index in _product(ranges):
@@ -626,6 +677,10 @@ class TorchDistCheckpoint(ModelView):
             if covered != math.prod(entry.shape):
                 raise CheckpointError(f"{self.path / DCP_METADATA}: chunks of {name} cover {covered} of "
                                       f"{math.prod(entry.shape)} elements; the save is incomplete")
+            stored = sum(length for _, _, length in {(c.file, c.start, c.length) for c in entry.chunks})
+            if math.prod(entry.shape) * torch.empty((), dtype=entry.dtype).element_size() > stored:
+                raise CheckpointError(f"{self.path / DCP_METADATA}: {name} declares shape {list(entry.shape)}, more "
+                                      f"than the {stored} bytes of its chunks hold; the file is damaged")
         for layer_id in self.spec.moe_layer_ids if self.spec.num_experts else ():
             prefix = f"{layer_module_prefix(layer_id)}.mlp.experts."
             found = {n[len(prefix):].split(".")[0] for n in self._tensors if n.startswith(prefix)}
@@ -752,6 +807,7 @@ class _DcpWriter:
             piece = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, box))].reshape(lead + box)
             start = fh.tell()
             torch.save(_standalone(piece), fh)
+            fh.check()
             full = tuple(index) + tuple(offsets)
             out.chunks.append((full, lead + box))
             self.storage[(key, full)] = (file, start, fh.tell() - start)
@@ -761,10 +817,12 @@ class _DcpWriter:
         if value is None:
             torch.save([None], fh)
         else:  # may hold Unresolved objects (TE extra state read back): torchfile's pickler
+            check_writable(value, f"object {unique}")
             tmp = self.folder / ".object.tmp"
             save_object([value], tmp)
             fh.write(tmp.read_bytes())
             tmp.unlink()
+        fh.check()
         self.objects.append(unique)
         self.storage[(unique, None)] = (file, start, fh.tell() - start)
 
@@ -805,7 +863,7 @@ def dist_target_args(view: ModelView, target: ParallelLayout | None):
         args = target_args(view, target)
     else:
         spec = view.spec
-        args = copy.copy(view.args)
+        args = writable_args(view.args, needed=DEFAULTS)
         for key, value in dict(num_experts=spec.num_experts or None, moe_router_topk=spec.topk,
                                moe_router_num_groups=spec.num_groups,
                                moe_router_group_topk=spec.group_topk).items():
@@ -873,20 +931,25 @@ def write_torch_dist(view: ModelView, out, target: ParallelLayout | None = None,
     """
     from tqdm import tqdm
 
-    from mcore_proxy.checkpoint.output import staged_output
+    from mcore_proxy.checkpoint.output import staged_output, write_markers
 
     target = _complete_target(view, target)
     if target is not None:
         check_dist_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
-    with staged_output(out, inputs) as tmp, tqdm(total=total, unit="B", unit_scale=True, mininterval=2,
-                                                  desc="write torch_dist", disable=not progress) as bar:
-        write_torch_dist_into(view, tmp, target, bar)
+    with staged_output(out, inputs, check_space=False) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="write torch_dist",
+                 disable=not progress) as bar:
+        write_markers(tmp, write_torch_dist_into(view, tmp, target, bar))
     return Path(out)
 
 
-def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | None, progress=None) -> None:
-    """The body of `write_torch_dist`: write into the existing (empty, staged) folder `root`."""
+def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | None,
+                          progress=None) -> dict[str, bytes]:
+    """The body of `write_torch_dist`: write into the existing (empty, staged) folder `root`.
+
+    Returns the completeness markers, not yet written (relative path -> bytes, in order):
+    metadata.json, then the tracker. The caller writes them last (after its manifest)."""
     target = _complete_target(view, target)
     if target is not None:
         check_dist_target(view, target)
@@ -894,7 +957,9 @@ def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | 
     style = KeyStyle.from_args(args, view.spec)
     iteration = view.iteration if view.iteration is not None else 0
     sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    common = {"args": args, "checkpoint_version": getattr(view, "checkpoint_version", None) or 3.0,
+    from mcore_proxy.checkpoint.legacy import checkpoint_version
+
+    common = {"args": args, "checkpoint_version": checkpoint_version(view),
               "iteration": 0 if iteration == "release" else iteration,
               "content_metadata": dict(CONTENT_METADATA)}
     extra_state = bool(getattr(view, "linear_extra_state", True))
@@ -903,10 +968,12 @@ def write_torch_dist_into(view: ModelView, root: Path, target: ParallelLayout | 
     writer = _DcpWriter(it_dir)
     for n, names in enumerate(view.groups().values()):
         file = f"__0_{n}.distcp"
-        with open(it_dir / file, "wb") as fh:
+        with contextlib.closing(WriteSink(it_dir / file)) as fh:
             _write_group(view, names, fh, file, writer, style, target, extra_state, progress)
-    with open(it_dir / DCP_METADATA, "wb") as fh:
+        fh.check()  # closing fsyncs: errors reported only at writeback show here
+    with contextlib.closing(WriteSink(it_dir / DCP_METADATA)) as fh:
         pickle.dump(writer.metadata(), fh)
+    fh.check()
     save_object(common, it_dir / COMMON_FILE)
-    (it_dir / CONFIG_FILE).write_text(json.dumps(CONFIG))  # marks the iteration complete
-    (Path(root) / TRACKER).write_text(str(iteration))
+    # metadata.json marks the iteration complete for megatron-core, the tracker the checkpoint
+    return {f"{sub}/{CONFIG_FILE}": json.dumps(CONFIG).encode(), TRACKER: str(iteration).encode()}

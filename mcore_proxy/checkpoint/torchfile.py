@@ -18,12 +18,14 @@ import os
 import pickle
 import struct
 import sys
+import types
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mcore_proxy.checkpoint.safe_globals import READ_GLOBALS, is_emittable
 from mcore_proxy.errors import CheckpointError
 
 # -- reading -------------------------------------------------------------------------------
@@ -35,17 +37,6 @@ _STORAGE_DTYPES = {
     "BoolStorage": torch.bool, "UntypedStorage": torch.uint8,
 }
 _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
-
-# Data-only types whose construction runs no foreign code.
-_SAFE_GLOBALS = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("argparse", "Namespace"): __import__("argparse").Namespace,
-    ("torch", "Size"): torch.Size,
-    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray,
-    ("builtins", "range"): range,
-}
-
 
 class Unresolved:
     """An object of a class this process does not (or may not) import, kept as data.
@@ -167,6 +158,17 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    """A LazyTensor after checking the declared box against its storage (nothing is allocated)."""
+    if not (isinstance(storage, tuple) and len(storage) == 2 and isinstance(storage[1], _StorageRef)):
+        raise pickle.UnpicklingError("a tensor without its storage")
+    ints = lambda xs: isinstance(xs, (tuple, list)) and all(  # noqa: E731
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+    if not (isinstance(offset, int) and offset >= 0 and ints(size) and ints(stride) and len(size) == len(stride)):
+        raise pickle.UnpicklingError(f"a tensor with offset {offset!r}, shape {size!r}, stride {stride!r}")
+    span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    if offset + span > storage[1].numel:
+        raise pickle.UnpicklingError(f"a tensor of shape {tuple(size)} beyond its storage of "
+                                     f"{storage[1].numel} elements")
     return LazyTensor(storage[0], storage[1], offset, size, stride)
 
 
@@ -192,15 +194,16 @@ class _StorageType:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, file: "TorchFile"):
+    def __init__(self, data: bytes, file, sizes: dict[str, int]):
         super().__init__(io.BytesIO(data))
-        self._file = file
+        self._file, self._sizes = file, sizes
 
     def find_class(self, module: str, name: str):
+        module = "builtins" if module == "__builtin__" else module  # protocol 2 spells it so
         if (module, name) in _TENSOR_GLOBALS:
             return _TENSOR_GLOBALS[(module, name)]
-        if (module, name) in _SAFE_GLOBALS:
-            return _SAFE_GLOBALS[(module, name)]
+        if (module, name) in READ_GLOBALS:
+            return READ_GLOBALS[(module, name)]
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -210,22 +213,54 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return unresolved_class(module, name)
 
     def persistent_load(self, pid):
-        kind, storage_type, key, _location, numel = pid
-        if kind != "storage":
-            raise pickle.UnpicklingError(f"unsupported persistent id {kind!r}")
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:60]}")
+        _, storage_type, key, _location, numel = pid
+        if not (isinstance(key, str) and isinstance(numel, int) and numel >= 0):
+            raise pickle.UnpicklingError(f"storage {str(key)[:40]} declares {str(numel)[:40]} elements")
         dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else torch.uint8
-        member = f"{self._file.prefix}/data/{key}"
-        return (self._file, _StorageRef(member, dtype, int(numel)))
+        member = f"{self._file.prefix}/data/{key}" if self._file.prefix else f"data/{key}"
+        size = self._sizes.get(member)
+        if size is None or size < numel * _itemsize(dtype):
+            # checked before anything is allocated: a declared size must fit the bytes in the file
+            raise pickle.UnpicklingError(f"storage {key} declares {numel} elements but its member holds "
+                                         f"{size or 0} bytes")
+        return (self._file, _StorageRef(member, dtype, numel))
+
+
+MAX_PICKLE_BYTES = 1 << 30  # a torch.save structure pickle; rank files hold ~100 kB of it
 
 
 def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
     """The structure of a torch.save zip, through the restricted unpickler. Sets `owner.prefix`
     (the archive folder); its LazyTensors read their bytes through `owner.read_elements`."""
-    pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+    infos = zf.infolist()
+    pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
     if len(pkl) != 1:
         raise zipfile.BadZipFile("no single data.pkl member")
-    owner.prefix = pkl[0].rsplit("/", 1)[0] if "/" in pkl[0] else ""
-    return _RestrictedUnpickler(zf.read(pkl[0]), owner).load()
+    if pkl[0].compress_type != zipfile.ZIP_STORED or pkl[0].file_size > MAX_PICKLE_BYTES:
+        raise zipfile.BadZipFile(f"data.pkl is compressed or declares {pkl[0].file_size} bytes")
+    name = pkl[0].filename
+    owner.prefix = name.rsplit("/", 1)[0] if "/" in name else ""
+    pos = zf.fp.tell()
+    end = zf.fp.seek(0, os.SEEK_END)  # a member's declared size must fit inside the file
+    zf.fp.seek(pos)
+    sizes = {i.filename: i.file_size for i in infos
+             if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end}
+    return _RestrictedUnpickler(zf.read(name), owner, sizes).load()
+
+
+# What parsing a damaged or hostile zip/pickle can raise: zipfile and pickle raise many types
+# (struct.error, KeyError from the memo, TypeError from a bad REDUCE, RecursionError, MemoryError
+# for absurd declared sizes), all meaning "this file is not what it claims".
+UNREADABLE = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError,
+              TypeError, KeyError, IndexError, AttributeError, struct.error, RecursionError, MemoryError,
+              OverflowError, NotImplementedError, UnicodeDecodeError)
+
+
+def brief_error(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".splitlines()[0] if str(err) else type(err).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 class TorchFile:
@@ -241,9 +276,10 @@ class TorchFile:
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._zip = zipfile.ZipFile(self.path)
             self.obj = unpickle_torch_zip(self._zip, self)
-        except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+        except UNREADABLE as err:
+            self.close()
             raise CheckpointError(
-                f"{self.path}: not a readable torch checkpoint ({err}); the file is truncated or "
+                f"{self.path}: not a readable torch checkpoint ({brief_error(err)}); the file is truncated or "
                 "damaged, copy it again from the source") from None
 
     def _data_offset(self, member: str) -> int:
@@ -288,8 +324,9 @@ class TorchFile:
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
             os.close(fd)
-        if getattr(self, "_zip", None) is not None:
-            self._zip.close()
+        zf, self._zip = getattr(self, "_zip", None), None
+        if zf is not None:
+            zf.close()
 
     __del__ = close
 
@@ -322,6 +359,9 @@ class _StoragePid:
 
 
 class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolved class paths
+    """Pickles the structure of a torch.save file; every GLOBAL it emits is checked against the
+    allow-list (`safe_globals.is_emittable`): the next reader may run it."""
+
     def persistent_id(self, obj):
         if isinstance(obj, _StoragePid):
             r = obj.record
@@ -333,12 +373,17 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
             stride = torch.empty(obj.shape, device="meta").stride()
             return (torch._utils._rebuild_tensor_v2,
                     (_StoragePid(obj), 0, obj.shape, stride, False, collections.OrderedDict()))
-        if isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved:
-            return NotImplemented  # handled in save_global
         return NotImplemented
 
     def save_global(self, obj, name=None):
-        if isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved:
+        unresolved = isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved
+        module = obj._module if unresolved else (getattr(obj, "__module__", None) if name is None
+                                                  else pickle.whichmodule(obj, name))
+        qualname = obj._name if unresolved else (name or getattr(obj, "__qualname__", "?"))
+        if not is_emittable(str(module), str(qualname)):
+            raise CheckpointError(f"refusing to write the global {module}.{qualname}: it is not on the "
+                                  "allow-list of data types, and the next reader of the file would run it")
+        if unresolved:
             self.write(pickle.GLOBAL + f"{obj._module}\n{obj._name}\n".encode("utf-8"))
             self.memoize(obj)
             return
@@ -346,18 +391,98 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
 
     dispatch = dict(pickle._Pickler.dispatch)
     dispatch[type] = save_global
+    dispatch[types.FunctionType] = save_global
+    dispatch[types.BuiltinFunctionType] = save_global
+
+
+class WriteSink(io.RawIOBase):
+    """A file torch's C++ zip writer writes through, which never lets a write error reach it.
+
+    `torch._C.PyTorchFileWriter` turns a failed write into a RuntimeError without the errno, and
+    its destructor writes the end of the archive again, which aborts the process (std::terminate)
+    when that write fails too. Here the first OSError (ENOSPC, EFBIG, EIO, EROFS) is kept and
+    every later write is accepted and discarded, so the C++ side always succeeds; `check()`
+    raises the kept error, which callers do after every record. `close()` fsyncs: a write error
+    the kernel reports only at writeback (EIO, a quota on a network file system) surfaces here,
+    before the tracker says the checkpoint is complete.
+    """
+
+    def __init__(self, path: str | Path, append: bool = False):
+        super().__init__()
+        self.path = Path(path)
+        self.error: OSError | None = None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
+        self._pos = os.lseek(self._fd, 0, os.SEEK_END) if append else 0
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+    def tell(self):
+        return self._pos
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if self.error is None:
+            try:
+                done = 0
+                while done < n:
+                    done += os.write(self._fd, view[done:])
+            except OSError as err:
+                self.error = err
+        self._pos += n
+        return n
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        # torch seeks forward over the bytes of a record it writes later (write_record_metadata);
+        # this sink writes those records in order, so a relative forward seek is a hole of zeros
+        if whence != os.SEEK_CUR or offset < 0:
+            raise io.UnsupportedOperation("WriteSink seeks only forward")
+        if self.error is None:
+            try:
+                os.lseek(self._fd, offset, os.SEEK_CUR)
+            except OSError as err:
+                self.error = err
+        self._pos += offset
+        return self._pos
+
+    def flush(self):
+        pass
+
+    def check(self) -> None:
+        """Raise the first write error, if any (an OSError with its errno and this path)."""
+        if self.error is not None:
+            err = self.error
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                if self.error is None:
+                    os.fsync(fd)
+            except OSError as err:
+                self.error = self.error or err
+            finally:
+                os.close(fd)
+        super().close()
 
 
 class TorchFileWriter:
     """Write a `torch.save`-compatible zip incrementally: tensors first, structure last.
 
     `add(tensor)` writes the bytes now and returns a placeholder to put in the structure;
-    `close(obj)` pickles the structure. torch.load (and so Megatron) reads the result.
+    `close(obj)` pickles the structure. torch.load (and so Megatron) reads the result. Write
+    errors are OSErrors with the errno (see `WriteSink`), never an abort.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._writer = torch._C.PyTorchFileWriter(str(self.path))
+        self._sink = WriteSink(self.path)
+        self._writer = torch._C.PyTorchFileWriter(self._sink)
         self._count = 0
         self.bytes_written = 0
 
@@ -369,6 +494,7 @@ class TorchFileWriter:
         self._writer.write_record(f"data/{key}", t.untyped_storage() if t.storage_offset() == 0 and
                                   t.untyped_storage().nbytes() == nbytes else t.clone().untyped_storage(),
                                   nbytes)
+        self._sink.check()
         self.bytes_written += nbytes
         return _TensorRecord(key, t.dtype, t.shape)
 
@@ -380,6 +506,8 @@ class TorchFileWriter:
         self._writer.write_record(".format_version", "1", 1)
         self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self._writer.write_end_of_file()
+        self._sink.close()
+        self._sink.check()
 
 
 def save_object(obj, path: str | Path) -> None:

@@ -29,7 +29,11 @@ def register(sub) -> None:
                    help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
     p.add_argument("--format", choices=("legacy", "torch_dist"), default="legacy")
     p.add_argument("--workers", type=int, default=1, help="writer processes (legacy format)")
-    p.add_argument("--dry-run", action="store_true", help="check everything, print the plan, write nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check the conversion runs (including the output's lock and free space), "
+                        "print the plan, write nothing")
+    p.add_argument("--no-space-check", action="store_true",
+                   help="skip the comparison of the bytes to write with the free space of the target")
     p.set_defaults(func=run_convert)
 
     v = sub.add_parser("verify", help="check a proxy against its source and plan")
@@ -51,12 +55,15 @@ def run_convert(args) -> int:
     req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, tp=args.tp, pp=args.pp, ep=args.ep,
                          etp=args.etp, expert_layout=args.expert_layout, stage_layers=args.target_stage_layers,
                          format=args.format, workers=args.workers)
-    r = convert(req, dry_run=args.dry_run)
+    r = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
     t = r.target
     print(f"{'would write' if args.dry_run else 'wrote'} {r.out} ({args.format}): {r.num_experts} of "
           f"{r.source_experts} experts per MoE layer, {t.describe()}, layout {t.expert_layout}")
-    print(f"reads {_gib(r.bytes_read)} of tensors" + ("" if args.dry_run else
+    print(f"reads {_gib(r.bytes_read)} of tensors, writes about {_gib(r.output_bytes)}" + ("" if args.dry_run else
                                                       f"; {r.files} files in {r.seconds:.1f} s; manifest.json lists sha256 of each"))
+    for name, why in r.dropped_args.items():
+        print(f"args {name} {'would be' if args.dry_run else 'was'} dropped: it holds {why} "
+              "(recorded in manifest.json)")
     print("optimizer and RNG state are not carried over; launch the proxy with these flags changed:")
     print("  " + " ".join(f for f in r.launch_flags if not f.startswith("(")))
     return 0

@@ -31,11 +31,19 @@ def file_table(folder: Path) -> dict[str, dict]:
     return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
 
 
-def write_manifest(folder: Path, info: dict) -> Path:
-    """Hash every file of `folder` and write the manifest (the last file written)."""
-    doc = {"format": FORMAT, **info, "files": file_table(folder)}
+def write_manifest(folder: Path, info: dict, pending: dict[str, bytes] | None = None) -> Path:
+    """Hash every file of `folder` and write the manifest.
+
+    `pending`: files written after the manifest (the completeness markers, relative path -> bytes),
+    listed with the hash of the bytes they will hold: the tracker stays the last file written."""
+    from mcore_proxy.checkpoint.output import write_synced
+
+    files = file_table(folder)
+    for rel, data in (pending or {}).items():
+        files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    doc = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
     path = Path(folder) / MANIFEST
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    write_synced(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     return path
 
 
@@ -44,12 +52,16 @@ def check_manifest(folder: Path) -> list[str]:
     path = Path(folder) / MANIFEST
     if not path.is_file():
         return [f"{path}: no manifest"]
-    recorded = json.loads(path.read_text()).get("files", {})
+    try:
+        recorded = json.loads(path.read_bytes()).get("files", {})
+        recorded = {k: v for k, v in recorded.items() if isinstance(v, dict)}
+    except (ValueError, AttributeError, RecursionError):   # a damaged manifest is a difference, not a crash
+        return [f"{path}: not a readable manifest"]
     found = file_table(folder)
     problems = [f"{name}: listed in the manifest but missing" for name in sorted(set(recorded) - set(found))]
     problems += [f"{name}: not listed in the manifest" for name in sorted(set(found) - set(recorded))]
     problems += [f"{name}: sha256 differs from the manifest" for name in sorted(set(found) & set(recorded))
-                 if found[name]["sha256"] != recorded[name]["sha256"]]
+                 if found[name]["sha256"] != recorded[name].get("sha256")]
     return problems
 
 

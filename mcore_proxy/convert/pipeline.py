@@ -7,21 +7,23 @@ launch (each rank writes a disjoint set; rank 0 writes the tracker and manifest 
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.layout import ParallelLayout
-from mcore_proxy.checkpoint.legacy import legacy_units, resolve_target, write_legacy_units, write_tracker
+from mcore_proxy.checkpoint.legacy import (iteration_subdir, legacy_units, resolve_target, tracker_marker,
+                                          write_legacy_units)
 from mcore_proxy.checkpoint.output import staged_output
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
+from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.errors import ProxyError
+from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
 
 FORMATS = ("legacy", "torch_dist")
@@ -60,6 +62,8 @@ class ConvertResult:
     files: int
     seconds: float
     launch_flags: list[str] = field(default_factory=list)
+    dropped_args: dict[str, str] = field(default_factory=dict)   # args field -> why it was not written
+    output_bytes: int = 0                                          # estimated size of the output
 
 
 def open_views(ckpt: Path, plan_path: Path | None) -> tuple[ModelView, ModelView, object]:
@@ -109,12 +113,21 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
     return flags
 
 
-def _unit_worker(ckpt: str, plan: str | None, target: ParallelLayout, root: str, units) -> int:
+def hold(phase: str) -> None:
+    """Fault-injection point for the interruption tests: with MCORE_PROXY_TEST_HOLD=<phase>, write
+    this pid to MCORE_PROXY_TEST_HOLD_FILE and wait (up to 5 min) for the test's signal."""
+    if os.environ.get("MCORE_PROXY_TEST_HOLD") != phase:
+        return
+    Path(os.environ["MCORE_PROXY_TEST_HOLD_FILE"]).write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+def _unit_worker(ckpt: str, plan: str | None, target: ParallelLayout, root: str, units) -> None:
     """One worker process: reopen the views (cheap: metadata only) and write its rank files."""
     return_freed_buffers_to_os()
     _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None)
     write_legacy_units(view, Path(root), target, units)
-    return sum(Path(p).stat().st_size for p in Path(root).rglob("*.pt"))
+    hold("write")
 
 
 def _split(units: list, parts: int) -> list[list]:
@@ -122,15 +135,11 @@ def _split(units: list, parts: int) -> list[list]:
 
 
 def _write_parallel(req: ConvertRequest, target: ParallelLayout, root: Path, progress) -> None:
-    chunks = _split(legacy_units(target), req.workers)
-    ctx = mp.get_context("spawn")  # fork after torch/megatron imports is not safe
-    with cf.ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
-        futures = [pool.submit(_unit_worker, str(req.ckpt), str(req.plan) if req.plan else None,
-                               target, str(root), chunk) for chunk in chunks]
-        for fut in cf.as_completed(futures):
-            fut.result()
-            if progress is not None:
-                progress.update(1)
+    from mcore_proxy.convert.workers import run_workers
+
+    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, target, str(root), chunk)
+            for chunk in _split(legacy_units(target), req.workers)]
+    run_workers(_unit_worker, jobs, on_done=lambda i: progress.update(1) if progress is not None else None)
 
 
 def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, target: ParallelLayout, plan) -> dict:
@@ -143,49 +152,125 @@ def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, targ
                    "router_fingerprint": router_fingerprint(source)},
         "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
+        "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {"format": req.format, "tp": target.tp, "pp": target.pp, "ep": target.ep,
                    "etp": target.etp, "expert_layout": target.expert_layout,
                    "stage_layers": list(target.stage_layers), "num_experts": view.spec.num_experts},
     }
 
 
-def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False) -> ConvertResult:
-    """Run one conversion; every check happens before the first byte is written."""
+def output_bytes(view: ModelView, target: ParallelLayout, fmt: str) -> int:
+    """Bytes the output will take (an estimate for the free-space check): legacy rank files repeat
+    replicated tensors in every (TP, EP) folder of their stage and TP-sharded ones in every EP
+    folder; torch_dist stores each tensor once. Plus a little per file for zip headers."""
+    from mcore_proxy.sharding import REPLICATED, rule_for
+
+    total, files = 0, len(view.groups()) + 3
+    for name in view.names():
+        nbytes = tensor_nbytes(view, name)
+        if fmt == "legacy":
+            rule = rule_for(name)
+            if rule.expert:
+                nbytes *= max(1, target.tp // target.etp) if rule.group == "etp" else 1
+            else:
+                nbytes *= target.tp * target.ep if rule.kind == REPLICATED else target.ep
+        total += nbytes
+    if fmt == "legacy":
+        files = len(legacy_units(target)) + 2
+    return total + files * (64 << 10)
+
+
+@dataclass
+class Prepared:
+    """Everything `convert` decided and checked before writing a byte."""
+
+    source: ModelView
+    view: ModelView
+    plan: object
+    target: ParallelLayout
+    result: ConvertResult
+    needed_bytes: int
+
+
+def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
+    """Every check the conversion makes, in the order it makes them; nothing is written.
+
+    `convert --dry-run` runs exactly this: the views and plan, the target layout, the args the
+    writer will store (dropped and needed fields), the output path, its lock and free space."""
+    from mcore_proxy.checkpoint.legacy import checkpoint_version, target_args
+    from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock
+
+    source, view, plan = open_views(req.ckpt, req.plan)
+    target = plan_target(req, source, view, plan)
+    if req.format == "torch_dist":
+        from mcore_proxy.checkpoint.torch_dist import check_dist_target, dist_target_args
+        check_dist_target(view, target)
+        dist_target_args(view, target)
+        if _torchrun_world() > 1:
+            raise ProxyError("under torchrun only --format legacy is split across ranks; run torch_dist "
+                             "conversion as a single process")
+    else:
+        target_args(view, target)
+    checkpoint_version(view)
+    read = sum(tensor_nbytes(view, n) for n in view.names())
+    result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
+                           launch_flags(view, target, plan), unsafe_args(source.args, needed=DEFAULTS))
+    needed = result.output_bytes = output_bytes(view, target, req.format)
+    out = check_output_path(req.out, (req.ckpt,))
+    if os.environ.get("RANK", "0") != "0" and _torchrun_world() > 1:
+        return Prepared(source, view, plan, target, result, needed)  # rank 0 owns the output
+    try:
+        with output_lock(out):
+            pass
+        if check_space:
+            check_free_space(out, needed)
+    except OSError as err:
+        from mcore_proxy.checkpoint.output import write_failure
+        raise write_failure(out, err) from None
+    return Prepared(source, view, plan, target, result, needed)
+
+
+def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
+            check_space: bool = True) -> ConvertResult:
+    """Run one conversion; every check happens before the first byte is written (`prepare`).
+
+    Order of writing inside the staging folder: data files, manifest.json (listing the markers
+    with the hashes they will have), then the markers, the tracker last; then the rename."""
     from tqdm import tqdm
+
+    from mcore_proxy.checkpoint.output import write_markers
 
     return_freed_buffers_to_os()
     start = time.perf_counter()
-    source, view, plan = open_views(req.ckpt, req.plan)
-    target = plan_target(req, source, view, plan)
-    read = sum(tensor_nbytes(view, n) for n in view.names())
-    result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
-                           launch_flags(view, target, plan))
+    prep = prepare(req, check_space)
+    source, view, plan, target, result = prep.source, prep.view, prep.plan, prep.target, prep.result
     if dry_run:
         return result
-    if req.format == "torch_dist":
-        from mcore_proxy.checkpoint.torch_dist import write_torch_dist_into
-
-        def write_body(tmp: Path) -> None:
-            with tqdm(total=read, unit="B", unit_scale=True, mininterval=2, desc="convert",
-                      disable=not progress) as bar:
-                write_torch_dist_into(view, tmp, target, bar)
+    if _torchrun_world() > 1:
+        _convert_under_torchrun(req, prep, check_space)
     else:
-        def write_body(tmp: Path) -> None:
-            if req.workers > 1:
+        with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes,
+                           check_space=check_space) as tmp:
+            if req.format == "torch_dist":
+                from mcore_proxy.checkpoint.torch_dist import write_torch_dist_into
+
+                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                          disable=not progress) as bar:
+                    markers = write_torch_dist_into(view, tmp, target, bar)
+            elif req.workers > 1:
                 with tqdm(total=len(legacy_units(target)), unit="file", desc="convert", disable=not progress) as bar:
                     _write_parallel(req, target, tmp, bar)
+                markers = tracker_marker(view)
             else:
-                with tqdm(total=read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
                           disable=not progress) as bar:
                     write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
-            write_tracker(view, tmp)
-
-    if _torchrun_world() > 1:
-        _convert_under_torchrun(req, source, view, target, plan)
-    else:
-        with staged_output(req.out, inputs=(req.ckpt,)) as tmp:
-            write_body(tmp)
-            write_manifest(tmp, _manifest_info(req, source, view, target, plan))
+                markers = tracker_marker(view)
+            if req.workers == 1 or req.format == "torch_dist":
+                hold("write")
+            write_manifest(tmp, _manifest_info(req, source, view, target, plan), pending=markers)
+            hold("manifest")
+            write_markers(tmp, markers)
     result.files = sum(1 for p in Path(req.out).rglob("*") if p.is_file())
     result.seconds = time.perf_counter() - start
     return result
@@ -198,51 +283,72 @@ def _torchrun_world() -> int:
         os.environ.get("MCORE_PROXY_DISTRIBUTED") == "1" else 1
 
 
-def _convert_under_torchrun(req: ConvertRequest, source, view, target, plan) -> None:
-    """Rank 0 checks and creates the shared temporary folder; all ranks write their share; a
-    failure anywhere removes it; rank 0 writes the tracker and manifest last and renames."""
-    import shutil
+class _Ranks:
+    """Coordination of the ranks of a launch through the launcher's key-value store, by polling:
+    a rank waiting for the others stays in Python, so a signal (the launcher forwards SIGTERM)
+    stops it at once instead of after a collective's timeout."""
 
-    import torch
-    import torch.distributed as dist
+    def __init__(self):
+        import torch.distributed as dist
 
-    if req.format != "legacy":
-        raise ProxyError("under torchrun only --format legacy is split across ranks; run torch_dist "
-                         "conversion as a single process")
-    from mcore_proxy.checkpoint.output import check_output_path
+        self.store, self.rank, self.world = next(dist.rendezvous("env://"))
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        self.prefix = f"mcore-proxy/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = Path(req.out).absolute()
-    tmp = out.with_name(f".{out.name}.partial-torchrun")
-    failed, error = torch.zeros(1), None
-    if rank == 0:
+    def put(self, key: str, value: str) -> None:
+        self.store.set(self.prefix + key, value)
+
+    def take(self, key: str) -> str:
+        full = self.prefix + key
+        while not self.store.check([full]):
+            time.sleep(0.05)
+        return self.store.get(full).decode()
+
+
+def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bool) -> None:
+    """Rank 0 takes the lock and makes the staging folder; every rank writes its share of rank
+    files and reports; rank 0 then writes manifest and tracker and renames, or removes the folder
+    if any rank failed. Other ranks wait for rank 0's verdict."""
+    from mcore_proxy.checkpoint.output import staged_output, write_markers
+    from mcore_proxy.interrupts import die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # the launcher died: stop (and clean up) as for its own SIGTERM
+    ranks = _Ranks()
+    view, target = prep.view, prep.target
+    units = legacy_units(target)[ranks.rank::ranks.world]
+    if ranks.rank != 0:
+        root = ranks.take("staging")
+        if root.startswith("error:"):
+            raise ProxyError(f"{req.out}: rank 0 refused the output ({root[6:]})")
         try:
-            check_output_path(out, (req.ckpt,))
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except ProxyError as err:
-            error, failed = err, failed + 1
-    dist.all_reduce(failed)
-    if failed.item():
-        dist.destroy_process_group()
-        raise error or ProxyError(f"{out}: rank 0 refused the output folder; see its message")
+            write_legacy_units(view, Path(root), target, units)
+            hold("write")
+            ranks.put(f"done/{ranks.rank}", "ok")
+        except Exception as err:  # noqa: BLE001 - reported to rank 0, then re-raised here
+            ranks.put(f"done/{ranks.rank}", f"error:{err}")
+            raise
+        verdict = ranks.take("final")
+        if verdict != "ok":
+            raise ProxyError(f"{req.out}: the conversion failed on another rank ({verdict}); nothing was left behind")
+        return
     try:
-        write_legacy_units(view, tmp, target, legacy_units(target)[rank::world])
-    except Exception as err:  # noqa: BLE001 - reported to every rank below, then re-raised
-        error, failed = err, failed + 1
-    dist.all_reduce(failed)
-    try:
-        if failed.item():
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if error is not None:
-                raise error
-            raise ProxyError(f"{out}: another rank failed while writing; nothing was left behind")
-        if rank == 0:
-            write_tracker(view, tmp)
-            write_manifest(tmp, _manifest_info(req, source, view, target, plan))
-            os.replace(tmp, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes, check_space=check_space,
+                           staging_id=f"torchrun-{os.getpid()}") as tmp:
+            (tmp / iteration_subdir(view)).mkdir()
+            ranks.put("staging", str(tmp))
+            write_legacy_units(view, tmp, target, units)
+            hold("write")
+            for r in range(1, ranks.world):
+                status = ranks.take(f"done/{r}")
+                if status != "ok":
+                    raise ProxyError(f"rank {r} failed: {status[6:]}")
+            markers = tracker_marker(view)
+            write_manifest(tmp, _manifest_info(req, prep.source, view, target, prep.plan), pending=markers)
+            hold("manifest")
+            write_markers(tmp, markers)
+    except BaseException as err:
+        if not ranks.store.check([ranks.prefix + "staging"]):
+            ranks.put("staging", f"error:{err}")
+        ranks.put("final", f"error:{err}")
+        raise
+    ranks.put("final", "ok")

@@ -12,7 +12,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.convert.manifest import check_manifest
 from mcore_proxy.convert.prune import PrunedView
-from mcore_proxy.errors import CheckFailed
+from mcore_proxy.errors import InternalError
 
 
 @dataclass
@@ -103,16 +103,20 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     from mcore_proxy.testing.build import Layout, load_and_run, toy_from_args
 
     keep = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
+    # absent args fields take Megatron's defaults; a field without one is named before any work
+    models = {"source": toy_from_args(source.args, str(getattr(source, "path", "the source"))),
+              "proxy": toy_from_args(proxy.args, str(getattr(proxy, "path", "the proxy")))}
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
         tmp = Path(tmp)
         for label, view in (("source", source), ("proxy", proxy)):
             write_legacy(view, tmp / label, resolve_target(view, expert_layout="sequential"), progress=False)
         try:
-            ref = load_and_run(toy_from_args(source.args), Layout(), tmp / "source", tmp / "source.pt", keep=keep)
-            got = load_and_run(toy_from_args(proxy.args), Layout(), tmp / "proxy", tmp / "proxy.pt")
+            ref = load_and_run(models["source"], Layout(), tmp / "source", tmp / "source.pt", keep=keep)
+            got = load_and_run(models["proxy"], Layout(), tmp / "proxy", tmp / "proxy.pt")
         except torch.multiprocessing.ProcessRaisedException as err:
+            # not a difference found by the check (exit 1): the check could not run (exit 3)
             last = str(err).strip().splitlines()[-1]
-            raise CheckFailed(f"functional: megatron-core could not run the models ({last})") from None
+            raise InternalError(f"functional: megatron-core could not run the models ({last})") from None
     floating = {source.dtype(n) for n in source.names() if source.dtype(n) is not None}
     atol = 1e-5 if floating <= {torch.float32} else 2e-2
     diff = (ref.float() - got.float()).abs().max().item()

@@ -267,7 +267,7 @@ def load_plan(path: str | os.PathLike) -> SelectionPlan:
         raise PlanError(f"{path}: plan file not found; write one with `mcore-proxy select ... -o {path}`")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:  # RecursionError: absurd nesting
         raise PlanError(f"{path}: not valid JSON ({err}); regenerate it with `mcore-proxy select`") from None
     if not isinstance(data, dict):
         raise PlanError(f"{path}: not a selection plan (top level is not an object); "

@@ -290,22 +290,32 @@ def restrict_routers(gpt, keep: dict[str, list[int]]):
                 module.expert_bias.copy_(bias)
 
 
-def toy_from_args(args) -> ToyMoE:
-    """The ToyMoE a tiny checkpoint's Megatron args describe (local spec, RMSNorm, SwiGLU, RoPE)."""
-    freq = args.moe_layer_freq
+def toy_from_args(args, where: str | None = None) -> ToyMoE:
+    """The ToyMoE a tiny checkpoint's Megatron args describe (local spec, RMSNorm, SwiGLU, RoPE).
+    Absent fields take Megatron's defaults from the one table in `mcore_proxy.megatron_args`."""
+    from mcore_proxy.layer_pattern import parse_layer_pattern
+    from mcore_proxy.megatron_args import arg, arg_bool, arg_int, ffn_hidden_size
+    from mcore_proxy.spec import ModelSpec
+
+    spec = ModelSpec.from_args(args, where)
+    freq = parse_layer_pattern(arg(args, "moe_layer_freq", where), "args moe_layer_freq")
     return ToyMoE(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        topk=args.moe_router_topk, moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
-        shared_expert_size=args.moe_shared_expert_intermediate_size,
-        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
-        score_function=args.moe_router_score_function, expert_bias=args.moe_router_enable_expert_bias,
-        num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
-        vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=arg_int(args, "num_attention_heads", where, minimum=1),
+        ffn_hidden_size=ffn_hidden_size(args, where), num_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, topk=spec.topk,
+        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+        shared_expert_size=spec.shared_expert_size,
+        shared_expert_gate=arg_bool(args, "moe_shared_expert_gate", where),
+        score_function=spec.score_function, expert_bias=spec.expert_bias,
+        num_groups=spec.num_groups, group_topk=spec.group_topk,
+        vocab_size=arg_int(args, "padded_vocab_size", where, minimum=1),
+        seq_length=arg_int(args, "seq_length", where, minimum=1))
 
 
 def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None):
+    from mcore_proxy.checkpoint.safe_globals import load_weights_only
+
     init_distributed(rank, world, port, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
     try:
         gpt = build_gpt(model, layout)
@@ -314,7 +324,7 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None
         sub = "release" if tracker == "release" else f"iter_{int(tracker):07d}"
         coords = _rank_coords(layout)
         path = root / sub / legacy_rank_dir(*coords, layout) / "model_optim_rng.pt"
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_weights_only(path)  # what verify --functional loads: nothing in it may run
         gpt.load_state_dict(state["model"], strict=True)
         with restrict_routers(gpt, keep) if keep is not None else contextlib.nullcontext():
             logits = forward_logits(gpt, fixed_tokens(model))

@@ -60,10 +60,20 @@ def test_foreign_callables_are_never_called(tmp_path, capsys):
 
 def test_unresolved_objects_pickle_back_under_their_class_path(tmp_path):
     path = tmp_path / "args.pt"
-    thing = unresolved_class("some.module", "Thing")
+    thing = unresolved_class("megatron.core.transformer.enums", "AttnBackend")
     save_object({"x": thing(3)}, path)
     with zipfile.ZipFile(path) as z:
         data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    assert b"csome.module\nThing\n" in data  # a GLOBAL opcode naming the original class
+    assert b"cmegatron.core.transformer.enums\nAttnBackend\n" in data  # a GLOBAL opcode naming the class
     again = TorchFile(path).obj["x"]
     assert type(again) is thing and again._args == (3,)
+
+
+def test_globals_off_the_allow_list_are_never_written(tmp_path):
+    import pytest
+
+    from mcore_proxy.errors import CheckpointError
+
+    for module, name in (("os", "system"), ("some.module", "Thing"), ("megatron.training.utils", "print_rank_0")):
+        with pytest.raises(CheckpointError, match=f"refusing to write the global {module}.{name}"):
+            save_object({"x": unresolved_class(module, name)("touch x")}, tmp_path / "x.pt")
