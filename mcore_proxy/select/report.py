@@ -16,16 +16,23 @@ log = logging.getLogger(__name__)
 
 
 def summary_table(plan: SelectionPlan) -> str:
-    """Per layer: kept count, token coverage, gate-mass coverage; then the mean."""
+    """Per layer: kept count, token coverage, gate-mass coverage, dead experts (never selected)
+    in the layer and kept; then the mean, and why any dead expert was kept."""
     lines = [f"method {plan.method}: keep K={plan.num_experts} of E={plan.source.num_experts} "
              f"experts in {len(plan.layers)} MoE layers (group policy "
              f"{plan.params.get('group_policy', 'none')})",
-             f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10}"]
+             f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10} {'dead':>5} {'dead kept':>10}"]
     for lid in plan.layer_ids:
         lp = plan.layers[lid]
-        lines.append(f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} {lp.gate_mass_coverage:>10.3f}")
+        lines.append(f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} "
+                     f"{lp.gate_mass_coverage:>10.3f} {len(lp.never_selected):>5} {len(lp.dead_kept):>10}")
     tok, mass = plan.mean_coverage()
     lines.append(f"{'mean':<8} {plan.num_experts:>5} {tok:>8.3f} {mass:>10.3f}")
+    notes = [f"layer {lid}: {plan.layers[lid].dead_note} (kept dead: {list(plan.layers[lid].dead_kept)})"
+             for lid in plan.layer_ids if plan.layers[lid].dead_kept]
+    if notes:
+        lines += ["dead experts (never selected by any token) are kept only when fewer than K are live:"]
+        lines += ["  " + n for n in notes]
     return "\n".join(lines)
 
 

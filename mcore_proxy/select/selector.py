@@ -26,6 +26,8 @@ VIEW_METHODS = {
     "coact+proto": ("coact", "proto"),
 }
 METHODS = tuple(VIEW_METHODS) + baselines.RANKING_METHODS
+DEAD_POLICY = ("live before dead: an expert no token selected is kept only when fewer than K "
+               "(per routing group) were selected")
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class Options:
 
     def params(self, group_policy: str, stats: RoutingStats) -> dict:
         p = {"seed": self.seed, "group_policy": group_policy,
-             "stats": {"total_tokens": stats.total_tokens, "topk": stats.topk}}
+             "stats": {"total_tokens": stats.total_tokens, "topk": stats.topk},
+             "dead_policy": DEAD_POLICY}
         if self.method in VIEW_METHODS:
             used = [v for v, w in self.view_weights.items() if w > 0]
             p.update(views=used, weights={v: self.view_weights[v] for v in used},
@@ -120,16 +123,54 @@ def layer_views(s: LayerStats, weight: np.ndarray | None, opts: Options) -> dict
     return out
 
 
+def cluster_group(d: np.ndarray, freq: np.ndarray, k: int, seed: int,
+                  restarts: int) -> list[tuple[list[int], int]]:
+    """Live before dead in one routing group: [(members, kept member)] of k clusters.
+
+    d [n, n] fused distances, freq [n]. When at least k experts were selected by some token
+    (live), K-Medoids clusters only the live ones, so every cluster keeps a live expert, and
+    each never-selected (dead) expert joins the cluster of its nearest medoid. When fewer than k
+    are live, every live expert is kept as its own cluster and K-Medoids on the dead ones picks
+    the k - live dead experts that fill the remaining places (their medoids).
+    """
+    live, dead = np.flatnonzero(freq > 0), np.flatnonzero(freq == 0)
+    if live.size >= k:
+        c = cluster.kmedoids(d[np.ix_(live, live)], k, seed, restarts)
+        labels = np.empty(d.shape[0], dtype=np.int64)
+        labels[live] = c.labels
+        if dead.size:
+            labels[dead] = np.argmin(d[np.ix_(dead, live[c.medoids])], axis=1)
+        return cluster.representatives(labels, live[c.medoids], freq)
+    out = [([int(e)], int(e)) for e in live]
+    c = cluster.kmedoids(d[np.ix_(dead, dead)], k - live.size, seed, restarts)
+    for members, rep in cluster.representatives(c.labels, c.medoids, freq[dead]):
+        out.append(([int(dead[m]) for m in members], int(dead[rep])))
+    return sorted(out, key=lambda mr: mr[1])
+
+
 def cluster_layer(fused: np.ndarray, freq: np.ndarray, setup: GroupSetup, seed: int,
                   restarts: int) -> list[Cluster]:
     """K-Medoids inside each routing group on fused [E, E]; one representative per cluster."""
     clusters = []
     for ids in setup.groups:
-        c = cluster.kmedoids(fused[np.ix_(ids, ids)], setup.per_group_k, seed, restarts)
-        log.debug("K-Medoids on %d experts, %d clusters: loss %.4f", len(ids), setup.per_group_k, c.loss)
-        for members, rep in cluster.representatives(c.labels, c.medoids, freq[ids]):
+        for members, rep in cluster_group(fused[np.ix_(ids, ids)], freq[ids], setup.per_group_k,
+                                          seed, restarts):
             clusters.append(Cluster(tuple(int(ids[m]) for m in members), int(ids[rep])))
     return sorted(clusters, key=lambda c: c.representative)
+
+
+def dead_kept_note(kept_dead: list[int], freq: np.ndarray, setup: GroupSetup) -> str:
+    """Why never-selected experts were kept ('' when none were): the groups short of live ones."""
+    if not kept_dead:
+        return ""
+    short = [(int((freq[ids] > 0).sum()), len(ids)) for ids in setup.groups
+             if (freq[ids] > 0).sum() < setup.per_group_k]
+    where = (f"only {short[0][0]} of {short[0][1]} experts were selected by any token, fewer "
+             f"than K={setup.per_group_k}" if len(setup.groups) == 1 else
+             f"{len(short)} routing group(s) had fewer than {setup.per_group_k} experts selected by "
+             "any token")
+    return (f"{len(kept_dead)} never-selected expert(s) kept because {where}; every selected "
+            "expert is kept")
 
 
 def coverage(s: LayerStats, kept: list[int]) -> tuple[float, float]:
@@ -154,14 +195,17 @@ def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup:
             labels[list(c.members)] = i
     else:
         scores = baselines.ranking_scores(opts.method, s, np.random.default_rng(seed), layer_id)
-        kept = sorted(i for ids in setup.groups for i in baselines.top_k(scores, setup.per_group_k, ids))
+        live = s.freq > 0
+        kept = sorted(i for ids in setup.groups
+                      for i in baselines.top_k(scores, setup.per_group_k, ids, live))
     never = np.flatnonzero(s.freq == 0)
     dead_kept = sorted(set(kept) & set(never.tolist()))
+    note = dead_kept_note(dead_kept, s.freq, setup)
     if dead_kept:
-        log.warning("layer %s keeps never-selected experts %s: a whole cluster had no routed "
-                    "tokens", layer_id, dead_kept)
+        log.warning("layer %s: %s", layer_id, note)
     tok, mass = coverage(s, kept)
-    plan = LayerPlan(tuple(sorted(kept)), clusters, tok, mass, tuple(int(i) for i in never))
+    plan = LayerPlan(tuple(sorted(kept)), clusters, tok, mass, tuple(int(i) for i in never),
+                     tuple(dead_kept), note)
     return plan, LayerDetail(fused, labels)
 
 

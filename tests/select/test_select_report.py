@@ -12,7 +12,7 @@ def test_summary_table_lists_every_layer_and_the_mean(default_model):
     text = summary_table(plan)
     lines = text.splitlines()
     assert "keep K=8 of E=32" in lines[0]
-    assert lines[1].split() == ["layer", "kept", "tokens", "gate", "mass"]
+    assert lines[1].split() == ["layer", "kept", "tokens", "gate", "mass", "dead", "dead", "kept"]
     assert [ln.split()[0] for ln in lines[2:]] == ["1", "2", "mtp.0", "mean"]
     tok, mass = plan.mean_coverage()
     assert lines[-1].split() == ["mean", "8", f"{tok:.3f}", f"{mass:.3f}"]
