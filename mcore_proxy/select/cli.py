@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 from mcore_proxy.errors import OutputError, PlanError
+from mcore_proxy.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
 from mcore_proxy.select.selector import METHODS
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.output).is_dir():
         raise OutputError(f"-o {args.output} is a folder; pass the plan file to write, e.g. "
                           f"-o {Path(args.output) / 'plan.json'}")
+    if args.report:
+        require_matplotlib("--report")  # before anything is written
     stats = load_stats(args.stats)
     view = open_checkpoint(args.ckpt)
     check_stats_match(stats, view.spec, str(args.stats))
@@ -74,15 +77,15 @@ def run(args: argparse.Namespace) -> int:
         coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
         restarts=args.restarts, progress=functools.partial(tqdm, desc="select", unit="layer"),
         **common)
+    if args.report:  # the report first: a plan is written only by a command that succeeds
+        baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
+                     for m in ("frequency", "random")}
+        files = write_report(args.report, plan, details, baselines)
+        print(f"wrote report: {len(files)} files in {args.report}")
     path = plan.save(args.output)
     print(summary_table(plan))
     if plan.params.get("group_policy") == "flatten":
         print("note: group-limited routing flattened: the proxy runs with "
               "--moe-router-num-groups 1 --moe-router-group-topk 1")
     print(f"wrote {path}")
-    if args.report:
-        baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
-                     for m in ("frequency", "random")}
-        files = write_report(args.report, plan, details, baselines)
-        print(f"wrote report: {len(files)} files in {args.report}")
     return 0
