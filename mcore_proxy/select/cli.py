@@ -9,7 +9,7 @@ from mcore_proxy.errors import OutputError, PlanError
 from mcore_proxy.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
-from mcore_proxy.select.selector import METHODS
+from mcore_proxy.select.selector import METHODS, REPRESENTATIVES
 from mcore_proxy.select.views import COACT_MODES, ROUTER_METRICS
 
 
@@ -46,6 +46,11 @@ def register(subparsers) -> None:
     p.add_argument("--router-metric", choices=ROUTER_METRICS, default="cosine")
     p.add_argument("--group-policy", choices=GROUP_POLICIES, default=None,
                    help="group-limited routing: keep K/G per group (default) or flatten to G=1")
+    p.add_argument("--representative", choices=REPRESENTATIVES, default="frequency",
+                   help="kept expert of a cluster: the most frequent member, or the member that "
+                        "best reconstructs the layer's output (reads expert weights)")
+    p.add_argument("--weight-search", action="store_true",
+                   help="choose the view weights per layer by reconstruction (reads expert weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
     p.add_argument("--report", metavar="DIR", help="write PNGs and a summary into DIR")
@@ -75,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     plan, details = run_selection(
         view, stats, args.num_experts, method=args.method, weights=weights,
         coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
-        restarts=args.restarts, progress=functools.partial(tqdm, desc="select", unit="layer"),
+        restarts=args.restarts, representative=args.representative,
+        weight_search=args.weight_search, progress=functools.partial(tqdm, desc="select", unit="layer"),
         **common)
     if args.report:  # the report first: a plan is written only by a command that succeeds
         baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]

@@ -2,6 +2,7 @@
 K-Medoids -> representatives (or a ranking baseline), then the plan (DESIGN.md 1, 4.2)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcore_proxy.errors import PlanError
-from mcore_proxy.select import baselines, cluster, fuse, views
+from mcore_proxy.select import baselines, cluster, fuse, reconstruct, refine, views
 from mcore_proxy.select.constraints import GroupSetup, check_sizes, check_stats_match, resolve_groups
 from mcore_proxy.select.plan import Cluster, LayerPlan, SelectionPlan, SourceInfo
 from mcore_proxy.spec import router_weight_name
@@ -25,7 +26,12 @@ VIEW_METHODS = {
     "router+coact": ("router", "coact"), "router+proto": ("router", "proto"),
     "coact+proto": ("coact", "proto"),
 }
-METHODS = tuple(VIEW_METHODS) + baselines.RANKING_METHODS
+RECON_METHODS = ("recon-prune",)
+METHODS = tuple(VIEW_METHODS) + baselines.RANKING_METHODS + RECON_METHODS
+REPRESENTATIVES = ("frequency", "reconstruction")
+# candidate (R, C, P) weights of the per-layer weight search (`weight_search`), default first
+WEIGHT_GRID = ((1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0),
+               (1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 2.0))
 DEAD_POLICY = ("live before dead: an expert no token selected is kept only when fewer than K "
                "(per routing group) were selected")
 
@@ -41,9 +47,12 @@ class Options:
     router_metric: str = "cosine"
     seed: int = 0
     restarts: int = 8
+    representative: str = "frequency"
+    weight_search: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("--method", self.method, METHODS),
+                                     ("--representative", self.representative, REPRESENTATIVES),
                                      ("--coact-mode", self.coact_mode, views.COACT_MODES),
                                      ("--norm", self.norm, fuse.NORMALISATIONS),
                                      ("--router-metric", self.router_metric, views.ROUTER_METRICS)):
@@ -61,6 +70,15 @@ class Options:
                             f"{self.method} weight 0; give at least one a positive weight")
         if self.restarts < 1:
             raise PlanError(f"--restarts {self.restarts} must be at least 1")
+        if (self.weight_search or self.representative != "frequency") and self.method != "multiview":
+            raise PlanError(f"--weight-search and --representative reconstruction refine the "
+                            f"three-view clustering; use them with --method multiview, not "
+                            f"{self.method}")
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether this selection evaluates the MoE layer (reads expert weights)."""
+        return self.method in RECON_METHODS or self.weight_search or self.representative != "frequency"
 
     @property
     def view_weights(self) -> dict[str, float]:
@@ -81,7 +99,17 @@ class Options:
                      normalisation=self.norm, coact_mode=self.coact_mode,
                      router_metric=self.router_metric, proto_metric="cosine",
                      clustering="kmedoids.fasterpam", restarts=self.restarts,
-                     representative="most frequent member; ties: medoid, then lowest id")
+                     representative=("most frequent member; ties: medoid, then lowest id"
+                                     if self.representative == "frequency" else
+                                     "member minimising the layer's reconstruction error R given "
+                                     "the other kept experts (coordinate descent, 2 passes)"))
+            if self.weight_search:
+                p.update(weight_search={"grid": [list(w) for w in WEIGHT_GRID],
+                                        "criterion": "lowest reconstruction error R per layer"})
+        if self.reconstructs:
+            p.update(reconstruction={
+                "points": "live experts' routed-context prototypes proto_sum/freq, weighted by freq",
+                "error": "sum f ||y - y_S||^2 / sum f ||y||^2 of the routed experts' output"})
         return p
 
 
@@ -92,6 +120,8 @@ class LayerDetail:
 
     fused: np.ndarray | None
     labels: np.ndarray | None
+    weights: tuple[float, float, float] | None = None   # chosen by the weight search
+    recon_error: float | None = None                    # R of the kept set, when evaluated
 
 
 def layer_seed(seed: int, layer_id: str) -> int:
@@ -181,18 +211,38 @@ def coverage(s: LayerStats, kept: list[int]) -> tuple[float, float]:
     return min(tokens, 1.0), min(mass, 1.0)
 
 
+def _clustered(s: LayerStats, weight, setup: GroupSetup, opts: Options, seed: int, fn):
+    """(fused [E, E], clusters) of the view methods; with `fn` (a LayerFunction) the
+    representatives are chosen by reconstruction."""
+    fused = fuse.fuse(layer_views(s, weight, opts), opts.view_weights, opts.norm)
+    clusters = cluster_layer(fused, s.freq, setup, seed, opts.restarts)
+    if fn is not None and opts.representative == "reconstruction":
+        clusters = refine.refine_representatives(clusters, fn, s.freq)
+    return fused, tuple(clusters)
+
+
 def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup: GroupSetup,
-                 opts: Options) -> tuple[LayerPlan, LayerDetail]:
-    """Selection for one layer. weight: router weight [E, H] float64 (None if unused)."""
+                 opts: Options, fn=None) -> tuple[LayerPlan, LayerDetail]:
+    """Selection for one layer. weight: router weight [E, H] float64 (None if unused); fn: the
+    layer's `reconstruct.LayerFunction` when `opts.reconstructs` (else None)."""
     seed = layer_seed(opts.seed, layer_id)
-    fused, labels, clusters = None, None, ()
+    fused, labels, clusters, chosen = None, None, (), None
     if opts.method in VIEW_METHODS:
-        fused = fuse.fuse(layer_views(s, weight, opts), opts.view_weights, opts.norm)
-        clusters = tuple(cluster_layer(fused, s.freq, setup, seed, opts.restarts))
+        if opts.weight_search:   # the grid point whose kept set reconstructs the layer best
+            trials = []
+            for w in WEIGHT_GRID:
+                o = dataclasses.replace(opts, weights=w, weight_search=False)
+                f, c = _clustered(s, weight, setup, o, seed, fn)
+                trials.append((fn.error([x.representative for x in c]), w, f, c))
+            _, chosen, fused, clusters = min(trials, key=lambda t: t[0])  # ties: earlier grid point
+        else:
+            fused, clusters = _clustered(s, weight, setup, opts, seed, fn)
         kept = [c.representative for c in clusters]
         labels = np.empty(s.num_experts, dtype=np.int64)
         for i, c in enumerate(clusters):
             labels[list(c.members)] = i
+    elif opts.method in RECON_METHODS:
+        kept = refine.prune(fn, s.freq, setup.groups, setup.per_group_k)
     else:
         scores = baselines.ranking_scores(opts.method, s, np.random.default_rng(seed), layer_id)
         live = s.freq > 0
@@ -206,7 +256,8 @@ def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup:
     tok, mass = coverage(s, kept)
     plan = LayerPlan(tuple(sorted(kept)), clusters, tok, mass, tuple(int(i) for i in never),
                      tuple(dead_kept), note)
-    return plan, LayerDetail(fused, labels)
+    return plan, LayerDetail(fused, labels, chosen,
+                             None if fn is None else fn.error(sorted(kept)))
 
 
 def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_function):
@@ -242,11 +293,13 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
                   norm: str = "minmax", router_metric: str = "cosine",
                   group_policy: str | None = None, seed: int = 0, restarts: int = 8,
                   num_groups: int | None = None, group_topk: int | None = None,
-                  score_function: str | None = None,
+                  score_function: str | None = None, representative: str = "frequency",
+                  weight_search: bool = False,
                   progress: Callable[[Iterable], Iterable] | None = None,
                   ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
     """`select_experts` (same arguments), also returning per-layer details for the report."""
-    opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts))
+    opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts),
+                   representative, bool(weight_search))
     spec, facts, get_weight, iteration, fingerprint = _router_source(
         source, stats, num_groups, group_topk, score_function)
     if spec is not None:  # bare router weights take top-k from the statistics: nothing to match
@@ -255,7 +308,10 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
     check_sizes(E, num_experts, facts["topk"], target_ep)
     setup = resolve_groups(E, num_experts, facts["topk"], facts["num_groups"], facts["group_topk"],
                            facts["score_function"], group_policy)
-    needs_router = opts.view_weights.get("router", 0) > 0
+    needs_router = opts.view_weights.get("router", 0) > 0 or opts.reconstructs
+    if opts.reconstructs and spec is None:
+        raise PlanError(f"--method {opts.method} with reconstruction reads expert weights: "
+                        "select from a checkpoint (a ModelView), not bare router weights")
     layer_ids = stats.layer_ids
     layers, details = {}, {}
     for lid in (progress(layer_ids) if progress else layer_ids):
@@ -265,11 +321,18 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
             if weight.shape != (E, stats.hidden_size):
                 raise PlanError(f"router weight of layer {lid} has shape {weight.shape}, expected "
                                 f"({E}, {stats.hidden_size}) as in the statistics")
-        layers[lid], details[lid] = select_layer(lid, stats.layers[lid], weight, setup, opts)
+        fn = (reconstruct.layer_function(source, lid, stats.layers[lid], weight)
+              if opts.reconstructs else None)
+        layers[lid], details[lid] = select_layer(lid, stats.layers[lid], weight, setup, opts, fn)
     source_info = SourceInfo(E, facts["topk"], facts["num_groups"], facts["group_topk"],
                              iteration, fingerprint())
-    plan = SelectionPlan(source_info, num_experts, target_ep, opts.method,
-                         opts.params(setup.policy, stats), setup.router, layers)
+    params = opts.params(setup.policy, stats)
+    if opts.weight_search:
+        params["layer_weights"] = {lid: list(details[lid].weights) for lid in layer_ids}
+    if opts.reconstructs:
+        params["reconstruction"]["error"] = {lid: details[lid].recon_error for lid in layer_ids}
+    plan = SelectionPlan(source_info, num_experts, target_ep, opts.method, params, setup.router,
+                         layers)
     return plan, details
 
 
@@ -278,7 +341,8 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
                    norm: str = "minmax", router_metric: str = "cosine",
                    group_policy: str | None = None, seed: int = 0, restarts: int = 8,
                    num_groups: int | None = None, group_topk: int | None = None,
-                   score_function: str | None = None,
+                   score_function: str | None = None, representative: str = "frequency",
+                   weight_search: bool = False,
                    progress: Callable[[Iterable], Iterable] | None = None) -> SelectionPlan:
     """Choose `num_experts` (K) experts in every MoE layer and return the plan.
 
@@ -293,6 +357,11 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
     "euclidean". group_policy: "per-group" | "flatten" (None: per-group when the router is
     group-limited). seed, restarts: K-Medoids restarts (and the random baseline's seed).
     num_groups / group_topk / score_function: override the checkpoint's routing settings.
+    representative: "frequency" (the most frequent member of each cluster) | "reconstruction"
+    (the member that best reconstructs the layer's output, `refine.refine_representatives`).
+    weight_search: choose each layer's (R, C, P) weights from WEIGHT_GRID by reconstruction.
+    method "recon-prune": backward elimination by reconstruction, no clustering. The
+    reconstruction options read the layer's expert weights (`reconstruct.layer_function`).
     progress: wraps the iterable of layer ids (e.g. tqdm).
     Raises PlanError / StatsError (ProxyError) on infeasible settings before reading tensors.
     """
@@ -300,4 +369,5 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
                          weights=weights, coact_mode=coact_mode, norm=norm,
                          router_metric=router_metric, group_policy=group_policy, seed=seed,
                          restarts=restarts, num_groups=num_groups, group_topk=group_topk,
-                         score_function=score_function, progress=progress)[0]
+                         score_function=score_function, representative=representative,
+                         weight_search=weight_search, progress=progress)[0]

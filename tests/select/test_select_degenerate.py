@@ -3,6 +3,7 @@ statistics written by the trace (many never-selected experts, most pairs never c
 
 Every method and K must keep exactly K distinct experts per layer, and an expert no token
 selected is kept only when fewer than K (per routing group) were selected."""
+import itertools
 import json
 
 import numpy as np
@@ -50,25 +51,25 @@ def test_every_method_keeps_k_distinct_and_live_before_dead(sparse_traced, fixtu
     ckpt, stats_path = sparse_traced(fixture)
     view, stats = open_checkpoint(ckpt), load_stats(stats_path)
     groups = (np.arange(16).reshape(4, 4) if fixture == GROUPED else np.arange(8)[None])
-    modes = {m: ("partners", "substitutes") if m in VIEW_METHODS else ("partners",) for m in METHODS}
-    for method in METHODS:
-        for mode in modes[method]:
-            for k in ks:
-                plan = run_selection(view, stats, k, method=method, coact_mode=mode)[0]
-                per_group = k // len(groups)
-                for lid, lp in plan.layers.items():
-                    freq = stats.layers[lid].freq
-                    assert len(set(lp.kept)) == k, (method, mode, k, lid)
-                    for ids in groups:
-                        kept_here = [e for e in lp.kept if e in ids]
-                        live = [e for e in ids if freq[e] > 0]
-                        assert len(kept_here) == per_group
-                        # live before dead: all live kept, or only live kept
-                        assert set(live) <= set(kept_here) or set(kept_here) <= set(live), \
-                            (method, mode, k, lid, live, kept_here)
-                    dead_kept = [e for e in lp.kept if freq[e] == 0]
-                    assert list(lp.dead_kept) == dead_kept
-                    assert bool(lp.dead_note) == bool(dead_kept)
+    variants = [(m, dict(coact_mode=mode)) for m in METHODS
+                for mode in (("partners", "substitutes") if m in VIEW_METHODS else ("partners",))]
+    variants += [("multiview", dict(representative="reconstruction")),
+                 ("multiview", dict(weight_search=True, representative="reconstruction"))]
+    for (method, options), k in itertools.product(variants, ks):
+        plan = run_selection(view, stats, k, method=method, **options)[0]
+        for lid, lp in plan.layers.items():
+            freq = stats.layers[lid].freq
+            assert len(set(lp.kept)) == k, (method, options, k, lid)
+            for ids in groups:
+                kept_here = [e for e in lp.kept if e in ids]
+                live = [e for e in ids if freq[e] > 0]
+                assert len(kept_here) == k // len(groups)
+                # live before dead: all live kept, or only live kept
+                assert set(live) <= set(kept_here) or set(kept_here) <= set(live), \
+                    (method, options, k, lid, live, kept_here)
+            dead_kept = [e for e in lp.kept if freq[e] == 0]
+            assert list(lp.dead_kept) == dead_kept
+            assert bool(lp.dead_note) == bool(dead_kept)
 
 
 def test_old_clustering_kept_dead_for_live_on_these_statistics(sparse_traced):
