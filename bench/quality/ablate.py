@@ -164,7 +164,8 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False) -> dict:
 
 
 def smoke_checkpoint(out_root: Path) -> Path:
-    """An untrained tiny model of the fine shape's kind, saved like a trained one (for CI)."""
+    """An untrained tiny model with a shared expert, deterministic random weights, saved like a
+    trained one (for CI)."""
     from mcore_proxy.testing.build import ToyMoE
 
     model = ToyMoE(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
@@ -172,8 +173,11 @@ def smoke_checkpoint(out_root: Path) -> Path:
                    vocab_size=task.VOCAB_SIZE, seq_length=task.SEQ_LENGTH)
     ckpt = out_root / "smoke_ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
-    torch.manual_seed(0)
-    return qmodel.save(qmodel.build(model).eval(), model, ckpt, 1)
+    from mcore_proxy.testing.global_weights import fill_global_weights
+
+    gpt = qmodel.build(model)
+    fill_global_weights(gpt, seed=0, router_std=1.0)   # unit-scale weights: proxies differ visibly
+    return qmodel.save(gpt, model, ckpt, 1)
 
 
 # -- outputs ---------------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ def generate(gpt, problems: list[task.Problem], batch: int = 500) -> list[str]:
     for start in range(0, len(problems), batch):
         chunk = problems[start:start + batch]
         tokens, lengths = task.prompts(chunk)
+        # causal model: columns past the longest prompt plus the answer are never read
+        tokens = tokens[:, : min(task.SEQ_LENGTH, int(lengths.max()) + task.MAX_ANSWER)]
         rows = torch.arange(len(chunk))
         answers = [[] for _ in chunk]
         done = torch.zeros(len(chunk), dtype=torch.bool)
@@ -112,8 +114,8 @@ def generate(gpt, problems: list[task.Problem], batch: int = 500) -> list[str]:
             for i in (~done).nonzero().flatten().tolist():
                 answers[i].append(int(nxt[i]))
             done |= nxt == task.VOCAB["."]
-            tokens[rows, lengths.clamp(max=task.SEQ_LENGTH - 1)] = nxt
-            lengths = (lengths + 1).clamp(max=task.SEQ_LENGTH)
+            tokens[rows, lengths.clamp(max=tokens.shape[1] - 1)] = nxt
+            lengths = (lengths + 1).clamp(max=tokens.shape[1])
             if done.all():
                 break
         out.extend(task.decode(a) for a in answers)
