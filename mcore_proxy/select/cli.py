@@ -9,7 +9,7 @@ from mcore_proxy.errors import OutputError, PlanError
 from mcore_proxy.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
-from mcore_proxy.select.selector import METHODS, REPRESENTATIVES
+from mcore_proxy.select.selector import DEFAULT_REFINEMENTS, METHODS, REPRESENTATIVES
 from mcore_proxy.select.views import COACT_MODES, ROUTER_METRICS
 
 
@@ -46,11 +46,13 @@ def register(subparsers) -> None:
     p.add_argument("--router-metric", choices=ROUTER_METRICS, default="cosine")
     p.add_argument("--group-policy", choices=GROUP_POLICIES, default=None,
                    help="group-limited routing: keep K/G per group (default) or flatten to G=1")
-    p.add_argument("--representative", choices=REPRESENTATIVES, default="frequency",
+    p.add_argument("--representative", choices=REPRESENTATIVES, default=None,
                    help="kept expert of a cluster: the most frequent member, or the member that "
-                        "best reconstructs the layer's output (reads expert weights)")
-    p.add_argument("--weight-search", action="store_true",
-                   help="choose the view weights per layer by reconstruction (reads expert weights)")
+                        "best reconstructs the layer's output (reads expert weights); default "
+                        f"for multiview: {DEFAULT_REFINEMENTS['representative']}")
+    p.add_argument("--weight-search", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose the view weights per layer by reconstruction (reads expert "
+                        f"weights); default for multiview: {'on' if DEFAULT_REFINEMENTS['weight_search'] else 'off'}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
     p.add_argument("--report", metavar="DIR", help="write PNGs and a summary into DIR")

@@ -32,6 +32,10 @@ REPRESENTATIVES = ("frequency", "reconstruction")
 # candidate (R, C, P) weights of the per-layer weight search (`weight_search`), default first
 WEIGHT_GRID = ((1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0),
                (1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 2.0))
+# The default refinements of --method multiview, chosen by the issue-13 ablation
+# (bench/RESULTS.md, quality section). Where the default reconstructs but the source holds no
+# expert weights, it falls back to the paper's rule and the plan says so.
+DEFAULT_REFINEMENTS = {"representative": "frequency", "weight_search": False}
 DEAD_POLICY = ("live before dead: an expert no token selected is kept only when fewer than K "
                "(per routing group) were selected")
 
@@ -288,20 +292,44 @@ def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_fu
     return None, facts, source.__getitem__, None, lambda: None
 
 
+def has_expert_weights(view) -> bool:
+    """Whether a ModelView holds the routed experts' weights of its first MoE layer."""
+    names = set(view.names())
+    return all(n in names for n in reconstruct.expert_weight_names(view.spec.moe_layer_ids[0], 0))
+
+
+def resolve_refinements(method: str, representative: str | None, weight_search: bool | None,
+                        experts_available: bool) -> tuple[str, bool, str]:
+    """(representative, weight_search, fallback note): None takes DEFAULT_REFINEMENTS for
+    multiview (the paper's rule for every other method); a default that needs expert weights the
+    source lacks falls back to the paper's rule, with a note for the plan."""
+    defaults = DEFAULT_REFINEMENTS if method == "multiview" else {"representative": "frequency",
+                                                                 "weight_search": False}
+    rep = defaults["representative"] if representative is None else representative
+    search = defaults["weight_search"] if weight_search is None else bool(weight_search)
+    needs = rep != "frequency" or search
+    if needs and not experts_available and representative is None and weight_search is None:
+        return "frequency", False, ("the default refinements read expert weights, which the "
+                                    "source does not hold: the paper's rule was used")
+    return rep, search, ""
+
+
 def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
                   target_ep: int = 1, weights=(1.0, 1.0, 1.0), coact_mode: str = "partners",
                   norm: str = "minmax", router_metric: str = "cosine",
                   group_policy: str | None = None, seed: int = 0, restarts: int = 8,
                   num_groups: int | None = None, group_topk: int | None = None,
-                  score_function: str | None = None, representative: str = "frequency",
-                  weight_search: bool = False,
+                  score_function: str | None = None, representative: str | None = None,
+                  weight_search: bool | None = None,
                   progress: Callable[[Iterable], Iterable] | None = None,
                   ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
     """`select_experts` (same arguments), also returning per-layer details for the report."""
-    opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts),
-                   representative, bool(weight_search))
     spec, facts, get_weight, iteration, fingerprint = _router_source(
         source, stats, num_groups, group_topk, score_function)
+    representative, weight_search, fallback = resolve_refinements(
+        method, representative, weight_search, spec is not None and has_expert_weights(source))
+    opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts),
+                   representative, weight_search)
     if spec is not None:  # bare router weights take top-k from the statistics: nothing to match
         check_stats_match(stats, spec)
     E = stats.num_experts
@@ -331,6 +359,8 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         params["layer_weights"] = {lid: list(details[lid].weights) for lid in layer_ids}
     if opts.reconstructs:
         params["reconstruction"]["error"] = {lid: details[lid].recon_error for lid in layer_ids}
+    if fallback:
+        params["refinement_fallback"] = fallback
     plan = SelectionPlan(source_info, num_experts, target_ep, opts.method, params, setup.router,
                          layers)
     return plan, details
@@ -341,8 +371,8 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
                    norm: str = "minmax", router_metric: str = "cosine",
                    group_policy: str | None = None, seed: int = 0, restarts: int = 8,
                    num_groups: int | None = None, group_topk: int | None = None,
-                   score_function: str | None = None, representative: str = "frequency",
-                   weight_search: bool = False,
+                   score_function: str | None = None, representative: str | None = None,
+                   weight_search: bool | None = None,
                    progress: Callable[[Iterable], Iterable] | None = None) -> SelectionPlan:
     """Choose `num_experts` (K) experts in every MoE layer and return the plan.
 
@@ -360,6 +390,7 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
     representative: "frequency" (the most frequent member of each cluster) | "reconstruction"
     (the member that best reconstructs the layer's output, `refine.refine_representatives`).
     weight_search: choose each layer's (R, C, P) weights from WEIGHT_GRID by reconstruction.
+    Both None: DEFAULT_REFINEMENTS for "multiview" (see `resolve_refinements`).
     method "recon-prune": backward elimination by reconstruction, no clustering. The
     reconstruction options read the layer's expert weights (`reconstruct.layer_function`).
     progress: wraps the iterable of layer ids (e.g. tqdm).

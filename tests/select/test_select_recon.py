@@ -101,3 +101,22 @@ def test_refine_and_prune_on_a_hand_made_layer():
     clusters = refine_representatives([Cluster((0,), 0), Cluster((1,), 1), Cluster((2, 3), 3)], fn, freq)
     assert [c.representative for c in clusters] == [0, 1, 2]
     assert fn.error([0, 1, 2]) <= fn.error([0, 1, 3])
+
+
+def test_defaults_resolve_and_fall_back_without_expert_weights(monkeypatch, default_model):
+    from mcore_proxy.select import selector
+
+    monkeypatch.setattr(selector, "DEFAULT_REFINEMENTS",
+                        {"representative": "reconstruction", "weight_search": True})
+    assert selector.resolve_refinements("multiview", None, None, True) == ("reconstruction", True, "")
+    assert selector.resolve_refinements("router", None, None, True) == ("frequency", False, "")
+    rep, search, note = selector.resolve_refinements("multiview", None, None, False)
+    assert (rep, search) == ("frequency", False) and "source does not hold" in note
+    # the planted view has router weights only: the default falls back and the plan says so
+    view, stats, _ = default_model
+    plan = selector.select_experts(view, stats, 8)
+    assert "source does not hold" in plan.params["refinement_fallback"]
+    assert "reconstruction" not in plan.params
+    # asked for explicitly, it is an error naming the missing tensor
+    with pytest.raises(Exception, match="reconstruction reads every expert's weights"):
+        selector.select_experts(view, stats, 8, representative="reconstruction")
