@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.errors import PlanError
 from mcore_proxy.select import run_selection
 from mcore_proxy.select.reconstruct import LayerFunction, expert_outputs
 from mcore_proxy.select.refine import prune, refine_representatives
@@ -118,5 +119,5 @@ def test_defaults_resolve_and_fall_back_without_expert_weights(monkeypatch, defa
     assert "source does not hold" in plan.params["refinement_fallback"]
     assert "reconstruction" not in plan.params
     # asked for explicitly, it is an error naming the missing tensor
-    with pytest.raises(Exception, match="reconstruction reads every expert's weights"):
+    with pytest.raises(PlanError, match="reconstruction reads every expert's weights"):
         selector.select_experts(view, stats, 8, representative="reconstruction")
