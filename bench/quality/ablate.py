@@ -52,9 +52,10 @@ class Row:
 
 def rows() -> list[Row]:
     p, s = ("--coact-mode", "partners"), ("--coact-mode", "substitutes")
+    paper_rule = ("--representative", "frequency", "--no-weight-search")  # whatever the default is
     out = [Row("default", "ours", ()),
-           Row("multiview, partners (paper)", "paper", ("--method", "multiview", *p)),
-           Row("multiview, substitutes", "paper", ("--method", "multiview", *s))]
+           Row(PAPER, "paper", ("--method", "multiview", *p, *paper_rule)),
+           Row("multiview, substitutes", "paper", ("--method", "multiview", *s, *paper_rule))]
     for m in ("router+coact", "coact+proto"):
         out += [Row(f"{m}, partners", "pair", ("--method", m, *p)),
                 Row(f"{m}, substitutes", "pair", ("--method", m, *s))]
@@ -71,8 +72,10 @@ def rows() -> list[Row]:
 
 # methods beyond the paper (issue 13 item 3), measured beside it
 EXTRA_ROWS: list[tuple[str, tuple[str, ...]]] = [
-    ("multiview + reconstruction representatives", ("--method", "multiview", "--representative", "reconstruction")),
-    ("multiview + per-layer weight search", ("--method", "multiview", "--weight-search")),
+    ("multiview + reconstruction representatives",
+     ("--method", "multiview", "--representative", "reconstruction", "--no-weight-search")),
+    ("multiview + per-layer weight search",
+     ("--method", "multiview", "--weight-search", "--representative", "frequency")),
     ("multiview + weight search + reconstruction representatives",
      ("--method", "multiview", "--weight-search", "--representative", "reconstruction")),
     ("reconstruction pruning (no clusters)", ("--method", "recon-prune")),
@@ -125,7 +128,7 @@ def measure(ckpt: Path, stats: Path, k: int, row: Row, work: Path, test, ref, te
     return out
 
 
-def run_shape(shape: str, out_root: Path, smoke: bool = False) -> dict:
+def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] | None = None) -> dict:
     from mcore_proxy.stats import load_stats
 
     t_start = time.time()
@@ -145,6 +148,11 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False) -> dict:
     if smoke:   # one of each kind: the default, the paper's, two beyond it, random over 2 seeds
         keep = ("default", PAPER, EXTRA_ROWS[0][0], EXTRA_ROWS[-1][0], "random seed 0", "random seed 1")
         selected = [r for r in selected if r.name in keep]
+    if only:
+        unknown = set(only) - {r.name for r in selected}
+        if unknown:
+            raise SystemExit(f"--rows: no row named {sorted(unknown)}")
+        selected = [r for r in selected if r.name in only]
     results = []
     for k in ks:
         for row in selected:
@@ -153,6 +161,13 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False) -> dict:
             results.append(r)
             log.warning("%s K=%d %-32s acc %.3f kl %.4f cos %.4f cov %.3f (%.1f s)", shape, k,
                         row.name, r["accuracy"], r["kl"], r["hidden_cosine"], r["coverage"], r["seconds"])
+    if only:   # merge into the last full run: same order, measured rows replaced
+        previous = json.loads((HERE / f"results-{shape}.json").read_text())
+        fresh = {(r["row"], r["k"]): r for r in results}
+        results = [fresh.get((r["row"], r["k"]), r) for r in previous["results"]]
+        for r in fresh.values():
+            if r not in results:
+                results.append(r)
     return {"shape": shape, "model": {"num_experts": E, "topk": model.topk,
                                       "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
                                       "shared_expert_size": model.shared_expert_size,
@@ -354,6 +369,9 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: the cache)")
     p.add_argument("--smoke", action="store_true", help="tiny untrained model, 6 rows: seconds")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md and PNGs")
+    p.add_argument("--rows", nargs="+", metavar="NAME",
+                   help="measure only these rows and merge them into the shape's results JSON "
+                        "(e.g. --rows default after the default changed)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("TQDM_DISABLE", "1")   # hundreds of select/convert runs: one log line each
@@ -368,7 +386,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     init_distributed(0, 1, free_port())
     try:
-        all_res = [run_shape(shape, work, smoke=args.smoke) for shape in shapes]
+        all_res = [run_shape(shape, work, smoke=args.smoke, only=args.rows) for shape in shapes]
     finally:
         destroy_distributed()
     for res in all_res:
