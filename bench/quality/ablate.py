@@ -328,7 +328,7 @@ def comparison_lines(res: dict) -> list[str]:
     orig = res["original"]["accuracy"]
     paper = agg[(PAPER, k)]
     out = []
-    ranked = sorted(row_order(res["results"]), key=lambda n: -agg[(n, k)]["accuracy"])
+    ranked = sorted(row_order(res["results"]), key=lambda n: (-agg[(n, k)]["accuracy"], agg[(n, k)]["kl"]))
     for name in ranked:
         a = agg[(name, k)]
         verdict = ("the paper's method" if name == PAPER else
@@ -339,10 +339,29 @@ def comparison_lines(res: dict) -> list[str]:
     return out
 
 
+def verdict_sentence(res: dict) -> str:
+    """The acceptance question of issue 13, answered from the numbers: at K = 25 % of E, does
+    the default lose less exact match against the original than the paper's method?"""
+    agg, k = aggregate(res["results"]), min(res["ks"])
+    orig = res["original"]["accuracy"]
+    lost = {n: 100 * (orig - agg[(n, k)]["accuracy"]) for n in row_order(res["results"])}
+    best = min((n for n in lost if n not in ("default", PAPER) and not n.startswith("random")),
+               key=lambda n: lost[n])
+    head = (f"**{res['shape']}, K={k} of {res['model']['num_experts']}:** the default loses "
+            f"{lost['default']:.1f} points of exact match against the original, the paper's "
+            f"three-view method {lost[PAPER]:.1f}; ")
+    if lost["default"] < lost[PAPER]:
+        return head + "the default loses less."
+    if lost[best] < lost[PAPER]:
+        return head + f"the best other row, {best}, loses {lost[best]:.1f}."
+    return head + "nothing tried lost less than the paper's method."
+
+
 def readme_section(all_res: list[dict]) -> str:
     parts = [README_BEGIN, ""]
     for res in all_res:
         k, E = min(res["ks"]), res["model"]["num_experts"]
+        parts += [verdict_sentence(res), ""]
         parts += [f"{res['shape']} model (top-{res['model']['topk']} of {E}), K={k} "
                   f"({100 * k / E:g} % of E); original exact match {res['original']['accuracy']:.3f}; "
                   f"default: {default_method(res)}.", "",
