@@ -79,6 +79,10 @@ EXTRA_ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("multiview + weight search + reconstruction representatives",
      ("--method", "multiview", "--weight-search", "--representative", "reconstruction")),
     ("reconstruction pruning (no clusters)", ("--method", "recon-prune")),
+    ("multiview, rank normalisation",
+     ("--method", "multiview", "--norm", "rank", "--representative", "frequency", "--no-weight-search")),
+    ("multiview, co-activation weight 0.5",
+     ("--method", "multiview", "--weights", "1,0.5,1", "--representative", "frequency", "--no-weight-search")),
 ]
 
 
