@@ -150,7 +150,8 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
     ks = sorted({max(model.topk, round(E * f)) for f in K_SHARES}, reverse=True)
     selected = rows()
     if smoke:   # one of each kind: the default, the paper's, two beyond it, random over 2 seeds
-        keep = ("default", PAPER, EXTRA_ROWS[0][0], EXTRA_ROWS[-1][0], "random seed 0", "random seed 1")
+        keep = ("default", PAPER, "multiview + reconstruction representatives",
+                "reconstruction pruning (no clusters)", "random seed 0", "random seed 1")
         selected = [r for r in selected if r.name in keep]
     if only:
         unknown = set(only) - {r.name for r in selected}
