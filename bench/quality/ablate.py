@@ -178,7 +178,8 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
                                       "shared_expert_size": model.shared_expert_size,
                                       "num_layers": model.num_layers, "hidden_size": model.hidden_size},
             "original": {"accuracy": ref.accuracy, "train_report_test_accuracy": tr["accuracy"].get("test"),
-                         "train_seconds": tr["train_seconds"]},
+                         "train_seconds": tr["train_seconds"],
+                         "train_load_average_end": tr.get("load_average_after")},
             "calibration_problems": len(calib), "test_problems": len(test), "ks": ks,
             "results": results, "seconds": time.time() - t_start, "load_average_end": os.getloadavg()}
 
@@ -316,7 +317,10 @@ def results_section(all_res: list[dict], command: str) -> str:
                   f"{m['moe_ffn_hidden_size']}{shared}), {m['num_layers']} layers, H={m['hidden_size']}",
                   "",
                   f"Original: test exact match {o['accuracy']:.3f} ({res['test_problems']} problems); "
-                  f"trained in {o['train_seconds'] / 60:.1f} min. Statistics traced on "
+                  f"trained in {o['train_seconds'] / 60:.1f} min"
+                  + (f" (load average {o['train_load_average_end'][1]:.0f} over the last 5 min of it)"
+                     if o.get("train_load_average_end") else "")
+                  + ". Statistics traced on "
                   f"{res['calibration_problems']} train-split problems. Default method: "
                   f"{default_method(res)}. Ablation wall time {res['seconds'] / 60:.1f} min, load "
                   f"average at the end {res['load_average_end'][0]:.1f}.", "",
