@@ -132,7 +132,8 @@ def measure(ckpt: Path, stats: Path, k: int, row: Row, work: Path, test, ref, te
     return out
 
 
-def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] | None = None) -> dict:
+def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] | None = None,
+              only_k: list[int] | None = None) -> dict:
     from mcore_proxy.stats import load_stats
 
     t_start = time.time()
@@ -148,6 +149,7 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
     ref = metrics.reference(gpt, test)
     E = model.num_experts
     ks = sorted({max(model.topk, round(E * f)) for f in K_SHARES}, reverse=True)
+    measure_ks = [k for k in ks if not only_k or k in only_k]
     selected = rows()
     if smoke:   # one of each kind: the default, the paper's, two beyond it, random over 2 seeds
         keep = ("default", PAPER, "multiview + reconstruction representatives",
@@ -159,20 +161,22 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
             raise SystemExit(f"--rows: no row named {sorted(unknown)}")
         selected = [r for r in selected if r.name in only]
     results = []
-    for k in ks:
+    for k in measure_ks:
         for row in selected:
             r = measure(ckpt, stats, k, row, work, test, ref, test_stats)
             r.update(k=k, row=row.name, family=row.family)
             results.append(r)
+            (work / "partial-results.json").write_text(json.dumps(results))   # survives a stop
             log.warning("%s K=%d %-32s acc %.3f kl %.4f cos %.4f cov %.3f (%.1f s)", shape, k,
                         row.name, r["accuracy"], r["kl"], r["hidden_cosine"], r["coverage"], r["seconds"])
-    if only:   # merge into the last full run: same order, measured rows replaced
+    if only or only_k:   # merge into the last full run: same order, measured rows replaced
         previous = json.loads((HERE / f"results-{shape}.json").read_text())
         fresh = {(r["row"], r["k"]): r for r in results}
         results = [fresh.get((r["row"], r["k"]), r) for r in previous["results"]]
         for r in fresh.values():
             if r not in results:
                 results.append(r)
+            (work / "partial-results.json").write_text(json.dumps(results))   # survives a stop
     return {"shape": shape, "model": {"num_experts": E, "topk": model.topk,
                                       "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
                                       "shared_expert_size": model.shared_expert_size,
@@ -397,6 +401,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: the cache)")
     p.add_argument("--smoke", action="store_true", help="tiny untrained model, 6 rows: seconds")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md and PNGs")
+    p.add_argument("--k", type=int, nargs="+", metavar="K", help="only these K (default: 50, 37.5, 25 %% of E)")
     p.add_argument("--rows", nargs="+", metavar="NAME",
                    help="measure only these rows and merge them into the shape's results JSON "
                         "(e.g. --rows default after the default changed)")
@@ -414,7 +419,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     init_distributed(0, 1, free_port())
     try:
-        all_res = [run_shape(shape, work, smoke=args.smoke, only=args.rows) for shape in shapes]
+        all_res = [run_shape(shape, work, smoke=args.smoke, only=args.rows, only_k=args.k)
+                   for shape in shapes]
     finally:
         destroy_distributed()
     for res in all_res:
