@@ -52,7 +52,8 @@ class Row:
 
 def rows() -> list[Row]:
     p, s = ("--coact-mode", "partners"), ("--coact-mode", "substitutes")
-    paper_rule = ("--representative", "frequency", "--no-weight-search")  # whatever the default is
+    # the paper's rule spelled out, whatever the default is
+    paper_rule = ("--weights", "1,1,1", "--representative", "frequency", "--no-weight-search")
     out = [Row("default", "ours", ()),
            Row(PAPER, "paper", ("--method", "multiview", *p, *paper_rule)),
            Row("multiview, substitutes", "paper", ("--method", "multiview", *s, *paper_rule))]
@@ -176,7 +177,6 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
         for r in fresh.values():
             if r not in results:
                 results.append(r)
-            (work / "partial-results.json").write_text(json.dumps(results))   # survives a stop
     return {"shape": shape, "model": {"num_experts": E, "topk": model.topk,
                                       "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
                                       "shared_expert_size": model.shared_expert_size,
@@ -251,7 +251,10 @@ def markdown_table(res: dict) -> str:
     for name in row_order(res["results"]):
         cells = []
         for k in ks:
-            a = agg[(name, k)]
+            a = agg.get((name, k))
+            if a is None:   # a partial run did not measure it
+                cells.append("not measured")
+                continue
             cells.append(f"{_cell(a, 'accuracy', '.3f')} / {_cell(a, 'kl', '.3f')} / "
                          f"{_cell(a, 'hidden_cosine', '.3f')} / {_cell(a, 'coverage', '.3f')}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -260,12 +263,13 @@ def markdown_table(res: dict) -> str:
 
 
 def default_method(res: dict) -> str:
-    r = next(r for r in res["results"] if r["row"] == "default")
+    r = [r for r in res["results"] if r["row"] == "default"][-1]   # the latest measurement
     p = r["params"]
     extra = [f"representative by {'reconstruction' if 'R given' in p.get('representative', '') else 'frequency'}"]
     if "weight_search" in p:
         extra.append("per-layer weight search")
-    return f"{r['method']} ({p.get('coact_mode', '-')}; {', '.join(extra)})"
+    weights = ", ".join(f"{v} {w:.2f}" for v, w in p.get("weights", {}).items())
+    return f"{r['method']} ({p.get('coact_mode', '-')}; weights {weights}; {', '.join(extra)})"
 
 
 def plot(res: dict, out_dir: Path) -> list[Path]:
@@ -284,8 +288,8 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
         ax = fig.add_subplot()
         height = 0.8 / len(ks)
         for i, k in enumerate(ks):
-            vals = [agg[(n, k)][metric] for n in names]
-            errs = [agg[(n, k)].get(metric + "_sd", 0.0) for n in names]
+            vals = [agg.get((n, k), {}).get(metric, float("nan")) for n in names]   # nan: not measured
+            errs = [agg.get((n, k), {}).get(metric + "_sd", 0.0) for n in names]
             y = [j + i * height for j in range(len(names))]
             ax.barh(y, vals, height=height, xerr=errs, label=f"K={k} ({100 * k / E:g}% of E)")
         ax.set_yticks([j + height * (len(ks) - 1) / 2 for j in range(len(names))], names, fontsize=9)
@@ -294,7 +298,10 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
             ax.axvline(res["original"]["accuracy"], color="black", linestyle="--", linewidth=1,
                        label=f"original, {E} experts ({res['original']['accuracy']:.3f})")
         if log_scale:
+            from matplotlib.ticker import NullFormatter
+
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())   # minor labels overlap the major ones
         else:
             ax.set_xlim(left=0)
         ax.set_xlabel(label, fontsize=10)
@@ -326,8 +333,12 @@ def results_section(all_res: list[dict], command: str) -> str:
                      if o.get("train_load_average_end") else "")
                   + ". Statistics traced on "
                   f"{res['calibration_problems']} train-split problems. Default method: "
-                  f"{default_method(res)}. Ablation wall time {res['seconds'] / 60:.1f} min, load "
-                  f"average at the end {res['load_average_end'][0]:.1f}.", "",
+                  f"{default_method(res)}. {len(res['results'])} proxies, each selected, converted "
+                  f"and evaluated in {sum(r['seconds'] for r in res['results']) / 60:.0f} min in "
+                  f"total; load average {res['load_average_end'][0]:.0f} at the end of the last run."
+                  + (" **Partial run** (stopped or limited to these K and rows; the command "
+                     "without --k/--rows measures every row at every K)." if res.get("partial") else ""),
+                  "",
                   markdown_table(res), "",
                   f"![accuracy](quality/accuracy-{res['shape']}.png) ![KL](quality/kl-{res['shape']}.png)", ""]
     parts.append(END)
@@ -395,6 +406,35 @@ def replace_section(path: Path, begin: str, end: str, section: str) -> None:
     path.write_text(text)
 
 
+def from_partial(shape: str, partials: list[Path]) -> dict:
+    """The results dict of runs stopped early or limited by --k/--rows, from their
+    partial-results.json files (concatenated); the original's accuracy is the one train.py
+    measured on the test split with the same greedy decoding."""
+    results = [r for partial in partials for r in json.loads(Path(partial).read_text())]
+    model, tr = qmodel.SHAPES[shape], train.training_report(shape)
+    return {"shape": shape, "partial": True,
+            "model": {"num_experts": model.num_experts, "topk": model.topk,
+                      "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+                      "shared_expert_size": model.shared_expert_size,
+                      "num_layers": model.num_layers, "hidden_size": model.hidden_size},
+            "original": {"accuracy": tr["accuracy"]["test"], "train_seconds": tr["train_seconds"],
+                         "train_load_average_end": tr.get("load_average_after")},
+            "calibration_problems": CALIB_PROBLEMS, "test_problems": len(task.split("test")),
+            "ks": sorted({r["k"] for r in results}, reverse=True), "results": results,
+            "seconds": sum(r["seconds"] for r in results), "load_average_end": os.getloadavg()}
+
+
+def write_outputs(all_res: list[dict]) -> None:
+    for res in all_res:
+        (HERE / f"results-{res['shape']}.json").write_text(json.dumps(res, indent=1))
+        plot(res, HERE)
+    # the sections show every shape measured so far (a shape can be rerun on its own)
+    all_res = [json.loads(path.read_text()) for shape in qmodel.SHAPES
+               if (path := HERE / f"results-{shape}.json").is_file()]
+    replace_section(RESULTS_MD, BEGIN, END, results_section(all_res, "nice -n 10 python -m bench.quality.ablate"))
+    replace_section(README_MD, README_BEGIN, README_END, readme_section(all_res))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", action="append", choices=tuple(qmodel.SHAPES))
@@ -405,7 +445,12 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", metavar="NAME",
                    help="measure only these rows and merge them into the shape's results JSON "
                         "(e.g. --rows default after the default changed)")
+    p.add_argument("--from-partial", type=Path, nargs="+", metavar="JSON",
+                   help="write the outputs from the partial-results.json of a stopped run of --shape")
     args = p.parse_args(argv)
+    if args.from_partial:
+        write_outputs([from_partial(args.shape[0], args.from_partial)])
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("TQDM_DISABLE", "1")   # hundreds of select/convert runs: one log line each
     from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
@@ -427,14 +472,7 @@ def main(argv=None) -> int:
         print(f"\n{res['shape']}\n" + markdown_table(res))
     if args.smoke or args.no_write:
         return 0
-    for res in all_res:
-        (HERE / f"results-{res['shape']}.json").write_text(json.dumps(res, indent=1))
-        plot(res, HERE)
-    # the sections show every shape measured so far (a shape can be rerun on its own)
-    all_res = [json.loads(path.read_text()) for shape in qmodel.SHAPES
-               if (path := HERE / f"results-{shape}.json").is_file()]
-    replace_section(RESULTS_MD, BEGIN, END, results_section(all_res, "nice -n 10 python -m bench.quality.ablate"))
-    replace_section(README_MD, README_BEGIN, README_END, readme_section(all_res))
+    write_outputs(all_res)
     return 0
 
 

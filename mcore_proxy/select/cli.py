@@ -9,7 +9,7 @@ from mcore_proxy.errors import OutputError, PlanError
 from mcore_proxy.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
-from mcore_proxy.select.selector import DEFAULT_REFINEMENTS, METHODS, REPRESENTATIVES
+from mcore_proxy.select.selector import DEFAULT_REFINEMENTS, DEFAULT_WEIGHTS, METHODS, REPRESENTATIVES
 from mcore_proxy.select.views import COACT_MODES, ROUTER_METRICS
 
 
@@ -38,8 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--target-ep", "--target-expert-parallel-size", type=int, default=1, metavar="N",
                    help="expert-parallel degree K must divide (default 1)")
     p.add_argument("--method", choices=METHODS, default="multiview")
-    p.add_argument("--weights", default="1,1,1", metavar="R,C,P",
-                   help="fusion weights of the router, co-activation, prototype views")
+    p.add_argument("--weights", default=",".join(f"{w:g}" for w in DEFAULT_WEIGHTS), metavar="R,C,P",
+                   help="fusion weights of the router, co-activation, prototype views "
+                        "(default %(default)s, the paper's; bench/RESULTS.md measures others)")
     p.add_argument("--coact-mode", choices=COACT_MODES, default="partners",
                    help="co-selected experts are partners (far apart) or substitutes (close)")
     p.add_argument("--norm", choices=NORMALISATIONS, default="minmax")

@@ -32,6 +32,11 @@ REPRESENTATIVES = ("frequency", "reconstruction")
 # candidate (R, C, P) weights of the per-layer weight search (`weight_search`), default first
 WEIGHT_GRID = ((1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0),
                (1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 2.0))
+# Default (router, co-activation, prototype) fusion weights: the paper's equal weights. In the
+# issue-13 ablation (bench/RESULTS.md, quality section) halving the co-activation weight lost
+# less accuracy on the fine-grained model at every K but more on the coarse one at K = 25 %,
+# within the noise of 1000 test problems either way: not a consistent winner.
+DEFAULT_WEIGHTS = (1.0, 1.0, 1.0)
 # The default refinements of --method multiview, chosen by the issue-13 ablation
 # (bench/RESULTS.md, quality section). Where the default reconstructs but the source holds no
 # expert weights, it falls back to the paper's rule and the plan says so.
@@ -45,7 +50,7 @@ class Options:
     """Every knob of one selection, validated before any work (see `select_experts`)."""
 
     method: str = "multiview"
-    weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    weights: tuple[float, float, float] = DEFAULT_WEIGHTS
     coact_mode: str = "partners"
     norm: str = "minmax"
     router_metric: str = "cosine"
@@ -315,7 +320,7 @@ def resolve_refinements(method: str, representative: str | None, weight_search: 
 
 
 def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
-                  target_ep: int = 1, weights=(1.0, 1.0, 1.0), coact_mode: str = "partners",
+                  target_ep: int = 1, weights=DEFAULT_WEIGHTS, coact_mode: str = "partners",
                   norm: str = "minmax", router_metric: str = "cosine",
                   group_policy: str | None = None, seed: int = 0, restarts: int = 8,
                   num_groups: int | None = None, group_topk: int | None = None,
@@ -367,7 +372,7 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
 
 
 def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
-                   target_ep: int = 1, weights=(1.0, 1.0, 1.0), coact_mode: str = "partners",
+                   target_ep: int = 1, weights=DEFAULT_WEIGHTS, coact_mode: str = "partners",
                    norm: str = "minmax", router_metric: str = "cosine",
                    group_policy: str | None = None, seed: int = 0, restarts: int = 8,
                    num_groups: int | None = None, group_topk: int | None = None,
@@ -382,7 +387,8 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
     stats: RoutingStats of exactly the checkpoint's MoE layers (MTP included).
     method: one of METHODS ("multiview", a view subset such as "router+coact", or a ranking
     baseline "frequency", "gate-mass", "saliency", "random", "first-k").
-    target_ep: expert-parallel degree K must divide. weights: (R, C, P) fusion weights.
+    target_ep: expert-parallel degree K must divide. weights: (R, C, P) fusion weights
+    (DEFAULT_WEIGHTS).
     coact_mode: "partners" | "substitutes". norm: "minmax" | "rank". router_metric: "cosine" |
     "euclidean". group_policy: "per-group" | "flatten" (None: per-group when the router is
     group-limited). seed, restarts: K-Medoids restarts (and the random baseline's seed).
