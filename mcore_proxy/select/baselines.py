@@ -13,11 +13,16 @@ from mcore_proxy.stats import LayerStats
 RANKING_METHODS = ("frequency", "gate-mass", "saliency", "random", "first-k")
 
 
-def top_k(scores: np.ndarray, k: int, candidates: np.ndarray | None = None) -> list[int]:
-    """Sorted ids of the k highest scores among `candidates` (default: all); ties -> lowest id."""
+def top_k(scores: np.ndarray, k: int, candidates: np.ndarray | None = None,
+          live: np.ndarray | None = None) -> list[int]:
+    """Sorted ids of the k highest scores among `candidates` (default: all); ties -> lowest id.
+
+    live [E] bool (experts some token selected): live experts come before dead ones whatever
+    their score, so a dead expert is kept only when fewer than k candidates are live."""
     ids = np.arange(scores.shape[0]) if candidates is None else np.asarray(candidates)
-    # lexsort sorts by the last key first: descending score, then ascending id
-    order = np.lexsort((ids, -scores[ids]))
+    dead = np.zeros(ids.size, dtype=bool) if live is None else ~np.asarray(live)[ids]
+    # lexsort sorts by the last key first: live first, then descending score, then ascending id
+    order = np.lexsort((ids, -scores[ids], dead))
     return sorted(int(i) for i in ids[order[:k]])
 
 

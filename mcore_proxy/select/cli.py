@@ -6,9 +6,10 @@ import functools
 from pathlib import Path
 
 from mcore_proxy.errors import OutputError, PlanError
+from mcore_proxy.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
-from mcore_proxy.select.selector import METHODS
+from mcore_proxy.select.selector import DEFAULT_REFINEMENTS, DEFAULT_WEIGHTS, METHODS, REPRESENTATIVES
 from mcore_proxy.select.views import COACT_MODES, ROUTER_METRICS
 
 
@@ -37,14 +38,22 @@ def register(subparsers) -> None:
     p.add_argument("--target-ep", "--target-expert-parallel-size", type=int, default=1, metavar="N",
                    help="expert-parallel degree K must divide (default 1)")
     p.add_argument("--method", choices=METHODS, default="multiview")
-    p.add_argument("--weights", default="1,1,1", metavar="R,C,P",
-                   help="fusion weights of the router, co-activation, prototype views")
+    p.add_argument("--weights", default=",".join(f"{w:g}" for w in DEFAULT_WEIGHTS), metavar="R,C,P",
+                   help="fusion weights of the router, co-activation, prototype views "
+                        "(default %(default)s, the paper's; bench/RESULTS.md measures others)")
     p.add_argument("--coact-mode", choices=COACT_MODES, default="partners",
                    help="co-selected experts are partners (far apart) or substitutes (close)")
     p.add_argument("--norm", choices=NORMALISATIONS, default="minmax")
     p.add_argument("--router-metric", choices=ROUTER_METRICS, default="cosine")
     p.add_argument("--group-policy", choices=GROUP_POLICIES, default=None,
                    help="group-limited routing: keep K/G per group (default) or flatten to G=1")
+    p.add_argument("--representative", choices=REPRESENTATIVES, default=None,
+                   help="kept expert of a cluster: the most frequent member, or the member that "
+                        "best reconstructs the layer's output (reads expert weights); default "
+                        f"for multiview: {DEFAULT_REFINEMENTS['representative']}")
+    p.add_argument("--weight-search", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose the view weights per layer by reconstruction (reads expert "
+                        f"weights); default for multiview: {'on' if DEFAULT_REFINEMENTS['weight_search'] else 'off'}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
     p.add_argument("--report", metavar="DIR", help="write PNGs and a summary into DIR")
@@ -65,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.output).is_dir():
         raise OutputError(f"-o {args.output} is a folder; pass the plan file to write, e.g. "
                           f"-o {Path(args.output) / 'plan.json'}")
+    if args.report:
+        require_matplotlib("--report")  # before anything is written
     stats = load_stats(args.stats)
     view = open_checkpoint(args.ckpt)
     check_stats_match(stats, view.spec, str(args.stats))
@@ -72,17 +83,18 @@ def run(args: argparse.Namespace) -> int:
     plan, details = run_selection(
         view, stats, args.num_experts, method=args.method, weights=weights,
         coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
-        restarts=args.restarts, progress=functools.partial(tqdm, desc="select", unit="layer"),
+        restarts=args.restarts, representative=args.representative,
+        weight_search=args.weight_search, progress=functools.partial(tqdm, desc="select", unit="layer"),
         **common)
+    if args.report:  # the report first: a plan is written only by a command that succeeds
+        baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
+                     for m in ("frequency", "random")}
+        files = write_report(args.report, plan, details, baselines)
+        print(f"wrote report: {len(files)} files in {args.report}")
     path = plan.save(args.output)
     print(summary_table(plan))
     if plan.params.get("group_policy") == "flatten":
         print("note: group-limited routing flattened: the proxy runs with "
               "--moe-router-num-groups 1 --moe-router-group-topk 1")
     print(f"wrote {path}")
-    if args.report:
-        baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
-                     for m in ("frequency", "random")}
-        files = write_report(args.report, plan, details, baselines)
-        print(f"wrote report: {len(files)} files in {args.report}")
     return 0

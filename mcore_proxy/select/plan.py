@@ -52,7 +52,9 @@ class LayerPlan:
     kept: sorted original expert ids (new expert j is `kept[j]`); clusters: empty for ranking
     baselines (frequency, random, ...); token_coverage / gate_mass_coverage: share in [0, 1] of
     the layer's routed selections (freq) and of its gate mass that the kept experts received;
-    never_selected: experts with freq 0 in the statistics (no co-activation or prototype signal).
+    never_selected: experts with freq 0 in the statistics (no co-activation or prototype signal);
+    dead_kept: the never-selected experts that are kept anyway (only when fewer than K were
+    selected), with `dead_note` saying why (plans older than this field read as none).
     """
 
     kept: tuple[int, ...]
@@ -60,6 +62,8 @@ class LayerPlan:
     token_coverage: float = 0.0
     gate_mass_coverage: float = 0.0
     never_selected: tuple[int, ...] = ()
+    dead_kept: tuple[int, ...] = ()
+    dead_note: str = ""
 
     def __post_init__(self):
         kept = _ids(self.kept, "kept")
@@ -67,6 +71,9 @@ class LayerPlan:
             raise PlanError(f"kept experts {list(kept)} must be sorted and distinct")
         object.__setattr__(self, "kept", kept)
         object.__setattr__(self, "never_selected", _ids(self.never_selected, "never_selected"))
+        object.__setattr__(self, "dead_kept", _ids(self.dead_kept, "dead_kept"))
+        if not set(self.dead_kept) <= set(kept) & set(self.never_selected):
+            raise PlanError(f"dead_kept {list(self.dead_kept)} must be kept, never-selected experts")
         clusters = tuple(c if isinstance(c, Cluster) else Cluster(**c) for c in self.clusters)
         object.__setattr__(self, "clusters", clusters)
         if clusters:
@@ -88,6 +95,8 @@ class LayerPlan:
             "clusters": [c.to_json() for c in self.clusters],
             "coverage": {"tokens": self.token_coverage, "gate_mass": self.gate_mass_coverage},
             "never_selected": list(self.never_selected),
+            "dead_kept": {"count": len(self.dead_kept), "experts": list(self.dead_kept),
+                          "why": self.dead_note},
         }
 
     @classmethod
@@ -96,7 +105,9 @@ class LayerPlan:
         return cls(kept=d["kept"], clusters=tuple(Cluster(**c) for c in d.get("clusters", [])),
                    token_coverage=cov.get("tokens", 0.0),
                    gate_mass_coverage=cov.get("gate_mass", 0.0),
-                   never_selected=d.get("never_selected", []))
+                   never_selected=d.get("never_selected", []),
+                   dead_kept=d.get("dead_kept", {}).get("experts", []),
+                   dead_note=d.get("dead_kept", {}).get("why", ""))
 
 
 @dataclass(frozen=True)

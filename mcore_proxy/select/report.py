@@ -16,17 +16,37 @@ log = logging.getLogger(__name__)
 
 
 def summary_table(plan: SelectionPlan) -> str:
-    """Per layer: kept count, token coverage, gate-mass coverage; then the mean."""
+    """Per layer: kept count, token coverage, gate-mass coverage, dead experts (never selected)
+    in the layer and kept; then the mean, and why any dead expert was kept."""
     lines = [f"method {plan.method}: keep K={plan.num_experts} of E={plan.source.num_experts} "
              f"experts in {len(plan.layers)} MoE layers (group policy "
              f"{plan.params.get('group_policy', 'none')})",
-             f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10}"]
+             f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10} {'dead':>5} {'dead kept':>10}"]
     for lid in plan.layer_ids:
         lp = plan.layers[lid]
-        lines.append(f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} {lp.gate_mass_coverage:>10.3f}")
+        lines.append(f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} "
+                     f"{lp.gate_mass_coverage:>10.3f} {len(lp.never_selected):>5} {len(lp.dead_kept):>10}")
     tok, mass = plan.mean_coverage()
     lines.append(f"{'mean':<8} {plan.num_experts:>5} {tok:>8.3f} {mass:>10.3f}")
+    notes = [f"layer {lid}: {plan.layers[lid].dead_note} (kept dead: {list(plan.layers[lid].dead_kept)})"
+             for lid in plan.layer_ids if plan.layers[lid].dead_kept]
+    if notes:
+        lines += ["dead experts (never selected by any token) are kept only when fewer than K are live:"]
+        lines += ["  " + n for n in notes]
     return "\n".join(lines)
+
+
+def coverage_note(plan: SelectionPlan, frequency: SelectionPlan) -> str:
+    """Why the chosen method may cover fewer routed tokens than the frequency baseline."""
+    tok, freq_tok = plan.mean_coverage()[0], frequency.mean_coverage()[0]
+    return (f"Coverage against frequency: frequency keeps the {plan.num_experts} most selected "
+            f"experts of each layer, so no set of {plan.num_experts} covers more routed tokens "
+            f"than its {freq_tok:.3f}; {plan.method} covers {tok:.3f} because it keeps one expert "
+            "per cluster of similar experts (diversity rather than the busiest experts): tokens "
+            "whose experts were dropped are routed by the unchanged top-k rule to kept experts, "
+            "and the clusters make those alike. Coverage measures how many selections survive, "
+            "not how well the proxy computes (bench/RESULTS.md, quality section, compares "
+            "accuracy and KL).")
 
 
 def cluster_order(layer_plan, num_experts: int) -> list[int]:
@@ -40,35 +60,57 @@ def cluster_order(layer_plan, num_experts: int) -> list[int]:
     return order + [e for e in range(num_experts) if e not in seen]
 
 
+MAX_LABELLED = 64     # up to this many experts every tick is labelled with its id
+
+
+def expert_ticks(order: list[int], layer_plan) -> tuple[list[int], list[str]]:
+    """(positions, labels) of the ticks along a cluster-ordered axis: every expert's id when
+    there are at most MAX_LABELLED experts, else the kept expert that opens each cluster."""
+    kept = set(layer_plan.kept)
+    if len(order) <= MAX_LABELLED:
+        return list(range(len(order))), [str(e) for e in order]
+    pos = [i for i, e in enumerate(order) if e in kept]
+    return pos, [str(order[i]) for i in pos]
+
+
 def _matrix_figure(lid: str, fused: np.ndarray, layer_plan, method: str):
     from matplotlib.figure import Figure
 
     E = fused.shape[0]
     order = cluster_order(layer_plan, E)
-    fig = Figure(figsize=(6.4, 5.6), dpi=100, layout="constrained")
+    side = min(12.0, max(6.4, 0.13 * E + 2.0))
+    fig = Figure(figsize=(side + 1.4, side), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    im = ax.imshow(fused[np.ix_(order, order)], cmap="viridis", interpolation="nearest")
-    fig.colorbar(im, ax=ax, label="fused distance")
+    im = ax.imshow(fused[np.ix_(order, order)], cmap="viridis", interpolation="nearest", vmin=0.0)
+    fig.colorbar(im, ax=ax, shrink=0.8,
+                 label="fused distance (weighted mean of views scaled to [0, 1]; 0 = alike)")
     edge = -0.5
-    for c in layer_plan.clusters:  # cluster boundaries along the diagonal
+    for c in layer_plan.clusters:  # cluster outlines along the diagonal
         size = len(c.members)
         ax.add_patch(_rect(edge, size))
         edge += size
-    kept_pos = [i for i, e in enumerate(order) if e in set(layer_plan.kept)]
-    ax.scatter(kept_pos, [-1.5] * len(kept_pos), marker="v", color="red", s=12, clip_on=False,
-               label="kept")
+    pos, labels = expert_ticks(order, layer_plan)
+    size = 9 if len(pos) <= 32 else 6.5
+    kept = set(layer_plan.kept)
+    for axis_ticks, setter in ((ax.set_xticks, "x"), (ax.set_yticks, "y")):
+        axis_ticks(pos, labels, fontsize=size, rotation=90 if setter == "x" else 0)
+    for tick in [*ax.get_xticklabels(), *ax.get_yticklabels()]:
+        if int(tick.get_text()) in kept:   # kept experts in red, bold
+            tick.set_color("red")
+            tick.set_fontweight("bold")
     ax.set_xlim(-0.5, E - 0.5)
-    ax.set_ylim(E - 0.5, -2.5)
-    ax.set_title(f"layer {lid}: {method}, {len(layer_plan.clusters)} clusters (red: kept)")
-    ax.set_xlabel("experts ordered by cluster")
-    ax.set_ylabel("experts ordered by cluster")
+    ax.set_ylim(E - 0.5, -0.5)
+    ax.set_title(f"layer {lid}: {method}, {len(layer_plan.clusters)} clusters outlined in white; "
+                 "kept experts in red", fontsize=11)
+    ax.set_xlabel("expert id (grouped by cluster, kept expert first)", fontsize=10)
+    ax.set_ylabel("expert id (grouped by cluster, kept expert first)", fontsize=10)
     return fig
 
 
 def _rect(edge: float, size: int):
     from matplotlib.patches import Rectangle
 
-    return Rectangle((edge, edge), size, size, fill=False, edgecolor="white", linewidth=0.8)
+    return Rectangle((edge, edge), size, size, fill=False, edgecolor="white", linewidth=1.4)
 
 
 def _coverage_figure(plans: dict[str, SelectionPlan]):
@@ -117,6 +159,8 @@ def write_report(out_dir, plan: SelectionPlan, details: dict,
     for name, p in {plan.method: plan, **baselines}.items():
         tok, mass = p.mean_coverage()
         lines.append(f"  {name:<12} {tok:.3f}  {mass:.3f}")
+    if "frequency" in baselines and plan.method != "frequency":
+        lines += ["", coverage_note(plan, baselines["frequency"])]
     path = out / "summary.txt"
     path.write_text("\n".join(lines) + "\n")
     written.append(path)

@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from mcore_proxy.errors import OutputError, StatsError
+from mcore_proxy.plotting import require_matplotlib
 
 MERGED_NAME = "routing_stats.safetensors"
 RANK_GLOB = "rank*.safetensors"
@@ -68,6 +69,8 @@ def run_show(args: argparse.Namespace) -> int:
     from mcore_proxy.stats import load_stats
     from mcore_proxy.trace.summary import summary_table, write_heatmaps
 
+    if args.png:
+        require_matplotlib("--png")  # before anything is printed or written
     path = Path(args.stats)
     stats = merge_folder(path) if path.is_dir() else load_stats(path)
     print(summary_table(stats, args.top))

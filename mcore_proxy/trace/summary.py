@@ -72,9 +72,16 @@ def summary_table(stats: RoutingStats, n: int = 3) -> str:
     return "\n".join(lines)
 
 
+def _expert_ticks(num_experts: int) -> np.ndarray:
+    """Tick positions that label expert ids legibly: all up to 32, else about 16."""
+    step = 1 if num_experts <= 32 else int(np.ceil(num_experts / 16))
+    return np.arange(0, num_experts, step)
+
+
 def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
     """`load.png`: share of selections per (layer, expert); `coact.png`: per layer, co-activation
-    counts normalised by the layer's tokens (diagonal blanked)."""
+    counts normalised by the layer's tokens (diagonal blanked). Axes carry expert ids and layer
+    ids, colour bars their units."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,14 +90,19 @@ def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = stats.layer_ids
+    E = stats.num_experts
+    ticks = _expert_ticks(E)
     load = np.stack([s.freq / max(s.freq.sum(), 1) for s in (stats.layers[i] for i in ids)])
-    fig, ax = plt.subplots(figsize=(max(6, stats.num_experts / 8), max(3, len(ids) / 4)))
-    im = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_yticks(range(len(ids)), ids, fontsize=6)
-    ax.set_xlabel("expert")
-    ax.set_ylabel("layer")
-    ax.set_title("expert load (share of top-k selections)")
-    fig.colorbar(im, ax=ax)
+    fig, ax = plt.subplots(figsize=(min(16, max(8, E / 6)), min(14, max(3.5, 0.32 * len(ids) + 1.8))))
+    im = ax.imshow(100 * load, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0)
+    ax.set_yticks(range(len(ids)), ids, fontsize=9 if len(ids) <= 40 else 6)
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=9)
+    ax.set_xlabel("expert id", fontsize=11)
+    ax.set_ylabel("MoE layer", fontsize=11)
+    ax.set_title(f"expert load: share of each layer's top-{stats.topk} selections "
+                 f"(uniform = {100 / E:.2g} %; dark columns: never selected)", fontsize=11)
+    cbar = fig.colorbar(im, ax=ax)
+    cbar.set_label("share of the layer's selections (%)", fontsize=10)
     fig.tight_layout()
     paths = [out_dir / "load.png"]
     fig.savefig(paths[0], dpi=120)
@@ -98,21 +110,33 @@ def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
 
     cols = math.ceil(math.sqrt(len(ids)))
     rows = math.ceil(len(ids) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
-    for ax, layer_id in zip(axes.flat, ids, strict=False):   # spare axes are blanked below
+    co_all = []
+    for layer_id in ids:
         s = stats.layers[layer_id]
-        co = s.coact / max(s.tokens, 1)
-        co = co.astype(np.float64)
+        co = 100 * s.coact.astype(np.float64) / max(s.tokens, 1)
         np.fill_diagonal(co, np.nan)
-        ax.imshow(co, cmap="magma", interpolation="nearest")
-        ax.set_title(f"layer {layer_id}", fontsize=8)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        co_all.append(co)
+    vmax = max(float(np.nanmax(c)) if np.isfinite(c).any() else 0.0 for c in co_all) or 1.0
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1.2, 3.4 * rows + 0.6), squeeze=False)
+    small = ticks if E <= 16 else ticks[:: max(1, len(ticks) // 4)]
+    for ax, layer_id, co in zip(axes.flat, ids, co_all):   # spare axes are blanked below
+        im = ax.imshow(co, cmap="magma", interpolation="nearest", vmin=0, vmax=vmax)
+        ax.set_title(f"layer {layer_id}", fontsize=10)
+        ax.set_xticks(small, [str(t) for t in small], fontsize=8)
+        ax.set_yticks(small, [str(t) for t in small], fontsize=8)
+    for i, ax in enumerate(list(axes.flat)[:len(ids)]):
+        if i + cols >= len(ids):         # nothing drawn below it
+            ax.set_xlabel("expert id", fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("expert id", fontsize=9)
     for ax in list(axes.flat)[len(ids):]:
         ax.axis("off")
-    fig.suptitle("co-activation (tokens selecting both / tokens)")
-    fig.tight_layout()
+    fig.suptitle("co-activation: tokens that selected both experts, % of the layer's tokens "
+                 "(diagonal blank)", fontsize=12)
+    fig.tight_layout(rect=(0, 0, 0.9, 0.97))
+    cax = fig.add_axes((0.92, 0.15, 0.02, 0.7))
+    fig.colorbar(im, cax=cax).set_label("% of tokens selecting both", fontsize=10)
     paths.append(out_dir / "coact.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths

@@ -38,3 +38,35 @@ def planted_model():
 def default_model():
     """One shared planted model (partners reading, E=32, 8 clusters, top-2) for read-only use."""
     return build_planted_model()
+
+
+# -- real statistics written by the trace on real megatron-core models ---------------------------
+# Three tokens per layer: 6 top-2 selections over 8 experts (or 12 top-4 over 16), so every
+# layer has never-selected experts and most expert pairs never co-activate (their partners
+# distance is exactly 0): the inputs on which K-Medoids used to stop short and dead experts used
+# to displace live ones. The architectures are those of the fixture checkpoints named here.
+SPARSE_TRACES = {"seq_tp2_pp2_ep2": dict(batch=1, seq=3),
+                 "deepseek_like_pp2_uneven": dict(batch=1, seq=3)}
+
+
+@pytest.fixture(scope="session")
+def sparse_traced(tmp_path_factory, megatron_ckpt):
+    """sparse_traced(fixture name) -> (checkpoint folder, merged routing_stats.safetensors)
+    traced (with saliency) by `mcore_proxy.trace` on that fixture's architecture, one rank."""
+    from mcore_proxy.cli import main
+    from mcore_proxy.testing.fixtures import FIXTURES
+    from mcore_proxy.testing.trace_runs import TraceRun, run_traced
+
+    out = tmp_path_factory.mktemp("sparse_trace")
+    runs = {name: TraceRun(model=FIXTURES[name][0], saliency=True, **kw)
+            for name, kw in SPARSE_TRACES.items()}
+    folders = run_traced(runs, out)
+    merged = {}
+    for name, folder in folders.items():
+        assert main(["stats", "merge", str(folder)]) == 0
+        merged[name] = folder / "routing_stats.safetensors"
+
+    def get(name):
+        return megatron_ckpt(name)[0], merged[name]
+
+    return get

@@ -65,3 +65,37 @@ def test_never_selected_expert_wins_only_a_dead_cluster():
     # the medoid 1 was never selected: the selected member 0 wins; cluster {3, 4} is all dead
     reps = representatives(LABELS, MEDOIDS, np.array([3, 0, 0, 0, 0]))
     assert reps == [([0, 1, 2], 0), ([3, 4], 3)]
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_all_zero_distances_still_give_k_distinct_medoids(n):
+    # BUILD stops after one medoid at loss 0; that restart must not be chosen, and with a
+    # single restart (BUILD only) the medoids are completed
+    d = np.zeros((n, n))
+    for k in range(1, n + 1):
+        for restarts in (1, 4):
+            c = kmedoids(d, k, seed=3, restarts=restarts)
+            assert len(set(c.medoids.tolist())) == k and c.loss == 0.0
+            assert sorted(set(c.labels.tolist())) == list(range(k))   # no empty cluster
+            assert (c.labels[c.medoids] == np.arange(k)).all()        # medoid in its own cluster
+
+
+def test_zero_blocks_and_ties_give_k_clusters_and_the_log_says_restarts_disagree(caplog):
+    rng = np.random.default_rng(0)
+    x = rng.random((12, 12))
+    d = (x + x.T) / 2
+    d[:9, :9] = 0.0   # nine experts never co-activated (partners distance 0): BUILD stops at 4
+    np.fill_diagonal(d, 0.0)
+    with caplog.at_level("INFO", logger="mcore_proxy.select.cluster"):
+        c = kmedoids(d, 6, seed=0, restarts=8)
+    assert len(set(c.medoids.tolist())) == 6
+    assert sorted(set(c.labels.tolist())) == list(range(6))
+    assert "restarts returned fewer than k distinct medoids" in caplog.text
+    assert c.loss == pytest.approx(sum(d[i, c.medoids[c.labels[i]]] for i in range(12)))
+
+
+def test_complete_medoids_adds_farthest_points_first():
+    from mcore_proxy.select.cluster import complete_medoids
+
+    assert complete_medoids(D5, [1], 2).tolist() == [1, 3]   # 3 and 4 tie at 9: lowest id
+    assert complete_medoids(np.zeros((3, 3)), [], 3).tolist() == [0, 1, 2]

@@ -33,7 +33,22 @@ def test_json_layout_follows_design_4_2():
         "kept": [1, 4],
         "clusters": [{"members": [0, 1, 2], "representative": 1},
                      {"members": [3, 4, 5, 6, 7], "representative": 4}],
-        "coverage": {"tokens": 0.6, "gate_mass": 0.55}, "never_selected": [7]}
+        "coverage": {"tokens": 0.6, "gate_mass": 0.55}, "never_selected": [7],
+        "dead_kept": {"count": 0, "experts": [], "why": ""}}
+
+
+def test_dead_kept_round_trips_and_older_plans_without_it_still_read(tmp_path):
+    layer = LayerPlan((1, 7), never_selected=(6, 7), dead_kept=(7,), dead_note="only 1 of 8 live")
+    plan = make_plan(layers={"3": layer, "mtp.0": LayerPlan((0, 5))})
+    path = plan.save(tmp_path / "plan.json")
+    assert load_plan(path).layers["3"] == layer
+    older = json.loads(path.read_text())
+    for entry in older["layers"].values():   # as written before the field existed
+        del entry["dead_kept"]
+    path.write_text(json.dumps(older))
+    assert load_plan(path).layers["3"].dead_kept == ()
+    with pytest.raises(PlanError, match="must be kept, never-selected"):
+        LayerPlan((1, 7), never_selected=(6,), dead_kept=(7,))
 
 
 def test_save_load_round_trip_and_overwrite(tmp_path):
