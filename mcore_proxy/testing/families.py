@@ -31,11 +31,9 @@ import torch
 from mcore_proxy.pipeline_layout import split_stages
 from mcore_proxy.testing.build import (Layout, ToyMoE, _rank_coords, _training_extras, _writes_folder, fixed_tokens,
                                        legacy_rank_dir)
+from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, TRACKER, iteration_dir
 from mcore_proxy.testing.global_weights import fill_global_weights
 from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
-
-TRACKER = "latest_checkpointed_iteration.txt"
-CONTENT_METADATA = {"singleton_local_shards": False}   # what Megatron training stores in common.pt
 
 
 @dataclass(frozen=True)
@@ -244,11 +242,6 @@ def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tenso
 def _state_keys(chunks: list) -> list[str]:
     """Megatron-LM's generate_state_dict: `model`, or `model0`, `model1`, ... with virtual stages."""
     return ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
-
-
-def iteration_dir(root) -> Path:
-    text = (Path(root) / TRACKER).read_text().strip()
-    return Path(root) / ("release" if text == "release" else f"iter_{int(text):07d}")
 
 
 def _save_legacy(job: Job, chunks: list, writer: bool, coords) -> None:

@@ -65,11 +65,11 @@ def _family_fixtures():
 
 def family_fixture_key(name: str) -> str:
     from mcore_proxy import pipeline_layout
-    from mcore_proxy.testing import build, families, global_weights, mcore_cpu
+    from mcore_proxy.testing import build, dist_ckpt, families, global_weights, mcore_cpu
 
     model, layout = _family_fixtures()[name]
     source = b"".join(Path(m.__file__).read_bytes()
-                      for m in (families, build, global_weights, mcore_cpu, pipeline_layout))
+                      for m in (families, build, dist_ckpt, global_weights, mcore_cpu, pipeline_layout))
     return f"{name}-{hashlib.sha256(repr((model, layout)).encode() + source).hexdigest()[:12]}"
 
 
