@@ -25,8 +25,9 @@ chunks) holds:
    - `E` and `L` are only validated: Megatron-LM builds the embedding where `pre_process`
      (pp 0, vp 0) and the output layer where `post_process` (last pp, last vp) hold, whatever
      stage the letters sit in (`megatron/training/training.py`, `get_model`). A stage with MTP
-     also builds the word (and position) embeddings and gets the output layer's weight through
-     the embedding group (`GPTModel.__init__`: `if self.pre_process or self.mtp_process`).
+     also builds the word (and position) embeddings (`GPTModel.__init__`: `if self.pre_process
+     or self.mtp_process`); Megatron-LM keeps its word embeddings equal to the first stage's
+     through the embedding group (`pretrain_gpt.py`, `get_embedding_ranks`).
    - Megatron-LM keeps the raw string in `args.pipeline_model_parallel_layout` (argparse
      `type=str`); `validate_args` only sets `args.virtual_pipeline_model_parallel_size` to
      stages / PP, or None when that is 1 (`megatron/training/arguments.py`). The string cannot be
