@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_proxy.testing.fixtures import FIXTURES, build_fixture
+from mcore_proxy.testing.fixtures import FIXTURES, build_family_fixtures, build_fixture
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,13 @@ def megatron_ckpt(fixture_root):
     return get
 
 
+@pytest.fixture(scope="session")
+def family_ckpt(fixture_root):
+    """{name: FamilyCheckpoint} of the DeepSeek-V3- and Qwen3-MoE-shaped fixtures (legacy and
+    torch_dist from the same ranks, plus reference logits), built once in one set of ranks."""
+    return build_family_fixtures(fixture_root)
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over every file's relative path and bytes: proves an input was not modified."""
     h = hashlib.sha256()
@@ -50,7 +57,7 @@ def digest():
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "megatron_ckpt" in getattr(item, "fixturenames", ()):
+        if {"megatron_ckpt", "family_ckpt"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.megatron)
 
 

@@ -46,3 +46,52 @@ def build_fixture(name: str, root: str | os.PathLike) -> tuple[Path, Path]:
         base.mkdir(parents=True)
         save_checkpoint(model, layout, ckpt, ref_path=ref)
     return ckpt, ref
+
+
+# -- model families saved in both formats (testing/families.py) ---------------------------------
+
+def _family_fixtures():
+    from mcore_proxy.testing import families as fam
+
+    return {
+        # DeepSeek-V3 shape: MLA (q_lora), 3 dense layers, 32 experts in 8 groups, sigmoid + bias,
+        # shared expert, MTP on its own stage; TP=2 PP=2 (layout "Ettt|tt|m|L", VPP 2) EP=2 ETP=1
+        "deepseek_v3_mla": (fam.DEEPSEEK_V3, fam.DEEPSEEK_V3_LAYOUT),
+        # Qwen3-MoE shape: GQA with q/k norms, softmax top-8 of 32, GroupedMLP, learned absolute
+        # positions; TP=2 PP=2 EP=2 ETP=1
+        "qwen3_moe": (fam.QWEN3_MOE, fam.QWEN3_MOE_LAYOUT),
+    }
+
+
+def family_fixture_key(name: str) -> str:
+    from mcore_proxy import pipeline_layout
+    from mcore_proxy.testing import build, dist_ckpt, families, global_weights, mcore_cpu
+
+    model, layout = _family_fixtures()[name]
+    source = b"".join(Path(m.__file__).read_bytes()
+                      for m in (families, build, dist_ckpt, global_weights, mcore_cpu, pipeline_layout))
+    return f"{name}-{hashlib.sha256(repr((model, layout)).encode() + source).hexdigest()[:12]}"
+
+
+def build_family_fixtures(root: str | os.PathLike, names=None) -> dict:
+    """Build (or reuse from `root`) the family fixtures -> {name: FamilyCheckpoint}: the same
+    global weights saved in legacy and torch_dist format plus the logits [1 + mtp, b, s, V].
+    Everything missing is built in one set of spawned gloo ranks."""
+    from mcore_proxy.testing import families as fam
+
+    table = _family_fixtures()
+    out, jobs = {}, []
+    for name in names or sorted(table):
+        model, layout = table[name]
+        base = Path(root) / family_fixture_key(name)
+        job, ckpt = fam.save_jobs(name, model, layout, base)
+        out[name] = ckpt
+        if not (base / "done").is_file():
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir(parents=True)
+            jobs.append((job, base))
+    if jobs:
+        fam.run_jobs([job for job, _ in jobs])
+        for _, base in jobs:
+            (base / "done").write_text("ok")
+    return out

@@ -6,8 +6,8 @@ name (DESIGN.md 4.3: global layer numbers, one key per expert, un-sharded shapes
 TP=1, TP=2/EP=2, PP=2, with SequentialMLP or GroupedMLP, the model computes the same function,
 so routing statistics and logits can be compared across layouts.
 
-Covers the parameter kinds of the tiny models in `mcore_proxy.testing.build` (local spec, no
-TE): a parameter that matches no rule raises, it is never left at its initial value.
+Covers the parameter kinds of the tiny models in `mcore_proxy.testing.build` and
+`mcore_proxy.testing.families` (local spec, no TE: GQA with qk norms, MLA, learned positions): a parameter that matches no rule raises, it is never left at its initial value.
 """
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ import torch
 # TP rank instead; "norm" and "replicated" are whole on every rank.
 RULES = [
     (r"embedding\.word_embeddings\.weight|output_layer\.weight", "vocab"),
+    (r"embedding\.position_embeddings\.weight", "replicated"),     # learned_absolute: nn.Embedding
+    (r".*\.self_attention\.linear_q_proj\.weight", "column"),
+    # multi-latent attention, local spec: all four projections are ColumnParallelLinear
+    (r".*\.self_attention\.linear_(q_down|q_up|kv_down|kv_up)_proj\.weight", "column"),
     (r".*\.self_attention\.linear_qkv\.weight", "column"),
     (r".*\.self_attention\.linear_proj\.weight", "row"),
     (r".*\.mlp\.experts\.\d+\.linear_fc1\.weight", "expert_glu"),

@@ -5,6 +5,9 @@ torch.cuda.current_device / synchronize (router weight placement, dist-checkpoin
 CUDA RNG tracker's `fork` (dropout regions), the TE-only symbols megatron's MoE utilities
 reference even without Transformer Engine, the `grouped_gemm` op GroupedMLP calls (with a
 pure-torch grouped GEMM), and the `.cuda()` of the MTP stage's tied embedding. Call `patch_megatron_for_cpu()` before building a model.
+
+Multi-latent attention without Transformer Engine (not installable here) needs two more, one a
+patch (`multi_latent_attention.HAVE_TE`) and one a spec edit (`local_mla_spec`); see there.
 """
 from __future__ import annotations
 
@@ -69,7 +72,74 @@ def patch_megatron_for_cpu() -> None:
         experts.gg = grouped_gemm_util
     _lift_grouped_mlp_bf16_assert(experts.GroupedMLP)
     _keep_tied_embeddings_on_cpu()
+    _mla_sees_te_absent()
     _PATCHED = True
+
+
+def _mla_sees_te_absent() -> None:
+    """Without Transformer Engine, `megatron.core.extensions.transformer_engine` still imports:
+    it puts a MagicMock in place of `transformer_engine`, so `TELinear` (a subclass of a mock)
+    is a mock object, not a class, and `multi_latent_attention`'s guarded import of it succeeds
+    with HAVE_TE = True. `MultiLatentAttention.__init__` then calls
+    `isinstance(self.linear_proj, TELinear)` and raises TypeError. Tell MLA what the extension
+    module itself knows."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = bool(te_ext.HAVE_TE)
+
+
+def local_mla_spec(spec):
+    """Copy of a layer or block spec whose MLA layers use `MLACoreAttention` instead of the local
+    `DotProductAttention` (GQA layers are left alone).
+
+    `MultiLatentAttention.__init__` builds its core attention with `k_channels` and `v_channels`
+    (query/key head dim qk + rope, value head dim v), which only `TEDotProductAttention`
+    accepts; the local `DotProductAttention` of megatron-core 0.16.1 takes neither and sizes its
+    output by kv_channels x heads. The local MLA spec is therefore unbuildable without TE, on
+    any device.
+    """
+    import copy
+    import dataclasses
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+    def walk(obj):
+        if isinstance(obj, MLASelfAttentionSubmodules):
+            if obj.core_attention is DotProductAttention:
+                obj.core_attention = _mla_core_attention_class()
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name))
+
+    spec = copy.deepcopy(spec)
+    walk(spec)
+    return spec
+
+
+_MLA_CORE_ATTENTION = None
+
+
+def _mla_core_attention_class():
+    """megatron's local DotProductAttention that takes MLA's head dims: the scores use the query
+    and key tensors as given (head dim qk + rope), and the output is heads/TP x v_channels wide.
+    Built on first use so that importing this module does not import megatron."""
+    global _MLA_CORE_ATTENTION
+    if _MLA_CORE_ATTENTION is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLACoreAttention(DotProductAttention):
+            def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+                super().__init__(*args, **kwargs)
+                if v_channels is not None:  # the Attention base class builds one without them first
+                    self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+        _MLA_CORE_ATTENTION = MLACoreAttention
+    return _MLA_CORE_ATTENTION
 
 
 def _keep_tied_embeddings_on_cpu() -> None:
