@@ -152,8 +152,10 @@ if [ "$LAUNCHER" = mindspeed ]; then
         --save "$CKPT_SAVE_DIR" \
         | tee logs/train_proxy_ptd.log
 else
-    # 2. the same launch on CPU: megatron-core in gloo ranks
-    export PYTHONWARNINGS=ignore
+    # 2. the same launch on CPU: megatron-core in gloo ranks. megatron-core wraps its fused ops in
+    #    torch.compile; on CPU their first call compiles C++ kernels, which costs more than these
+    #    few iterations (same losses without it)
+    export PYTHONWARNINGS=ignore TORCHDYNAMO_DISABLE=1
     "$PY" -m torch.distributed.run $DISTRIBUTED_ARGS "$REPO/examples/pretrain_gpt_cpu.py" \
         $GPT_ARGS \
         $MOE_ARGS \
