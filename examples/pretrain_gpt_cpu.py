@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+# the data-parallel gradient averaging of the plain training example (this folder is on sys.path)
+from train_step_cpu import average_gradients
 
 
 def moe_layer_freq(text: str):
@@ -174,19 +176,6 @@ def train_micro_batch(gpt, tokens, labels, scale: float, hidden: int) -> torch.T
     if received is not None:
         torch.distributed.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
     return loss
-
-
-def average_gradients(gpt) -> None:
-    from megatron.core import parallel_state as ps
-
-    for param in gpt.parameters():
-        if param.grad is None:
-            continue
-        expert = not getattr(param, "allreduce", True)   # megatron marks expert parameters
-        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(param.grad, group=group)
-            param.grad /= torch.distributed.get_world_size(group)
 
 
 def initialize(args):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.errors import PlanError, ProxyError
 from mcore_proxy.estimate.memory import DeviceMemory, Layout, Training
 from mcore_proxy.estimate.model import Architecture, ParameterCount, count_parameters, expert_flops_per_token
-from mcore_proxy.estimate.search import Constraints, nearest, check_constraints, fitting_layouts, least_memory
+from mcore_proxy.estimate.search import Constraints, check_constraints, fitting_layouts, least_memory, nearest
 
 FORMAT = "mcore-proxy-estimate/1"
 GIB = 1 << 30
@@ -73,8 +73,7 @@ class Estimate:
 def check_k(arch: Architecture, k: int, ep: int | None) -> None:
     """K as `select` will accept it (fewer than E, at least top-k, whole routing groups) and, with
     a fixed EP, divisible by it; ProxyError with the nearest feasible choices otherwise."""
-    from mcore_proxy.errors import PlanError
-    from mcore_proxy.select.constraints import check_sizes, resolve_groups
+    from mcore_proxy.select.constraints import check_sizes, resolve_groups   # numpy: loaded here only
 
     def problem(value: int) -> str | None:
         try:

@@ -84,54 +84,53 @@ def _smallest_dp(terms, budget: int, tp: int, ep: int, etp: int, base: int) -> i
     return base * max(1, math.ceil(need / base))
 
 
-def fitting_layouts(a: Architecture, train: Training, budget: int, c: Constraints) -> list[tuple[Layout, DeviceMemory]]:
-    """Every (TP, PP, EP, ETP) at its smallest fitting DP, fewest devices first, then least memory."""
-    node = c.devices_per_node
-    found = []
-    for tp in ([c.tp] if c.tp else valid_tps(a, node)):
+def _shapes(a: Architecture, c: Constraints):
+    """Every valid (TP, PP stages, EP, ETP) under the constraints, with the DP step they need:
+    EP x ETP must divide TP x DP, so DP is a multiple of lcm(TP, EP x ETP) / TP."""
+    for tp in ([c.tp] if c.tp else valid_tps(a, c.devices_per_node)):
         for pp in ([c.pp] if c.pp else range(1, a.num_layers + 1)):
             stages = stage_layers(a.num_layers, pp)
             if stages is None or tp * pp > c.max_devices:
                 continue
             for etp in ([c.etp] if c.etp else [1]):
                 for ep in ([c.ep] if c.ep else _divisors(a.num_experts)):
-                    base = math.lcm(tp, ep * etp) // tp
-                    terms = _stage_terms(a, stages, tp, ep, etp, train)
-                    if c.dp:
-                        dp = c.dp if c.dp % base == 0 else None
-                    else:
-                        dp = _smallest_dp(terms, budget, tp, ep, etp, base)
-                    while dp is not None and tp * pp * dp <= c.max_devices:
-                        layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, stages=stages)
-                        mem = device_memory(a, layout, train)
-                        if mem.total <= budget and allowed_devices(layout.devices, node):
-                            found.append((layout, mem))
-                            break
-                        dp = None if c.dp else dp + base
+                    yield tp, stages, ep, etp, math.lcm(tp, ep * etp) // tp
+
+
+def fitting_layouts(a: Architecture, train: Training, budget: int, c: Constraints) -> list[tuple[Layout, DeviceMemory]]:
+    """Every (TP, PP, EP, ETP) at its smallest fitting DP, fewest devices first, then least memory."""
+    found = []
+    for tp, stages, ep, etp, base in _shapes(a, c):
+        if c.dp:
+            dp = c.dp if c.dp % base == 0 else None
+        else:
+            dp = _smallest_dp(_stage_terms(a, stages, tp, ep, etp, train), budget, tp, ep, etp, base)
+        while dp is not None and tp * len(stages) * dp <= c.max_devices:
+            layout = Layout(tp=tp, pp=len(stages), ep=ep, etp=etp, dp=dp, stages=stages)
+            mem = device_memory(a, layout, train)
+            if mem.total <= budget and allowed_devices(layout.devices, c.devices_per_node):
+                found.append((layout, mem))
+                break
+            dp = None if c.dp else dp + base    # rounding, or a device count that is not whole nodes
     found.sort(key=lambda lm: (lm[0].devices, lm[1].total, lm[0].tp, lm[0].pp))
     return found
 
 
 def least_memory(a: Architecture, train: Training, c: Constraints) -> tuple[Layout, DeviceMemory] | None:
-    """The layout within the device bound whose most loaded device needs the least memory."""
+    """The layout within the device bound whose most loaded device needs the least memory (each
+    shape at its largest DP, where the optimizer state is spread thinnest)."""
     best = None
-    for tp in ([c.tp] if c.tp else valid_tps(a, c.devices_per_node)):
-        for pp in ([c.pp] if c.pp else range(1, a.num_layers + 1)):
-            stages = stage_layers(a.num_layers, pp)
-            if stages is None:
-                continue
-            for etp in ([c.etp] if c.etp else [1]):
-                for ep in ([c.ep] if c.ep else _divisors(a.num_experts)):
-                    base = math.lcm(tp, ep * etp) // tp
-                    dp = c.dp or base * (c.max_devices // (tp * pp * base))
-                    while not c.dp and dp > 0 and not allowed_devices(tp * pp * dp, c.devices_per_node):
-                        dp -= base
-                    if dp < 1 or tp * pp * dp > c.max_devices or dp % base:
-                        continue
-                    layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, stages=stages)
-                    mem = device_memory(a, layout, train)
-                    if best is None or mem.total < best[1].total:
-                        best = (layout, mem)
+    for tp, stages, ep, etp, base in _shapes(a, c):
+        per = tp * len(stages)
+        dp = c.dp or base * (c.max_devices // (per * base))
+        while not c.dp and dp > 0 and not allowed_devices(per * dp, c.devices_per_node):
+            dp -= base
+        if dp < 1 or dp % base or per * dp > c.max_devices:
+            continue
+        layout = Layout(tp=tp, pp=len(stages), ep=ep, etp=etp, dp=dp, stages=stages)
+        mem = device_memory(a, layout, train)
+        if best is None or mem.total < best[1].total:
+            best = (layout, mem)
     return best
 
 
@@ -144,7 +143,7 @@ def check_constraints(a: Architecture, c: Constraints) -> None:
         raise ProxyError(f"--pp {c.pp} cannot split {a.num_layers} decoder layers into stages of at least "
                          f"one layer; nearest valid: {nearest(c.pp, ok, '--pp')}")
     if c.ep and a.num_experts % c.ep:
-        raise ProxyError(f"--ep {c.ep} does not divide the {a.num_experts} experts of the {a.name}; "
+        raise ProxyError(f"--ep {c.ep} does not divide the {a.num_experts} experts of {a.name}; "
                          f"nearest valid: {nearest(c.ep, _divisors(a.num_experts), '--ep')}")
     if c.etp and a.moe_ffn_hidden_size % c.etp:
         raise ProxyError(f"--etp {c.etp} does not divide the expert width {a.moe_ffn_hidden_size}; nearest "
