@@ -52,7 +52,7 @@ probe() {
 
 # 1. the interpreter
 if [ -n "${PYTHON:-}" ]; then
-  PY=$PYTHON; WHERE="PYTHON=$PYTHON"
+  PY="$(command -v "$PYTHON" || echo "$PYTHON")"; WHERE="PYTHON=$PYTHON"
 elif [ -n "${VIRTUAL_ENV:-}" ]; then
   PY="$VIRTUAL_ENV/bin/python"; WHERE="the active virtual environment $VIRTUAL_ENV"
 elif [ -n "${CONDA_PREFIX:-}" ]; then
