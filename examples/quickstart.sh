@@ -8,23 +8,32 @@
 #   6. verify: bit-exact tensors, args, manifest, and the proxy's outputs in megatron-core.
 #
 #   bash examples/quickstart.sh [WORKDIR]      (default: out/quickstart; must not exist)
+#   bash examples/quickstart.sh --setup-only   set up the environment, show it, and stop
+#
+# Set-up: tools/install.sh (the active environment, else the project venv .venv); every step
+# then runs with the interpreter it set up.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-bash tools/install.sh
 WORK="${1:-out/quickstart}"
-if [ -e "$WORK" ]; then echo "quickstart: $WORK exists; pass a new folder or remove it" >&2; exit 2; fi
+if [ "$WORK" != --setup-only ] && [ -e "$WORK" ]; then
+  echo "quickstart: $WORK exists; pass a new folder or remove it" >&2; exit 2
+fi
+PY="$(bash tools/install.sh)"
+mcore-proxy() { "$PY" -m mcore_proxy "$@"; }
+echo "== environment: $("$PY" -c 'import sys, torch; print(f"python {sys.executable}, torch {torch.__version__} ({torch.__file__})")')"
+if [ "$WORK" = --setup-only ]; then exit 0; fi
 mkdir -p "$WORK"
 export PYTHONWARNINGS=ignore
 
 echo "== 1. a real Megatron checkpoint, saved by megatron-core on 4 CPU ranks"
-python -m mcore_proxy.testing.make_checkpoint deepseek_like_pp2_uneven "$WORK/original"
+"$PY" -m mcore_proxy.testing.make_checkpoint deepseek_like_pp2_uneven "$WORK/original"
 mcore-proxy inspect "$WORK/original"
 
 echo "== 2. routing statistics from an evaluation launch (trace activated by environment only)"
-python -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(0).integers(0, 128, 32768))" "$WORK/tokens.npy"
+"$PY" -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(0).integers(0, 128, 32768))" "$WORK/tokens.npy"
 PYTHONPATH="$REPO/patches${PYTHONPATH:+:$PYTHONPATH}" MCORE_PROXY_TRACE_DIR="$WORK/trace" \
-    python -m torch.distributed.run --standalone --nproc_per_node 4 \
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 \
     examples/eval_checkpoint_cpu.py --ckpt "$WORK/original" --tokens "$WORK/tokens.npy"
 
 echo "== 3. merge the per-rank statistics"

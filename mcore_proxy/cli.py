@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "mcore_proxy.select.cli",
     "mcore_proxy.trace.cli",
     "mcore_proxy.convert.cli",
+    "mcore_proxy.estimate.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 

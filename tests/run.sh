@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The test command of the README: installs what the tests need, then runs them all.
+# The test command of the README: set up (tools/install.sh: the active environment, else the
+# project venv .venv), then the whole suite with the interpreter it set up.
+#
+#   bash tests/run.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/install.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+PY="$(bash tools/install.sh)"
+exec "$PY" -m pytest -q "$@"

@@ -1,0 +1,88 @@
+"""Architectures from config.json, presets, Megatron/MindSpeed args, and their layering."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.errors import ProxyError
+from mcore_proxy.estimate.model import count_parameters
+from mcore_proxy.estimate.presets import DEEPSEEK_V3, QWEN3_30B_A3B
+from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge, read_hf_config
+
+# what a real config.json carries besides the architecture (transformers writes these too)
+NOISE = {"architectures": ["X"], "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+         "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "use_cache": True}
+
+
+def write_config(tmp_path, cfg: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**NOISE, **{k: v for k, v in cfg.items() if k != "name"}}))
+    return path
+
+
+@pytest.mark.parametrize("preset, cfg", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("deepseek-v3", DEEPSEEK_V3)])
+def test_a_config_json_reads_like_its_preset(tmp_path, preset, cfg):
+    path = write_config(tmp_path, cfg)
+    from_file = merge(from_hf_config(read_hf_config(tmp_path), str(path)))   # the folder works too
+    assert count_parameters(from_file) == count_parameters(merge(from_preset(preset)))
+
+
+def test_transformers_defaults_fill_what_a_config_leaves_out():
+    cfg = {k: v for k, v in QWEN3_30B_A3B.items() if k not in ("tie_word_embeddings", "decoder_sparse_step",
+                                                                  "mlp_only_layers", "name")}
+    a = merge(from_hf_config(cfg, "qwen"))
+    assert not a.tied_embeddings and a.moe_layers == tuple(range(48))    # Qwen3MoeConfig defaults
+    unknown = merge(from_hf_config({**cfg, "model_type": "some_moe"}, "other"))
+    assert unknown.tied_embeddings and not unknown.qk_layernorm           # PretrainedConfig's default
+    output_layer, qk_norms = 151936 * 2048, 48 * 2 * 128
+    assert count_parameters(a).total - count_parameters(unknown).total == output_layer + qk_norms
+
+
+def test_dense_layers_follow_each_family_s_fields():
+    qwen = merge(from_hf_config({**QWEN3_30B_A3B, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]}, "q"))
+    assert qwen.moe_layers == tuple(i for i in range(48) if (i + 1) % 2 == 0 and i not in (1, 3))
+    ds = merge(from_hf_config({**DEEPSEEK_V3, "first_k_dense_replace": 5, "moe_layer_freq": 2}, "d"))
+    assert ds.moe_layers == tuple(i for i in range(61) if i >= 5 and i % 2 == 0)
+    assert ds.shared_expert_size == 2048 and ds.expert_bias and ds.num_groups == 8 and ds.mla.q_lora_rank == 1536
+
+
+def test_bad_config_files_name_the_file_and_the_fix(tmp_path):
+    with pytest.raises(ProxyError, match=r"config\.json: no such file"):
+        read_hf_config(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ProxyError, match=r"config\.json: not a readable JSON config"):
+        read_hf_config(tmp_path / "config.json")
+    cfg = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts_per_tok"}
+    with pytest.raises(ProxyError, match=r"cfg\.json: no 'num_experts_per_tok'"):
+        from_hf_config(cfg, "cfg.json")
+    with pytest.raises(ProxyError, match="needs a MoE model"):
+        from_hf_config({"num_hidden_layers": 2, "hidden_size": 8}, "dense.json")
+
+
+def test_mindspeed_llm_deepseek_launch_args_count_like_the_preset():
+    """The argument values of MindSpeed-LLM's examples/mcore/deepseek3/pretrain_deepseek3_671b_4k_ptd.sh
+    (64 layers of which --noop-layers 61,62,63 are empty, --first-k-dense-replace, --n-shared-experts,
+    --multi-head-latent-attention with --qk-nope/rope-head-dim) describe the same 671 B model."""
+    args = argparse.Namespace(
+        num_layers=64, noop_layers="61,62,63", hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+        multi_head_latent_attention=True, qk_rope_head_dim=64, qk_nope_head_dim=128, q_lora_rank=1536,
+        kv_lora_rank=512, v_head_dim=128, qk_layernorm=True, first_k_dense_replace=3, moe_layer_freq=1,
+        n_shared_experts=1, num_experts=256, moe_router_topk=8, moe_intermediate_size=2048,
+        moe_ffn_hidden_size=2048, n_group=8, topk_group=4, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, mtp_num_layers=1, padded_vocab_size=129280,
+        untie_embeddings_and_output_weights=True, swiglu=True, add_bias_linear=False, normalization="RMSNorm")
+    a = merge(from_megatron_args(args, [], "mindspeed args"))
+    assert a.num_layers == 61 and len(a.moe_layers) == 58 and a.num_groups == 8
+    assert count_parameters(a) == count_parameters(merge(from_preset("deepseek-v3")))
+
+
+def test_a_checkpoint_s_own_args_override_a_preset(megatron_ckpt):
+    ckpt, _ = megatron_ckpt("deepseek_like_pp2_uneven")
+    view = open_checkpoint(ckpt)
+    own = merge(from_megatron_args(view.args, view.names(), "ckpt"))
+    layered = merge(from_preset("deepseek-v3"), from_megatron_args(view.args, view.names(), "ckpt"))
+    assert count_parameters(layered) == count_parameters(own)
+    assert layered.name == "DeepSeek-V3" and layered.source == "preset deepseek-v3 + ckpt"
