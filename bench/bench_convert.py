@@ -46,8 +46,10 @@ from pathlib import Path
 import psutil
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.checkpoint.legacy import resolve_target, write_legacy
-from mcore_proxy.checkpoint.view import group_of, router_fingerprint, tensor_nbytes
+from mcore_proxy.checkpoint import write_checkpoint
+from mcore_proxy.checkpoint.target import resolve_target
+from mcore_proxy.checkpoint.names import group_of
+from mcore_proxy.checkpoint.view import router_fingerprint, tensor_nbytes
 from mcore_proxy.select.plan import LayerPlan, RouterSettings, SelectionPlan, SourceInfo
 from mcore_proxy.testing.synthetic import SyntheticMoEView, synthetic_args
 
@@ -63,11 +65,11 @@ def arch(layers: int, a) -> argparse.Namespace:
 
 
 def build_checkpoint(path: Path, layers: int, a) -> None:
-    if path.exists():               # write_legacy renames a complete folder into place, so it is whole
+    if path.exists():               # write_checkpoint renames a complete folder into place, so it is whole
         return
     print(f"building {path} ({layers} layers, TP=1 PP=2 EP=4) ...", flush=True)
     view = SyntheticMoEView(arch(layers, a))
-    write_legacy(view, path, resolve_target(view, tp=1, pp=2, ep=4))
+    write_checkpoint(view, path, resolve_target(view, tp=1, pp=2, ep=4))
 
 
 def write_plan(ckpt: Path, path: Path, a) -> Path:

@@ -16,8 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mcore_proxy.checkpoint.legacy import resolve_target, write_legacy
-from mcore_proxy.checkpoint.view import group_of
+from mcore_proxy.checkpoint import write_checkpoint
+from mcore_proxy.checkpoint.target import resolve_target
+from mcore_proxy.checkpoint.names import group_of
 from mcore_proxy.testing.synthetic import SyntheticMoEView, synthetic_args
 
 
@@ -50,7 +51,7 @@ def main() -> None:
     ckpt = Path(a.out) / f"read-{a.layers}L"
     if not ckpt.exists():
         ckpt.parent.mkdir(parents=True, exist_ok=True)
-        write_legacy(view, ckpt, resolve_target(view, tp=2, pp=2, ep=4))
+        write_checkpoint(view, ckpt, resolve_target(view, tp=2, pp=2, ep=4))
     sizes = layer_bytes(view)
     largest = max(v for k, v in sizes.items() if k != "other")
     total = sum(sizes.values())

@@ -67,7 +67,7 @@ def timed(fn) -> tuple[float, float]:
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
-    from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+    from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
     init_distributed(0, 1, free_port())
     from mcore_proxy.trace.megatron import attach_hooks, install, router_info

@@ -36,7 +36,7 @@ def timed(owner, name: str, key: str) -> None:
 
 
 timed(pipeline, "open_views", "open views")
-timed(pipeline, "write_legacy_units", "write rank files")
+timed(pipeline, "_write_units", "write units")
 timed(torchfile.TorchFile, "read_elements", "pread")
 timed(torchfile.TorchFileWriter, "add", "write_record")
 timed(pipeline, "write_manifest", "manifest sha256")

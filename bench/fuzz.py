@@ -77,7 +77,7 @@ def build_corpus(work: Path, legacy_ckpt: Path, megatron_dist: Path | None = Non
 
 def megatron_torch_dist(work: Path) -> Path:
     """A torch_dist checkpoint saved by megatron-core's dist_checkpointing (TP=2, EP=2)."""
-    from mcore_proxy.testing.build import Layout
+    from mcore_proxy.functional.model import Layout
     from mcore_proxy.testing.dist_ckpt import save_torch_dist
     from mcore_proxy.testing.fixtures import FIXTURES
 

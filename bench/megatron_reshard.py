@@ -2,7 +2,7 @@
 
     python bench/megatron_reshard.py SRC -o OUT [--target-tp 1 --target-pp P --target-ep 2] [--timings T.json]
 
-SRC is a legacy checkpoint of a local-spec MoE GPT (what `SyntheticMoEView` + `write_legacy`
+SRC is a legacy checkpoint of a local-spec MoE GPT (what `SyntheticMoEView` + `write_checkpoint`
 produce). Megatron has no offline re-sharder in megatron-core, so this does what a user of it
 does, in ranks spawned with gloo (one per rank of each layout, as megatron requires):
 
@@ -28,19 +28,9 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.testing.build import (
-    Layout,
-    ToyMoE,
-    _rank_coords,
-    _writes_folder,
-    build_gpt,
-    legacy_rank_dir,
-)
-from mcore_proxy.testing.mcore_cpu import (
-    destroy_distributed,
-    free_port,
-    init_distributed,
-)
+from mcore_proxy.functional.model import build_gpt, Layout, ToyMoE
+from mcore_proxy.testing.build import _rank_coords, _writes_folder, legacy_rank_dir
+from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -33,8 +33,10 @@ def main() -> None:
 
     # CPU stand-in for GPUs and the tiny-model builder of mcore-proxy's tests: megatron-core
     # needs a few CUDA calls neutralised on CPU. Neither has anything to do with tracing.
-    from mcore_proxy.testing.build import Layout, build_gpt, forward_logits, legacy_rank_dir, toy_from_args
-    from mcore_proxy.testing.mcore_cpu import patch_megatron_for_cpu
+    from mcore_proxy.functional.model import build_gpt, Layout, toy_from_args
+    from mcore_proxy.functional.run import forward_logits
+    from mcore_proxy.testing.build import legacy_rank_dir
+    from mcore_proxy.functional.cpu import patch_megatron_for_cpu
 
     patch_megatron_for_cpu()
     from megatron.core import parallel_state as ps

@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def toy_model(args):
     """The ToyMoE / Layout of mcore_proxy's megatron-core test helpers that the arguments describe."""
-    from mcore_proxy.testing.build import Layout, ToyMoE
+    from mcore_proxy.functional.model import Layout, ToyMoE
 
     freq = args.moe_layer_freq
     model = ToyMoE(
@@ -181,9 +181,9 @@ def train_micro_batch(gpt, tokens, labels, scale: float, hidden: int) -> torch.T
 def initialize(args):
     """gloo ranks from torchrun's environment, megatron's parallel state, the model: (toy, layout, gpt)."""
     # CPU stand-in for NPUs/GPUs: megatron-core calls a few CUDA functions even on CPU, which
-    # mcore-proxy's test helper neutralises (mcore_proxy/testing/mcore_cpu.py)
-    from mcore_proxy.testing.build import build_gpt
-    from mcore_proxy.testing.mcore_cpu import patch_megatron_for_cpu
+    # mcore-proxy's test helper neutralises (mcore_proxy/functional/cpu.py)
+    from mcore_proxy.functional.model import build_gpt
+    from mcore_proxy.functional.cpu import patch_megatron_for_cpu
 
     patch_megatron_for_cpu()
     from megatron.core import parallel_state as ps

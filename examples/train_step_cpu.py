@@ -40,7 +40,7 @@ def parse_args():
 def setup(args):
     # CPU stand-in for a GPU: megatron-core calls a few CUDA functions even on CPU; the shim
     # neutralises them. It is a test fixture of mcore-proxy, not part of the tracing.
-    from mcore_proxy.testing.mcore_cpu import patch_megatron_for_cpu
+    from mcore_proxy.functional.cpu import patch_megatron_for_cpu
 
     patch_megatron_for_cpu()
     from megatron.core import parallel_state, tensor_parallel

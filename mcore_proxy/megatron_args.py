@@ -136,3 +136,16 @@ def ffn_hidden_size(args, where: str | None = None) -> int:
 def _show(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# The MLP activations Megatron's args describe (Megatron-LM's core_transformer_config_from_args):
+# `--swiglu` is SiLU-gated; a gated linear unit without it is GELU-gated; otherwise GELU, the
+# default `activation_func`.
+ACTIVATIONS = ("swiglu", "geglu", "gelu")
+
+
+def activation_of_args(args, where: str | None = None) -> str:
+    """One of ACTIVATIONS, as the args say."""
+    if arg_bool(args, "swiglu", where):
+        return "swiglu"
+    return "geglu" if arg_bool(args, "gated_linear_unit", where) else "gelu"

@@ -191,7 +191,7 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
 def smoke_checkpoint(out_root: Path) -> Path:
     """An untrained tiny model with a shared expert, deterministic random weights, saved like a
     trained one (for CI)."""
-    from mcore_proxy.testing.build import ToyMoE
+    from mcore_proxy.functional.model import ToyMoE
 
     model = ToyMoE(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                    num_experts=8, moe_ffn_hidden_size=16, topk=2, shared_expert_size=16,
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("TQDM_DISABLE", "1")   # hundreds of select/convert runs: one log line each
-    from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+    from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
     shapes = args.shape or (("smoke",) if args.smoke else tuple(qmodel.SHAPES))
     work = args.work or train.cache_root() / "ablation"

@@ -1,6 +1,6 @@
 """The two trained shapes, and building / loading / running them in megatron-core on CPU.
 
-Everything runs in a one-rank gloo world (`mcore_proxy.testing.mcore_cpu`): the local
+Everything runs in a one-rank gloo world (`mcore_proxy.functional.cpu`): the local
 (non-Transformer-Engine) layer spec, SequentialMLP experts, RMSNorm, SwiGLU, RoPE, fp32.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bench.quality import task
-from mcore_proxy.testing.build import Layout, ToyMoE, toy_from_args
+from mcore_proxy.functional.model import Layout, toy_from_args, ToyMoE
 
 # The testing ToyMoE config gates its experts with GELU although its args say --swiglu; these
 # models use SiLU, as Megatron does for --swiglu, so the saved args describe them truly.

@@ -75,7 +75,7 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 
 def _train_worker(rank: int, shape: str, out: str, report: str) -> None:
-    from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+    from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
     s = SETTINGS[shape]
     torch.set_num_threads(s.threads)

@@ -36,11 +36,12 @@ def describe(view: ModelView) -> dict:
         if b:
             dtype_bytes[str(view.dtype(n)).replace("torch.", "")] += b
             expert_bytes += b if rule_for(n).expert else 0
-    layout = getattr(view, "layout", None)
-    files = [p for p in Path(view.path).rglob("*") if p.is_file()] if getattr(view, "path", None) else []
+    info = view.info
+    layout = info.layout
+    files = [p for p in Path(info.path).rglob("*") if p.is_file()] if info.path else []
     return {
-        "path": str(getattr(view, "path", "")),
-        "format": getattr(view, "format", "?"),
+        "path": str(info.path or ""),
+        "format": info.format,
         "iteration": view.iteration,
         "parallel": None if layout is None else {
             "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,

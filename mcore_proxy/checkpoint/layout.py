@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from mcore_proxy.checkpoint.names import EXPERT_LAYOUTS, SEQUENTIAL
 from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.megatron_args import arg, arg_int
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None,
@@ -96,30 +97,33 @@ def rank_dir_name(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
     return name
 
 
-def check_fits(view, target: ParallelLayout) -> None:
-    """Whether megatron can hold `view` at `target`: stage sizes, EP dividing the expert count,
-    heads and every sharded dimension dividing over TP/ETP. Checked before a byte is written."""
-    from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
-
-    spec = view.spec
-    if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < 1:
-        raise CheckpointError(f"target stages {list(target.stage_layers)} must each hold a layer and sum "
-                              f"to num_layers={spec.num_layers}")
-    if spec.num_experts and spec.num_experts % target.ep:
-        raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
-                              "choose an expert-parallel size that divides the expert count")
-    for attr in ("num_attention_heads", "num_query_groups"):
-        n = getattr(view.args, attr, None) if view.args is not None else None
-        if n and int(n) % target.tp:
-            raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
-    for name in view.names():
-        rule = rule_for(name)
-        parts = target.etp if rule.group == "etp" else target.tp
-        shape = view.shape(name)
-        if rule.kind == REPLICATED or parts == 1 or shape is None:
-            continue
-        dim = 1 if rule.kind == ROW else 0
-        size = shape[dim] // 2 if rule.kind == GLU_COLUMN else shape[dim]
-        if size % parts:
-            raise CheckpointError(f"{name} dimension {dim} ({shape[dim]}) does not divide over "
-                                  f"{'ETP' if rule.group == 'etp' else 'TP'}={parts}; choose a size that divides it")
+def layout_from_args(args, folder) -> ParallelLayout:
+    """The saving run's layout from its args (absent fields: Megatron's defaults); `folder` names
+    the checkpoint in messages."""
+    where = str(folder)
+    size = lambda n: arg_int(args, n, where, minimum=1, maximum=1 << 20)  # noqa: E731
+    tp, pp = size("tensor_model_parallel_size") or 1, size("pipeline_model_parallel_size") or 1
+    ep = size("expert_model_parallel_size") or 1
+    etp = size("expert_tensor_parallel_size") or tp
+    num_layers = arg_int(args, "num_layers", where, minimum=1)
+    vpp = 1
+    if size("num_layers_per_virtual_pipeline_stage"):
+        vpp = max(1, num_layers // (pp * size("num_layers_per_virtual_pipeline_stage")))
+    elif size("virtual_pipeline_model_parallel_size"):
+        vpp = size("virtual_pipeline_model_parallel_size")
+    if arg(args, "pipeline_model_parallel_layout", where):
+        raise CheckpointError(f"{folder}: pipeline_model_parallel_layout is not supported yet; "
+                              "convert from a checkpoint saved with first/last stage sizes")
+    layer_list = arg(args, "num_layer_list", where)
+    if layer_list is not None and not isinstance(layer_list, (str, list, tuple)):
+        raise CheckpointError(f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
+                              "comma-separated stage sizes; fix the args")
+    try:
+        counts = stage_layer_counts(num_layers, pp, size("decoder_first_pipeline_num_layers"),
+                                    size("decoder_last_pipeline_num_layers"), layer_list, where=where)
+    except ProxyError:
+        raise
+    except (ValueError, TypeError):  # a num_layer_list entry that is not a number
+        raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
+                              "sizes; fix the args") from None
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)

@@ -1,13 +1,67 @@
-"""Name mapping of the Megatron family: rank-local state-dict keys <-> canonical names.
+"""The name registry of the Megatron family: canonical names, and the keys each format stores.
 
-Data first: `NAME_VARIANTS` pairs a source spelling (MindSpeed-LLM, older megatron) with the
-canonical megatron-core spelling, and `EXPERT_LAYOUTS` describes how each expert module type
-stores its experts. Readers and writers both resolve names through the functions below.
+Canonical names (DESIGN.md 4.3) are megatron-core module names with global layer numbers and one
+key per routed expert. This module holds everything that maps them:
+  - their order and streaming units (`canonical_sort_key`, `group_of`);
+  - legacy rank files: rank-local keys (local layer numbers, local experts, the expert module
+    types of `EXPERT_LAYOUTS`, the MindSpeed-LLM / older spellings of `NAME_VARIANTS`);
+  - torch_dist: ShardedTensor keys (`KeyStyle`, `parse_dist_key`; stacked layer and expert axes,
+    the local spec's norms under TE's fused-norm keys in `LOCAL_SPEC_RENAMES`).
+Data first: a new spelling is a row in one of the tables. Readers and writers both resolve names
+through the functions below.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+
+from mcore_proxy.errors import CheckpointError
+from mcore_proxy.layer_pattern import parse_layer_pattern
+from mcore_proxy.megatron_args import arg
+
+# -- canonical names ---------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"^(decoder\.layers\.(\d+)|mtp\.layers\.(\d+))\.")
+_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
+
+
+def group_of(name: str) -> str:
+    """Streaming unit of a canonical name: a layer id (`"3"`, `"mtp.0"`) or `"other"`."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return "other"
+    return m.group(2) if m.group(2) is not None else f"mtp.{m.group(3)}"
+
+
+def layer_number(name: str) -> int | None:
+    """The global decoder layer of `decoder.layers.{L}.…` names, None for other names."""
+    m = _DECODER_LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def canonical_sort_key(name: str):
+    """Embedding first, decoder layers in order (experts by id), final norm/output, then MTP."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        e = re.match(r"^mlp\.experts\.(\d+)\.(.*)$", m.group(2))
+        return (1, int(m.group(1)), 1 if e else 0, int(e.group(1)) if e else 0, name)
+    m = re.match(r"^mtp\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        return (3, int(m.group(1)), 0, 0, name)
+    if name.startswith("embedding."):
+        return (0, 0, 0, 0, name)
+    return (2, 0, 0, 0, name)
+
+
+def linear_extra_state(key: str) -> str | None:
+    """The `_extra_state` key megatron's linear layers save beside a linear weight `key`
+    (`X.linear_fc1.weight` -> `X.linear_fc1._extra_state`), None for other keys."""
+    return key[:-len(".weight")] + "._extra_state" if _LINEAR_WEIGHT.match(key) else None
+
+
+# -- legacy rank files: rank-local keys ----------------------------------------------------------
 
 # (variant id, source regex, canonical replacement, canonical regex, source replacement)
 NAME_VARIANTS: tuple[tuple[str, str, str, str, str], ...] = (
@@ -101,3 +155,148 @@ def local_expert_key(prefix: str, local: int, rest: str, layout: str) -> str:
         module, param = rest.rsplit(".", 1)
         return f"{prefix}.{module}.{param}{local}"
     return f"{prefix}.local_experts.{local}.{rest}"
+
+
+# -- torch_dist: ShardedTensor keys ------------------------------------------------------------
+
+# (canonical module prefix, torch_dist key prefix) inside a layer, for megatron's local layer spec
+# (its `sharded_state_dict_keys_map`): its separate norms are saved under TE's fused-norm keys.
+LOCAL_SPEC_RENAMES: tuple[tuple[str, str], ...] = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+# Keys in a training checkpoint that are not model weights: deliberately not in the view.
+IGNORED_KEYS: tuple[str, ...] = (r"^optimizer[./]", r"^rng_state$", r"^rerun_state_machine",
+                                 r"\.local_tokens_per_expert$")
+_IGNORED_DIST = tuple(re.compile(p) for p in IGNORED_KEYS)
+
+_DIST_DECODER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.*)$")
+_CANON_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.*)$")
+_DIST_EXPERTS = "mlp.experts.experts."
+_CANON_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.*)$")
+_OBJECT_KEY = re.compile(r"^(.*)/shard_([\d.]*)_([\d.]*)$")
+
+
+def is_ignored_dist_key(key: str) -> bool:
+    """A torch_dist key (or ShardedObject key) deliberately not in the view (IGNORED_KEYS)."""
+    base = key.split("/shard_")[0]
+    return any(p.search(base) for p in _IGNORED_DIST)
+
+
+def parse_object_key(unique: str) -> tuple[str, tuple[int, ...]] | None:
+    """ShardedObject key `KEY/shard_{offsets}_{shape}` -> (KEY, offsets); None if malformed."""
+    m = _OBJECT_KEY.match(unique)
+    return (m.group(1), tuple(int(x) for x in m.group(2).split(".") if x)) if m else None
+
+
+def _rename(rest: str, local_spec: bool, to_dist: bool) -> str:
+    if not local_spec:
+        return rest
+    for canon, dist in LOCAL_SPEC_RENAMES:
+        src, dst = (canon, dist) if to_dist else (dist, canon)
+        if rest.startswith(src):
+            return dst + rest[len(src):]
+    return rest
+
+
+@dataclass(frozen=True)
+class DistName:
+    """A torch_dist key seen from the canonical side.
+
+    template: the canonical name with `{layer}` / `{expert}` holes for the prepended axes;
+    axes: the kinds of the prepended axes in order (`("layer", "expert")`, `("expert",)`, `()`).
+    """
+
+    template: str
+    axes: tuple[str, ...]
+
+    def canonical(self, index: tuple[int, ...]) -> str:
+        name = self.template
+        for kind, i in zip(self.axes, index):
+            name = name.replace("{" + kind + "}", str(i))
+        return name
+
+
+@lru_cache(maxsize=None)
+def parse_dist_key(key: str, local_spec: bool) -> DistName:
+    """torch_dist key -> canonical template and prepended axes."""
+    if m := _DIST_DECODER.match(key):
+        layer, rest = m.groups()
+        prefix = f"decoder.layers.{layer}." if layer is not None else "decoder.layers.{layer}."
+        axes: tuple[str, ...] = () if layer is not None else ("layer",)
+    elif m := _MTP.match(key):
+        (prefix, rest), axes = m.groups(), ()
+    else:
+        return DistName(key, ())
+    if rest.startswith(_DIST_EXPERTS):
+        return DistName(prefix + "mlp.experts.{expert}." + rest[len(_DIST_EXPERTS):], axes + ("expert",))
+    return DistName(prefix + _rename(rest, local_spec, to_dist=False), axes)
+
+
+@dataclass(frozen=True)
+class KeyStyle:
+    """How one model's canonical names become torch_dist keys (decided by its args).
+
+    stacked: homogeneous decoder, layers on a prepended axis of size num_layers;
+    local_spec: megatron's local layer spec (norms under TE fused-norm keys);
+    num_experts: size of the expert axis (K for a pruned view).
+    """
+
+    stacked: bool
+    local_spec: bool
+    num_layers: int
+    num_experts: int
+
+    @classmethod
+    def from_args(cls, args, spec) -> "KeyStyle":
+        """spec: the view's ModelSpec (its expert count is the one written)."""
+        return cls(stacked=homogeneous_layers(args), local_spec=uses_local_spec(args),
+                   num_layers=spec.num_layers, num_experts=spec.num_experts)
+
+    def locate(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """Canonical name -> (torch_dist key, index on the prepended axes, their sizes)."""
+        index: tuple[int, ...] = ()
+        sizes: tuple[int, ...] = ()
+        if m := _CANON_DECODER.match(name):
+            layer, rest = int(m.group(1)), m.group(2)
+            if self.stacked:
+                prefix, index, sizes = "decoder.layers.", (layer,), (self.num_layers,)
+            else:
+                prefix = f"decoder.layers.{layer}."
+        elif m := _MTP.match(name):
+            prefix, rest = m.groups()
+        else:
+            return name, (), ()
+        if e := _CANON_LOCAL_EXPERT.match(rest):
+            expert = int(e.group(1))
+            if expert >= self.num_experts:
+                raise CheckpointError(f"{name}: expert {expert} but the view has num_experts="
+                                      f"{self.num_experts}; number kept experts 0..K-1")
+            return prefix + _DIST_EXPERTS + e.group(2), index + (expert,), sizes + (self.num_experts,)
+        return prefix + _rename(rest, self.local_spec, to_dist=True), index, sizes
+
+
+def homogeneous_layers(args) -> bool:
+    """Whether megatron's TransformerBlock stacks layers on one axis (its `non_homogeneous_layers`
+    test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs."""
+    for attr in ("moe_layer_freq", "linear_attention_freq"):
+        # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings: the safe parser, never eval
+        value = parse_layer_pattern(arg(args, attr), f"args {attr}")
+        if isinstance(value, list) or (isinstance(value, int) and value > 1):
+            return False
+    if arg(args, "heterogeneous_layers_config_path") or arg(args, "heterogeneous_layers_config_encoded_json"):
+        return False
+    return True
+
+
+def uses_local_spec(args) -> bool:
+    """Megatron's local layer spec (not TE) without MLA renames its norms' sharded keys."""
+    return arg(args, "transformer_impl") == "local" and not arg(args, "multi_latent_attention")
+
+
+def object_key(key: str, index: tuple[int, ...], sizes: tuple[int, ...]) -> str:
+    """ShardedObject unique key: offsets and shape over the prepended axes, (0,)/(1,) if none."""
+    offsets = ".".join(map(str, index)) if index else "0"
+    shape = ".".join(map(str, sizes)) if sizes else "1"
+    return f"{key}/shard_{offsets}_{shape}"

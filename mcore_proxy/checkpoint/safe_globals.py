@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import importlib
 import logging
 import numbers
@@ -25,6 +26,73 @@ import torch
 from mcore_proxy.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+
+class Unresolved:
+    """An object of a class this process does not (or may not) import, kept as data.
+
+    It remembers the constructor arguments and pickled state, and pickles back to the same
+    class path, so e.g. `args.attention_backend` (a megatron enum) survives a round trip.
+    Fields of a pickled dict state (dataclasses, plain objects) read as attributes.
+    """
+
+    _module = "?"
+    _name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj._args, obj._state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self._state = state
+
+    def __getattr__(self, attr):
+        state = self.__dict__.get("_state")
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
+        if isinstance(state, dict) and attr in state:
+            return state[attr]
+        raise AttributeError(f"{self._module}.{self._name} has no field {attr!r}")
+
+    def __reduce__(self):
+        return (type(self), self._args, self._state) if self._state is not None else (type(self), self._args)
+
+    def __eq__(self, other):
+        return type(self) is type(other) and (_freeze(self._args), _freeze(self._state)) == \
+            (_freeze(other._args), _freeze(other._state))
+
+    def __hash__(self):
+        return hash((self._module, self._name, _freeze(self._args), _freeze(self._state)))
+
+    def __repr__(self):
+        args = ", ".join(map(repr, self._args))
+        return f"<{self._module}.{self._name}({args})>"
+
+
+def _freeze(obj):
+    """A hashable stand-in of nested data (unhashable leaves such as arrays compare by identity)."""
+    if isinstance(obj, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_freeze(v) for v in obj)
+    return obj if isinstance(obj, collections.abc.Hashable) else id(obj)
+
+
+_UNRESOLVED_CLASSES: dict[tuple[str, str], type] = {}
+
+
+def unresolved_class(module: str, name: str) -> type:
+    """One stand-in class per original class path (classes compare by identity in pickles)."""
+    key = (module, name)
+    if key not in _UNRESOLVED_CLASSES:
+        _UNRESOLVED_CLASSES[key] = type(name, (Unresolved,), {
+            "_module": module, "_name": name, "__module__": module, "__qualname__": name})
+    return _UNRESOLVED_CLASSES[key]
+
 
 # Data-only types the restricted reader constructs for real.
 READ_GLOBALS = {
@@ -80,8 +148,6 @@ def is_emittable(module: str, name: str) -> bool:
 
 def _unsafe(value, depth: int = 0) -> str | None:
     """Why `value` may not be written (the first offending global), or None if it is plain data."""
-    from mcore_proxy.checkpoint.torchfile import LazyTensor, Unresolved
-
     if depth > MAX_DEPTH:
         return f"data nested deeper than {MAX_DEPTH} levels"
     if value is None or isinstance(value, (bool, numbers.Number, str, bytes, bytearray, range, slice,
@@ -91,7 +157,8 @@ def _unsafe(value, depth: int = 0) -> str | None:
         if (value._module, value._name) not in WRITE_ALLOWED:
             return f"{value._module}.{value._name}, a global that is not on the allow-list of data types"
         return _unsafe((value._args, value._state), depth + 1)
-    if isinstance(value, (LazyTensor, torch.Tensor)):
+    if isinstance(value, torch.Tensor) or isinstance(getattr(value, "dtype", None), torch.dtype):
+        # a tensor, read or not (torchfile's LazyTensor has a torch dtype too)
         return "a tensor, which Megatron args never hold"
     if isinstance(value, dict):
         return next((r for kv in value.items() for r in (_unsafe(kv[0], depth + 1), _unsafe(kv[1], depth + 1))
@@ -147,15 +214,3 @@ def torch_load_globals() -> list:
             continue
         out.append(obj)
     return out
-
-
-def load_weights_only(path):
-    """`torch.load(path, weights_only=True)` with the allowed classes as its safe globals (torch
-    >= 2.4; earlier torch has no way to add them, so the restricted reader stands in)."""
-    serialization = torch.serialization
-    if hasattr(serialization, "safe_globals"):
-        with serialization.safe_globals(torch_load_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    from mcore_proxy.checkpoint.torchfile import TorchFile, materialize
-
-    return materialize(TorchFile(path).obj)

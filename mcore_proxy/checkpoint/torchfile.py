@@ -7,17 +7,18 @@ classes) become inert `Unresolved` objects: no foreign code runs. Unresolved obj
 back under their original class path, so `args` written here load in Megatron unchanged.
 
 Writing streams: `TorchFileWriter` writes each tensor's bytes as soon as it is added and the
-pickled structure last, so a rank file never has to exist in memory as a whole.
+pickled structure last, so a rank file never has to exist in memory as a whole (the zip layout
+itself is `zipwrite`'s).
 """
 from __future__ import annotations
 
 import collections
 import collections.abc
+import hashlib
 import io
 import os
 import pickle
 import struct
-import sys
 import types
 import zipfile
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.checkpoint.safe_globals import READ_GLOBALS, is_emittable
+from mcore_proxy.checkpoint.safe_globals import (READ_GLOBALS, Unresolved, is_emittable, torch_load_globals,
+                                                 unresolved_class)
+from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
 from mcore_proxy.errors import CheckpointError
 
 # -- reading -------------------------------------------------------------------------------
@@ -37,72 +40,6 @@ _STORAGE_DTYPES = {
     "BoolStorage": torch.bool, "UntypedStorage": torch.uint8,
 }
 _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
-
-class Unresolved:
-    """An object of a class this process does not (or may not) import, kept as data.
-
-    It remembers the constructor arguments and pickled state, and pickles back to the same
-    class path, so e.g. `args.attention_backend` (a megatron enum) survives a round trip.
-    Fields of a pickled dict state (dataclasses, plain objects) read as attributes.
-    """
-
-    _module = "?"
-    _name = "?"
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj._args, obj._state = args, None
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self._state = state
-
-    def __getattr__(self, attr):
-        state = self.__dict__.get("_state")
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
-        if isinstance(state, dict) and attr in state:
-            return state[attr]
-        raise AttributeError(f"{self._module}.{self._name} has no field {attr!r}")
-
-    def __reduce__(self):
-        return (type(self), self._args, self._state) if self._state is not None else (type(self), self._args)
-
-    def __eq__(self, other):
-        return type(self) is type(other) and (_freeze(self._args), _freeze(self._state)) == \
-            (_freeze(other._args), _freeze(other._state))
-
-    def __hash__(self):
-        return hash((self._module, self._name, _freeze(self._args), _freeze(self._state)))
-
-    def __repr__(self):
-        args = ", ".join(map(repr, self._args))
-        return f"<{self._module}.{self._name}({args})>"
-
-
-def _freeze(obj):
-    """A hashable stand-in of nested data (unhashable leaves such as arrays compare by identity)."""
-    if isinstance(obj, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return tuple(_freeze(v) for v in obj)
-    return obj if isinstance(obj, collections.abc.Hashable) else id(obj)
-
-
-_UNRESOLVED_CLASSES: dict[tuple[str, str], type] = {}
-
-
-def unresolved_class(module: str, name: str) -> type:
-    """One stand-in class per original class path (classes compare by identity in pickles)."""
-    key = (module, name)
-    if key not in _UNRESOLVED_CLASSES:
-        _UNRESOLVED_CLASSES[key] = type(name, (Unresolved,), {
-            "_module": module, "_name": name, "__module__": module, "__qualname__": name})
-    return _UNRESOLVED_CLASSES[key]
-
 
 @dataclass(frozen=True, repr=False)
 class _StorageRef:
@@ -395,124 +332,75 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
     dispatch[types.BuiltinFunctionType] = save_global
 
 
-class WriteSink(io.RawIOBase):
-    """A file torch's C++ zip writer writes through, which never lets a write error reach it.
-
-    `torch._C.PyTorchFileWriter` turns a failed write into a RuntimeError without the errno, and
-    its destructor writes the end of the archive again, which aborts the process (std::terminate)
-    when that write fails too. Here the first OSError (ENOSPC, EFBIG, EIO, EROFS) is kept and
-    every later write is accepted and discarded, so the C++ side always succeeds; `check()`
-    raises the kept error, which callers do after every record. `close()` fsyncs: a write error
-    the kernel reports only at writeback (EIO, a quota on a network file system) surfaces here,
-    before the tracker says the checkpoint is complete.
-    """
-
-    def __init__(self, path: str | Path, append: bool = False):
-        super().__init__()
-        self.path = Path(path)
-        self.error: OSError | None = None
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
-        self._pos = os.lseek(self._fd, 0, os.SEEK_END) if append else 0
-
-    def writable(self):
-        return True
-
-    def seekable(self):
-        return False
-
-    def tell(self):
-        return self._pos
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        if self.error is None:
-            try:
-                done = 0
-                while done < n:
-                    done += os.write(self._fd, view[done:])
-            except OSError as err:
-                self.error = err
-        self._pos += n
-        return n
-
-    def seek(self, offset, whence=os.SEEK_SET):
-        # torch seeks forward over the bytes of a record it writes later (write_record_metadata);
-        # this sink writes those records in order, so a relative forward seek is a hole of zeros
-        if whence != os.SEEK_CUR or offset < 0:
-            raise io.UnsupportedOperation("WriteSink seeks only forward")
-        if self.error is None:
-            try:
-                os.lseek(self._fd, offset, os.SEEK_CUR)
-            except OSError as err:
-                self.error = err
-        self._pos += offset
-        return self._pos
-
-    def flush(self):
-        pass
-
-    def check(self) -> None:
-        """Raise the first write error, if any (an OSError with its errno and this path)."""
-        if self.error is not None:
-            err = self.error
-            raise OSError(err.errno, err.strerror, str(self.path)) from None
-
-    def close(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            try:
-                if self.error is None:
-                    os.fsync(fd)
-            except OSError as err:
-                self.error = self.error or err
-            finally:
-                os.close(fd)
-        super().close()
-
-
 class TorchFileWriter:
     """Write a `torch.save`-compatible zip incrementally: tensors first, structure last.
 
-    `add(tensor)` writes the bytes now and returns a placeholder to put in the structure;
-    `close(obj)` pickles the structure. torch.load (and so Megatron) reads the result. Write
-    errors are OSErrors with the errno (see `WriteSink`), never an abort.
+    `add(tensor)` writes the tensor's bytes now, from its memory (a copy only if it is not
+    contiguous), and returns a placeholder to put in the structure; `close(obj)` pickles the
+    structure. torch.load (and so Megatron) reads the result. The bytes go through a
+    `zipwrite.HashingSink` (pass `sink` to write several archives into one file, as a torch_dist
+    data file holds one per chunk): `size` and `sha256` are known at close, computed while
+    writing. Write errors are OSErrors with the errno, never an abort.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._sink = WriteSink(self.path)
-        self._writer = torch._C.PyTorchFileWriter(self._sink)
+    def __init__(self, path: str | Path | None = None, sink: HashingSink | None = None):
+        self._own = sink is None
+        self._sink = HashingSink(path) if sink is None else sink
+        self.path = self._sink.path
+        self._zip = TorchZipWriter(self._sink)
         self._count = 0
-        self.bytes_written = 0
+        self.size: int | None = None
+        self.sha256: str | None = None
 
     def add(self, tensor: torch.Tensor) -> _TensorRecord:
-        t = tensor.detach().contiguous().cpu()
+        return self.add_pieces([tensor])
+
+    def add_pieces(self, pieces: list[torch.Tensor]) -> _TensorRecord:
+        """One tensor stored as `pieces` back to back (blocks along dim 0, e.g. the gate and up
+        rows of a GLU shard): the same bytes as their concatenation, without making it."""
+        pieces = [p.detach().cpu() for p in pieces]
+        pieces = [p if p.is_contiguous() else p.contiguous() for p in pieces]
+        shape = torch.Size([sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]]) if len(pieces) > 1 \
+            else pieces[0].shape
         key = str(self._count)
         self._count += 1
-        nbytes = t.numel() * t.element_size()
-        self._writer.write_record(f"data/{key}", t.untyped_storage() if t.storage_offset() == 0 and
-                                  t.untyped_storage().nbytes() == nbytes else t.clone().untyped_storage(),
-                                  nbytes)
-        self._sink.check()
-        self.bytes_written += nbytes
-        return _TensorRecord(key, t.dtype, t.shape)
+        try:
+            self._zip.write_member(f"data/{key}", pieces)
+        except BaseException:
+            self.abort()
+            raise
+        return _TensorRecord(key, pieces[0].dtype, shape)
 
     def close(self, obj) -> None:
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(obj)
-        data = buf.getvalue()
-        self._writer.write_record("data.pkl", data, len(data))
-        self._writer.write_record(".format_version", "1", 1)
-        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        self._writer.write_end_of_file()
-        self._sink.close()
-        self._sink.check()
+        try:
+            buf = io.BytesIO()
+            _Pickler(buf, protocol=2).dump(obj)
+            torch_archive_records(self._zip, buf.getvalue())
+            if self._own:
+                self.size, self.sha256 = self._sink.close()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if self._own:
+            self._sink.abort()
 
 
-def save_object(obj, path: str | Path) -> None:
-    """torch.save equivalent that keeps Unresolved objects' class paths; tensors anywhere in obj."""
-    writer = TorchFileWriter(path)
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    """sha256 (hex) of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_object(obj, path: str | Path | None = None, sink: HashingSink | None = None) -> TorchFileWriter:
+    """torch.save equivalent that keeps Unresolved objects' class paths; tensors anywhere in obj.
+    Into a file of its own at `path`, or as the next archive of `sink`. Returns the writer
+    (`size`, `sha256` when it owned the file)."""
+    writer = TorchFileWriter(path, sink=sink)
 
     def convert(o):
         if isinstance(o, torch.Tensor):
@@ -526,3 +414,14 @@ def save_object(obj, path: str | Path) -> None:
         return o
 
     writer.close(convert(obj))
+    return writer
+
+
+def load_weights_only(path):
+    """`torch.load(path, weights_only=True)` with the allowed classes as its safe globals (torch
+    >= 2.4; earlier torch has no way to add them, so the restricted reader stands in)."""
+    serialization = torch.serialization
+    if hasattr(serialization, "safe_globals"):
+        with serialization.safe_globals(torch_load_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    return materialize(TorchFile(path).obj)

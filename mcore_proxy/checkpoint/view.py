@@ -3,49 +3,95 @@
 Canonical names use global layer numbers and one key per routed expert
 (`decoder.layers.{L}.mlp.experts.{e}.linear_fc1.weight` [2F, H], gate rows then up rows).
 Readers yield this; writers consume it; nothing else knows about shards.
+
+The contract is explicit: a ModelView is constructed with one `ViewInfo` record (what the view is
+besides its tensors) and implements `names`, `shape`, `dtype` and `get`; a class that forgets one
+of them cannot be instantiated (ABC), so it fails at construction, not by reading every byte
+through a default. `shape` and `dtype` read no tensor data. `groups` (streaming units) and
+`prefetch` (a hint: these tensors are read next) have defaults.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import re
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from mcore_proxy.checkpoint.layout import ParallelLayout
+from mcore_proxy.checkpoint.names import group_of
 from mcore_proxy.spec import ModelSpec, expert_bias_name, router_weight_name
 
-_LAYER_RE = re.compile(r"^(decoder\.layers\.(\d+)|mtp\.layers\.(\d+))\.")
 
+@dataclass(frozen=True)
+class ViewInfo:
+    """What a checkpoint view is besides its tensors; derived views `dataclasses.replace` it.
 
-def group_of(name: str) -> str:
-    """Streaming unit of a canonical name: a layer id (`"3"`, `"mtp.0"`) or `"other"`."""
-    m = _LAYER_RE.match(name)
-    if not m:
-        return "other"
-    return m.group(2) if m.group(2) is not None else f"mtp.{m.group(3)}"
+    spec: the model as Megatron builds it (a pruned view's has K experts);
+    format: "legacy", "torch_dist", ... ("memory" for an in-memory view);
+    path: the iteration folder read (None in memory); iteration: a step, "release" or None;
+    args: the saving run's `args` namespace (never mutated: writers copy it);
+    checkpoint_version: Megatron's format revision from the files (None: absent);
+    layout: the saving run's parallel layout (None if unknown);
+    variants: the NAME_VARIANTS spellings the source used (writers spell names the same way);
+    linear_extra_state: the source's linears saved `_extra_state: None` (readers drop those
+      entries; writers re-create them for the target's modules).
+    """
+
+    spec: ModelSpec
+    format: str
+    path: Path | None = None
+    iteration: int | str | None = None
+    args: object | None = dataclasses.field(default=None, repr=False, compare=False)
+    checkpoint_version: float | None = None
+    layout: ParallelLayout | None = None
+    variants: frozenset[str] = frozenset()
+    linear_extra_state: bool = True
 
 
 class ModelView(ABC):
     """A checkpoint seen as canonical tensors. `get` reads only the bytes of that tensor."""
 
-    spec: ModelSpec
-    args: object | None = None          # the source `args` namespace, if any
-    iteration: int | str | None = None
+    def __init__(self, info: ViewInfo):
+        if not isinstance(info, ViewInfo):
+            raise TypeError(f"{type(self).__name__} needs a ViewInfo, got {type(info).__name__}")
+        self.info = info
+
+    # the record's most used fields (the others: `view.info.<field>`)
+    @property
+    def spec(self) -> ModelSpec:
+        return self.info.spec
+
+    @property
+    def args(self):
+        return self.info.args
+
+    @property
+    def iteration(self) -> int | str | None:
+        return self.info.iteration
+
+    @property
+    def layout(self) -> ParallelLayout | None:
+        return self.info.layout
 
     @abstractmethod
     def names(self) -> list[str]:
-        """Every canonical tensor name, in a stable order."""
+        """Every canonical tensor name, in a stable order (`names.canonical_sort_key`)."""
 
     @abstractmethod
-    def get(self, name: str) -> torch.Tensor:
-        """The full un-sharded tensor `name`."""
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of the full tensor `name` (None for a non-tensor entry); reads no tensor data."""
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.get(name).shape)
+    @abstractmethod
+    def dtype(self, name: str) -> torch.dtype | None:
+        """dtype of `name` (None for a non-tensor entry); reads no tensor data."""
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self.get(name).dtype
+    @abstractmethod
+    def get(self, name: str):
+        """The full un-sharded tensor `name` (a fresh tensor, or the value of a non-tensor entry)."""
 
     def groups(self) -> dict[str, list[str]]:
         """Names per streaming unit (one layer, or `"other"` for embeddings and final norms)."""
@@ -53,6 +99,9 @@ class ModelView(ABC):
         for name in self.names():
             out.setdefault(group_of(name), []).append(name)
         return out
+
+    def prefetch(self, names: list[str]) -> None:
+        """Hint that `names` are read next (readers start reading their bytes); default: nothing."""
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
@@ -62,15 +111,45 @@ class ModelView(ABC):
 class DictModelView(ModelView):
     """A ModelView over an in-memory dict (tests, small models, pruned results)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], spec: ModelSpec, args=None, iteration=None):
+    def __init__(self, tensors: dict[str, torch.Tensor], spec: ModelSpec, args=None, iteration=None,
+                 info: ViewInfo | None = None):
+        super().__init__(info or ViewInfo(spec=spec, format="memory", args=args, iteration=iteration))
         self._tensors = dict(tensors)
-        self.spec, self.args, self.iteration = spec, args, iteration
 
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def get(self, name: str) -> torch.Tensor:
+    def shape(self, name: str):
+        t = self._tensors[name]
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+    def dtype(self, name: str):
+        t = self._tensors[name]
+        return t.dtype if isinstance(t, torch.Tensor) else None
+
+    def get(self, name: str):
         return self._tensors[name]
+
+
+READ_AHEAD = 64 << 20   # bytes of the next tensors a stream asks the reader to fetch ahead
+
+
+def stream(view: ModelView, names: list[str], ahead: int = READ_AHEAD) -> Iterator[tuple[str, object]]:
+    """(name, value) for `names` in order, one tensor in memory at a time, while the reader is
+    asked to fetch the next `ahead` bytes (`prefetch`): the disk reads the next tensors while
+    this one is written. The page cache holds what is read ahead; the process's memory does not."""
+    sizes = [tensor_nbytes(view, n) for n in names]
+    issued, window = 0, 0
+    for i, name in enumerate(names):
+        batch = []
+        while issued < len(names) and (issued <= i or window < ahead):
+            batch.append(names[issued])
+            window += sizes[issued]
+            issued += 1
+        if batch:
+            view.prefetch(batch)
+        yield name, view.get(name)
+        window -= sizes[i]
 
 
 def router_fingerprint(view: ModelView) -> str:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mcore_proxy.checkpoint.formats import format_names
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
@@ -27,8 +29,9 @@ def register(sub) -> None:
     p.add_argument("--target-stage-layers", type=_int_list, help="decoder layers per pipeline stage, e.g. 1,3")
     p.add_argument("--expert-layout", choices=("sequential", "grouped"),
                    help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
-    p.add_argument("--format", choices=("legacy", "torch_dist"), default="legacy")
-    p.add_argument("--workers", type=int, default=1, help="writer processes (legacy format)")
+    p.add_argument("--format", choices=format_names(writable=True), default="legacy",
+                   help="output format (default: legacy)")
+    p.add_argument("--workers", type=int, default=1, help="writer processes")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check the conversion runs (including the output's lock and free space), "
                         "print the plan, write nothing")

@@ -31,14 +31,24 @@ def file_table(folder: Path) -> dict[str, dict]:
     return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
 
 
-def write_manifest(folder: Path, info: dict, pending: dict[str, bytes] | None = None) -> Path:
-    """Hash every file of `folder` and write the manifest.
+def write_manifest(folder: Path, info: dict, files: dict[str, dict], pending: dict[str, bytes] | None = None) -> Path:
+    """Write the manifest of `folder` from `files` (relative path -> {size, sha256}, as the writers
+    computed them while writing: nothing is read back).
 
+    The file list is compared with what is on disk (names and sizes only): a file a writer did not
+    report, or reported with another size, is an InternalError, never an unlisted file.
     `pending`: files written after the manifest (the completeness markers, relative path -> bytes),
     listed with the hash of the bytes they will hold: the tracker stays the last file written."""
     from mcore_proxy.checkpoint.output import write_synced
+    from mcore_proxy.errors import InternalError
 
-    files = file_table(folder)
+    on_disk = {str(p.relative_to(folder)): p.stat().st_size for p in Path(folder).rglob("*")
+               if p.is_file() and p.name != MANIFEST}
+    reported = {rel: entry["size"] for rel, entry in files.items()}
+    if on_disk != reported:
+        extra = sorted(set(on_disk) - set(reported)) + sorted(r for r in reported if on_disk.get(r) != reported[r])
+        raise InternalError(f"{folder}: the writer's account of its files disagrees with the disk at {extra[:3]}")
+    files = dict(files)
     for rel, data in (pending or {}).items():
         files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     doc = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}

@@ -1,12 +1,20 @@
-"""Convert: source checkpoint x plan -> pruned ModelView -> writer at the target layout.
+"""Convert: source checkpoint x plan -> pruned ModelView -> the target format's writer.
 
-Streaming: the legacy writer reads one canonical tensor at a time and writes its shards into
-the output rank files as it goes; dropped experts are never read. Parallel: the output rank
-files are split over `--workers` processes on one machine, or over the ranks of a `torchrun`
-launch (each rank writes a disjoint set; rank 0 writes the tracker and manifest last).
+The pipeline knows no format, only the Writer interface (`checkpoint/interface.py`):
+  prepare    views, target layout, the writer's `check`, its units, the output path, its lock
+             and free space: every check before a byte is written (`--dry-run` stops here);
+  write      the units, in this process, over `--workers` spawned processes, or over the ranks
+             of a `torchrun` launch (each a disjoint share, balanced by bytes); dropped experts
+             are never read, one canonical tensor in memory at a time;
+  finish     the writer's finish step, in one process (rank 0 under torchrun);
+  manifest   manifest.json from the sizes and sha256 the units computed while writing (the
+             output is never read back), listing the markers with the hashes they will have;
+  markers    the completeness markers, the tracker last; then the staging folder is renamed.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import time
@@ -14,19 +22,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.checkpoint.formats import format_names, writer_of
+from mcore_proxy.checkpoint.interface import Unit, WrittenFile
 from mcore_proxy.checkpoint.layout import ParallelLayout
-from mcore_proxy.checkpoint.legacy import (iteration_subdir, legacy_units, resolve_target, tracker_marker,
-                                          write_legacy_units)
-from mcore_proxy.checkpoint.output import staged_output
+from mcore_proxy.checkpoint.output import staged_output, write_markers
+from mcore_proxy.checkpoint.safe_globals import unsafe_args
+from mcore_proxy.checkpoint.target import first_last, source_target
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
-from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.errors import ProxyError
 from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
+from mcore_proxy.progress import byte_bar
 
-FORMATS = ("legacy", "torch_dist")
+FILE_OVERHEAD = 64 << 10   # bytes allowed per output file beyond its tensors (zip headers, pickles)
 
 
 @dataclass(frozen=True)
@@ -46,8 +56,8 @@ class ConvertRequest:
     workers: int = 1
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ProxyError(f"--format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.format not in format_names(writable=True):
+            raise ProxyError(f"--format {self.format!r} is not one of {', '.join(format_names(writable=True))}")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
 
@@ -81,16 +91,10 @@ def open_views(ckpt: Path, plan_path: Path | None) -> tuple[ModelView, ModelView
         raise PlanError(f"{plan_path}: {err} (checkpoint {ckpt})") from None
 
 
-def plan_target(req: ConvertRequest, source: ModelView, view: ModelView, plan) -> ParallelLayout:
+def plan_target(req: ConvertRequest, view: ModelView, plan) -> ParallelLayout:
     """Target layout: explicit options win; else the source's TP/PP/ETP and the plan's EP."""
-    src = getattr(source, "layout", None)
-    tp = req.tp or (src.tp if src else 1)
-    pp = req.pp or (src.pp if src else 1)
-    ep = req.ep or (plan.expert_parallel_size if plan else (src.ep if src else 1))
-    etp = req.etp or (src.etp if src and src.etp in (1, src.tp) and not req.tp else None)
-    stages = req.stage_layers or (src.stage_layers if src and src.pp == pp and src.vpp == 1 else None)
-    return resolve_target(view, tp=tp, pp=pp, ep=ep, etp=etp,
-                          expert_layout=req.expert_layout, stage_layers=stages)
+    return source_target(view, tp=req.tp, pp=req.pp, ep=req.ep or (plan.expert_parallel_size if plan else None),
+                         etp=req.etp, expert_layout=req.expert_layout, stage_layers=req.stage_layers)
 
 
 def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
@@ -103,8 +107,7 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
         if r.num_groups:
             flags += [f"--moe-router-num-groups {r.num_groups}", f"--moe-router-group-topk {r.group_topk}"]
     if target.uneven:
-        from mcore_proxy.checkpoint.legacy import _first_last
-        first, last = _first_last(target.stage_layers)
+        first, last = first_last(target.stage_layers)
         flags += [f"--decoder-first-pipeline-num-layers {first}"] if first else []
         flags += [f"--decoder-last-pipeline-num-layers {last}"] if last else []
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
@@ -122,32 +125,12 @@ def hold(phase: str) -> None:
     time.sleep(300)
 
 
-def _unit_worker(ckpt: str, plan: str | None, target: ParallelLayout, root: str, units) -> None:
-    """One worker process: reopen the views (cheap: metadata only) and write its rank files."""
-    return_freed_buffers_to_os()
-    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None)
-    write_legacy_units(view, Path(root), target, units)
-    hold("write")
-
-
-def _split(units: list, parts: int) -> list[list]:
-    return [units[i::parts] for i in range(parts) if units[i::parts]]
-
-
-def _write_parallel(req: ConvertRequest, target: ParallelLayout, root: Path, progress) -> None:
-    from mcore_proxy.convert.workers import run_workers
-
-    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, target, str(root), chunk)
-            for chunk in _split(legacy_units(target), req.workers)]
-    run_workers(_unit_worker, jobs, on_done=lambda i: progress.update(1) if progress is not None else None)
-
-
 def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, target: ParallelLayout, plan) -> dict:
     from mcore_proxy import __version__
 
     return {
         "created_by": f"mcore-proxy {__version__}",
-        "source": {"path": str(Path(req.ckpt).absolute()), "format": getattr(source, "format", "?"),
+        "source": {"path": str(Path(req.ckpt).absolute()), "format": source.info.format,
                    "iteration": source.iteration, "num_experts": source.spec.num_experts,
                    "router_fingerprint": router_fingerprint(source)},
         "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
@@ -159,27 +142,6 @@ def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, targ
     }
 
 
-def output_bytes(view: ModelView, target: ParallelLayout, fmt: str) -> int:
-    """Bytes the output will take (an estimate for the free-space check): legacy rank files repeat
-    replicated tensors in every (TP, EP) folder of their stage and TP-sharded ones in every EP
-    folder; torch_dist stores each tensor once. Plus a little per file for zip headers."""
-    from mcore_proxy.sharding import REPLICATED, rule_for
-
-    total, files = 0, len(view.groups()) + 3
-    for name in view.names():
-        nbytes = tensor_nbytes(view, name)
-        if fmt == "legacy":
-            rule = rule_for(name)
-            if rule.expert:
-                nbytes *= max(1, target.tp // target.etp) if rule.group == "etp" else 1
-            else:
-                nbytes *= target.tp * target.ep if rule.kind == REPLICATED else target.ep
-        total += nbytes
-    if fmt == "legacy":
-        files = len(legacy_units(target)) + 2
-    return total + files * (64 << 10)
-
-
 @dataclass
 class Prepared:
     """Everything `convert` decided and checked before writing a byte."""
@@ -188,6 +150,8 @@ class Prepared:
     view: ModelView
     plan: object
     target: ParallelLayout
+    writer: object
+    units: list[Unit]
     result: ConvertResult
     needed_bytes: int
 
@@ -195,88 +159,114 @@ class Prepared:
 def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     """Every check the conversion makes, in the order it makes them; nothing is written.
 
-    `convert --dry-run` runs exactly this: the views and plan, the target layout, the args the
-    writer will store (dropped and needed fields), the output path, its lock and free space."""
-    from mcore_proxy.checkpoint.legacy import checkpoint_version, target_args
-    from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock
+    `convert --dry-run` runs exactly this: the views and plan, the target layout, the writer's
+    checks (the args it will store: dropped and needed fields), the output path, its lock and
+    free space."""
+    from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock, write_failure
 
     source, view, plan = open_views(req.ckpt, req.plan)
-    target = plan_target(req, source, view, plan)
-    if req.format == "torch_dist":
-        from mcore_proxy.checkpoint.torch_dist import check_dist_target, dist_target_args
-        check_dist_target(view, target)
-        dist_target_args(view, target)
-        if _torchrun_world() > 1:
-            raise ProxyError("under torchrun only --format legacy is split across ranks; run torch_dist "
-                             "conversion as a single process")
-    else:
-        target_args(view, target)
-    checkpoint_version(view)
+    target = plan_target(req, view, plan)
+    writer = writer_of(req.format)
+    writer.check(view, target)
+    units = writer.units(view, target)
     read = sum(tensor_nbytes(view, n) for n in view.names())
     result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
                            launch_flags(view, target, plan), unsafe_args(source.args, needed=DEFAULTS))
-    needed = result.output_bytes = output_bytes(view, target, req.format)
+    needed = result.output_bytes = sum(u.nbytes for u in units) + (len(units) + 3) * FILE_OVERHEAD
+    prep = Prepared(source, view, plan, target, writer, units, result, needed)
     out = check_output_path(req.out, (req.ckpt,))
     if os.environ.get("RANK", "0") != "0" and _torchrun_world() > 1:
-        return Prepared(source, view, plan, target, result, needed)  # rank 0 owns the output
+        return prep  # rank 0 owns the output
     try:
         with output_lock(out):
             pass
         if check_space:
             check_free_space(out, needed)
     except OSError as err:
-        from mcore_proxy.checkpoint.output import write_failure
         raise write_failure(out, err) from None
-    return Prepared(source, view, plan, target, result, needed)
+    return prep
 
 
 def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
             check_space: bool = True) -> ConvertResult:
-    """Run one conversion; every check happens before the first byte is written (`prepare`).
-
-    Order of writing inside the staging folder: data files, manifest.json (listing the markers
-    with the hashes they will have), then the markers, the tracker last; then the rename."""
-    from tqdm import tqdm
-
-    from mcore_proxy.checkpoint.output import write_markers
-
+    """Run one conversion; every check happens before the first byte is written (`prepare`)."""
     return_freed_buffers_to_os()
     start = time.perf_counter()
     prep = prepare(req, check_space)
-    source, view, plan, target, result = prep.source, prep.view, prep.plan, prep.target, prep.result
     if dry_run:
-        return result
+        return prep.result
     if _torchrun_world() > 1:
         _convert_under_torchrun(req, prep, check_space)
     else:
         with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes,
-                           check_space=check_space) as tmp:
-            if req.format == "torch_dist":
-                from mcore_proxy.checkpoint.torch_dist import write_torch_dist_into
-
-                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
-                          disable=not progress) as bar:
-                    markers = write_torch_dist_into(view, tmp, target, bar)
-            elif req.workers > 1:
-                with tqdm(total=len(legacy_units(target)), unit="file", desc="convert", disable=not progress) as bar:
-                    _write_parallel(req, target, tmp, bar)
-                markers = tracker_marker(view)
-            else:
-                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
-                          disable=not progress) as bar:
-                    write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
-                markers = tracker_marker(view)
-            if req.workers == 1 or req.format == "torch_dist":
+                           check_space=check_space) as tmp, \
+                byte_bar(sum(u.nbytes for u in prep.units), "convert", progress) as bar:
+            results = _write_units(req, prep, tmp, bar)
+            if req.workers == 1:
                 hold("write")
-            write_manifest(tmp, _manifest_info(req, source, view, target, plan), pending=markers)
-            hold("manifest")
-            write_markers(tmp, markers)
-    result.files = sum(1 for p in Path(req.out).rglob("*") if p.is_file())
-    result.seconds = time.perf_counter() - start
-    return result
+            _finish(req, prep, tmp, results)
+    prep.result.files = sum(1 for p in Path(req.out).rglob("*") if p.is_file())
+    prep.result.seconds = time.perf_counter() - start
+    return prep.result
 
 
-# -- torchrun: each rank writes a disjoint set of rank files ------------------------------------
+def _finish(req: ConvertRequest, prep: Prepared, root: Path, results: list[list[WrittenFile]]) -> None:
+    """The writer's finish, manifest.json from the units' hashes, then the markers (tracker last)."""
+    finished = prep.writer.finish(prep.view, root, prep.target, results)
+    files = [f for unit in results for f in unit] + list(finished.files)
+    write_manifest(root, _manifest_info(req, prep.source, prep.view, prep.target, prep.plan),
+                   files={f.path: {"size": f.size, "sha256": f.sha256} for f in files}, pending=finished.markers)
+    hold("manifest")
+    write_markers(root, finished.markers)
+
+
+def balance(units: list[Unit], parts: int) -> list[list[int]]:
+    """Unit indices for `parts` processes, largest first to the least loaded (deterministic)."""
+    loads = [[0, p, []] for p in range(parts)]
+    for i in sorted(range(len(units)), key=lambda i: (-units[i].nbytes, i)):
+        least = min(loads, key=lambda load: (load[0], load[1]))
+        least[0] += units[i].nbytes
+        least[2].append(i)
+    return [sorted(load[2]) for load in loads if load[2]]
+
+
+def _write_here(view: ModelView, writer, root: Path, target: ParallelLayout, units: list[Unit],
+                progress=None) -> list[list[WrittenFile]]:
+    return [writer.write_unit(view, root, target, unit, progress) for unit in units]
+
+
+def _unit_worker(ckpt: str, plan: str | None, fmt: str, target: ParallelLayout, root: str, units: list[Unit],
+                 progress=None) -> list[list[dict]]:
+    """One worker process: reopen the views (cheap: metadata only) and write its units."""
+    return_freed_buffers_to_os()
+    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None)
+    results = _write_here(view, writer_of(fmt), Path(root), target, units, progress)
+    hold("write")
+    return [[dataclasses.asdict(f) for f in files] for files in results]
+
+
+def _write_units(req: ConvertRequest, prep: Prepared, root: Path, progress) -> list[list[WrittenFile]]:
+    """Every unit's written files, in unit order: here, or over `req.workers` processes."""
+    if req.workers == 1:
+        return _write_here(prep.view, prep.writer, root, prep.target, prep.units, progress)
+    from mcore_proxy.convert.workers import run_workers
+
+    shares = balance(prep.units, req.workers)
+    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.format, prep.target, str(root),
+             [prep.units[i] for i in share]) for share in shares]
+    done = run_workers(_unit_worker, jobs, on_progress=progress)
+    return _in_unit_order(shares, done)
+
+
+def _in_unit_order(shares: list[list[int]], done: list[list[list[dict]]]) -> list[list[WrittenFile]]:
+    results: dict[int, list[WrittenFile]] = {}
+    for share, files in zip(shares, done):
+        for i, unit_files in zip(share, files):
+            results[i] = [WrittenFile(**f) for f in unit_files]
+    return [results[i] for i in sorted(results)]
+
+
+# -- torchrun: each rank writes a disjoint share of the units -------------------------------------
 
 def _torchrun_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ or \
@@ -306,24 +296,28 @@ class _Ranks:
 
 
 def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bool) -> None:
-    """Rank 0 takes the lock and makes the staging folder; every rank writes its share of rank
-    files and reports; rank 0 then writes manifest and tracker and renames, or removes the folder
-    if any rank failed. Other ranks wait for rank 0's verdict."""
-    from mcore_proxy.checkpoint.output import staged_output, write_markers
+    """Rank 0 takes the lock and makes the staging folder; every rank writes its share of the
+    units and reports their files (sizes, hashes, records) through the store; rank 0 then runs the
+    writer's finish, writes manifest and markers and renames, or removes the folder if any rank
+    failed. Other ranks wait for rank 0's verdict."""
     from mcore_proxy.interrupts import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the launcher died: stop (and clean up) as for its own SIGTERM
     ranks = _Ranks()
-    view, target = prep.view, prep.target
-    units = legacy_units(target)[ranks.rank::ranks.world]
+    shares = balance(prep.units, ranks.world)
+    mine = shares[ranks.rank] if ranks.rank < len(shares) else []
+
+    def write_mine(root: Path) -> str:
+        results = _write_here(prep.view, prep.writer, root, prep.target, [prep.units[i] for i in mine])
+        hold("write")
+        return json.dumps([[dataclasses.asdict(f) for f in files] for files in results])
+
     if ranks.rank != 0:
         root = ranks.take("staging")
         if root.startswith("error:"):
             raise ProxyError(f"{req.out}: rank 0 refused the output ({root[6:]})")
         try:
-            write_legacy_units(view, Path(root), target, units)
-            hold("write")
-            ranks.put(f"done/{ranks.rank}", "ok")
+            ranks.put(f"done/{ranks.rank}", "ok:" + write_mine(Path(root)))
         except Exception as err:  # noqa: BLE001 - reported to rank 0, then re-raised here
             ranks.put(f"done/{ranks.rank}", f"error:{err}")
             raise
@@ -334,18 +328,15 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
     try:
         with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes, check_space=check_space,
                            staging_id=f"torchrun-{os.getpid()}") as tmp:
-            (tmp / iteration_subdir(view)).mkdir()
             ranks.put("staging", str(tmp))
-            write_legacy_units(view, tmp, target, units)
-            hold("write")
+            reports = {0: write_mine(tmp)}
             for r in range(1, ranks.world):
                 status = ranks.take(f"done/{r}")
-                if status != "ok":
+                if not status.startswith("ok:"):
                     raise ProxyError(f"rank {r} failed: {status[6:]}")
-            markers = tracker_marker(view)
-            write_manifest(tmp, _manifest_info(req, prep.source, view, target, prep.plan), pending=markers)
-            hold("manifest")
-            write_markers(tmp, markers)
+                reports[r] = status[3:]
+            done = [json.loads(reports[r]) for r in range(len(shares))]
+            _finish(req, prep, tmp, _in_unit_order(shares, done))
     except BaseException as err:
         if not ranks.store.check([ranks.prefix + "staging"]):
             ranks.put("staging", f"error:{err}")

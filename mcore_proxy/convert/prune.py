@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from mcore_proxy.checkpoint.names import split_expert_name
-from mcore_proxy.checkpoint.view import ModelView, group_of
+from mcore_proxy.checkpoint.names import canonical_sort_key, group_of, split_expert_name
+from mcore_proxy.checkpoint.view import ModelView
 
 _ROUTER_ROWS = re.compile(r"^(.*)\.mlp\.router\.(weight|bias|expert_bias)$")
 
@@ -26,13 +26,9 @@ class PrunedView(ModelView):
     def __init__(self, source: ModelView, plan):
         plan.check_matches(source)
         self.source, self.plan = source, plan
-        self.args, self.iteration = source.args, source.iteration
-        self.spec = dataclasses.replace(
+        super().__init__(dataclasses.replace(source.info, spec=dataclasses.replace(
             source.spec, num_experts=plan.num_experts, topk=plan.router.topk,
-            num_groups=plan.router.num_groups, group_topk=plan.router.group_topk)
-        for attr in ("checkpoint_version", "linear_extra_state", "variants", "layout", "format", "path"):
-            if hasattr(source, attr):
-                setattr(self, attr, getattr(source, attr))
+            num_groups=plan.router.num_groups, group_topk=plan.router.group_topk)))
         self._kept = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
         self._origin: dict[str, str] = {}      # proxy name -> source name
         self._rows: dict[str, list[int]] = {}  # router tensors -> rows to take
@@ -58,7 +54,6 @@ class PrunedView(ModelView):
         return self._origin[name]
 
     def names(self) -> list[str]:
-        from mcore_proxy.checkpoint.legacy import canonical_sort_key
         return sorted(self._origin, key=canonical_sort_key)
 
     def get(self, name: str):

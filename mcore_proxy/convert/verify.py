@@ -45,7 +45,7 @@ def compare_tensors(expected: ModelView, proxy: ModelView, report: VerifyReport,
             continue
         a, b = expected.get(name), proxy.get(name)
         if not same_bits(a, b):
-            src = expected.source_name(name) if hasattr(expected, "source_name") else name
+            src = expected.source_name(name) if isinstance(expected, PrunedView) else name
             shape_a = tuple(a.shape) if isinstance(a, torch.Tensor) else a
             shape_b = tuple(b.shape) if isinstance(b, torch.Tensor) else b
             report.problems.append(f"{name}: differs from source {src} ({shape_a} vs {shape_b})")
@@ -99,17 +99,19 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     """Build both models in megatron-core on CPU (TP=PP=EP=1, small models only), run fixed
     tokens, and compare the proxy's logits with the source's when its routers may only choose
     the kept experts. The two are the same function, so they must agree to rounding."""
-    from mcore_proxy.checkpoint.legacy import resolve_target, write_legacy
-    from mcore_proxy.testing.build import Layout, load_and_run, toy_from_args
+    from mcore_proxy.checkpoint.formats import write_checkpoint
+    from mcore_proxy.checkpoint.target import resolve_target
+    from mcore_proxy.functional.model import Layout, toy_from_args
+    from mcore_proxy.functional.run import load_and_run
 
     keep = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
     # absent args fields take Megatron's defaults; a field without one is named before any work
-    models = {"source": toy_from_args(source.args, str(getattr(source, "path", "the source"))),
-              "proxy": toy_from_args(proxy.args, str(getattr(proxy, "path", "the proxy")))}
+    models = {"source": toy_from_args(source.args, str(source.info.path or "the source")),
+              "proxy": toy_from_args(proxy.args, str(proxy.info.path or "the proxy"))}
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
         tmp = Path(tmp)
         for label, view in (("source", source), ("proxy", proxy)):
-            write_legacy(view, tmp / label, resolve_target(view, expert_layout="sequential"), progress=False)
+            write_checkpoint(view, tmp / label, resolve_target(view, expert_layout="sequential"), progress=False)
         try:
             ref = load_and_run(models["source"], Layout(), tmp / "source", tmp / "source.pt", keep=keep)
             got = load_and_run(models["proxy"], Layout(), tmp / "proxy", tmp / "proxy.pt")

@@ -1,7 +1,8 @@
 """Worker processes that never outlive the converter.
 
 `run_workers(fn, jobs)` runs `fn(*job)` for every job in its own spawned process and returns the
-results in job order. A worker that raises sends its exception back (re-raised here: a
+results in job order; with `on_progress`, `fn` gets a `progress(n)` keyword whose counts reach
+`on_progress(n)` in the parent as they happen. A worker that raises sends its exception back (re-raised here: a
 ProxyError keeps its sentence and exit code 2); a worker that dies without a word is an
 InternalError. On the first failure, on a signal in the parent (Interrupted) or on any other
 exit, every worker still running is killed and reaped before this returns, so the caller may
@@ -17,12 +18,13 @@ import os
 from mcore_proxy.errors import InternalError
 
 
-def _main(conn, parent_pid: int, fn, args) -> None:
+def _main(conn, parent_pid: int, fn, args, with_progress: bool) -> None:
     from mcore_proxy import interrupts
 
     interrupts.as_worker(parent_pid)
     try:
-        result = ("ok", fn(*args))
+        kwargs = {"progress": lambda n: conn.send(("progress", n))} if with_progress else {}
+        result = ("ok", fn(*args, **kwargs))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which decides
         try:
             import pickle
@@ -34,14 +36,14 @@ def _main(conn, parent_pid: int, fn, args) -> None:
     conn.close()
 
 
-def run_workers(fn, jobs: list[tuple], on_done=None) -> list:
+def run_workers(fn, jobs: list[tuple], on_done=None, on_progress=None) -> list:
     """Run `fn(*job)` per job in spawned processes; `on_done(i)` after job i finishes."""
     ctx = mp.get_context("spawn")  # fork after torch/megatron imports is not safe
     procs, conns = [], []
     try:
         for job in jobs:
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_main, args=(send, os.getpid(), fn, job), daemon=True)
+            p = ctx.Process(target=_main, args=(send, os.getpid(), fn, job, on_progress is not None), daemon=True)
             p.start()
             send.close()
             procs.append(p)
@@ -60,6 +62,9 @@ def run_workers(fn, jobs: list[tuple], on_done=None) -> list:
                     procs[i].join()
                     raise InternalError(f"writer process {i} died with exit code {procs[i].exitcode} "
                                         "before reporting") from None
+                if status == "progress":
+                    on_progress(value)
+                    continue
                 del waiting[i]
                 if status == "error":
                     raise value

@@ -22,15 +22,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcore_proxy.errors import PlanError
+from mcore_proxy.megatron_args import activation_of_args
 from mcore_proxy.spec import layer_module_prefix
+
+
+def as_float64(w) -> np.ndarray:
+    """A torch tensor or array as float64 numpy (bf16 has no numpy dtype: converted in torch)."""
+    if hasattr(w, "detach"):  # a torch tensor; bf16 has no numpy dtype, so convert in torch
+        import torch
+
+        return w.detach().to(dtype=torch.float64, device="cpu").numpy()
+    return np.asarray(w, dtype=np.float64)
 
 
 def expert_weight_names(layer_id: str, expert: int) -> tuple[str, str]:
     prefix = f"{layer_module_prefix(layer_id)}.mlp.experts.{expert}"
     return f"{prefix}.linear_fc1.weight", f"{prefix}.linear_fc2.weight"
-
-
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
 
 
 def _silu(x):
@@ -57,12 +64,8 @@ def expert_outputs(points: np.ndarray, fc1: np.ndarray, fc2: np.ndarray, activat
 
 
 def activation_of(view) -> str:
-    """The experts' activation from the checkpoint's args: `--swiglu` is SiLU-gated; a gated
-    linear unit without it GELU-gated; otherwise GELU (Megatron's default)."""
-    args = getattr(view, "args", None)
-    if getattr(args, "swiglu", False):
-        return "swiglu"
-    return "geglu" if view.spec.gated_linear_unit else "gelu"
+    """The experts' activation from the checkpoint's args (`megatron_args.activation_of_args`)."""
+    return activation_of_args(view.args)
 
 
 @dataclass(frozen=True, repr=False)
@@ -121,8 +124,6 @@ def layer_function(view, layer_id: str, stats_layer, router_weight: np.ndarray) 
     layer's statistics (prototypes and frequencies). Reads every expert of the layer once, one
     expert at a time; holds P x E x H float32 outputs (P live experts: 2 MiB at E=64, H=128;
     1.9 GiB for a DeepSeek-V3 layer, E=256, H=7168)."""
-    from mcore_proxy.select.selector import _as_float64
-
     if not hasattr(view, "spec") or not hasattr(view, "get"):
         raise PlanError("reconstruction needs the checkpoint's expert weights; pass a ModelView")
     spec = view.spec
@@ -138,12 +139,12 @@ def layer_function(view, layer_id: str, stats_layer, router_weight: np.ndarray) 
     activation = activation_of(view)
     for e in range(spec.num_experts):
         fc1_name, fc2_name = expert_weight_names(layer_id, e)
-        fc1, fc2 = _as_float64(view.get(fc1_name)), _as_float64(view.get(fc2_name))
+        fc1, fc2 = as_float64(view.get(fc1_name)), as_float64(view.get(fc2_name))
         outputs[:, e] = expert_outputs(points, fc1, fc2, activation)
     bias = None
     if spec.expert_bias:
         from mcore_proxy.spec import expert_bias_name
 
-        bias = _as_float64(view.get(expert_bias_name(layer_id)))
+        bias = as_float64(view.get(expert_bias_name(layer_id)))
     return LayerFunction(points @ router_weight.T, outputs, freq[live].astype(np.float64), spec.topk,
                          spec.score_function, bias)

@@ -139,14 +139,6 @@ def layer_seed(seed: int, layer_id: str) -> int:
     return int(ss.generate_state(1)[0] % (2**31 - 1))
 
 
-def _as_float64(w) -> np.ndarray:
-    if hasattr(w, "detach"):  # a torch tensor; bf16 has no numpy dtype, so convert in torch
-        import torch
-
-        return w.detach().to(dtype=torch.float64, device="cpu").numpy()
-    return np.asarray(w, dtype=np.float64)
-
-
 def layer_views(s: LayerStats, weight: np.ndarray | None, opts: Options) -> dict[str, np.ndarray]:
     """The [E, E] distance views the method uses (views with weight 0 are not computed)."""
     out = {}
@@ -350,7 +342,7 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
     for lid in (progress(layer_ids) if progress else layer_ids):
         weight = None
         if needs_router:
-            weight = _as_float64(get_weight(lid))
+            weight = reconstruct.as_float64(get_weight(lid))
             if weight.shape != (E, stats.hidden_size):
                 raise PlanError(f"router weight of layer {lid} has shape {weight.shape}, expected "
                                 f"({E}, {stats.hidden_size}) as in the statistics")

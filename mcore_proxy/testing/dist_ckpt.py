@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.testing.build import (Layout, ToyMoE, _rank_coords, _writes_folder, build_gpt, diversify_weights,
-                                       fixed_tokens, forward_logits, legacy_rank_dir, restrict_routers)
-from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+from mcore_proxy.checkpoint.iteration import TRACKER, folder_name, tracked_folder
+from mcore_proxy.functional.model import build_gpt, Layout, ToyMoE
+from mcore_proxy.functional.run import fixed_tokens, forward_logits, rank_coords, restrict_routers, writes_folder
+from mcore_proxy.testing.build import diversify_weights, legacy_rank_dir
+from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # What Megatron training passes to `sharded_state_dict` and stores in common.pt (its
 # `_build_sharded_state_dict_metadata` without the optimizer flags).
 CONTENT_METADATA = {"singleton_local_shards": False}
@@ -31,24 +32,25 @@ def dist_args(model: ToyMoE, layout: Layout):
 
 def iteration_dir(ckpt_dir) -> Path:
     """The iteration folder the tracker of a checkpoint root names."""
-    root = Path(ckpt_dir)
-    text = (root / TRACKER).read_text().strip()
-    return root / ("release" if text == "release" else f"iter_{int(text):07d}")
+    folder = tracked_folder(Path(ckpt_dir))
+    if folder is None:
+        raise FileNotFoundError(f"{ckpt_dir}: no readable {TRACKER}")
+    return folder
 
 
 def _save_legacy(gpt, model: ToyMoE, layout: Layout, legacy_dir: Path, iteration: int, world: int) -> None:
     """build.py's legacy save, from ranks that already hold the model (a collective)."""
-    coords = _rank_coords(layout)
-    if _writes_folder(coords, world):
-        folder = legacy_dir / f"iter_{iteration:07d}" / legacy_rank_dir(*coords, layout)
+    coords = rank_coords(layout)
+    if writes_folder(coords, world):
+        folder = legacy_dir / folder_name(iteration) / legacy_rank_dir(*coords, layout)
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"args": model.megatron_args(layout), "checkpoint_version": 3.0, "iteration": iteration,
                     "model": gpt.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
 
 
 def _write_on_last_stage(logits, layout: Layout, world: int, path) -> None:
-    coords = _rank_coords(layout)
-    first = _writes_folder(coords, world)  # a collective: every rank calls it once
+    coords = rank_coords(layout)
+    first = writes_folder(coords, world)  # a collective: every rank calls it once
     if logits is not None and first and coords == (0, layout.pp - 1, 0):
         torch.save(logits, path)
 
@@ -65,7 +67,7 @@ def _save_worker(rank, world, port, model, layout, ckpt_dir, iteration, ref_path
         if kept is not None:
             with restrict_routers(gpt, {str(k): v for k, v in kept.items()}):
                 _write_on_last_stage(forward_logits(gpt, tokens), layout, world, kept_ref)
-        it_dir = Path(ckpt_dir) / f"iter_{iteration:07d}"
+        it_dir = Path(ckpt_dir) / folder_name(iteration)
         it_dir.mkdir(parents=True, exist_ok=True)
         state = {"model": gpt.sharded_state_dict(metadata=dict(CONTENT_METADATA)),
                  "args": dist_args(model, layout), "checkpoint_version": 3.0, "iteration": iteration}

@@ -6,7 +6,7 @@ absolute positions, MTP layers, the top-k scaling factor. `StagedLayout` adds Me
 `--pipeline-model-parallel-layout` string (which may imply virtual stages) to a Layout.
 
 Models are built with megatron-core's local spec (Transformer Engine is not installable here;
-`mcore_cpu.local_mla_spec` is the one spec edit MLA needs without it), filled with
+`functional.cpu.local_mla_spec` is the one spec edit MLA needs without it), filled with
 layout-independent global weights (`global_weights.fill_global_weights`, plus expert biases by
 global layer), so a model computes the same function at every TP/PP/EP/VPP layout.
 
@@ -29,11 +29,13 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.pipeline_layout import split_stages
-from mcore_proxy.testing.build import (Layout, ToyMoE, _rank_coords, _training_extras, _writes_folder, fixed_tokens,
-                                       legacy_rank_dir)
-from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, TRACKER, iteration_dir
+from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.functional.run import fixed_tokens, rank_coords, writes_folder
+from mcore_proxy.testing.build import legacy_rank_dir, training_extras
+from mcore_proxy.checkpoint.iteration import TRACKER, folder_name
+from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, iteration_dir
 from mcore_proxy.testing.global_weights import fill_global_weights
-from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
+from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
 
 
 @dataclass(frozen=True)
@@ -247,19 +249,19 @@ def _state_keys(chunks: list) -> list[str]:
 def _save_legacy(job: Job, chunks: list, writer: bool, coords) -> None:
     if not writer:
         return
-    folder = Path(job.save_legacy) / f"iter_{job.iteration:07d}" / legacy_rank_dir(*coords, job.layout)
+    folder = Path(job.save_legacy) / folder_name(job.iteration) / legacy_rank_dir(*coords, job.layout)
     folder.mkdir(parents=True, exist_ok=True)
     state = {"args": job.model.megatron_args(job.layout), "checkpoint_version": 3.0, "iteration": job.iteration}
     for chunk, key in zip(chunks, _state_keys(chunks)):
         state[key] = chunk.state_dict_for_save_checkpoint()
-    state.update(_training_extras(torch.nn.ModuleList(chunks)))
+    state.update(training_extras(torch.nn.ModuleList(chunks)))
     torch.save(state, folder / "model_optim_rng.pt")
 
 
 def _save_dist(job: Job, chunks: list) -> None:
     from megatron.core import dist_checkpointing
 
-    it_dir = Path(job.save_dist) / f"iter_{job.iteration:07d}"
+    it_dir = Path(job.save_dist) / folder_name(job.iteration)
     it_dir.mkdir(parents=True, exist_ok=True)
     args = job.model.megatron_args(job.layout)
     args.ckpt_format = "torch_dist"
@@ -326,8 +328,8 @@ def _enter(rank: int, world: int, port: int, model: Family, layout: Layout) -> N
 
 def _job(job: Job, world: int) -> None:
     chunks = build_chunks(job.model, job.layout)
-    coords = _rank_coords(job.layout)
-    writer = _writes_folder(coords, world)  # a collective: every rank calls it once per job
+    coords = rank_coords(job.layout)
+    writer = writes_folder(coords, world)  # a collective: every rank calls it once per job
     if job.load_legacy or job.load_dist:
         _load(job, chunks, coords)
     else:

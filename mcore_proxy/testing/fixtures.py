@@ -10,7 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
-from mcore_proxy.testing.build import Layout, ToyMoE, save_checkpoint
+from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.testing.build import save_checkpoint
 
 FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
     # SequentialMLP, softmax top-2 of 8, TP=2 PP=2 EP=2 (8 ranks)
@@ -29,9 +30,17 @@ FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
 }
 
 
+def _sources(*modules) -> bytes:
+    """The code a fixture is built by: a change to it makes a new key."""
+    return b"".join(Path(m.__file__).read_bytes() for m in modules)
+
+
 def fixture_key(name: str) -> str:
+    from mcore_proxy.functional import cpu, model as model_module, run
+    from mcore_proxy.testing import build
+
     model, layout = FIXTURES[name]
-    source = Path(__file__).with_name("build.py").read_bytes()
+    source = _sources(build, model_module, run, cpu)
     digest = hashlib.sha256(repr((model, layout)).encode() + source).hexdigest()[:12]
     return f"{name}-{digest}"
 
@@ -65,11 +74,11 @@ def _family_fixtures():
 
 def family_fixture_key(name: str) -> str:
     from mcore_proxy import pipeline_layout
-    from mcore_proxy.testing import build, dist_ckpt, families, global_weights, mcore_cpu
+    from mcore_proxy.functional import cpu, model as model_module, run
+    from mcore_proxy.testing import build, dist_ckpt, families, global_weights
 
     model, layout = _family_fixtures()[name]
-    source = b"".join(Path(m.__file__).read_bytes()
-                      for m in (families, build, dist_ckpt, global_weights, mcore_cpu, pipeline_layout))
+    source = _sources(families, build, dist_ckpt, global_weights, cpu, model_module, run, pipeline_layout)
     return f"{name}-{hashlib.sha256(repr((model, layout)).encode() + source).hexdigest()[:12]}"
 
 

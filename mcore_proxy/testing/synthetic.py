@@ -10,7 +10,7 @@ import zlib
 
 import torch
 
-from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.spec import ModelSpec
 
 
@@ -28,12 +28,10 @@ def synthetic_args(num_layers=16, hidden=1024, experts=16, ffn=1024, topk=4, hea
 class SyntheticMoEView(ModelView):
     """Megatron GPT MoE names and shapes; bf16 values from a per-name seed."""
 
-    format = "synthetic"
-
     def __init__(self, args: argparse.Namespace, dtype=torch.bfloat16):
-        self.args, self.iteration, self.dtype_ = args, 100, dtype
-        self.spec = ModelSpec.from_args(args)
-        self.linear_extra_state = True
+        super().__init__(ViewInfo(spec=ModelSpec.from_args(args), format="synthetic", iteration=100, args=args,
+                                  linear_extra_state=True))
+        self.dtype_ = dtype
         h, v, f, e = args.hidden_size, args.padded_vocab_size, args.moe_ffn_hidden_size, args.num_experts
         shapes = {"embedding.word_embeddings.weight": (v, h)}
         for L in range(args.num_layers):

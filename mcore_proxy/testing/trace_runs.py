@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.testing.build import Layout, ToyMoE, fixed_tokens
+from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.functional.run import fixed_tokens
 from mcore_proxy.testing.global_weights import fill_global_weights
-from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
 
 @dataclass(frozen=True)

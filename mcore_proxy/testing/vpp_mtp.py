@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.testing.build import (_rank_coords, _training_extras, _writes_folder, fixed_tokens,
-                                       legacy_rank_dir, restrict_routers)
-from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+from mcore_proxy.checkpoint.iteration import TRACKER, folder_name, tracked_folder
+from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
+from mcore_proxy.testing.build import legacy_rank_dir, training_extras
+from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 from mcore_proxy.testing.trace_runs import TraceRun, build_stage, forward
 
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,10 @@ def _heads(gpt, run: TraceRun, tokens: torch.Tensor) -> torch.Tensor | None:
 def _job(job: Job, world: int) -> None:
     run = job.run
     gpt = build_stage(run)
-    coords = _rank_coords(run.layout)
-    writer = _writes_folder(coords, world)  # a collective: every rank calls it once per job
+    coords = rank_coords(run.layout)
+    writer = writes_folder(coords, world)  # a collective: every rank calls it once per job
     if job.load:
-        root = Path(job.load)
-        text = (root / TRACKER).read_text().strip()
-        sub = "release" if text == "release" else f"iter_{int(text):07d}"
-        state = torch.load(root / sub / legacy_rank_dir(*coords, run.layout) / "model_optim_rng.pt",
+        state = torch.load(tracked_folder(Path(job.load)) / legacy_rank_dir(*coords, run.layout) / "model_optim_rng.pt",
                            map_location="cpu", weights_only=False)
         for chunk, key in zip(_chunks(gpt), _model_state_keys(run)):
             chunk.load_state_dict(state[key], strict=True)
@@ -127,12 +124,12 @@ def _job(job: Job, world: int) -> None:
             stack.enter_context(restrict_routers(chunk, job.keep))
         heads = _heads(gpt, run, fixed_tokens(run.model))
     if job.save and writer:
-        folder = Path(job.save) / f"iter_{job.iteration:07d}" / legacy_rank_dir(*coords, run.layout)
+        folder = Path(job.save) / folder_name(job.iteration) / legacy_rank_dir(*coords, run.layout)
         folder.mkdir(parents=True, exist_ok=True)
         state = {"args": training_args(run), "checkpoint_version": 3.0, "iteration": job.iteration}
         for chunk, key in zip(_chunks(gpt), _model_state_keys(run)):
             state[key] = chunk.state_dict_for_save_checkpoint()
-        state.update(_training_extras(torch.nn.ModuleList(_chunks(gpt))))
+        state.update(training_extras(torch.nn.ModuleList(_chunks(gpt))))
         torch.save(state, folder / "model_optim_rng.pt")
     if heads is not None and job.logits and writer and coords == (0, run.layout.pp - 1, 0):
         torch.save(heads, job.logits)

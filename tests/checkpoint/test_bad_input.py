@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.checkpoint.legacy import resolve_target, write_legacy
+from mcore_proxy.checkpoint import write_checkpoint
+from mcore_proxy.checkpoint.target import resolve_target
 from mcore_proxy.cli import main
 from mcore_proxy.errors import CheckpointError, OutputError
 
@@ -100,14 +101,14 @@ def test_output_folder_exists(megatron_ckpt, tmp_path, digest):
     (out / "keep.txt").write_text("mine")
     view = open_checkpoint(ckpt)
     with pytest.raises(OutputError, match="already exists"):
-        write_legacy(view, out, resolve_target(view, ep=4), progress=False)
+        write_checkpoint(view, out, resolve_target(view, ep=4), progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
 def test_output_inside_input_is_refused(broken_copy):
     view = open_checkpoint(broken_copy)
     with pytest.raises(OutputError, match="inside the input"):
-        write_legacy(view, broken_copy / "proxy", resolve_target(view), inputs=(broken_copy,), progress=False)
+        write_checkpoint(view, broken_copy / "proxy", resolve_target(view), inputs=(broken_copy,), progress=False)
 
 
 def test_target_that_does_not_divide(megatron_ckpt):

@@ -4,9 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.checkpoint.legacy import LegacyCheckpoint, resolve_target, write_legacy
-from mcore_proxy.testing.build import Layout, load_and_run
+from mcore_proxy.checkpoint import open_checkpoint, write_checkpoint
+from mcore_proxy.checkpoint.legacy import LegacyCheckpoint
+from mcore_proxy.checkpoint.target import resolve_target
+from mcore_proxy.functional.model import Layout
+from mcore_proxy.functional.run import load_and_run
 from mcore_proxy.testing.fixtures import FIXTURES
 
 ROUND_TRIPS = [
@@ -34,7 +36,7 @@ def test_written_checkpoint_runs_like_the_original(megatron_ckpt, digest, tmp_pa
     before = digest(ckpt)
     source = open_checkpoint(ckpt)
     layout = resolve_target(source, **target)
-    out = write_legacy(source, tmp_path / "out", layout, inputs=(ckpt,), progress=False)
+    out = write_checkpoint(source, tmp_path / "out", layout, inputs=(ckpt,), progress=False)
 
     # re-reading gives bit-identical canonical tensors
     again = LegacyCheckpoint(out)
@@ -54,7 +56,7 @@ def test_written_checkpoint_keeps_iteration_and_drops_training_state(megatron_ck
     from mcore_proxy.checkpoint.torchfile import TorchFile
 
     ckpt, _ = megatron_ckpt("seq_tp2_etp1_ep2")
-    out = write_legacy(open_checkpoint(ckpt), tmp_path / "out", resolve_target(open_checkpoint(ckpt), ep=2),
+    out = write_checkpoint(open_checkpoint(ckpt), tmp_path / "out", resolve_target(open_checkpoint(ckpt), ep=2),
                        progress=False)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
     state = TorchFile(out / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt").obj

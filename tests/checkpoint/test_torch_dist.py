@@ -14,14 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_proxy.checkpoint import DictModelView, detect_format, open_checkpoint
+from mcore_proxy.checkpoint import DictModelView, detect_format, open_checkpoint, write_checkpoint
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.legacy import LegacyCheckpoint
-from mcore_proxy.checkpoint.torch_dist import (KeyStyle, TorchDistCheckpoint, chunk_boxes, is_torch_dist_checkpoint,
-                                               parse_dist_key, read_dcp_metadata, write_torch_dist)
+from mcore_proxy.checkpoint.names import KeyStyle, parse_dist_key
+from mcore_proxy.checkpoint.torch_dist import TorchDistCheckpoint
+from mcore_proxy.checkpoint.torch_dist.reader import is_torch_dist_checkpoint, read_dcp_metadata
 from mcore_proxy.errors import CheckpointError, OutputError
 from mcore_proxy.sharding import rule_for
-from mcore_proxy.testing.build import Layout, ToyMoE
+from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.dist_ckpt import iteration_dir, load_torch_dist_and_run, save_torch_dist
 
 MODEL = ToyMoE()                      # 4 MoE layers x 8 experts, top-2, local spec, fp32
@@ -70,10 +71,10 @@ def test_chunks_follow_the_target_shards():
     fc2 = rule_for("decoder.layers.0.mlp.experts.0.linear_fc2.weight")
     router = rule_for("decoder.layers.0.mlp.router.weight")
     # GLU: gate and up halves apart, as megatron's swiglu factory stores them
-    assert chunk_boxes((8, 4), fc1, 2) == [((0, 0), (2, 4)), ((2, 0), (2, 4)), ((4, 0), (2, 4)), ((6, 0), (2, 4))]
-    assert chunk_boxes((4, 6), fc2, 3) == [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((0, 4), (4, 2))]
-    assert chunk_boxes((8, 4), router, 2) == [((0, 0), (8, 4))]
-    assert chunk_boxes((4, 5), fc2, 2) == [((0, 0), (4, 5))]   # not divisible: one chunk
+    assert fc1.chunk_boxes((8, 4), 2) == [((0, 0), (2, 4)), ((2, 0), (2, 4)), ((4, 0), (2, 4)), ((6, 0), (2, 4))]
+    assert fc2.chunk_boxes((4, 6), 3) == [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((0, 4), (4, 2))]
+    assert router.chunk_boxes((8, 4), 2) == [((0, 0), (8, 4))]
+    assert fc2.chunk_boxes((4, 5), 2) == [((0, 0), (4, 5))]   # not divisible: one chunk
 
 
 # -- reading megatron-core's save -----------------------------------------------------------------
@@ -83,10 +84,10 @@ def test_megatron_save_reads_like_the_legacy_save_of_the_same_weights(saved):
     assert not is_torch_dist_checkpoint(saved.legacy)
     assert detect_format(saved.dist) == "torch_dist" and detect_format(saved.legacy) == "legacy"
     dist, legacy = open_checkpoint(saved.dist), LegacyCheckpoint(saved.legacy)
-    assert isinstance(dist, TorchDistCheckpoint) and dist.format == "torch_dist"
+    assert isinstance(dist, TorchDistCheckpoint) and dist.info.format == "torch_dist"
     assert dist.iteration == 10 and dist.spec == legacy.spec and dist.spec.num_experts == 8
     assert (dist.layout.tp, dist.layout.pp, dist.layout.ep, dist.layout.etp) == (2, 1, 2, 2)
-    assert dist.linear_extra_state and dist.args.hidden_size == MODEL.hidden_size
+    assert dist.info.linear_extra_state and dist.args.hidden_size == MODEL.hidden_size
     assert dist.names() == legacy.names()
     for name in legacy.names():
         assert dist.shape(name) == legacy.shape(name) and dist.dtype(name) == legacy.dtype(name), name
@@ -94,7 +95,7 @@ def test_megatron_save_reads_like_the_legacy_save_of_the_same_weights(saved):
 
 
 def test_get_reads_only_the_chunks_of_its_tensor(saved, monkeypatch):
-    from mcore_proxy.checkpoint import torch_dist
+    from mcore_proxy.checkpoint.torch_dist import reader as torch_dist
 
     view = TorchDistCheckpoint(saved.dist)
     reads = []
@@ -128,7 +129,7 @@ def test_one_expert_is_read_from_a_chunk_holding_many(tmp_path):
 
 def test_legacy_to_torch_dist_round_trip_is_bit_exact(saved, tmp_path):
     legacy = LegacyCheckpoint(saved.legacy)
-    out = write_torch_dist(legacy, tmp_path / "out", progress=False, inputs=(saved.legacy,))
+    out = write_checkpoint(legacy, tmp_path / "out", fmt="torch_dist", progress=False, inputs=(saved.legacy,))
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]        # nothing staged left behind
     back = TorchDistCheckpoint(out)
@@ -141,8 +142,8 @@ def test_legacy_to_torch_dist_round_trip_is_bit_exact(saved, tmp_path):
 @pytest.fixture(scope="module")
 def rewritten(saved):
     """megatron's TP=2/EP=2 save, read and written again by mcore-proxy for a TP=1/EP=2 run."""
-    return write_torch_dist(TorchDistCheckpoint(saved.dist), saved.base / "rewritten",
-                            ParallelLayout(tp=1, ep=2), progress=False)
+    return write_checkpoint(TorchDistCheckpoint(saved.dist), saved.base / "rewritten",
+                            ParallelLayout(tp=1, ep=2), "torch_dist", progress=False)
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(ep=2)], ids=["tp1-ep1", "tp1-ep2"])
@@ -172,7 +173,7 @@ def _prune(view, kept: dict[int, list[int]]) -> DictModelView:
 
 def test_pruned_view_loads_in_megatron_with_k_experts(saved, tmp_path):
     pruned = _prune(TorchDistCheckpoint(saved.dist), KEPT)
-    out = write_torch_dist(pruned, tmp_path / "proxy", ParallelLayout(tp=1, pp=2, ep=1), progress=False)
+    out = write_checkpoint(pruned, tmp_path / "proxy", ParallelLayout(tp=1, pp=2, ep=1), "torch_dist", progress=False)
     tensors, _ = read_dcp_metadata(iteration_dir(out) / ".metadata")
     assert tuple(tensors["decoder.layers.mlp.router.weight"].size) == (4, 4, 32)
     assert tuple(tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size) == (4, 4, 32, 32)
@@ -188,12 +189,12 @@ def test_pruned_view_loads_in_megatron_with_k_experts(saved, tmp_path):
 def test_writer_checks_the_plan_before_writing(saved, tmp_path):
     view = TorchDistCheckpoint(saved.dist)
     with pytest.raises(CheckpointError, match="8 experts do not divide over target EP=3"):
-        write_torch_dist(view, tmp_path / "a", ParallelLayout(ep=3), progress=False)
+        write_checkpoint(view, tmp_path / "a", ParallelLayout(ep=3), "torch_dist", progress=False)
     with pytest.raises(CheckpointError, match="num_attention_heads=4 does not divide over target TP=3"):
-        write_torch_dist(view, tmp_path / "b", ParallelLayout(tp=3), progress=False)
+        write_checkpoint(view, tmp_path / "b", ParallelLayout(tp=3), "torch_dist", progress=False)
     (tmp_path / "c").mkdir()
     with pytest.raises(OutputError, match="already exists"):
-        write_torch_dist(view, tmp_path / "c", progress=False)
+        write_checkpoint(view, tmp_path / "c", fmt="torch_dist", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 

@@ -9,7 +9,8 @@ import zipfile
 
 import torch
 
-from mcore_proxy.checkpoint.torchfile import TorchFile, Unresolved, save_object, unresolved_class
+from mcore_proxy.checkpoint.safe_globals import Unresolved, unresolved_class
+from mcore_proxy.checkpoint.torchfile import TorchFile, save_object
 
 BLOCK_MEGATRON = textwrap.dedent("""
     import sys
@@ -26,10 +27,11 @@ def test_reads_and_rewrites_args_without_megatron(megatron_ckpt, tmp_path):
     out = tmp_path / "out"
     script = BLOCK_MEGATRON + textwrap.dedent(f"""
         from mcore_proxy.checkpoint import open_checkpoint
-        from mcore_proxy.checkpoint.legacy import resolve_target, write_legacy
+        from mcore_proxy.checkpoint import write_checkpoint
+        from mcore_proxy.checkpoint.target import resolve_target
         view = open_checkpoint({str(ckpt)!r})
         print(repr(view.args.attention_backend))
-        write_legacy(view, {str(out)!r}, resolve_target(view, tp=1, ep=2), progress=False)
+        write_checkpoint(view, {str(out)!r}, resolve_target(view, tp=1, ep=2), progress=False)
         assert "megatron" not in sys.modules
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

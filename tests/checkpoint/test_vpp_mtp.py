@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_proxy.checkpoint.legacy import LegacyCheckpoint, resolve_target, write_legacy
+from mcore_proxy.checkpoint import write_checkpoint
+from mcore_proxy.checkpoint.legacy import LegacyCheckpoint
+from mcore_proxy.checkpoint.target import resolve_target
 from mcore_proxy.checkpoint.torchfile import TorchFile
 from mcore_proxy.cli import main
 from mcore_proxy.select import select_experts
 from mcore_proxy.select.synthetic import planted_stats
 from mcore_proxy.testing import build, global_weights, trace_runs, vpp_mtp
-from mcore_proxy.testing.build import Layout, ToyMoE
+from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.trace_runs import TraceRun
 from mcore_proxy.testing.vpp_mtp import Job, run_jobs
 
@@ -123,9 +125,9 @@ def converted(saved, tmp_path_factory):
     """Checkpoints written from the sources, and the logits megatron-core computes from them."""
     tmp = tmp_path_factory.mktemp("vpp_mtp")
     mtp = LegacyCheckpoint(saved["mtp"][0])
-    ep1 = write_legacy(mtp, tmp / "mtp_ep1", resolve_target(mtp, tp=1, pp=1, ep=1), progress=False)
+    ep1 = write_checkpoint(mtp, tmp / "mtp_ep1", resolve_target(mtp, tp=1, pp=1, ep=1), progress=False)
     vpp = LegacyCheckpoint(saved["vpp"][0])
-    pp2 = write_legacy(vpp, tmp / "vpp_pp2", resolve_target(vpp, pp=2), progress=False)
+    pp2 = write_checkpoint(vpp, tmp / "vpp_pp2", resolve_target(vpp, pp=2), progress=False)
 
     spec = mtp.spec
     stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts,

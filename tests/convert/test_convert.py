@@ -32,7 +32,7 @@ def test_legacy_to_torch_dist_and_back_is_bit_identical(megatron_ckpt, tmp_path)
     dist, back = tmp_path / "dist", tmp_path / "back"
     assert main(["convert", str(ckpt), "-o", str(dist), "--format", "torch_dist", "--target-tp", "1",
                  "--target-pp", "1", "--target-ep", "1"]) == 0
-    assert open_checkpoint(dist).format == "torch_dist"
+    assert open_checkpoint(dist).info.format == "torch_dist"
     assert main(["convert", str(dist), "-o", str(back), "--target-tp", "2", "--target-ep", "2"]) == 0
     source = canonical(ckpt)
     assert_same_tensors(source, canonical(dist))
@@ -67,8 +67,26 @@ def test_torchrun_splits_rank_files_and_rank0_finishes(megatron_ckpt, proxy_plan
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_torch_dist_output_is_the_same_from_one_process_two_workers_and_torchrun(megatron_ckpt, proxy_plan, tmp_path):
+    """torch_dist output goes through the same units as legacy: every data file, `.metadata` and
+    common.pt byte for byte alike however the units were spread over processes."""
+    ckpt, _ = megatron_ckpt(FIXTURE)
+    plan_path, _ = proxy_plan(FIXTURE)
+    common = ["--plan", str(plan_path), "--format", "torch_dist", "--target-ep", "2"]
+    one, two, tr = tmp_path / "one", tmp_path / "two", tmp_path / "tr"
+    assert main(["convert", str(ckpt), "-o", str(one), *common]) == 0
+    assert main(["convert", str(ckpt), "-o", str(two), "--workers", "2", *common]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+           "-m", "mcore_proxy.cli", "convert", str(ckpt), "-o", str(tr), *common]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = [json.loads((out / "manifest.json").read_text())["files"] for out in (one, two, tr)]
+    assert files[0] == files[1] == files[2] and len([f for f in files[0] if f.endswith(".distcp")]) > 2
+    assert main(["verify", "--orig", str(ckpt), "--proxy", str(tr), "--plan", str(plan_path)]) == 0
+
+
 def _port() -> int:
-    from mcore_proxy.testing.mcore_cpu import free_port
+    from mcore_proxy.functional.cpu import free_port
     return free_port()
 
 

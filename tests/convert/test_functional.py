@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mcore_proxy.cli import main
-from mcore_proxy.testing.build import Layout, load_and_run
+from mcore_proxy.functional.model import Layout
+from mcore_proxy.functional.run import load_and_run
 from mcore_proxy.testing.dist_ckpt import load_torch_dist_and_run
 from mcore_proxy.testing.fixtures import FIXTURES
 

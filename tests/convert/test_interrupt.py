@@ -121,7 +121,7 @@ def test_a_second_converter_on_the_same_output_is_refused(megatron_ckpt, tmp_pat
 
 
 def test_sigterm_to_torchrun_stops_every_rank(megatron_ckpt, tmp_path):
-    from mcore_proxy.testing.mcore_cpu import free_port
+    from mcore_proxy.functional.cpu import free_port
 
     ckpt, _ = megatron_ckpt(FIXTURE)
     out, hold_file = tmp_path / "proxy", tmp_path / "held"

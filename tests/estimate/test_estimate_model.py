@@ -71,7 +71,7 @@ def _build_and_count(rank, world, port, models, out):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mcore_proxy.testing.mcore_cpu import destroy_distributed, init_distributed
+    from mcore_proxy.functional.cpu import destroy_distributed, init_distributed
 
     init_distributed(rank, world, port)
     try:
@@ -117,7 +117,7 @@ def _as_args(kw: dict):
 
 @pytest.fixture(scope="module")
 def built_sizes(tmp_path_factory):
-    from mcore_proxy.testing.mcore_cpu import free_port
+    from mcore_proxy.functional.cpu import free_port
 
     out = tmp_path_factory.mktemp("built") / "sizes.pt"
     models = [({**_COMMON, **kw}, 96) for kw in MODELS.values()]

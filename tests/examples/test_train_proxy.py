@@ -14,7 +14,7 @@ import pytest
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.select import select_experts
 from mcore_proxy.select.synthetic import planted_stats
-from mcore_proxy.testing.mcore_cpu import free_port
+from mcore_proxy.functional.cpu import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_proxy_mindspeed_ptd.sh"

@@ -1,13 +1,16 @@
 """Reconstruction-driven selection (issue 13 item 3): the layer function equals megatron-core's
 MoE layer, and the methods built on it keep K experts, live before dead, on real checkpoints."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.errors import PlanError
+from mcore_proxy.functional.model import Layout
 from mcore_proxy.select import run_selection
-from mcore_proxy.select.reconstruct import LayerFunction, expert_outputs
+from mcore_proxy.select.reconstruct import LayerFunction, activation_of, expert_outputs
 from mcore_proxy.select.refine import prune, refine_representatives
 from mcore_proxy.stats import load_stats
 
@@ -15,9 +18,10 @@ pytestmark = pytest.mark.megatron
 
 
 def _megatron_moe_worker(rank, port, model, points, keep, out_path):
-    from mcore_proxy.testing.build import Layout, build_gpt, restrict_routers
+    from mcore_proxy.functional.model import build_gpt, Layout
+    from mcore_proxy.functional.run import restrict_routers
     from mcore_proxy.testing.global_weights import fill_global_weights
-    from mcore_proxy.testing.mcore_cpu import destroy_distributed, init_distributed
+    from mcore_proxy.functional.cpu import destroy_distributed, init_distributed
 
     init_distributed(0, 1, port)
     try:
@@ -37,11 +41,12 @@ def _megatron_moe_worker(rank, port, model, points, keep, out_path):
         destroy_distributed()
 
 
-def test_layer_function_equals_megatron_core_moe_layer(tmp_path):
-    from mcore_proxy.testing.build import ToyMoE
-    from mcore_proxy.testing.mcore_cpu import free_port
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_layer_function_equals_megatron_core_moe_layer(tmp_path, activation):
+    from mcore_proxy.functional.cpu import free_port
+    from mcore_proxy.functional.model import ToyMoE
 
-    model = ToyMoE(num_experts=8, topk=2)
+    model = ToyMoE(num_experts=8, topk=2, activation=activation)
     points = np.random.default_rng(0).normal(size=(12, model.hidden_size))
     keep = [1, 2, 5, 6]
     out = tmp_path / "moe.pt"
@@ -49,8 +54,9 @@ def test_layer_function_equals_megatron_core_moe_layer(tmp_path):
                                 nprocs=1, join=True)
     got = torch.load(out, weights_only=False)
     w = got["weights"]
-    # the testing ToyMoE's config gates with GELU (megatron's default activation_func)
-    outputs = np.stack([expert_outputs(points, w["fc1"][e], w["fc2"][e], "geglu") for e in range(8)], 1)
+    # the model is built as its args say (`--swiglu`: SiLU-gated), the reconstruction reads them so
+    assert activation_of(SimpleNamespace(args=model.megatron_args(Layout()))) == activation
+    outputs = np.stack([expert_outputs(points, w["fc1"][e], w["fc2"][e], activation) for e in range(8)], 1)
     fn = LayerFunction(points @ w["router"].T, outputs, np.ones(12), topk=2)
     np.testing.assert_allclose(fn.output(None), got["full"].numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(fn.output(keep), got["restricted"].numpy(), rtol=1e-4, atol=1e-5)

@@ -29,7 +29,7 @@ def register_mindspeed_style_replacement():
 def main():
     if "--mindspeed" in sys.argv:
         register_mindspeed_style_replacement()
-    from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed
+    from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
     from mcore_proxy.testing.trace_runs import TraceRun, build_stage, forward, replica_tokens
 
     init_distributed(0, 1, free_port())

@@ -1,0 +1,111 @@
+"""The format interface: how a checkpoint format plugs into mcore-proxy.
+
+A format is one package under `mcore_proxy/checkpoint/` (`legacy/`, `torch_dist/`; `hf/` next)
+exposing one `Format` record, registered by one row in `checkpoint/formats.py`. Everything else
+goes through that table: `open_checkpoint`, `detect_format`, `inspect`, the CLI's `--format`
+choices, `write_checkpoint` and `convert` (one process, `--workers N`, or `torchrun` ranks). No
+caller imports a format's modules, and a format imports no other format.
+
+Reading (`Format.detect`, `Format.open`):
+  detect(path) -> bool       cheap, no tensor data: does `path` (a checkpoint root or a data
+                             folder) look like this format? True also for a damaged or unfinished
+                             checkpoint of it, so that `open` can say what is wrong. Formats are
+                             tried in table order.
+  open(path) -> ModelView    the canonical view (`checkpoint/view.py`: full tensors under
+                             megatron-core names, read lazily, one `ViewInfo` record); reads
+                             metadata only; bad input is one CheckpointError sentence.
+
+Writing (`Format.writer`, a `Writer`): an output is a set of independent *units* (a legacy rank
+folder group, a torch_dist data file, a safetensors shard: files any process can write in any
+order), then one `finish` step:
+  check(view, target)        every feasibility check of writing `view` at `target` (dividing
+                             sizes, what the format can store, the args it will write); raises
+                             ProxyError. `convert --dry-run` runs it; nothing is written.
+  units(view, target) -> [Unit]
+                             the independent output units, each with the bytes it will write
+                             (progress totals, the free-space check, balancing over processes).
+  write_unit(view, root, target, unit, progress) -> [WrittenFile]
+                             write one unit under `root` (a staging folder; create subfolders
+                             with exist_ok: other processes write beside you). Return every file
+                             written with its relative path, size and sha256 computed while
+                             writing, plus any `records` finish needs (JSON-able data: the units
+                             may run in other processes). `progress(nbytes)` after each write.
+                             Files must be on disk (fsync) before returning.
+  finish(view, root, target, results) -> Finished
+                             in one process, after every unit (`results[i]` is what unit i
+                             returned): the files that need all units (torch_dist `.metadata`
+                             from the units' chunk records, `common.pt`), and the completeness
+                             markers, NOT written: the caller writes manifest.json (from the
+                             returned hashes; the output is never read back) and then the
+                             markers in order, the tracker last, then renames the folder.
+Writers keep no state between calls: `write_unit` may run in a spawned worker or a torchrun rank
+that reopened the same view.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+Progress = Callable[[int], None] | None   # called with the bytes just written
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One independent piece of an output. key: the writer's own coordinates (plain data);
+    nbytes: the bytes it will write (an estimate good to a few kB per file)."""
+
+    key: tuple
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A file a writer wrote: path relative to the output root (posix), size in bytes, sha256 of
+    its bytes (hex), and `records` the writer's finish step reads (JSON-able, may be empty)."""
+
+    path: str
+    size: int
+    sha256: str
+    records: tuple = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What `finish` wrote, and the completeness markers (relative path -> bytes, in writing
+    order: the tracker last) that the caller writes after the manifest."""
+
+    files: tuple[WrittenFile, ...]
+    markers: dict[str, bytes]
+
+
+class Writer(ABC):
+    """Writes any ModelView at a target ParallelLayout (module docstring)."""
+
+    @abstractmethod
+    def check(self, view, target) -> None:
+        ...
+
+    @abstractmethod
+    def units(self, view, target) -> list[Unit]:
+        ...
+
+    @abstractmethod
+    def write_unit(self, view, root: Path, target, unit: Unit, progress: Progress = None) -> list[WrittenFile]:
+        ...
+
+    @abstractmethod
+    def finish(self, view, root: Path, target, results: list[list[WrittenFile]]) -> Finished:
+        ...
+
+
+@dataclass(frozen=True)
+class Format:
+    """One checkpoint format: its name (the `--format` value), detection, reader and writer."""
+
+    name: str
+    summary: str
+    detect: Callable[[Path], bool]
+    open: Callable[[Path], object]
+    writer: Writer | None = None

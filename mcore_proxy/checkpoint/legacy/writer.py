@@ -1,0 +1,164 @@
+"""Megatron legacy (`torch`) checkpoints, written from any ModelView at a target layout.
+
+Units: one per (pipeline stage, EP rank): the TP rank files `mp_rank_TT[_PPP][_EEE]` of that
+stage and EP rank, which share one read of every tensor they hold (an expert is read once for
+all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
+destination file (`ShardRule.shard`), never split whole for every rank.
+
+Optimizer and RNG state are not written; `iteration` and `checkpoint_version` are kept. Local
+linears get their `_extra_state: None` entries when the source had them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
+from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
+from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
+from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
+from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
+                                          restore_variant, split_expert_name, to_local_layer)
+from mcore_proxy.checkpoint.safe_globals import check_writable
+from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, stage_of, target_args
+from mcore_proxy.checkpoint.torchfile import TorchFileWriter
+from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
+from mcore_proxy.errors import CheckpointError
+from mcore_proxy.sharding import rule_for
+
+class _RankOut:
+    """One output rank file being streamed."""
+
+    def __init__(self, root: Path, rel: str):
+        path = Path(root) / rel
+        path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
+        self.rel, self.path = rel, path
+        self.writer = TorchFileWriter(path)
+        self.model: dict = {}
+        self.grouped: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+
+    def add(self, key: str, value) -> None:
+        """A tensor, the pieces of one (a GLU shard's gate and up rows), or a plain value."""
+        pieces = value if isinstance(value, list) else [value]
+        if not isinstance(pieces[0], torch.Tensor):
+            check_writable(pieces[0], f"model entry {key}")
+            self.model[key] = pieces[0]
+        else:
+            self.model[key] = self.writer.add_pieces(pieces)
+
+    def close(self, header: dict) -> WrittenFile:
+        if self.grouped:
+            raise CheckpointError(f"{self.path}: incomplete GroupedMLP experts {sorted(self.grouped)}")
+        self.writer.close({**header, "model": self.model})
+        return WrittenFile(self.rel, self.writer.size, self.writer.sha256)
+
+
+def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> list[str]:
+    # MTP layers sit on the last stage, which then holds its own copy of the word embeddings
+    # (megatron-core builds `embedding` wherever `mtp_process`; tied to the first stage's)
+    mtp_embedding = view.spec.mtp_layers and stage == target.pp - 1
+    return [n for n in view.names()
+            if stage_of(n, target) == stage or (mtp_embedding and n.startswith("embedding."))]
+
+
+def _ep_of(name: str, target: ParallelLayout, num_experts: int) -> int | None:
+    """The EP rank holding an expert tensor (None for every other tensor)."""
+    parts = split_expert_name(name) if rule_for(name).expert else None
+    return None if parts is None else parts[1] // (num_experts // target.ep)
+
+
+def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int, ep: int, args, header: dict,
+                progress=None) -> list[WrittenFile]:
+    """Write the TP rank files of one (stage, EP rank), reading each canonical tensor once (the
+    next ones read ahead) and slicing it once per file; hashed while written, synced at close.
+
+    Memory: one canonical tensor, plus one layer's local experts for a GroupedMLP target."""
+    it_dir = folder_name(view.iteration)
+    offset = sum(target.stage_layers[:stage])
+    outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}") for t in range(target.tp)]
+    extra_state, variants = view.info.linear_extra_state, view.info.variants
+    num_experts = view.spec.num_experts
+    per = num_experts // target.ep if num_experts else 0
+    names = [n for n in _stage_names(view, target, stage) if _ep_of(n, target, num_experts) in (None, ep)]
+    try:
+        for name, tensor in stream(view, names):
+            rule = rule_for(name)
+            parts = rule.parts(target)
+            for t, out in enumerate(outs):
+                # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
+                shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
+                if not rule.expert:
+                    key = restore_variant(to_local_layer(name, offset), variants)
+                    out.add(key, shard)
+                    if extra_state and (extra := linear_extra_state(key)):
+                        out.add(extra, None)
+                    continue
+                prefix, e, rest = split_expert_name(name)
+                local_prefix = to_local_layer(prefix, offset)
+                if target.expert_layout == GROUPED:
+                    _add_grouped(out, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
+                else:
+                    key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
+                    out.add(key, shard)
+                    if extra_state and target.expert_layout == SEQUENTIAL and (extra := linear_extra_state(key)):
+                        out.add(extra, None)
+            if progress is not None and isinstance(tensor, torch.Tensor):
+                progress(tensor.numel() * tensor.element_size())
+            del tensor
+        return [out.close({**header, "args": args}) for out in outs]
+    except BaseException:
+        for out in outs:
+            out.writer.abort()
+        raise
+
+
+def _add_grouped(out: _RankOut, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
+    """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
+    fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
+    if fc is None:
+        raise CheckpointError(f"{prefix}.{j}.{rest}: GroupedMLP stores only expert fc1/fc2 weights; "
+                              "write this checkpoint with the sequential expert layout")
+    pending = out.grouped.setdefault((prefix, fc), {})
+    pending[j] = shard.t()
+    if len(pending) == per:
+        stacked = torch.stack([pending[i] for i in range(per)])      # [El, H, n] or [El, m, H]
+        rows = stacked.shape[1] if fc == 1 else stacked.shape[0] * stacked.shape[1]
+        out.add(f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
+        del out.grouped[(prefix, fc)]
+
+
+class LegacyWriter(Writer):
+    """The legacy format's Writer (see `checkpoint/interface.py`)."""
+
+    def check(self, view: ModelView, target: ParallelLayout) -> None:
+        """`check_fits`, the one limit of legacy folders (ETP is 1 or TP), and the args and header
+        it will store."""
+        check_fits(view, target)
+        if target.etp not in (1, target.tp):
+            raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
+                                  "rank folders cannot say which other expert shard they hold")
+        target_args(view, target)
+        checkpoint_version(view)
+
+    def units(self, view: ModelView, target: ParallelLayout) -> list[Unit]:
+        num_experts = view.spec.num_experts
+        sizes = {(p, e): 0 for p in range(target.pp) for e in range(target.ep)}
+        for p in range(target.pp):
+            for name in _stage_names(view, target, p):
+                rule, ep = rule_for(name), _ep_of(name, target, num_experts)
+                # every TP file of the group holds a 1/parts shard
+                nbytes = tensor_nbytes(view, name) * target.tp // rule.parts(target)
+                for e in range(target.ep) if ep is None else (ep,):
+                    sizes[(p, e)] += nbytes
+        return [Unit(key, n) for key, n in sizes.items()]
+
+    def write_unit(self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit,
+                   progress=None) -> list[WrittenFile]:
+        stage, ep = unit.key
+        (Path(root) / folder_name(view.iteration)).mkdir(exist_ok=True)
+        header = {"checkpoint_version": checkpoint_version(view), "iteration": header_iteration(view.iteration)}
+        return write_files(view, Path(root), target, stage, ep, target_args(view, target), header, progress)
+
+    def finish(self, view: ModelView, root: Path, target: ParallelLayout, results) -> Finished:
+        return Finished(files=(), markers=tracker_marker(view.iteration))

@@ -1,0 +1,11 @@
+"""megatron-core models on a CPU-only torch, shipped on purpose: what `verify --functional` runs.
+
+  cpu    the few CUDA calls megatron-core 0.16.1 makes, neutralised (the only place that patches
+         megatron-core), and gloo process groups with megatron's parallel state
+  model  `ToyMoE`, a small MoE GPT described by (and read from) Megatron args; `build_gpt`
+  run    fixed tokens -> logits, `restrict_routers` (the reference a correct proxy reproduces
+         exactly), `load_and_run` a legacy checkpoint in spawned ranks
+
+Meant for small models (tests, the quickstart, `verify --functional`), not a 600B checkpoint.
+The test helpers (`mcore_proxy.testing`) build their fixtures on it; nothing here imports them.
+"""

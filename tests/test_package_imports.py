@@ -1,0 +1,107 @@
+"""The package's import graph: no cycles, no module using another module's private names, and the
+conversion path independent of the test helpers (issue 9).
+
+Every `import` statement counts, at module level or inside a function: a lazy import hides a
+cycle from the interpreter, not from a reader.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mcore_proxy
+
+ROOT = Path(mcore_proxy.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The mcore_proxy module `name` refers to (a module, or a name inside one), else None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> list[tuple[str, str, int]]:
+    """(imported module, imported name or "", line) for every import statement of `module`."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "", node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                out.append((f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, a.name, node.lineno))
+    return [(m, n, line) for m, n, line in out if m.split(".")[0] == "mcore_proxy"]
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for module in MODULES:
+        edges = {_resolve(m) for m, _, _ in _imports(module)}
+        graph[module] = {m for m in edges if m and m != module}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path, or None (depth-first search with colours)."""
+    colour, stack = {}, []
+
+    def visit(node):
+        colour[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if colour.get(nxt) == "grey":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in colour and (found := visit(nxt)):
+                return found
+        stack.pop()
+        colour[node] = "black"
+        return None
+
+    for node in sorted(graph):
+        if node not in colour and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_checker_sees_a_cycle_and_a_private_import():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert ("mcore_proxy.checkpoint.view", "ModelView") in {(m, n) for m, n, _ in _imports("mcore_proxy.checkpoint.inspect")}
+
+
+def test_no_import_cycles():
+    cycle = _cycle(_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = [f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {name} from {imported}"
+           for module in MODULES for imported, name, line in _imports(module)
+           if name.startswith("_") and not name.startswith("__") and _resolve(imported) != module]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_library_does_not_import_the_test_helpers():
+    """`mcore_proxy.testing` builds fixtures for tests; a library module that needs megatron-core
+    on CPU uses `mcore_proxy.functional`."""
+    bad = [f"{module} imports {imported}" for module in MODULES if not module.startswith("mcore_proxy.testing")
+           for imported, _, _ in _imports(module) if imported.startswith("mcore_proxy.testing")]
+    assert not bad, "\n".join(bad)
