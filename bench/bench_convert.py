@@ -249,9 +249,9 @@ def main() -> None:
     counts = [a.layers] + ([] if a.no_double else [2 * a.layers])
     src, plans, info = {}, {}, {}
     for n in counts:
-        src[n] = out / f"convert-{n}L"
+        src[n] = out / f"convert-{n}L-E{a.experts}-F{a.ffn}-H{a.hidden}"   # inputs of other shapes coexist
         build_checkpoint(src[n], n, a)
-        plans[n] = write_plan(src[n], out / f"convert-{n}L.plan.json", a)
+        plans[n] = write_plan(src[n], out / f"{src[n].name}-K{a.keep}-ep{a.target_ep}.plan.json", a)
         info[n] = sizes(src[n], plans[n])
         print(f"{src[n]}: {info[n]['file_bytes'] / 2**30:.2f} GiB in {info[n]['rank_files']} rank files, "
               f"{info[n]['layers']} MoE layers, largest layer {info[n]['largest_layer'] / MIB:.0f} MiB", flush=True)
@@ -284,10 +284,10 @@ def main() -> None:
         reshard = [mcore, "convert", str(src[n]), "-o", str(d), "--target-ep", ep]
         for sha, lib in libs:
             env, tag = ({"PYTHONPATH": lib} if lib else {}), (f" @{sha}" if len(libs) > 1 else "")
-            j[f"convert K=6, workers 1 ({n}L){tag}"] = (convert_cmd(n, d, 1), [d], env)
-            j[f"convert K=6, workers 2 ({n}L){tag}"] = (convert_cmd(n, d, 2), [d], env)
-            j[f"convert re-shard only, all 16 experts ({n}L){tag}"] = (reshard, [d], env)
-            j[f"phases: K=6 w1 via convert_probe.py ({n}L){tag}"] = (convert_cmd(n, d, 1, True), [d], env)
+            j[f"convert K={a.keep}, workers 1 ({n}L){tag}"] = (convert_cmd(n, d, 1), [d], env)
+            j[f"convert K={a.keep}, workers 2 ({n}L){tag}"] = (convert_cmd(n, d, 2), [d], env)
+            j[f"convert re-shard only, all {a.experts} experts ({n}L){tag}"] = (reshard, [d], env)
+            j[f"phases: K={a.keep} w1 via convert_probe.py ({n}L){tag}"] = (convert_cmd(n, d, 1, True), [d], env)
             if a.diag:
                 j[f"diag: ... + POSIX_FADV_RANDOM ({n}L){tag}"] = (convert_cmd(n, d, 1, True), [d],
                                                                    {**env, "MCORE_PROXY_PROBE_FADVISE": "1"})
@@ -296,7 +296,7 @@ def main() -> None:
                 j[f"diag: re-shard only + MALLOC_MMAP_THRESHOLD_=1MiB ({n}L){tag}"] = (
                     reshard, [d], {**env, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
         if n == a.layers and not a.no_megatron:
-            j[f"megatron-core load+save, all 16 experts ({n}L)"] = (
+            j[f"megatron-core load+save, all {a.experts} experts ({n}L)"] = (
                 [sys.executable, str(HERE / "megatron_reshard.py"), str(src[n]), "-o", str(d), "--target-ep", ep,
                  "--timings", str(tmp / "megatron.json")], [d, d.with_name(d.name + ".torch_dist")], last_env)
         return j
@@ -316,7 +316,7 @@ def main() -> None:
             if label.startswith("megatron"):
                 m["phases"] = json.loads((tmp / "megatron.json").read_text())
                 m["out_bytes"] = m["phases"]["out_bytes"]
-            if r == 0 and label.startswith("convert K=6, workers 1"):
+            if r == 0 and label.startswith(f"convert K={a.keep}, workers 1"):
                 v = subprocess.run([mcore, "verify", "--orig", cmd[2], "--proxy", str(outs[0]), "--plan", cmd[4]],
                                    check=False, capture_output=True, text=True, env={**os.environ, **env})
                 m["verify"] = " / ".join(ln.strip() for ln in (v.stdout + v.stderr).splitlines()

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.functional.model import build_gpt, Layout, ToyMoE
-from mcore_proxy.testing.build import _rank_coords, _writes_folder, legacy_rank_dir
+from mcore_proxy.checkpoint.iteration import TRACKER, folder_name
+from mcore_proxy.checkpoint.layout import rank_dir_name
+from mcore_proxy.functional.run import rank_coords, writes_folder
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +101,9 @@ def _phase_b(rank, world, port, model, layout, dist_dir, out_dir, args, iteratio
         gpt.load_state_dict(loaded["model"], strict=True)
         del loaded
         _mark(stamps, "load_state_dict", t0)
-        coords = _rank_coords(layout)
-        if _writes_folder(coords, world):
-            folder = Path(out_dir) / f"iter_{iteration:07d}" / legacy_rank_dir(*coords, layout)
+        coords = rank_coords(layout)
+        if writes_folder(coords, world):
+            folder = Path(out_dir) / folder_name(iteration) / rank_dir_name(*coords, layout)
             folder.mkdir(parents=True, exist_ok=True)
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                         "model": gpt.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")

@@ -35,7 +35,7 @@ def main() -> None:
     # needs a few CUDA calls neutralised on CPU. Neither has anything to do with tracing.
     from mcore_proxy.functional.model import build_gpt, Layout, toy_from_args
     from mcore_proxy.functional.run import forward_logits
-    from mcore_proxy.testing.build import legacy_rank_dir
+    from mcore_proxy.checkpoint.layout import rank_dir_name
     from mcore_proxy.functional.cpu import patch_megatron_for_cpu
 
     patch_megatron_for_cpu()
@@ -54,7 +54,7 @@ def main() -> None:
     gpt = build_gpt(model, layout)
     coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
               ps.get_expert_model_parallel_rank())
-    state = torch.load(it_dir / legacy_rank_dir(*coords, layout) / "model_optim_rng.pt",
+    state = torch.load(it_dir / rank_dir_name(*coords, layout) / "model_optim_rng.pt",
                        map_location="cpu", weights_only=False)
     gpt.load_state_dict(state["model"], strict=True)
 

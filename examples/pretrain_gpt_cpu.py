@@ -106,7 +106,8 @@ def load_checkpoint(gpt, args, layout) -> int:
     """Megatron's load: the rank's mp_rank_* file, strictly; returns the iteration."""
     from megatron.core import parallel_state as ps
 
-    from mcore_proxy.testing.build import legacy_rank_dir
+    from mcore_proxy.checkpoint.iteration import folder_name
+    from mcore_proxy.checkpoint.layout import rank_dir_name
 
     tracker = args.load / "latest_checkpointed_iteration.txt"
     if not tracker.is_file():
@@ -114,7 +115,7 @@ def load_checkpoint(gpt, args, layout) -> int:
     it = tracker.read_text().strip()
     coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
               ps.get_expert_model_parallel_rank())
-    path = args.load / ("release" if it == "release" else f"iter_{int(it):07d}") / legacy_rank_dir(*coords, layout) / "model_optim_rng.pt"
+    path = args.load / folder_name(it if it == "release" else int(it)) / rank_dir_name(*coords, layout) / "model_optim_rng.pt"
     if not path.is_file():
         fail(f"{path}: no rank file for TP/PP/EP rank {coords}; the launch's parallel sizes do not match "
              "the checkpoint (use the flags mcore-proxy convert printed)")

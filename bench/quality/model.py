@@ -67,9 +67,10 @@ def read_state(ckpt: str | Path) -> dict:
     """The `model_optim_rng.pt` dict of a one-rank legacy checkpoint (ours: written by
     `train.py` or by `mcore-proxy convert`)."""
     root = Path(ckpt)
-    tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-    sub = "release" if tracker == "release" else f"iter_{int(tracker):07d}"
-    return torch.load(root / sub / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
+    from mcore_proxy.checkpoint.iteration import resolve_iteration_dir
+
+    it_dir, _ = resolve_iteration_dir(root, lambda folder: False, "no tracker; pass a checkpoint train.py wrote")
+    return torch.load(it_dir / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
                       weights_only=False)
 
 
@@ -84,16 +85,17 @@ def load(ckpt: str | Path):
 
 def save(gpt, model: ToyMoE, ckpt: str | Path, iteration: int) -> Path:
     """A legacy checkpoint as Megatron training writes it (args, model; no optimizer)."""
-    from mcore_proxy.testing.build import legacy_rank_dir
+    from mcore_proxy.checkpoint.iteration import TRACKER, folder_name
+    from mcore_proxy.checkpoint.layout import rank_dir_name
 
     root = Path(ckpt)
-    folder = root / f"iter_{iteration:07d}" / legacy_rank_dir(0, 0, 0, LAYOUT)
+    folder = root / folder_name(iteration) / rank_dir_name(0, 0, 0, LAYOUT)
     folder.mkdir(parents=True, exist_ok=True)
     args = model.megatron_args(LAYOUT)
     args.iteration = iteration
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                 "model": gpt.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    (root / TRACKER).write_text(str(iteration))
     return root
 
 

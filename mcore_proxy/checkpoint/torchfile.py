@@ -78,6 +78,18 @@ class LazyTensor:
             return self.load().reshape(-1)[start:start + count].clone()
         return self.file.read_elements(self.storage, self.offset + start, count)
 
+    def byte_range(self, start: int = 0, count: int | None = None) -> tuple[int, int]:
+        """(file offset, length) of elements [start, start+count) of this contiguous tensor's
+        memory (the whole tensor by default): the bytes `read_flat`/`load` read."""
+        count = self.shape.numel() - start if count is None else count
+        return self.file.byte_range(self.storage, self.offset + start, count)
+
+    def will_need(self, start: int = 0, count: int | None = None) -> None:
+        """Ask the kernel to start reading those bytes into the page cache, without waiting:
+        read-ahead of exactly what the next `read_flat`/`load` reads."""
+        if self.is_contiguous():
+            self.file.will_need(*self.byte_range(start, count))
+
     def load(self) -> torch.Tensor:
         """The whole tensor (a fresh CPU tensor owning its memory)."""
         if self.is_contiguous():
@@ -256,6 +268,17 @@ class TorchFile:
                                       "copy it again from the source")
             done += n
         return out
+
+    def byte_range(self, storage: _StorageRef, start: int, count: int) -> tuple[int, int]:
+        """(file offset, length) of `count` elements from element `start` of a storage."""
+        item = _itemsize(storage.dtype)
+        return self._data_offset(storage.member)[0] + start * item, count * item
+
+    def will_need(self, offset: int, length: int) -> None:
+        """Start reading bytes [offset, offset+length) in the background (POSIX_FADV_WILLNEED; a
+        hint: nothing happens where unsupported)."""
+        if length > 0 and hasattr(os, "posix_fadvise") and self._fd is not None:
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def close(self):
         fd, self._fd = getattr(self, "_fd", None), None

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ALIGNMENT = 64
-ZIP64_LIMIT = 0xFFFFFFFF      # sizes and offsets from here on need zip64 records
+ZIP64_LIMIT = 0xFFFFFFFF      # sizes and offsets from here on get zip64 records (tests lower it)
+_FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF   # the values that tell a reader "see the zip64 record"
 WRITEBACK_EVERY = 32 << 20    # start the kernel's writeback after this many hashed bytes
 _FB_EXTRA = 0x4246            # torch's padding extra field ("FB")
 _CRC_AT = 14                  # offset of the CRC-32 field in a local file header
@@ -214,7 +215,7 @@ class TorchZipWriter:
         head = 30 + len(encoded) + len(extra) + 4
         pad = (-(offset + head)) % ALIGNMENT  # relative to the archive, as torch aligns
         extra += struct.pack("<HH", _FB_EXTRA, pad) + b"Z" * pad
-        small = ZIP64_LIMIT if zip64 else size
+        small = _FULL32 if zip64 else size
         header = bytearray(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0,
                                        0, small, small, len(encoded), len(extra)) + encoded + extra)
         member = _Member(encoded, offset, size)
@@ -234,19 +235,21 @@ class TorchZipWriter:
             if m.offset >= ZIP64_LIMIT:
                 fields += struct.pack("<Q", m.offset)
             extra = struct.pack("<HH", 0x0001, len(fields)) + fields if fields else b""
-            size = min(m.size, ZIP64_LIMIT)
-            offset = min(m.offset, ZIP64_LIMIT)
+            size = _FULL32 if m.size >= ZIP64_LIMIT else m.size
+            offset = _FULL32 if m.offset >= ZIP64_LIMIT else m.offset
             out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if big else 20, 45 if big else 20,
                                0x0800, 0, 0, 0, m.crc, size, size, len(m.name), len(extra), 0, 0, 0, 0,
                                offset) + m.name + extra
         size = len(out)
         count = len(self.members)
-        if count >= 0xFFFF or start >= ZIP64_LIMIT or size >= ZIP64_LIMIT:
+        zip64 = count >= _FULL16 or start >= ZIP64_LIMIT or size >= ZIP64_LIMIT
+        if zip64:
             eocd64 = start + size
             out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, size, start)
             out += struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1)
-        out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                           min(size, ZIP64_LIMIT), min(start, ZIP64_LIMIT), 0)
+        entries = _FULL16 if zip64 else count
+        out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, entries, entries,
+                           _FULL32 if zip64 else size, _FULL32 if zip64 else start, 0)
         self.sink.write(bytes(out))
 
 

@@ -69,3 +69,6 @@ class PrunedView(ModelView):
 
     def dtype(self, name: str):
         return self.source.dtype(self._origin[name])
+
+    def prefetch(self, names: list[str]) -> None:
+        self.source.prefetch([self._origin[n] for n in names])

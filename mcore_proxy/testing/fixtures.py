@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+from mcore_proxy.checkpoint.iteration import TRACKER
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.build import save_checkpoint
 
@@ -50,7 +51,7 @@ def build_fixture(name: str, root: str | os.PathLike) -> tuple[Path, Path]:
     model, layout = FIXTURES[name]
     base = Path(root) / fixture_key(name)
     ckpt, ref = base / "ckpt", base / "ckpt.logits.pt"
-    if not (ref.is_file() and (ckpt / "latest_checkpointed_iteration.txt").is_file()):
+    if not (ref.is_file() and (ckpt / TRACKER).is_file()):
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
         save_checkpoint(model, layout, ckpt, ref_path=ref)

@@ -58,6 +58,14 @@ class _GroupedExpert:
         self.shape = (cols // local_experts, rows) if fc == 1 else (cols, rows // local_experts)
         self.dtype = lazy.dtype
 
+    def byte_ranges(self) -> list[tuple[Path, int, int]]:
+        per = self.lazy.shape.numel() // self.el
+        return [(self.lazy.file.path, *self.lazy.byte_range(self.j * per, per))]
+
+    def will_need(self) -> None:
+        per = self.lazy.shape.numel() // self.el
+        self.lazy.will_need(self.j * per, per)
+
     def load(self) -> torch.Tensor:
         per = self.lazy.shape.numel() // self.el
         flat = self.lazy.read_flat(self.j * per, per)
@@ -72,6 +80,12 @@ class _Constant:
 
     def __init__(self, value):
         self.value = value
+
+    def byte_ranges(self) -> list:
+        return []
+
+    def will_need(self) -> None:
+        pass
 
     def load(self):
         return self.value
@@ -260,6 +274,23 @@ class LegacyCheckpoint(ModelView):
         if entry.rule.kind == REPLICATED or entry.parts == 1:
             return entry.shards[0].load()
         return entry.rule.join([entry.shards[r].load() for r in range(entry.parts)])
+
+    def byte_ranges(self, name: str) -> list[tuple[Path, int, int]]:
+        """(rank file, offset, length) of every run of bytes `get(name)` reads."""
+        out = []
+        for piece in self._entries[name].shards.values():
+            if isinstance(piece, LazyTensor):
+                out.append((piece.file.path, *piece.byte_range()))
+            else:
+                out += piece.byte_ranges()
+        return out
+
+    def prefetch(self, names: list[str]) -> None:
+        """Start reading the bytes of `names`' shards (only theirs: a dropped expert next to a
+        kept one stays unread) while the caller works on the current tensor."""
+        for name in names:
+            for piece in self._entries[name].shards.values():
+                piece.will_need()
 
     def shape(self, name: str):
         entry = self._entries[name]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from pathlib import Path
 
 import torch
@@ -110,8 +111,11 @@ def dcp_metadata(results: list[list[WrittenFile]]):
     tensors: dict[str, tuple[str, tuple, list]] = {}
     sd_md, storage = {}, {}
     for written in (f for files in results for f in files):
-        file = written.path.rsplit("/", 1)[-1]
-        for record in written.records:
+        file = sys.intern(written.path.rsplit("/", 1)[-1])
+        # interned: pickle writes an equal string once and refers back to it only if it is the
+        # same object, so without this the bytes would depend on whether the records crossed a
+        # process boundary (workers, torchrun ranks) or not
+        for record in (tuple(sys.intern(x) if isinstance(x, str) else x for x in r) for r in written.records):
             if record[0] == "object":
                 _, unique, start, length = record
                 sd_md[unique] = BytesStorageMetadata()

@@ -1,0 +1,71 @@
+"""Read-ahead of exactly the bytes a conversion reads next (`ModelView.prefetch`): after the page
+cache of the rank files is emptied, prefetching a kept expert brings its pages in, and a dropped
+expert stored right after it stays on disk (the files are opened POSIX_FADV_RANDOM, so the
+kernel's own readahead does not pull neighbours in)."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+
+import pytest
+
+from mcore_proxy.checkpoint import open_checkpoint, write_checkpoint
+from mcore_proxy.checkpoint.target import resolve_target
+from mcore_proxy.testing.synthetic import SyntheticMoEView, synthetic_args
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+
+
+def resident(path, offset: int, length: int) -> float:
+    """Fraction of the pages of bytes [offset, offset+length) of `path` in the page cache (mincore
+    on a read-only shared mapping, which maps the page cache itself)."""
+    first, last = offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE
+    vec = (ctypes.c_ubyte * ((last - first) // PAGE))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, ctypes.c_size_t(last - first), mmap.PROT_READ, mmap.MAP_SHARED, fd,
+                          ctypes.c_long(first))
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            if _libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(last - first), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            _libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(last - first))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+def evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
+def test_prefetch_reads_ahead_only_the_bytes_asked_for(tmp_path):
+    view = SyntheticMoEView(synthetic_args(num_layers=1, hidden=256, experts=4, ffn=512, heads=4, vocab=256))
+    ckpt = open_checkpoint(write_checkpoint(view, tmp_path / "ckpt", resolve_target(view, tp=1, pp=1, ep=1),
+                                            progress=False))
+    kept, dropped = (f"decoder.layers.0.mlp.experts.{e}.linear_fc1.weight" for e in (1, 2))
+    (path, k_off, k_len), = ckpt.byte_ranges(kept)
+    (path2, d_off, d_len), = ckpt.byte_ranges(dropped)
+    assert path == path2 and k_len == d_len == 1024 * 256 * 2 and d_off > k_off + k_len - PAGE
+    evict(path)
+    if resident(path, k_off, k_len) > 0.1:
+        pytest.skip("this file system keeps the pages cached after POSIX_FADV_DONTNEED")
+    ckpt.prefetch([kept])
+    deadline = time.monotonic() + 10
+    while resident(path, k_off, k_len) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert resident(path, k_off, k_len) == 1.0
+    assert resident(path, d_off + PAGE, d_len - 2 * PAGE) == 0.0     # its neighbour, whole pages only
+    assert ckpt.get(kept).shape == (1024, 256)
