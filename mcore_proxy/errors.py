@@ -23,3 +23,7 @@ class OutputError(ProxyError):
 
 class CheckFailed(Exception):
     """A verification or comparison found a difference; the CLI exits 1."""
+
+
+class LogError(ProxyError):
+    """A metric log is missing, unreadable, or holds no usable metric."""
