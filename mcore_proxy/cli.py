@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "mcore_proxy.select.cli",
     "mcore_proxy.trace.cli",
     "mcore_proxy.convert.cli",
+    "mcore_proxy.diagnose.cli",
 )
 
 
