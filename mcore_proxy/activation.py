@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import logging
 import os
 import sys
 import threading
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 # The features, in activation order. A new feature is one module with a `FEATURE` and one row.
 FEATURE_MODULES = ("mcore_proxy.trace.activate", "mcore_proxy.faults.activate")
@@ -162,3 +165,19 @@ def env_vars() -> tuple[str, ...]:
 def activate_from_env() -> tuple[str, ...]:
     """Switch on every feature whose environment variable is set; returns their names."""
     return tuple(f.name for f in features() if activate(f))
+
+
+def register_with_mindspeed(patch_utils, patches: dict, feature: str) -> bool:
+    """Register `{dotted target: wrapper}` with the `MindSpeedPatchesManager` of an imported
+    `mindspeed.patch_utils`. MindSpeed applies a registered function whose name ends in "wrapper"
+    on top of whatever replacement of the target it installs, so the wrappers survive MindSpeed's
+    own patches. Returns False (with a warning) when the module has no such manager."""
+    manager = getattr(patch_utils, "MindSpeedPatchesManager", None)
+    if manager is None:
+        log.warning("%s: mindspeed.patch_utils has no MindSpeedPatchesManager; MindSpeed replacements "
+                    "of %s will not be covered", feature, ", ".join(patches))
+        return False
+    for target, wrapper in patches.items():
+        manager.register_patch(target, wrapper)
+    log.info("%s: wrappers registered with %s", feature, getattr(manager, "__name__", manager))
+    return True

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 
+from mcore_proxy.activation import register_with_mindspeed
 from mcore_proxy.faults.spec import ENV_FAULTS, parse_env
 
 log = logging.getLogger(__name__)
@@ -141,16 +142,7 @@ def patch_torch_optimizer_module(module) -> None:
     module.register_optimizer_step_post_hook(_post_step)
 
 
-def register_with_mindspeed(manager) -> None:
-    manager.register_patch(MOE_LAYER_INIT, faults_moe_layer_init_wrapper)
-    manager.register_patch(GPT_MODEL_INIT, faults_gpt_model_init_wrapper)
-    log.info("faults: wrappers registered with %s", getattr(manager, "__name__", manager))
-
-
 def patch_mindspeed_module(module) -> None:
-    manager = getattr(module, "MindSpeedPatchesManager", None)
-    if manager is None:
-        log.warning("faults: mindspeed.patch_utils has no MindSpeedPatchesManager; MindSpeed "
-                    "replacements of MoELayer/GPTModel.__init__ will not get fault injectors")
-        return
-    register_with_mindspeed(manager)
+    """Called once `mindspeed.patch_utils` is imported."""
+    register_with_mindspeed(module, {MOE_LAYER_INIT: faults_moe_layer_init_wrapper,
+                                     GPT_MODEL_INIT: faults_gpt_model_init_wrapper}, "faults")

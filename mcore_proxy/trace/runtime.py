@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 
+from mcore_proxy.activation import register_with_mindspeed
 from mcore_proxy.trace import megatron
 from mcore_proxy.trace.activate import ENV_DIR, env_tracing_active
 from mcore_proxy.trace.tracer import Tracer
@@ -138,20 +139,13 @@ def patch_moe_layer_module(module) -> None:
         cls.__init__ = traced_moe_layer_init(cls.__init__)
 
 
-def register_with_mindspeed(manager) -> None:
-    """Register the wrappers with `mindspeed.patch_utils.MindSpeedPatchesManager` (or anything
-    with its `register_patch(orig_func_name, new_func)` API)."""
-    manager.register_patch(ROUTER_FORWARD, trace_router_forward_wrapper)
+def mindspeed_patches() -> dict:
+    patches = {ROUTER_FORWARD: trace_router_forward_wrapper}
     if saliency_requested():
-        manager.register_patch(MOE_LAYER_INIT, trace_moe_layer_init_wrapper)
-    log.info("trace: wrappers registered with %s", getattr(manager, "__name__", manager))
+        patches[MOE_LAYER_INIT] = trace_moe_layer_init_wrapper
+    return patches
 
 
 def patch_mindspeed_module(module) -> None:
     """Called once `mindspeed.patch_utils` is imported."""
-    manager = getattr(module, "MindSpeedPatchesManager", None)
-    if manager is None:
-        log.warning("trace: mindspeed.patch_utils has no MindSpeedPatchesManager; MindSpeed "
-                    "replacements of TopKRouter.forward will not be traced")
-        return
-    register_with_mindspeed(manager)
+    register_with_mindspeed(module, mindspeed_patches(), "trace")

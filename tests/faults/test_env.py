@@ -77,3 +77,11 @@ def test_environment_equals_code_bit_for_bit(tmp_path, helpers, scenarios, minds
     assert all(by_env["replaced"]) == mindspeed and len(by_env["replaced"]) == 4
     written = json.loads(report.read_text())
     assert written["faults"] == COMBINED and written["report"] == by_code["report"]
+
+
+def test_inject_refuses_while_the_environment_injects(monkeypatch):
+    from mcore_proxy import faults
+
+    monkeypatch.setenv("MCORE_PROXY_FAULTS", "topk")
+    with pytest.raises(RuntimeError, match="already injected through MCORE_PROXY_FAULTS"):
+        faults.inject("router_noise")
