@@ -29,11 +29,6 @@ def env_tracing_active() -> bool:
     return FEATURE.active()
 
 
-def runtime_callback(function_name: str):
-    """A callback that imports `mcore_proxy.trace.runtime` only when it fires."""
-    return FEATURE.callback(function_name)
-
-
 def activate_from_env() -> bool:
     """Switch the trace on if `MCORE_PROXY_TRACE_DIR` is set (idempotent). Returns whether active.
     (`mcore_proxy.activation.activate_from_env()` switches on every feature the environment names.)"""

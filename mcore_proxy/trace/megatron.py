@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from mcore_proxy.trace import activate
 from mcore_proxy.trace.tracer import RouterInfo, Tracer
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,6 @@ def install(model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency
     of virtual-pipeline chunks). Returns the Tracer; use it as a context manager, or call
     `flush()` / `close()` yourself. `saliency=True` also hooks the experts modules where
     `saliency_supported` holds (elsewhere the field stays absent, with a warning)."""
-    from mcore_proxy.trace import activate
-
     if activate.env_tracing_active():
         raise RuntimeError(f"routing statistics are already collected through {activate.ENV_DIR}; "
                            "unset it or do not call install()")
