@@ -7,8 +7,8 @@ its rollout phase (`mcore_proxy.faults.rollout()`, a no-op without faults) so th
 fault acts on generation only, and it takes one optimizer step per RL step, so the faults' step
 clock is the RL step.
 
-Per step: 16 training-split problems (the same ones in every run: drawn from --seed and the step),
-4 sampled answers each (temperature 1, sampling noise drawn from its own seeded generator, so two
+Per step: 32 problems of a 64-problem RL training set (the first training-split problems; the same
+draw in every run, from --seed and the step), 4 sampled answers each (temperature 1, sampling noise drawn from its own seeded generator, so two
 runs differ only by what a fault changes); reward 1 for an exact answer; group-normalised
 advantages; one PPO-clip update (eps 0.2) on the rollout's log-probabilities with a k3 KL penalty
 to the frozen initial model. Logs verl's metric names to TensorBoard (`--out/tb`) and to JSONL
@@ -34,9 +34,12 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", required=True, help="Megatron legacy checkpoint (TP=PP=EP=1) of the policy")
     p.add_argument("--out", required=True, help="folder for tb/ and metrics.jsonl")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--prompts", type=int, default=16, help="problems per step")
+    p.add_argument("--dataset", type=int, default=64,
+                   help="size of the RL training set: the first N training-split problems, seen again every "
+                        "N / --prompts steps (0: the whole split)")
+    p.add_argument("--prompts", type=int, default=32, help="problems per step")
     p.add_argument("--samples", type=int, default=4, help="answers sampled per problem (group)")
-    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
@@ -145,7 +148,9 @@ def main(argv=None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         writer = SummaryWriter(str(out / "tb"))
-        train = task.split("train")
+        # prompts that leave room for the longest answer within the model's sequence length
+        train = [p for p in task.split("train") if len(p.prompt) + 1 + task.MAX_ANSWER <= task.SEQ_LENGTH]
+        train = train[:args.dataset] if args.dataset else train
         with open(out / "metrics.jsonl", "w") as jsonl:
             for step in range(args.steps):
                 t0 = time.perf_counter()

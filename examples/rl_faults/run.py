@@ -7,7 +7,7 @@
    experts, multi-view), `mcore-proxy convert`;
 3. GRPO runs (examples/rl_faults/grpo.py) of both models: baseline, rollout log-prob precision
    fault (`logprob_precision:dtype=bf16,when=rollout`), actor update omission fault
-   (`update_omission:start=10`), and, for the original only, router noise
+   (`update_omission:start=5`), and, for the original only, router noise
    (`router_noise:std=1.0`); faults switched on by the launch environment alone;
 4. `mcore-proxy compare` for each fault, and for a deliberately different pair (router noise on
    the original, update omission on the proxy), which must be reported inconsistent;
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 GRPO = Path(__file__).with_name("grpo.py")
 FAULTS = {
     "precision": "logprob_precision:dtype=bf16,when=rollout",
-    "omission": "update_omission:start=10",
+    "omission": "update_omission:start=5",
     "router_noise": "router_noise:std=1.0",
 }
 RUNS = [("original", None), ("original", "precision"), ("original", "omission"),
@@ -161,8 +161,8 @@ PICTURES = [("precision-chosen", "logprob_diff"), ("precision-chosen", "kl_loss"
 def results_section(results: dict) -> str:
     steps = results["per_step"]
     lines = [BEGIN, "", "## Fault reproduction: GRPO on CPU, original vs proxy (issue 14)", "",
-             f"`{results['command']}`; {results['steps']} RL steps per run, 16 problems x 4 samples per "
-             f"step; 2 shared CPU cores, load average at the end {results['load_average'][0]:.1f}; "
+             f"`{results['command']}`; {results['steps']} RL steps per run, 32 problems x 4 samples per "
+             f"step (a 64-problem RL set), two runs at a time; 2 shared CPU cores, load average at the end {results['load_average'][0]:.1f}; "
              f"total {results['total_seconds'] / 60:.0f} min.", "",
              f"Original: bench/quality's `coarse` MoE (E=16, top-2; trained "
              f"{results['training']['train_seconds'] / 60:.0f} min, test exact match "
@@ -210,6 +210,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default="out/rl_faults")
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--jobs", type=int, default=2, help="GRPO runs at once")
     p.add_argument("--record", action="store_true", help="write bench/RESULTS.md's section and pictures")
     args = p.parse_args(argv)
     work = Path(args.work).absolute()
@@ -227,10 +228,12 @@ def main(argv=None) -> int:
 
         torch.multiprocessing.spawn(_accuracy_worker, args=(list(map(list, ckpts.items())), str(accuracy_file)),
                                     nprocs=1, join=True)
-    seconds = {}
-    for model, fault in RUNS:
-        name = run_name(model, fault)
-        seconds[name] = grpo_run(ckpts[model], work / "runs" / name, fault, args.steps)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(args.jobs) as pool:   # each run is its own process
+        futures = {run_name(m, f): pool.submit(grpo_run, ckpts[m], work / "runs" / run_name(m, f), f, args.steps)
+                   for m, f in RUNS}
+        seconds = {name: future.result() for name, future in futures.items()}
     verdicts = {}
     for pair, (orig_fault, proxy_fault, expected, metrics) in PAIRS.items():
         runs = ("--orig-base", work / "runs/original-baseline/tb",   # TensorBoard for the original,
