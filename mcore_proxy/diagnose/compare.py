@@ -1,10 +1,14 @@
 """Does the proxy reproduce the original's fault? Signatures of (original baseline, original fault)
 and (proxy baseline, proxy fault), matched metric by metric.
 
-A metric matches when the two signatures agree in direction of the shift and in trend (both
-signs, 0 included), their onsets lie within `onset_window` steps of each other (when either shifted),
-and, when either shift curve has a trend, their normalised shift curves correlate (Pearson r >=
-MIN_CORRELATION) on their common steps. The verdict is *consistent* when every compared metric
+A metric matches when the two signatures agree in direction of the shift and in trend, their
+onsets lie within `onset_window` steps of each other (when either shifted), and, when either
+shift curve has a trend, their normalised shift curves correlate (Pearson r >= MIN_CORRELATION)
+on their common steps. Two signs agree when they are equal, or when one is significant (p <
+alpha) and the other leans the same way without reaching significance (same sign of its
+estimate, p < ALPHA_WEAK): a borderline test on one side is not a contradiction. Opposite
+significant signs, or a significant shift facing an estimate of the other sign, zero, or one
+with p >= ALPHA_WEAK, do not agree. The verdict is *consistent* when every compared metric
 matches and the original's faulted run shifted in at least one (otherwise there is nothing to
 reproduce: *inconclusive*, which is not consistent).
 
@@ -26,6 +30,7 @@ from mcore_proxy.errors import LogError
 
 ROLES = ("orig_base", "orig_fault", "proxy_base", "proxy_fault")
 MIN_CORRELATION = 0.5
+ALPHA_WEAK = 0.25
 
 
 def role_name(role: str) -> str:
@@ -83,13 +88,26 @@ def curve_correlation(a: MetricSignature, b: MetricSignature) -> float | None:
     return float(np.corrcoef(x, y)[0, 1])
 
 
+def signs_agree(a: int, a_estimate: float, a_p: float, b: int, b_estimate: float, b_p: float) -> bool:
+    """Whether two thresholded signs (+1, 0, -1) with their estimates and p-values agree."""
+    if a == b:
+        return True
+    if a != 0 and b != 0:
+        return False
+    strong = a or b
+    estimate, p = (b_estimate, b_p) if a else (a_estimate, a_p)
+    return int(np.sign(estimate)) == strong and p < ALPHA_WEAK
+
+
 def match_signatures(orig: MetricSignature, proxy: MetricSignature, onset_window: int) -> MetricMatch:
     """The rule of agreement of two signatures of one metric."""
     shifted = orig.shifted or proxy.shifted
     onset = (not shifted or (orig.onset is not None and proxy.onset is not None
                              and abs(orig.onset - proxy.onset) <= onset_window))
-    return MetricMatch(orig.metric, orig, proxy, orig.direction == proxy.direction,
-                       orig.trend == proxy.trend, onset, curve_correlation(orig, proxy),
+    direction = signs_agree(orig.direction, orig.shift, orig.p_shift,
+                            proxy.direction, proxy.shift, proxy.p_shift)
+    trend = signs_agree(orig.trend, orig.tau, orig.p_trend, proxy.trend, proxy.tau, proxy.p_trend)
+    return MetricMatch(orig.metric, orig, proxy, direction, trend, onset, curve_correlation(orig, proxy),
                        orig.trend != 0 or proxy.trend != 0, onset_window)
 
 

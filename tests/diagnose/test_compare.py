@@ -95,3 +95,15 @@ def test_raw_metric_names_and_consoles_across_frameworks(tmp_path, synthetic):
     comparison = compare_runs({r: read_log(p) for r, p in paths.items()})
     assert set(comparison.matches) == {"reward", "kl_loss"} and comparison.consistent
     assert comparison.raw_names["reward"]["proxy_base"] == "grpo/score/mean"
+
+
+def test_signs_agree_tolerates_a_borderline_side_only():
+    from mcore_proxy.diagnose.compare import signs_agree
+
+    assert signs_agree(1, 0.3, 0.01, 1, 0.2, 0.02)
+    assert signs_agree(0, 0.0, 1.0, 0, 0.1, 0.9)
+    assert signs_agree(-1, -0.36, 0.01, 0, -0.2, 0.12)          # leans the same way: agrees
+    assert not signs_agree(-1, -0.36, 0.01, 0, -0.2, 0.40)      # too weak to count
+    assert not signs_agree(-1, -0.36, 0.01, 0, 0.2, 0.12)       # leans the other way
+    assert not signs_agree(0, 0.0, 1.0, 1, 0.5, 0.001)          # nothing against a shift
+    assert not signs_agree(1, 0.3, 0.01, -1, -0.3, 0.01)
