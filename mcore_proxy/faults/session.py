@@ -40,7 +40,6 @@ class FaultSession:
         self._handles: list = []
         self._token = next(_TOKENS)
         self._marked: list = []
-        self.sites = 0
 
     # -- attaching ------------------------------------------------------------------------------
     def _first_time(self, obj) -> bool:
@@ -61,7 +60,6 @@ class FaultSession:
                 continue
             for injector in self.injectors:
                 self._handles += injector.attach(site)
-        self.sites += n
         return n
 
     def attach_model(self, model) -> int:
