@@ -10,8 +10,11 @@ setup(
     packages=find_packages(include=["mcore_proxy", "mcore_proxy.*"]),
     install_requires=["torch>=2.1", "numpy", "safetensors", "kmedoids", "tqdm"],
     extras_require={
-        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib"],
+        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib",
+                 "tensorboard", "ruptures", "scipy", "transformers"],
         "report": ["matplotlib"],
+        # compare: TensorBoard event reader, change points (ruptures), statistics, PNG report
+        "diagnose": ["tensorboard", "ruptures", "scipy", "matplotlib"],
         "hf": ["transformers"],
         # torch_npu and mindspeed are not on the package registry in a usable form: install them
         # from the Ascend stack; mcore-proxy imports them behind guards.

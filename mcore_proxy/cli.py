@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "mcore_proxy.trace.cli",
     "mcore_proxy.convert.cli",
     "mcore_proxy.estimate.cli",
+    "mcore_proxy.diagnose.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 
