@@ -142,7 +142,8 @@ def _args_from_config(config, mtp_layers: int = 0, *, family: str):
         moe_router_topk=topk, moe_layer_freq=moe_pattern(config, layers),
         moe_shared_expert_intermediate_size=(config.int("moe_intermediate_size") * config.int("n_shared_experts", 0)) or None,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
-        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
+        # kept also when 1: a flattened proxy says so explicitly (MindSpeed-LLM falls back to the EP size)
+        moe_router_num_groups=groups, moe_router_group_topk=group_topk,
         moe_router_topk_scaling_factor=config.float("routed_scaling_factor", 1.0),
         moe_router_load_balancing_type="seq_aux_loss", moe_router_dtype="fp32",
         norm_epsilon=config.float("rms_norm_eps", 1e-6),
