@@ -73,8 +73,10 @@ class Family(ToyMoE):
         # built at PP 1 first: the base class knows no layout string, and 5 layers over PP 2 need one
         base = super().transformer_config(dataclasses.replace(layout, pp=1))
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+        # SwiGLU as the args say (`swiglu`) and both families compute: TransformerConfig's default
+        # activation is gelu, which with gated_linear_unit would be GeGLU
         values.update(pipeline_model_parallel_size=layout.pp, qk_layernorm=self.qk_layernorm, mtp_num_layers=self.mtp_layers or None,
-                      layernorm_epsilon=self.norm_epsilon,
+                      layernorm_epsilon=self.norm_epsilon, activation_func=torch.nn.functional.silu,
                       moe_router_topk_scaling_factor=self.topk_scaling_factor,
                       pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None))
         if self.attention == "gqa":
@@ -406,6 +408,11 @@ QWEN3_MOE = Family(
     qk_layernorm=True, ffn_hidden_size=64, num_experts=32, moe_ffn_hidden_size=8, topk=8,
     score_function="softmax", position_embedding_type="learned_absolute", weight_seed=4)
 QWEN3_MOE_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, grouped=True)
+
+# Qwen3-MoE as Hugging Face has it (a Megatron -> HF source): rope, one dense layer first, eps and
+# RoPE base of the real model (1e-6, 1e6) rather than megatron's defaults
+QWEN3_MOE_HF = dataclasses.replace(QWEN3_MOE, position_embedding_type="rope", moe_layer_freq=(0, 1, 1, 1),
+                                   norm_epsilon=1e-6, rotary_base=1e6, weight_seed=5)
 
 
 @dataclass(frozen=True)
