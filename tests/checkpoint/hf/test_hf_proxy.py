@@ -123,3 +123,35 @@ def test_fused_expert_tensors_read_like_hub_names(hf_model, tmp_path):
     assert a.names() == b.names()
     for name in a.names():
         assert a.shape(name) == b.shape(name) and torch.equal(a.get(name), b.get(name)), name
+
+
+def test_fp8_checkpoint_prunes_bit_exactly_and_dequantises_on_request(hf_proxy, tmp_path):
+    """DeepSeek's FP8 release shape (float8_e4m3fn linears with `*_scale_inv` block scales, here
+    8x8 blocks so tiny tensors hold several, some partial): the plan prunes it without
+    dequantising, every kept weight and scale copied bit for bit and the quantization_config
+    kept; `--dequantize-fp8` writes bf16 weights equal to weight x block scale, and no scales."""
+    from mcore_proxy.checkpoint.hf import fp8
+    from mcore_proxy.testing.hf_fixtures import fp8_copy
+
+    orig, _, plan_path, plan, _ = hf_proxy("deepseek_v3")
+    src = fp8_copy(orig, tmp_path / "fp8")
+    out, deq = tmp_path / "proxy", tmp_path / "bf16"
+    assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(out)]) == 0
+    a, b = hf_tensors(src), hf_tensors(out)
+    kept = plan.kept("2")
+    expert = "model.layers.2.mlp.experts.{}.down_proj.weight"
+    assert a[expert.format(kept[0])].dtype == fp8.FP8
+    for j, e in enumerate(kept):
+        for suffix in ("", "_scale_inv"):
+            x, y = b[expert.format(j) + suffix], a[expert.format(e) + suffix]
+            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8) if suffix == "" else x,
+                                                      y.view(torch.uint8) if suffix == "" else y)
+    attn = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(b[attn].view(torch.uint8), a[attn].view(torch.uint8))
+    assert torch.equal(b[attn + "_scale_inv"], a[attn + "_scale_inv"])
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [8, 8]
+    assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(deq), "--dequantize-fp8"]) == 0
+    c = hf_tensors(deq)
+    assert not any(k.endswith("_scale_inv") for k in c) and c[attn].dtype == torch.bfloat16
+    assert torch.equal(c[attn], fp8.dequantize(a[attn], a[attn + "_scale_inv"], (8, 8)))
+    assert "quantization_config" not in json.loads((deq / "config.json").read_text())
