@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "mcore_proxy.convert.cli",
     "mcore_proxy.estimate.cli",
     "mcore_proxy.diagnose.cli",
+    "mcore_proxy.fidelity.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 
