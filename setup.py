@@ -11,11 +11,11 @@ setup(
     install_requires=["torch>=2.1", "numpy", "safetensors", "kmedoids", "tqdm"],
     extras_require={
         "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib",
-                 "tensorboard", "ruptures", "scipy", "transformers"],
+                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers"],
         "report": ["matplotlib"],
         # compare: TensorBoard event reader, change points (ruptures), statistics, PNG report
         "diagnose": ["tensorboard", "ruptures", "scipy", "matplotlib"],
-        "hf": ["transformers"],
+        "hf": ["transformers>=5", "tokenizers"],
         # torch_npu and mindspeed are not on the package registry in a usable form: install them
         # from the Ascend stack; mcore-proxy imports them behind guards.
         "npu": [],

@@ -16,6 +16,7 @@ from mcore_proxy.errors import CheckpointError
 _FORMATS = (
     ("torch_dist", "mcore_proxy.checkpoint.torch_dist", "is_torch_dist_checkpoint", "TorchDistCheckpoint"),
     ("legacy", "mcore_proxy.checkpoint.legacy", "is_legacy_checkpoint", "LegacyCheckpoint"),
+    ("hf", "mcore_proxy.checkpoint.hf", "is_hf_checkpoint", "HFCheckpoint"),
 )
 
 
@@ -38,8 +39,9 @@ def detect_format(path: str | Path) -> str:
     for name, module, detector, _ in _FORMATS:
         if _load(module, detector)(path):
             return name
-    raise CheckpointError(f"{path}: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, "
-                          "iter_*, mp_rank_* or torch_dist metadata); pass the folder Megatron saved")
+    raise CheckpointError(f"{path}: not a checkpoint (no latest_checkpointed_iteration.txt, iter_*, mp_rank_* or "
+                          "torch_dist metadata of Megatron, no config.json with safetensors of Hugging Face); pass "
+                          "the folder Megatron or save_pretrained wrote")
 
 
 def open_checkpoint(path: str | Path) -> ModelView:

@@ -26,7 +26,7 @@ from mcore_proxy.errors import ProxyError
 from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
 
-FORMATS = ("legacy", "torch_dist")
+FORMATS = ("legacy", "torch_dist", "hf")
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,12 @@ class ConvertRequest:
     etp: int | None = None
     expert_layout: str | None = None
     stage_layers: tuple[int, ...] | None = None
-    format: str = "legacy"
+    format: str | None = None          # None: the source's format
     workers: int = 1
+    dequantize_fp8: bool = False       # HF FP8 source: read its weights as bf16
 
     def __post_init__(self):
-        if self.format not in FORMATS:
+        if self.format is not None and self.format not in FORMATS:
             raise ProxyError(f"--format {self.format!r} is not one of {', '.join(FORMATS)}")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
@@ -55,7 +56,7 @@ class ConvertRequest:
 @dataclass
 class ConvertResult:
     out: Path
-    target: ParallelLayout
+    target: ParallelLayout | None      # None for HF output (not sharded by parallel rank)
     num_experts: int
     source_experts: int
     bytes_read: int
@@ -64,11 +65,15 @@ class ConvertResult:
     launch_flags: list[str] = field(default_factory=list)
     dropped_args: dict[str, str] = field(default_factory=dict)   # args field -> why it was not written
     output_bytes: int = 0                                          # estimated size of the output
+    format: str = "legacy"
 
 
-def open_views(ckpt: Path, plan_path: Path | None) -> tuple[ModelView, ModelView, object]:
+def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False) -> tuple[ModelView, ModelView, object]:
     """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file."""
     source = open_checkpoint(ckpt)
+    if dequantize_fp8:
+        from mcore_proxy.checkpoint.hf import dequantized
+        source = dequantized(source)
     if plan_path is None:
         return source, source, None
     from mcore_proxy.errors import PlanError
@@ -97,7 +102,11 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
     """Megatron launch flags that must change to train or evaluate the proxy."""
     flags = [f"--tensor-model-parallel-size {target.tp}", f"--pipeline-model-parallel-size {target.pp}",
              f"--expert-model-parallel-size {target.ep}", f"--expert-tensor-parallel-size {target.etp}"]
-    if plan is not None:
+    if getattr(view, "hf", None) is not None:
+        # from Hugging Face there are no Megatron launch flags yet: all of the model's, from config.json
+        from mcore_proxy.checkpoint.hf.launch import model_flags
+        flags = model_flags(view.args) + flags
+    elif plan is not None:
         r = plan.router
         flags = [f"--num-experts {plan.num_experts}", f"--moe-router-topk {r.topk}"] + flags
         if r.num_groups:
@@ -122,10 +131,10 @@ def hold(phase: str) -> None:
     time.sleep(300)
 
 
-def _unit_worker(ckpt: str, plan: str | None, target: ParallelLayout, root: str, units) -> None:
+def _unit_worker(ckpt: str, plan: str | None, dequantize: bool, target: ParallelLayout, root: str, units) -> None:
     """One worker process: reopen the views (cheap: metadata only) and write its rank files."""
     return_freed_buffers_to_os()
-    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None)
+    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize)
     write_legacy_units(view, Path(root), target, units)
     hold("write")
 
@@ -137,12 +146,13 @@ def _split(units: list, parts: int) -> list[list]:
 def _write_parallel(req: ConvertRequest, target: ParallelLayout, root: Path, progress) -> None:
     from mcore_proxy.convert.workers import run_workers
 
-    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, target, str(root), chunk)
+    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.dequantize_fp8, target, str(root), chunk)
             for chunk in _split(legacy_units(target), req.workers)]
     run_workers(_unit_worker, jobs, on_done=lambda i: progress.update(1) if progress is not None else None)
 
 
-def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, target: ParallelLayout, plan) -> dict:
+def _manifest_info(req: ConvertRequest, fmt: str, source: ModelView, view: ModelView, target: ParallelLayout | None,
+                   plan) -> dict:
     from mcore_proxy import __version__
 
     return {
@@ -153,13 +163,13 @@ def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, targ
         "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
-        "target": {"format": req.format, "tp": target.tp, "pp": target.pp, "ep": target.ep,
-                   "etp": target.etp, "expert_layout": target.expert_layout,
-                   "stage_layers": list(target.stage_layers), "num_experts": view.spec.num_experts},
+        "target": {"format": fmt, "num_experts": view.spec.num_experts, **({} if target is None else {
+                   "tp": target.tp, "pp": target.pp, "ep": target.ep, "etp": target.etp,
+                   "expert_layout": target.expert_layout, "stage_layers": list(target.stage_layers)})},
     }
 
 
-def output_bytes(view: ModelView, target: ParallelLayout, fmt: str) -> int:
+def output_bytes(view: ModelView, target: ParallelLayout | None, fmt: str) -> int:
     """Bytes the output will take (an estimate for the free-space check): legacy rank files repeat
     replicated tensors in every (TP, EP) folder of their stage and TP-sharded ones in every EP
     folder; torch_dist stores each tensor once. Plus a little per file for zip headers."""
@@ -187,9 +197,10 @@ class Prepared:
     source: ModelView
     view: ModelView
     plan: object
-    target: ParallelLayout
+    target: ParallelLayout | None
     result: ConvertResult
     needed_bytes: int
+    format: str = "legacy"
 
 
 def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
@@ -200,25 +211,34 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     from mcore_proxy.checkpoint.legacy import checkpoint_version, target_args
     from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock
 
-    source, view, plan = open_views(req.ckpt, req.plan)
-    target = plan_target(req, source, view, plan)
-    if req.format == "torch_dist":
+    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8)
+    fmt = req.format or getattr(source, "format", "legacy")
+    if fmt == "hf":
+        from mcore_proxy.checkpoint.hf.writer import check_hf_request
+        target = check_hf_request(view, req)
+    else:
+        if getattr(getattr(view, "hf", None), "fp8_block", None):
+            raise ProxyError(f"{req.ckpt}: FP8 weights with block scales have no Megatron layout; pass "
+                             "--dequantize-fp8 to write them as bf16")
+        target = plan_target(req, source, view, plan)
+    if fmt != "legacy" and _torchrun_world() > 1:
+        raise ProxyError(f"under torchrun only --format legacy is split across ranks; run {fmt} "
+                         "conversion as a single process")
+    if fmt == "torch_dist":
         from mcore_proxy.checkpoint.torch_dist import check_dist_target, dist_target_args
         check_dist_target(view, target)
         dist_target_args(view, target)
-        if _torchrun_world() > 1:
-            raise ProxyError("under torchrun only --format legacy is split across ranks; run torch_dist "
-                             "conversion as a single process")
-    else:
+    elif fmt == "legacy":
         target_args(view, target)
     checkpoint_version(view)
     read = sum(tensor_nbytes(view, n) for n in view.names())
+    flags = [] if target is None else launch_flags(view, target, plan)
     result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
-                           launch_flags(view, target, plan), unsafe_args(source.args, needed=DEFAULTS))
-    needed = result.output_bytes = output_bytes(view, target, req.format)
+                           flags, unsafe_args(source.args, needed=DEFAULTS), format=fmt)
+    needed = result.output_bytes = output_bytes(view, target, fmt)
     out = check_output_path(req.out, (req.ckpt,))
     if os.environ.get("RANK", "0") != "0" and _torchrun_world() > 1:
-        return Prepared(source, view, plan, target, result, needed)  # rank 0 owns the output
+        return Prepared(source, view, plan, target, result, needed, fmt)  # rank 0 owns the output
     try:
         with output_lock(out):
             pass
@@ -227,7 +247,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     except OSError as err:
         from mcore_proxy.checkpoint.output import write_failure
         raise write_failure(out, err) from None
-    return Prepared(source, view, plan, target, result, needed)
+    return Prepared(source, view, plan, target, result, needed, fmt)
 
 
 def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
@@ -251,7 +271,13 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
     else:
         with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes,
                            check_space=check_space) as tmp:
-            if req.format == "torch_dist":
+            if prep.format == "hf":
+                from mcore_proxy.checkpoint.hf.writer import write_hf_into
+
+                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                          disable=not progress) as bar:
+                    markers = write_hf_into(view, tmp, bar)
+            elif prep.format == "torch_dist":
                 from mcore_proxy.checkpoint.torch_dist import write_torch_dist_into
 
                 with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
@@ -266,9 +292,9 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
                           disable=not progress) as bar:
                     write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
                 markers = tracker_marker(view)
-            if req.workers == 1 or req.format == "torch_dist":
+            if req.workers == 1 or prep.format != "legacy":
                 hold("write")
-            write_manifest(tmp, _manifest_info(req, source, view, target, plan), pending=markers)
+            write_manifest(tmp, _manifest_info(req, prep.format, source, view, target, plan), pending=markers)
             hold("manifest")
             write_markers(tmp, markers)
     result.files = sum(1 for p in Path(req.out).rglob("*") if p.is_file())
@@ -343,7 +369,7 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
                 if status != "ok":
                     raise ProxyError(f"rank {r} failed: {status[6:]}")
             markers = tracker_marker(view)
-            write_manifest(tmp, _manifest_info(req, prep.source, view, target, prep.plan), pending=markers)
+            write_manifest(tmp, _manifest_info(req, prep.format, prep.source, view, target, prep.plan), pending=markers)
             hold("manifest")
             write_markers(tmp, markers)
     except BaseException as err:

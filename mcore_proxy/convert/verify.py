@@ -78,8 +78,11 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     return_freed_buffers_to_os()
     plan = load_plan(plan_path)
     source = open_checkpoint(orig)
-    expected = PrunedView(source, plan)
     proxy_view = open_checkpoint(proxy)
+    if getattr(getattr(source, "hf", None), "fp8_block", None) and not getattr(getattr(proxy_view, "hf", None),
+                                                                               "fp8_block", None):
+        source = source.with_dequantized_fp8()   # the proxy was written with --dequantize-fp8
+    expected = PrunedView(source, plan)
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
     total = sum(tensor_nbytes(expected, n) for n in expected.names())
@@ -87,12 +90,36 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
         compare_tensors(expected, proxy_view, report, bar)
     report.problems += [f"manifest: {p}" for p in check_manifest(Path(proxy))]
     if functional and report.ok:
-        report.functional = functional_check(source, proxy_view, plan)
+        formats = {getattr(source, "format", "?"), getattr(proxy_view, "format", "?")}
+        if "hf" in formats and formats != {"hf"}:
+            from mcore_proxy.errors import ProxyError
+            raise ProxyError(f"--functional runs both models in one framework, but {orig} is "
+                             f"{getattr(source, 'format', '?')} and {proxy} is {getattr(proxy_view, 'format', '?')}; "
+                             "the tensors were compared bit for bit, convert one side to the other's format to run both")
+        check = hf_functional_check if formats == {"hf"} else functional_check
+        report.functional = check(source, proxy_view, plan)
         if not report.functional["match"]:
             report.problems.append(
                 f"functional: proxy logits differ from the source restricted to kept experts by "
                 f"{report.functional['max_abs_diff']:.3g} (tolerance {report.functional['atol']:.1g})")
     return report
+
+
+def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
+    """Both Hugging Face checkpoints run in transformers on CPU on fixed tokens; the proxy's
+    logits must equal the source's when its gates may only choose the kept experts."""
+    from mcore_proxy.hf_models import load_model, restrict_gates, run
+
+    orig_model, proxy_model = load_model(source.path), load_model(proxy.path)
+    vocab = int(orig_model.config.vocab_size)
+    tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
+    with restrict_gates(orig_model, {lid: plan.kept(lid) for lid in plan.layer_ids}):
+        ref = run(orig_model, tokens)
+    got = run(proxy_model, tokens)
+    atol = 1e-5 if next(orig_model.parameters()).dtype == torch.float32 else 2e-2
+    diff = (ref - got).abs().max().item()
+    return {"max_abs_diff": diff, "atol": atol, "match": bool(diff <= atol + atol * ref.abs().max().item()),
+            "tokens": int(tokens.numel())}
 
 
 def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
