@@ -10,9 +10,12 @@ setup(
     packages=find_packages(include=["mcore_proxy", "mcore_proxy.*"]),
     install_requires=["torch>=2.1", "numpy", "safetensors", "kmedoids", "tqdm"],
     extras_require={
-        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib"],
+        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib",
+                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers"],
         "report": ["matplotlib"],
-        "hf": ["transformers"],
+        # compare: TensorBoard event reader, change points (ruptures), statistics, PNG report
+        "diagnose": ["tensorboard", "ruptures", "scipy", "matplotlib"],
+        "hf": ["transformers>=5", "tokenizers"],
         # torch_npu and mindspeed are not on the package registry in a usable form: install them
         # from the Ascend stack; mcore-proxy imports them behind guards.
         "npu": [],

@@ -24,8 +24,11 @@ COMMAND_MODULES = (
     "mcore_proxy.checkpoint.cli",
     "mcore_proxy.select.cli",
     "mcore_proxy.trace.cli",
+    "mcore_proxy.trace.collect_cli",
     "mcore_proxy.convert.cli",
     "mcore_proxy.estimate.cli",
+    "mcore_proxy.diagnose.cli",
+    "mcore_proxy.fidelity.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 

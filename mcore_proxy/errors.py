@@ -25,6 +25,10 @@ class CheckFailed(Exception):
     """A verification or comparison found a difference; the CLI exits 1."""
 
 
+class LogError(ProxyError):
+    """A metric log is missing, unreadable, or holds no usable metric."""
+
+
 class InternalError(RuntimeError):
     """A failure that is neither bad input nor a found difference (a bug, a crashed worker);
     the CLI prints one line and exits 3."""

@@ -1,10 +1,16 @@
-"""mcore-proxy trace activation for launch pipelines: `PYTHONPATH=<repo>/patches:$PYTHONPATH`.
+"""mcore-proxy activation for launch pipelines: `PYTHONPATH=<repo>/patches:$PYTHONPATH`.
 
-With `MCORE_PROXY_TRACE_DIR=/path` set, every Python process of the run (torchrun workers
-included) wraps megatron-core's `TopKRouter.forward` when megatron imports it, registers the
-same wrapper with MindSpeed's patch manager when mindspeed is present, and writes
-`/path/rank{R:05d}.safetensors` + `.json` every `MCORE_PROXY_TRACE_FLUSH_STEPS` forward passes
-(default 100) and at exit. Without the variable this file does nothing but chain (below).
+- `MCORE_PROXY_TRACE_DIR=/path`: every Python process of the run (torchrun workers included)
+  wraps megatron-core's `TopKRouter.forward` when megatron imports it, registers the same wrapper
+  with MindSpeed's patch manager when mindspeed is present, and writes
+  `/path/rank{R:05d}.safetensors` + `.json` every `MCORE_PROXY_TRACE_FLUSH_STEPS` forward passes
+  (default 100) and at exit.
+- `MCORE_PROXY_FAULTS="router_noise:std=0.05,layers=0-3;update_omission:every=2"`: the fault
+  injectors of `mcore_proxy.faults` attach to every MoE layer, GPT model and optimizer the run
+  builds (see patches/README.md). A malformed value stops the process at start with exit code 2
+  and one line naming the variable, before any model is built.
+
+Without those variables this file does nothing but chain (below).
 
 Chaining: Python imports only the first `sitecustomize` on sys.path, so this one would hide an
 existing one (a site-packages or distribution sitecustomize). It therefore looks for the next
@@ -12,7 +18,7 @@ existing one (a site-packages or distribution sitecustomize). It therefore looks
 before activating. Set `MCORE_PROXY_CHAIN_SITECUSTOMIZE=0` to skip that. If you maintain your own
 sitecustomize, you can instead leave this folder off PYTHONPATH and add to yours:
 
-    from mcore_proxy.trace.activate import activate_from_env; activate_from_env()
+    from mcore_proxy.activation import activate_from_env; activate_from_env()
 
 Imports: the standard library here; torch only once megatron is imported anyway. If
 `mcore_proxy` is not installed, the checkout this folder lives in is appended to sys.path.
@@ -23,6 +29,9 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The variables of mcore_proxy.activation's features (a test keeps the two lists equal); checked
+# here so that an inactive process does not even import mcore_proxy.
+_ENV_VARS = ("MCORE_PROXY_TRACE_DIR", "MCORE_PROXY_FAULTS")
 
 
 def _chain_next_sitecustomize():
@@ -38,13 +47,21 @@ def _chain_next_sitecustomize():
 
 
 def _activate():
-    if not os.environ.get("MCORE_PROXY_TRACE_DIR"):
+    if not any(os.environ.get(name) for name in _ENV_VARS):
         return
     if importlib.util.find_spec("mcore_proxy") is None:
         sys.path.append(os.path.dirname(_HERE))
-    from mcore_proxy.trace.activate import activate_from_env
+    from mcore_proxy.activation import activate_from_env
+    from mcore_proxy.errors import ProxyError
 
-    activate_from_env()
+    try:
+        activate_from_env()
+    except ProxyError as err:
+        # An exception here would only be printed by site.py, and the run would go on without
+        # what the user asked for; SystemExit is turned into a fatal-error traceback.
+        sys.stderr.write(f"mcore-proxy: {err}\n")
+        sys.stderr.flush()
+        os._exit(2)
 
 
 _chain_next_sitecustomize()

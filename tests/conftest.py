@@ -40,6 +40,48 @@ def family_ckpt(fixture_root):
     return build_family_fixtures(fixture_root)
 
 
+@pytest.fixture(scope="session")
+def hf_model(fixture_root):
+    """`hf_model(name)` -> folder of a tiny transformers-built checkpoint (testing/hf_fixtures.py:
+    qwen3_moe, deepseek_v3, deepseek_v32), saved by save_pretrained in several shards, built once."""
+    from mcore_proxy.testing.hf_fixtures import build_cached
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_cached(name, fixture_root)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_proxy(hf_model, tmp_path_factory):
+    """`hf_proxy(name)` -> (original, statistics, plan path, plan, HF proxy): the pipeline a user runs
+    (collect on calibration text, select K = 8 of 16, convert), once per session."""
+    from mcore_proxy.cli import main
+    from mcore_proxy.select.plan import load_plan
+    from mcore_proxy.testing.hf_fixtures import calibration_jsonl
+
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in made:
+            orig, base = hf_model(name), tmp_path_factory.mktemp(f"hf-{name}")
+            data = calibration_jsonl(base / "data.jsonl", records=32)
+            assert main(["collect", "--hf", str(orig), "--data", str(data), "-o", str(base / "stats"),
+                         "--batch-size", "8"]) == 0
+            stats, plan_path, proxy = base / "stats" / "routing_stats.safetensors", base / "plan.json", base / "proxy"
+            assert main(["select", "--ckpt", str(orig), "--stats", str(stats), "--num-experts", "8",
+                         "-o", str(plan_path)]) == 0
+            assert main(["convert", str(orig), "--plan", str(plan_path), "-o", str(proxy)]) == 0
+            made[name] = (orig, stats, plan_path, load_plan(plan_path), proxy)
+        return made[name]
+
+    return get
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over every file's relative path and bytes: proves an input was not modified."""
     h = hashlib.sha256()

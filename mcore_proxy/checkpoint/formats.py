@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_proxy.checkpoint import legacy, torch_dist
-from mcore_proxy.checkpoint.interface import Format
+from mcore_proxy.checkpoint import hf, legacy, torch_dist
+from mcore_proxy.checkpoint.interface import Format, TargetOptions
 from mcore_proxy.checkpoint.output import refuse_staging, staged_output, write_markers
-from mcore_proxy.checkpoint.target import complete_target, source_target
+from mcore_proxy.checkpoint.target import complete_target
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.memory import return_freed_buffers_to_os
@@ -22,6 +22,7 @@ from mcore_proxy.progress import byte_bar
 FORMATS: tuple[Format, ...] = (
     torch_dist.FORMAT,
     legacy.FORMAT,
+    hf.FORMAT,
 )
 
 
@@ -59,8 +60,9 @@ def detect_format(path: str | Path) -> str:
     for fmt in FORMATS:
         if fmt.detect(path):
             return fmt.name
-    raise CheckpointError(f"{path}: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, "
-                          "iter_*, mp_rank_* or torch_dist metadata); pass the folder Megatron saved")
+    raise CheckpointError(f"{path}: not a checkpoint (no latest_checkpointed_iteration.txt, iter_*, mp_rank_* or "
+                          "torch_dist metadata of Megatron, no config.json with safetensors of Hugging Face); pass "
+                          "the folder Megatron or save_pretrained wrote")
 
 
 def open_checkpoint(path: str | Path) -> ModelView:
@@ -70,12 +72,13 @@ def open_checkpoint(path: str | Path) -> ModelView:
 
 def write_checkpoint(view: ModelView, out: str | Path, target=None, fmt: str = "legacy", *, inputs=(),
                      progress: bool = True) -> Path:
-    """Write `view` as a checkpoint of format `fmt` at `target` (default: the source's layout)
+    """Write `view` as a checkpoint of format `fmt` at `target` (default: the writer's for no
+    options, i.e. the source's layout for Megatron formats)
     into `out` (created; must not exist), in this process: check, stage, every unit, finish, the
     markers last, rename. No manifest (that is `convert`'s: `convert.pipeline`)."""
     return_freed_buffers_to_os()
     writer = writer_of(fmt)
-    target = source_target(view) if target is None else complete_target(view, target)
+    target = writer.target(view, TargetOptions()) if target is None else complete_target(view, target)
     writer.check(view, target)
     units = writer.units(view, target)
     with staged_output(out, inputs, check_space=False) as tmp, \

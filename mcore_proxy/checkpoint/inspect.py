@@ -6,8 +6,8 @@ from collections import Counter
 from pathlib import Path
 
 
+from mcore_proxy.checkpoint.names import split_expert_name
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
-from mcore_proxy.sharding import rule_for
 
 
 def _compact(ids: list[int]) -> str:
@@ -35,13 +35,14 @@ def describe(view: ModelView) -> dict:
         b = tensor_nbytes(view, n)
         if b:
             dtype_bytes[str(view.dtype(n)).replace("torch.", "")] += b
-            expert_bytes += b if rule_for(n).expert else 0
+            expert_bytes += b if split_expert_name(n) is not None else 0
     info = view.info
     layout = info.layout
     files = [p for p in Path(info.path).rglob("*") if p.is_file()] if info.path else []
     return {
         "path": str(info.path or ""),
         "format": info.format,
+        "family": view.spec.extra.get("hf_family"),
         "iteration": view.iteration,
         "parallel": None if layout is None else {
             "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
@@ -82,12 +83,14 @@ def format_description(d: dict) -> str:
     p = d["parallel"] or {}
     rows = [
         ("checkpoint", d["path"]),
-        ("format", f"{d['format']}, iteration {d['iteration']}"),
+        ("format", f"{d['format']}, iteration {d['iteration']}" + (f", {d['family']}" if d.get("family") else "")),
         ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
-         + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")),
+         + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
+         if p else "none: safetensors shards by file, not by parallel rank"),
         ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
          + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else "")),
-        ("experts", f"{d['num_experts']} routed x F={d['moe_ffn_hidden_size']}, layout {d['expert_layout']}"
+        ("experts", f"{d['num_experts']} routed x F={d['moe_ffn_hidden_size']}"
+         + (f", layout {d['expert_layout']}" if d["expert_layout"] else "")
          + (f", shared F={d['shared_expert_size']}" if d["shared_expert_size"] else "")),
         ("router", f"top-{d['topk']} {d['score_function']}"
          + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")

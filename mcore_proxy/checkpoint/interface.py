@@ -18,6 +18,10 @@ Reading (`Format.detect`, `Format.open`):
 Writing (`Format.writer`, a `Writer`): an output is a set of independent *units* (a legacy rank
 folder group, a torch_dist data file, a safetensors shard: files any process can write in any
 order), then one `finish` step:
+  target(view, options)      the target to write at from the user's `TargetOptions`: a Megatron
+                             ParallelLayout (default: the source's, `checkpoint/target.py`), or
+                             None for a format not sharded by parallel rank (which refuses
+                             layout options). Every later step gets it as `target`.
   check(view, target)        every feasibility check of writing `view` at `target` (dividing
                              sizes, what the format can store, the args it will write); raises
                              ProxyError. `convert --dry-run` runs it; nothing is written.
@@ -43,10 +47,13 @@ that reopened the same view.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from mcore_proxy.checkpoint.target import source_target
 
 Progress = Callable[[int], None] | None   # called with the bytes just written
 
@@ -80,8 +87,32 @@ class Finished:
     markers: dict[str, bytes]
 
 
+@dataclass(frozen=True)
+class TargetOptions:
+    """What the user asked of the output's parallel layout; None: not given (keep the source's).
+    plan_ep: the plan's EP degree, the default EP when `ep` is not given."""
+
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
+    expert_layout: str | None = None
+    stage_layers: tuple[int, ...] | None = None
+    plan_ep: int | None = None
+
+    def given(self) -> list[str]:
+        """The layout options the user set (field names; the plan's EP is not the user's)."""
+        return [f.name for f in dataclasses.fields(self) if f.name != "plan_ep" and getattr(self, f.name) is not None]
+
+
 class Writer(ABC):
-    """Writes any ModelView at a target ParallelLayout (module docstring)."""
+    """Writes any ModelView at a target (module docstring)."""
+
+    def target(self, view, options: TargetOptions):
+        """A Megatron ParallelLayout: the options given, else the source's TP/PP/ETP and the plan's EP."""
+        return source_target(view, tp=options.tp, pp=options.pp, ep=options.ep or options.plan_ep,
+                             etp=options.etp, expert_layout=options.expert_layout,
+                             stage_layers=options.stage_layers)
 
     @abstractmethod
     def check(self, view, target) -> None:
@@ -102,10 +133,12 @@ class Writer(ABC):
 
 @dataclass(frozen=True)
 class Format:
-    """One checkpoint format: its name (the `--format` value), detection, reader and writer."""
+    """One checkpoint format: its name (the `--format` value), detection, reader and writer, and
+    the framework that runs its checkpoints (`verify --functional` runs both sides in it)."""
 
     name: str
     summary: str
     detect: Callable[[Path], bool]
     open: Callable[[Path], object]
     writer: Writer | None = None
+    framework: str = "megatron-core"

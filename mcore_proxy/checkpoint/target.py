@@ -12,6 +12,7 @@ import dataclasses
 from mcore_proxy.checkpoint.layout import ParallelLayout, stage_layer_counts
 from mcore_proxy.checkpoint.names import SEQUENTIAL, layer_number
 from mcore_proxy.checkpoint.safe_globals import writable_args
+from mcore_proxy.checkpoint.view import holds_fp8
 from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.sharding import rule_for
@@ -21,6 +22,9 @@ def check_fits(view, target: ParallelLayout) -> None:
     """Whether megatron can hold `view` at `target`: stage sizes, EP dividing the expert count,
     heads and every sharded dimension dividing over TP/ETP. Checked before a byte is written."""
     spec = view.spec
+    if holds_fp8(view):
+        raise CheckpointError(f"{view.info.path or 'the checkpoint'}: FP8 weights with block scales have no Megatron "
+                              "layout; pass --dequantize-fp8 to write them as bf16")
     if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < 1:
         raise CheckpointError(f"target stages {list(target.stage_layers)} must each hold a layer and sum "
                               f"to num_layers={spec.num_layers}")

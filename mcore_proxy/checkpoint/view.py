@@ -38,7 +38,10 @@ class ViewInfo:
     layout: the saving run's parallel layout (None if unknown);
     variants: the NAME_VARIANTS spellings the source used (writers spell names the same way);
     linear_extra_state: the source's linears saved `_extra_state: None` (readers drop those
-      entries; writers re-create them for the target's modules).
+      entries; writers re-create them for the target's modules);
+    format_info: the format's own record of the source, for a writer of the same format (for a
+      Hugging Face folder its `HFSource`: config.json, tokenizer folder, FP8 block size); None
+      for Megatron formats.
     """
 
     spec: ModelSpec
@@ -50,6 +53,7 @@ class ViewInfo:
     layout: ParallelLayout | None = None
     variants: frozenset[str] = frozenset()
     linear_extra_state: bool = True
+    format_info: object | None = dataclasses.field(default=None, compare=False)
 
 
 class ModelView(ABC):
@@ -102,6 +106,14 @@ class ModelView(ABC):
 
     def prefetch(self, names: list[str]) -> None:
         """Hint that `names` are read next (readers start reading their bytes); default: nothing."""
+
+    def dequantized(self) -> "ModelView":
+        """The same checkpoint with block-quantised (FP8) weights read as bf16 and no scale tensors
+        (`convert --dequantize-fp8`); a view that holds none refuses."""
+        from mcore_proxy.errors import ProxyError
+
+        raise ProxyError(f"--dequantize-fp8: {self.info.path or 'the checkpoint'} holds no FP8 weights with block "
+                         "scales; leave the option out")
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
@@ -167,6 +179,15 @@ def router_fingerprint(view: ModelView) -> str:
                 h.update(str(t.dtype).encode())
                 h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                      if hasattr(torch, n))
+
+
+def holds_fp8(view: ModelView) -> bool:
+    """Whether any tensor is stored as float8 (block-quantised weights); reads no tensor data."""
+    return any(view.dtype(n) in FLOAT8_DTYPES for n in view.names())
 
 
 def tensor_nbytes(view: ModelView, name: str) -> int:

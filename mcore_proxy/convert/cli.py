@@ -15,7 +15,7 @@ def register(sub) -> None:
                        description="Write the proxy checkpoint: kept experts renumbered, router rows "
                        "subset, everything else copied bit for bit, at the target parallel layout. "
                        "Without --plan it only re-shards.")
-    p.add_argument("ckpt", type=Path, help="source checkpoint folder (legacy or torch_dist)")
+    p.add_argument("ckpt", type=Path, help="source checkpoint folder (legacy, torch_dist or Hugging Face)")
     p.add_argument("--plan", type=Path, help="plan.json from `mcore-proxy select`")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder (must not exist)")
     p.add_argument("--target-tp", "--target-tensor-parallel-size", dest="tp", type=int,
@@ -29,8 +29,11 @@ def register(sub) -> None:
     p.add_argument("--target-stage-layers", type=_int_list, help="decoder layers per pipeline stage, e.g. 1,3")
     p.add_argument("--expert-layout", choices=("sequential", "grouped"),
                    help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
-    p.add_argument("--format", choices=format_names(writable=True), default="legacy",
-                   help="output format (default: legacy)")
+    p.add_argument("--format", choices=format_names(writable=True), default=None,
+                   help="output format (default: the source's)")
+    p.add_argument("--dequantize-fp8", action="store_true",
+                   help="read an FP8 Hugging Face checkpoint's block-quantised weights as bf16 (default: copy "
+                        "them and their scales bit for bit; Megatron output needs this)")
     p.add_argument("--workers", type=int, default=1, help="writer processes")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check the conversion runs (including the output's lock and free space), "
@@ -57,16 +60,20 @@ def run_convert(args) -> int:
 
     req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, tp=args.tp, pp=args.pp, ep=args.ep,
                          etp=args.etp, expert_layout=args.expert_layout, stage_layers=args.target_stage_layers,
-                         format=args.format, workers=args.workers)
+                         format=args.format, workers=args.workers, dequantize_fp8=args.dequantize_fp8)
     r = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
     t = r.target
-    print(f"{'would write' if args.dry_run else 'wrote'} {r.out} ({args.format}): {r.num_experts} of "
-          f"{r.source_experts} experts per MoE layer, {t.describe()}, layout {t.expert_layout}")
+    layout = "sharded safetensors" if t is None else f"{t.describe()}, layout {t.expert_layout}"
+    print(f"{'would write' if args.dry_run else 'wrote'} {r.out} ({r.format}): {r.num_experts} of "
+          f"{r.source_experts} experts per MoE layer, {layout}")
     print(f"reads {_gib(r.bytes_read)} of tensors, writes about {_gib(r.output_bytes)}" + ("" if args.dry_run else
                                                       f"; {r.files} files in {r.seconds:.1f} s; manifest.json lists sha256 of each"))
     for name, why in r.dropped_args.items():
         print(f"args {name} {'would be' if args.dry_run else 'was'} dropped: it holds {why} "
               "(recorded in manifest.json)")
+    if t is None:
+        print("config.json holds the expert count, top-k and routing groups: load it with transformers or vLLM as is")
+        return 0
     print("optimizer and RNG state are not carried over; launch the proxy with these flags changed:")
     print("  " + " ".join(f for f in r.launch_flags if not f.startswith("(")))
     return 0

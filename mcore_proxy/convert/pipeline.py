@@ -23,15 +23,16 @@ from pathlib import Path
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import format_names, writer_of
-from mcore_proxy.checkpoint.interface import Unit, WrittenFile
+from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.output import staged_output, write_markers
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
-from mcore_proxy.checkpoint.target import first_last, source_target
+from mcore_proxy.checkpoint.target import first_last
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import ProxyError
+from mcore_proxy.launch_flags import model_flags
 from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
 from mcore_proxy.progress import byte_bar
@@ -52,11 +53,12 @@ class ConvertRequest:
     etp: int | None = None
     expert_layout: str | None = None
     stage_layers: tuple[int, ...] | None = None
-    format: str = "legacy"
+    format: str | None = None          # None: the source's format
     workers: int = 1
+    dequantize_fp8: bool = False       # a source with FP8 block-quantised weights: read them as bf16
 
     def __post_init__(self):
-        if self.format not in format_names(writable=True):
+        if self.format is not None and self.format not in format_names(writable=True):
             raise ProxyError(f"--format {self.format!r} is not one of {', '.join(format_names(writable=True))}")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
@@ -65,7 +67,7 @@ class ConvertRequest:
 @dataclass
 class ConvertResult:
     out: Path
-    target: ParallelLayout
+    target: ParallelLayout | None      # None: a format not sharded by parallel rank (Hugging Face)
     num_experts: int
     source_experts: int
     bytes_read: int
@@ -74,11 +76,15 @@ class ConvertResult:
     launch_flags: list[str] = field(default_factory=list)
     dropped_args: dict[str, str] = field(default_factory=dict)   # args field -> why it was not written
     output_bytes: int = 0                                          # estimated size of the output
+    format: str = "legacy"
 
 
-def open_views(ckpt: Path, plan_path: Path | None) -> tuple[ModelView, ModelView, object]:
-    """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file."""
+def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False) -> tuple[ModelView, ModelView, object]:
+    """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file.
+    With `dequantize_fp8` the source is read with its FP8 weights as bf16 (`ModelView.dequantized`)."""
     source = open_checkpoint(ckpt)
+    if dequantize_fp8:
+        source = source.dequantized()
     if plan_path is None:
         return source, source, None
     from mcore_proxy.errors import PlanError
@@ -91,17 +97,31 @@ def open_views(ckpt: Path, plan_path: Path | None) -> tuple[ModelView, ModelView
         raise PlanError(f"{plan_path}: {err} (checkpoint {ckpt})") from None
 
 
-def plan_target(req: ConvertRequest, view: ModelView, plan) -> ParallelLayout:
-    """Target layout: explicit options win; else the source's TP/PP/ETP and the plan's EP."""
-    return source_target(view, tp=req.tp, pp=req.pp, ep=req.ep or (plan.expert_parallel_size if plan else None),
-                         etp=req.etp, expert_layout=req.expert_layout, stage_layers=req.stage_layers)
+def target_options(req: ConvertRequest, plan) -> TargetOptions:
+    """The layout options of a request; the writer turns them into its target (`Writer.target`)."""
+    return TargetOptions(tp=req.tp, pp=req.pp, ep=req.ep, etp=req.etp, expert_layout=req.expert_layout,
+                         stage_layers=req.stage_layers, plan_ep=plan.expert_parallel_size if plan else None)
+
+
+def output_format(req: ConvertRequest, source: ModelView) -> str:
+    """--format, or the source's format when it can be written."""
+    if req.format is not None:
+        return req.format
+    if source.info.format not in format_names(writable=True):
+        raise ProxyError(f"{req.ckpt}: its format {source.info.format!r} cannot be written; pass --format "
+                         f"{' or '.join(format_names(writable=True))}")
+    return source.info.format
 
 
 def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
-    """Megatron launch flags that must change to train or evaluate the proxy."""
+    """Megatron launch flags that must change to train or evaluate the proxy. A source without a
+    parallel layout (Hugging Face, in memory) was not saved by a Megatron launch: every model
+    flag its args hold comes first."""
     flags = [f"--tensor-model-parallel-size {target.tp}", f"--pipeline-model-parallel-size {target.pp}",
              f"--expert-model-parallel-size {target.ep}", f"--expert-tensor-parallel-size {target.etp}"]
-    if plan is not None:
+    if view.layout is None and view.args is not None:
+        flags = model_flags(view.args) + flags
+    elif plan is not None:
         r = plan.router
         flags = [f"--num-experts {plan.num_experts}", f"--moe-router-topk {r.topk}"] + flags
         if r.num_groups:
@@ -125,7 +145,8 @@ def hold(phase: str) -> None:
     time.sleep(300)
 
 
-def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, target: ParallelLayout, plan) -> dict:
+def _manifest_info(req: ConvertRequest, fmt: str, source: ModelView, view: ModelView, target: ParallelLayout | None,
+                   plan) -> dict:
     from mcore_proxy import __version__
 
     return {
@@ -136,9 +157,9 @@ def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, targ
         "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
-        "target": {"format": req.format, "tp": target.tp, "pp": target.pp, "ep": target.ep,
-                   "etp": target.etp, "expert_layout": target.expert_layout,
-                   "stage_layers": list(target.stage_layers), "num_experts": view.spec.num_experts},
+        "target": {"format": fmt, "num_experts": view.spec.num_experts, **({} if target is None else {
+                   "tp": target.tp, "pp": target.pp, "ep": target.ep, "etp": target.etp,
+                   "expert_layout": target.expert_layout, "stage_layers": list(target.stage_layers)})},
     }
 
 
@@ -149,7 +170,8 @@ class Prepared:
     source: ModelView
     view: ModelView
     plan: object
-    target: ParallelLayout
+    target: ParallelLayout | None
+    format: str
     writer: object
     units: list[Unit]
     result: ConvertResult
@@ -164,16 +186,18 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     free space."""
     from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock, write_failure
 
-    source, view, plan = open_views(req.ckpt, req.plan)
-    target = plan_target(req, view, plan)
-    writer = writer_of(req.format)
+    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8)
+    fmt = output_format(req, source)
+    writer = writer_of(fmt)
+    target = writer.target(view, target_options(req, plan))
     writer.check(view, target)
     units = writer.units(view, target)
     read = sum(tensor_nbytes(view, n) for n in view.names())
+    flags = [] if target is None else launch_flags(view, target, plan)
     result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
-                           launch_flags(view, target, plan), unsafe_args(source.args, needed=DEFAULTS))
+                           flags, unsafe_args(source.args, needed=DEFAULTS), format=fmt)
     needed = result.output_bytes = sum(u.nbytes for u in units) + (len(units) + 3) * FILE_OVERHEAD
-    prep = Prepared(source, view, plan, target, writer, units, result, needed)
+    prep = Prepared(source, view, plan, target, fmt, writer, units, result, needed)
     out = check_output_path(req.out, (req.ckpt,))
     if os.environ.get("RANK", "0") != "0" and _torchrun_world() > 1:
         return prep  # rank 0 owns the output
@@ -214,7 +238,7 @@ def _finish(req: ConvertRequest, prep: Prepared, root: Path, results: list[list[
     """The writer's finish, manifest.json from the units' hashes, then the markers (tracker last)."""
     finished = prep.writer.finish(prep.view, root, prep.target, results)
     files = [f for unit in results for f in unit] + list(finished.files)
-    write_manifest(root, _manifest_info(req, prep.source, prep.view, prep.target, prep.plan),
+    write_manifest(root, _manifest_info(req, prep.format, prep.source, prep.view, prep.target, prep.plan),
                    files={f.path: {"size": f.size, "sha256": f.sha256} for f in files}, pending=finished.markers)
     hold("manifest")
     write_markers(root, finished.markers)
@@ -235,11 +259,11 @@ def _write_here(view: ModelView, writer, root: Path, target: ParallelLayout, uni
     return [writer.write_unit(view, root, target, unit, progress) for unit in units]
 
 
-def _unit_worker(ckpt: str, plan: str | None, fmt: str, target: ParallelLayout, root: str, units: list[Unit],
-                 progress=None) -> list[list[dict]]:
+def _unit_worker(ckpt: str, plan: str | None, dequantize: bool, fmt: str, target: ParallelLayout | None, root: str,
+                 units: list[Unit], progress=None) -> list[list[dict]]:
     """One worker process: reopen the views (cheap: metadata only) and write its units."""
     return_freed_buffers_to_os()
-    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None)
+    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize)
     results = _write_here(view, writer_of(fmt), Path(root), target, units, progress)
     hold("write")
     return [[dataclasses.asdict(f) for f in files] for files in results]
@@ -252,7 +276,7 @@ def _write_units(req: ConvertRequest, prep: Prepared, root: Path, progress) -> l
     from mcore_proxy.convert.workers import run_workers
 
     shares = balance(prep.units, req.workers)
-    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.format, prep.target, str(root),
+    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.dequantize_fp8, prep.format, prep.target, str(root),
              [prep.units[i] for i in share]) for share in shares]
     done = run_workers(_unit_worker, jobs, on_progress=progress)
     return _in_unit_order(shares, done)

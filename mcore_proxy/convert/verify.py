@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
+from mcore_proxy.checkpoint.formats import get_format
+from mcore_proxy.checkpoint.view import ModelView, holds_fp8, tensor_nbytes
 from mcore_proxy.convert.manifest import check_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import InternalError
@@ -78,8 +79,10 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     return_freed_buffers_to_os()
     plan = load_plan(plan_path)
     source = open_checkpoint(orig)
-    expected = PrunedView(source, plan)
     proxy_view = open_checkpoint(proxy)
+    if holds_fp8(source) and not holds_fp8(proxy_view):
+        source = source.dequantized()   # the proxy was written with --dequantize-fp8
+    expected = PrunedView(source, plan)
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
     total = sum(tensor_nbytes(expected, n) for n in expected.names())
@@ -87,12 +90,36 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
         compare_tensors(expected, proxy_view, report, bar)
     report.problems += [f"manifest: {p}" for p in check_manifest(Path(proxy))]
     if functional and report.ok:
-        report.functional = functional_check(source, proxy_view, plan)
+        frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
+        if len(frameworks) > 1:
+            from mcore_proxy.errors import ProxyError
+            raise ProxyError(f"--functional runs both models in one framework, but {orig} is "
+                             f"{source.info.format} and {proxy} is {proxy_view.info.format}; the tensors were "
+                             "compared bit for bit, convert one side to the other's format to run both")
+        check = {"megatron-core": functional_check, "transformers": hf_functional_check}[frameworks.pop()]
+        report.functional = check(source, proxy_view, plan)
         if not report.functional["match"]:
             report.problems.append(
                 f"functional: proxy logits differ from the source restricted to kept experts by "
                 f"{report.functional['max_abs_diff']:.3g} (tolerance {report.functional['atol']:.1g})")
     return report
+
+
+def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
+    """Both Hugging Face checkpoints run in transformers on CPU on fixed tokens; the proxy's
+    logits must equal the source's when its gates may only choose the kept experts."""
+    from mcore_proxy.hf_models import load_model, restrict_gates, run
+
+    orig_model, proxy_model = load_model(source.info.path), load_model(proxy.info.path)
+    vocab = int(orig_model.config.vocab_size)
+    tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
+    with restrict_gates(orig_model, {lid: plan.kept(lid) for lid in plan.layer_ids}):
+        ref = run(orig_model, tokens)
+    got = run(proxy_model, tokens)
+    atol = 1e-5 if next(orig_model.parameters()).dtype == torch.float32 else 2e-2
+    diff = (ref - got).abs().max().item()
+    return {"max_abs_diff": diff, "atol": atol, "match": bool(diff <= atol + atol * ref.abs().max().item()),
+            "tokens": int(tokens.numel())}
 
 
 def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:

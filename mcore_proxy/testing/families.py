@@ -61,6 +61,8 @@ class Family(ToyMoE):
     position_embedding_type: str = "rope"
     mtp_layers: int = 0
     topk_scaling_factor: float | None = None
+    norm_epsilon: float = 1e-5           # megatron's default layernorm_epsilon
+    rotary_base: float = 10000.0
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
@@ -73,7 +75,10 @@ class Family(ToyMoE):
         # built at PP 1 first: the base class knows no layout string, and 5 layers over PP 2 need one
         base = super().transformer_config(dataclasses.replace(layout, pp=1))
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+        # SwiGLU as the args say (`swiglu`) and both families compute: TransformerConfig's default
+        # activation is gelu, which with gated_linear_unit would be GeGLU
         values.update(pipeline_model_parallel_size=layout.pp, qk_layernorm=self.qk_layernorm, mtp_num_layers=self.mtp_layers or None,
+                      layernorm_epsilon=self.norm_epsilon, activation_func=torch.nn.functional.silu,
                       moe_router_topk_scaling_factor=self.topk_scaling_factor,
                       pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None))
         if self.attention == "gqa":
@@ -98,7 +103,8 @@ class Family(ToyMoE):
             kv_channels=self.kv_channels or self.hidden_size // heads,
             q_lora_rank=self.q_lora_rank if mla else None, kv_lora_rank=self.kv_lora_rank,
             qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim,
-            rope_type="rope" if mla else None, rotary_scaling_factor=1.0, rotary_base=10000,
+            rope_type="rope" if mla else None, rotary_scaling_factor=1.0, rotary_base=self.rotary_base,
+            norm_epsilon=self.norm_epsilon,
             position_embedding_type=self.position_embedding_type, max_position_embeddings=self.seq_length,
             untie_embeddings_and_output_weights=True,
             mtp_num_layers=self.mtp_layers or None, mtp_loss_scaling_factor=0.1,
@@ -131,6 +137,7 @@ class Job:
     save_legacy / save_dist: checkpoint roots to write (weights: the global weights of `seed`).
     load_legacy / load_dist: a checkpoint root to load strictly instead of filling weights.
     logits: where the last stage writes [1 + mtp_layers, b, s, V].
+    trace_dir: if set, routing statistics of the forward pass go there (`mcore_proxy.trace.install`).
     """
 
     model: Family
@@ -142,6 +149,7 @@ class Job:
     load_dist: str | None = None
     logits: str | None = None
     iteration: int = 10
+    trace_dir: str | None = None
 
     def __post_init__(self):
         if self.load_legacy and self.load_dist:
@@ -178,7 +186,8 @@ def build_chunks(model: Family, layout: Layout) -> list:
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             parallel_output=False, share_embeddings_and_output_weights=False,
-            position_embedding_type=model.position_embedding_type, mtp_block_spec=mtp, vp_stage=vp).eval())
+            position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
+            mtp_block_spec=mtp, vp_stage=vp).eval())
     return chunks
 
 
@@ -334,7 +343,13 @@ def _job(job: Job, world: int) -> None:
         _load(job, chunks, coords)
     else:
         fill_weights(chunks, job.model, job.seed)
-    heads = run_chunks(chunks, job.model, fixed_tokens(job.model))
+    if job.trace_dir:
+        from mcore_proxy.trace import install
+
+        with install(chunks, job.trace_dir):
+            heads = run_chunks(chunks, job.model, fixed_tokens(job.model))
+    else:
+        heads = run_chunks(chunks, job.model, fixed_tokens(job.model))
     if job.save_legacy:
         _save_legacy(job, chunks, writer, coords)
     if job.save_dist:
@@ -396,6 +411,11 @@ QWEN3_MOE = Family(
     score_function="softmax", position_embedding_type="learned_absolute", weight_seed=4)
 QWEN3_MOE_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, grouped=True)
 
+# Qwen3-MoE as Hugging Face has it (a Megatron -> HF source): rope, one dense layer first, eps and
+# RoPE base of the real model (1e-6, 1e6) rather than megatron's defaults
+QWEN3_MOE_HF = dataclasses.replace(QWEN3_MOE, position_embedding_type="rope", moe_layer_freq=(0, 1, 1, 1),
+                                   norm_epsilon=1e-6, rotary_base=1e6, weight_seed=5)
+
 
 @dataclass(frozen=True)
 class FamilyCheckpoint:
@@ -420,13 +440,43 @@ def save_jobs(name: str, model: Family, layout: Layout, base: Path, seed: int | 
     return job, ckpt
 
 
-def load_and_run(jobs: list[tuple[Family, Layout, str, os.PathLike, os.PathLike]]) -> list[torch.Tensor]:
+def load_and_run(jobs: list[tuple], trace_dirs: list | None = None) -> list[torch.Tensor]:
     """Load each (model, layout, "legacy" | "torch_dist", checkpoint, logits path) strictly into
     megatron-core models at that layout and run the fixed tokens, all in one set of ranks;
-    returns each job's logits [1 + mtp_layers, b, s, V]."""
+    returns each job's logits [1 + mtp_layers, b, s, V]. `trace_dirs[i]`: trace job i there."""
     built = []
-    for model, layout, fmt, ckpt, out in jobs:
+    for i, (model, layout, fmt, ckpt, out) in enumerate(jobs):
         key = {"legacy": "load_legacy", "torch_dist": "load_dist"}[fmt]
-        built.append(Job(model, layout, logits=str(out), **{key: str(ckpt)}))
+        trace = str(trace_dirs[i]) if trace_dirs and trace_dirs[i] else None
+        built.append(Job(model, layout, logits=str(out), trace_dir=trace, **{key: str(ckpt)}))
     run_jobs(built)
     return [torch.load(j.logits) for j in built]
+
+
+def family_from_args(args, seq_length: int = 16) -> Family:
+    """The Family a checkpoint's Megatron args describe (GQA or MLA, local spec), e.g. the args
+    `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens."""
+    from mcore_proxy.layer_pattern import parse_layer_pattern
+    from mcore_proxy.megatron_args import ffn_hidden_size
+    from mcore_proxy.spec import ModelSpec
+
+    spec = ModelSpec.from_args(args)
+    freq = parse_layer_pattern(args.moe_layer_freq, "args moe_layer_freq")
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    fields = dict(
+        attention="mla" if mla else "gqa", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=int(args.num_attention_heads), ffn_hidden_size=ffn_hidden_size(args),
+        num_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size, topk=spec.topk,
+        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq, shared_expert_size=spec.shared_expert_size,
+        score_function=spec.score_function, expert_bias=spec.expert_bias, num_groups=spec.num_groups,
+        group_topk=spec.group_topk, vocab_size=int(args.padded_vocab_size), seq_length=seq_length,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)), mtp_layers=spec.mtp_layers,
+        topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        position_embedding_type=getattr(args, "position_embedding_type", "rope"),
+        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)))
+    if mla:
+        fields.update(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                      qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+    else:
+        fields.update(num_query_groups=getattr(args, "num_query_groups", None), kv_channels=getattr(args, "kv_channels", None))
+    return Family(**fields)

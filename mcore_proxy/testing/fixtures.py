@@ -70,6 +70,9 @@ def _family_fixtures():
         # Qwen3-MoE shape: GQA with q/k norms, softmax top-8 of 32, GroupedMLP, learned absolute
         # positions; TP=2 PP=2 EP=2 ETP=1
         "qwen3_moe": (fam.QWEN3_MOE, fam.QWEN3_MOE_LAYOUT),
+        # the same as Hugging Face's Qwen3-MoE has it (rope, a dense first layer, eps 1e-6, RoPE base 1e6):
+        # the Megatron -> HF source of tests/checkpoint/hf
+        "qwen3_moe_hf": (fam.QWEN3_MOE_HF, fam.QWEN3_MOE_LAYOUT),
     }
 
 

@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from mcore_proxy.trace import activate
 from mcore_proxy.trace.tracer import RouterInfo, Tracer
 
 log = logging.getLogger(__name__)
@@ -153,10 +154,8 @@ def install(model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency
     of virtual-pipeline chunks). Returns the Tracer; use it as a context manager, or call
     `flush()` / `close()` yourself. `saliency=True` also hooks the experts modules where
     `saliency_supported` holds (elsewhere the field stays absent, with a warning)."""
-    from mcore_proxy.trace.activate import ENV_DIR
-
-    if os.environ.get(ENV_DIR):
-        raise RuntimeError(f"routing statistics are already collected through {ENV_DIR}; "
+    if activate.env_tracing_active():
+        raise RuntimeError(f"routing statistics are already collected through {activate.ENV_DIR}; "
                            "unset it or do not call install()")
     tracer = Tracer(out_dir, flush_every=flush_every, rank=rank)
     attach_hooks(tracer, model, saliency=saliency)

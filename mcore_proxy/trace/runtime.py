@@ -1,8 +1,10 @@
 """Activation by environment: the wrapped `TopKRouter.forward` and the process-wide tracer.
 
-`mcore_proxy.trace.activate` (stdlib only, run from `patches/sitecustomize.py`) calls the
-`patch_*` functions below right after megatron or mindspeed modules are imported; nothing here
-imports megatron at module import.
+`mcore_proxy.trace.activate` (stdlib only, run from `patches/sitecustomize.py` through
+`mcore_proxy.activation`) calls the `patch_*` functions below right after megatron or mindspeed
+modules are imported; nothing here imports megatron at module import. Imports go one way:
+runtime -> megatron glue -> tracer (the glue asks `activate`, not this module, whether the
+environment traces).
 
 Environment:
 - `MCORE_PROXY_TRACE_DIR`           folder for `rank{R:05d}.safetensors` + `.json` (required)
@@ -25,9 +27,13 @@ import logging
 import os
 import threading
 
+from mcore_proxy.activation import register_with_mindspeed
+from mcore_proxy.trace import megatron
+from mcore_proxy.trace.activate import ENV_DIR, env_tracing_active
+from mcore_proxy.trace.tracer import Tracer
+
 log = logging.getLogger(__name__)
 
-ENV_DIR = "MCORE_PROXY_TRACE_DIR"
 ENV_FLUSH = "MCORE_PROXY_TRACE_FLUSH_STEPS"
 ENV_SALIENCY = "MCORE_PROXY_TRACE_SALIENCY"
 DEFAULT_FLUSH_STEPS = 100
@@ -38,10 +44,6 @@ _MARK = "__mcore_proxy_traced__"
 _TRACER = None
 _LOCK = threading.Lock()
 _NESTING = threading.local()
-
-
-def env_tracing_active() -> bool:
-    return bool(os.environ.get(ENV_DIR))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -59,8 +61,6 @@ def env_tracer():
     if _TRACER is None:
         with _LOCK:
             if _TRACER is None:
-                from mcore_proxy.trace.tracer import Tracer
-
                 tracer = Tracer(os.environ[ENV_DIR], flush_every=_env_int(ENV_FLUSH, DEFAULT_FLUSH_STEPS))
                 atexit.register(tracer.close)
                 _TRACER = tracer
@@ -85,9 +85,7 @@ def traced_router_forward(forward):
             output = forward(self, *args, **kwargs)
         finally:
             _NESTING.depth = 0
-        from mcore_proxy.trace.megatron import record_router_call
-
-        record_router_call(env_tracer(), self, args, kwargs, output)
+        megatron.record_router_call(env_tracer(), self, args, kwargs, output)
         return output
 
     setattr(traced_forward, _MARK, True)
@@ -105,13 +103,11 @@ def traced_moe_layer_init(init):
         if getattr(self, "_mcore_proxy_saliency_hooked", False) or not env_tracing_active():
             return
         self._mcore_proxy_saliency_hooked = True
-        from mcore_proxy.trace.megatron import record_experts_call, saliency_supported
-
         layer = self
 
         def hook(module, args, output):
-            if saliency_supported(layer):
-                record_experts_call(env_tracer(), layer, args, output)
+            if megatron.saliency_supported(layer):
+                megatron.record_experts_call(env_tracer(), layer, args, output)
 
         self.experts.register_forward_hook(hook)
 
@@ -143,20 +139,13 @@ def patch_moe_layer_module(module) -> None:
         cls.__init__ = traced_moe_layer_init(cls.__init__)
 
 
-def register_with_mindspeed(manager) -> None:
-    """Register the wrappers with `mindspeed.patch_utils.MindSpeedPatchesManager` (or anything
-    with its `register_patch(orig_func_name, new_func)` API)."""
-    manager.register_patch(ROUTER_FORWARD, trace_router_forward_wrapper)
+def mindspeed_patches() -> dict:
+    patches = {ROUTER_FORWARD: trace_router_forward_wrapper}
     if saliency_requested():
-        manager.register_patch(MOE_LAYER_INIT, trace_moe_layer_init_wrapper)
-    log.info("trace: wrappers registered with %s", getattr(manager, "__name__", manager))
+        patches[MOE_LAYER_INIT] = trace_moe_layer_init_wrapper
+    return patches
 
 
 def patch_mindspeed_module(module) -> None:
     """Called once `mindspeed.patch_utils` is imported."""
-    manager = getattr(module, "MindSpeedPatchesManager", None)
-    if manager is None:
-        log.warning("trace: mindspeed.patch_utils has no MindSpeedPatchesManager; MindSpeed "
-                    "replacements of TopKRouter.forward will not be traced")
-        return
-    register_with_mindspeed(manager)
+    register_with_mindspeed(module, mindspeed_patches(), "trace")

@@ -1,0 +1,70 @@
+"""config.json against the tensors: a disagreement is one sentence naming both files.
+
+A proxy is only as right as its config.json: transformers builds the model from it and loads
+the tensors into that shape (or refuses with a traceback about a size mismatch deep inside the
+loader). So the reader checks what the model's shape depends on before anything else runs.
+"""
+from __future__ import annotations
+
+import re
+
+from mcore_proxy.errors import CheckpointError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_ROUTER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.router\.weight$")
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.(\d+)\.linear_fc([12])\.weight$")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _where(view, name: str) -> str:
+    part = view._entries[name].parts[0]
+    return f"{view.path / part.file} holds {part.key} of shape {list(part.info.shape)}"
+
+
+def _fail(view, says: str, name: str) -> CheckpointError:
+    return CheckpointError(f"{view.config.path} says {says} but {_where(view, name)}; fix config.json or use the "
+                           "config.json that came with these weights")
+
+
+def _expert_key(view) -> str:
+    return next((k for k in EXPERT_KEYS if view.config.has(k)), EXPERT_KEYS[0])
+
+
+def check_config_matches(view) -> None:
+    """Layers, MoE layers, expert count and every shape the config determines."""
+    spec, names = view.spec, sorted(view._entries)
+    present = sorted({int(m.group(1)) for n in names if (m := _LAYER.match(n))})
+    if present != list(range(spec.num_layers)):
+        beyond = next((n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= spec.num_layers), None)
+        if beyond:
+            raise _fail(view, f"num_hidden_layers={spec.num_layers}", beyond)
+        raise CheckpointError(f"{view.config.path} says num_hidden_layers={spec.num_layers} but the shards hold "
+                              f"decoder layers {present[0]}..{present[-1]} only; copy the missing shards or fix config.json")
+    routers = {m.group(1) for n in names if (m := _ROUTER.match(n))}
+    want = {f"decoder.layers.{L}" for L in spec.moe_layers} | {f"mtp.layers.{k}.transformer_layer"
+                                                               for k in range(spec.mtp_layers) if spec.moe_layers}
+    for prefix in sorted(routers - want):
+        raise _fail(view, f"layer {prefix.split('.')[2]} is dense", prefix + ".mlp.router.weight")
+    for prefix in sorted(want - routers):
+        raise CheckpointError(f"{view.config.path} says {prefix} is a MoE layer but no shard holds its router "
+                              "(mlp.gate.weight); fix config.json or copy the missing shards")
+    H, E, F = spec.hidden_size, spec.num_experts, spec.moe_ffn_hidden_size
+    experts: dict[str, set[int]] = {}
+    for name in names:
+        shape = view.shape(name)
+        if name == "embedding.word_embeddings.weight" and shape != (view.args.padded_vocab_size, H):
+            raise _fail(view, f"vocab_size={view.args.padded_vocab_size}, hidden_size={H}", name)
+        if _ROUTER.match(name) and shape != (E, H):
+            raise _fail(view, f"{_expert_key(view)}={E}, hidden_size={H}", name)
+        if m := _EXPERT.match(name):
+            experts.setdefault(m.group(1), set()).add(int(m.group(2)))
+            if shape != ((2 * F, H) if m.group(3) == "1" else (H, F)):
+                raise _fail(view, f"moe_intermediate_size={F}, hidden_size={H}", name)
+    for prefix, ids in sorted(experts.items()):
+        if ids != set(range(E)):
+            odd = max(ids) if max(ids) >= E else min(set(range(E)) - ids)
+            name = f"{prefix}.mlp.experts.{max(ids)}.linear_fc1.weight"
+            if odd >= E:
+                raise _fail(view, f"{_expert_key(view)}={E}", name)
+            raise CheckpointError(f"{view.config.path} says {_expert_key(view)}={E} but {prefix} lacks expert {odd}; "
+                                  "copy the missing shards or fix config.json")

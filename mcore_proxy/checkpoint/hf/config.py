@@ -1,0 +1,128 @@
+"""`config.json` of a Hugging Face checkpoint: read as data (never as code), with typed access.
+
+Every value comes from whoever made the file, so each access checks the type and names the file
+and the key in its message. Nothing in the folder is imported or executed: `auto_map` and
+`trust_remote_code` model code are never loaded.
+"""
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+from mcore_proxy.errors import CheckpointError
+
+CONFIG = "config.json"
+MAX_CONFIG_BYTES = 16 << 20   # a real config.json is a few KiB; refuse a file that is not one
+_MISSING = object()
+
+
+def read_json(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> dict:
+    """A JSON object from `path`; CheckpointError naming the file otherwise."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} is missing; copy it from the model's source") from None
+    if size > limit:
+        raise CheckpointError(f"{path}: {what} is {size} bytes, far beyond any real one; the file is not a "
+                              f"{what}, copy it again from the model's source")
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({str(err)[:80]}); copy it again from "
+                              "the model's source") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} is not a JSON object; copy it again from the model's source")
+    return data
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The parsed `config.json` (`data`) and where it came from (`path`, for messages)."""
+
+    data: dict
+    path: Path
+
+    @classmethod
+    def load(cls, folder: Path) -> "HFConfig":
+        return cls(read_json(Path(folder) / CONFIG, CONFIG), Path(folder) / CONFIG)
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def _value(self, key: str, default):
+        value = self.data.get(key, _MISSING)
+        if value is _MISSING or value is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{self.path}: lacks {key!r}, which the model needs; add it (the model's "
+                                      "source config.json has it)")
+            return default
+        return value
+
+    def int(self, key: str, default=_MISSING, minimum: int = 0) -> int:
+        value = self._value(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected an integer >= {minimum}; fix "
+                                  "config.json")
+        return int(value)
+
+    def float(self, key: str, default=_MISSING) -> float:
+        value = self._value(key, default)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected a number; fix config.json")
+        return float(value)
+
+    def bool(self, key: str, default=_MISSING) -> bool:
+        value = self._value(key, default)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected true or false; fix config.json")
+        return value
+
+    def str(self, key: str, default=_MISSING) -> str:
+        value = self._value(key, default)
+        if not isinstance(value, str):
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected a string; fix config.json")
+        return value
+
+    def list(self, key: str, default=_MISSING) -> list:
+        value = self._value(key, default)
+        if not isinstance(value, list):
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected a list; fix config.json")
+        return value
+
+    def dict(self, key: str, default=_MISSING) -> dict:
+        value = self._value(key, default)
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected an object; fix config.json")
+        return value
+
+    def first_int(self, *keys: str, default=_MISSING) -> int:
+        """The first of several spellings present (transformers' `attribute_map` aliases)."""
+        for key in keys:
+            if self.has(key):
+                return self.int(key)
+        if default is _MISSING:
+            raise CheckpointError(f"{self.path}: lacks {' / '.join(keys)}, which the model needs; add it (the "
+                                  "model's source config.json has it)")
+        return default
+
+    def architecture(self) -> str:
+        archs = self.data.get("architectures")
+        if isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str):
+            return archs[0]
+        return ""
+
+    def rope(self) -> dict:
+        """RoPE parameters: transformers 5 writes `rope_parameters`, older configs `rope_theta` and
+        `rope_scaling`; returned as one dict with at least `rope_type` and `rope_theta`."""
+        params = dict(self.dict("rope_parameters", {}))
+        if not params:
+            params = dict(self.dict("rope_scaling", {}))
+            if self.has("rope_theta"):
+                params["rope_theta"] = self.float("rope_theta")
+        params.setdefault("rope_type", params.pop("type", "default"))
+        params.setdefault("rope_theta", 10000.0)
+        return params

@@ -1,0 +1,71 @@
+"""A model family of the HF format: its mapping table and its two config translations.
+
+`args_from_config` turns `config.json` into the Megatron `args` a megatron-core run of the same
+model uses (argparse names; the canonical ModelView carries them, so an HF checkpoint converts
+to legacy or torch_dist with its args written, and the launch flags are printed from them).
+`config_from_args` is the way back, for Megatron -> HF. `proxy_config` edits a source
+config.json for a proxy: expert count and routing groups per the plan, everything else kept.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+from mcore_proxy.checkpoint.hf.mapping import Table
+from mcore_proxy.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    table: Table
+    args_from_config: Callable       # (HFConfig, mtp_layers) -> argparse.Namespace
+    config_from_args: Callable       # (args, ModelSpec) -> dict (a new config.json)
+    proxy_config: Callable           # (dict, ModelSpec) -> dict (a source config.json for the view's experts)
+    qkv_groups: Callable | None = None   # (args) -> (heads, groups, head_dim) for the qkv transform
+
+
+def local_spec_args(**fields) -> argparse.Namespace:
+    """Megatron args shared by every HF-derived model: RMSNorm, SwiGLU, no linear biases, rotary
+    positions; the names written are megatron-core's local (non-TE) spec names, as MindSpeed-LLM
+    saves them, so `transformer_impl` says local. Parallel sizes are 1 (a writer sets its target)."""
+    base = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                position_embedding_type="rope", rotary_percent=1.0, transformer_impl="local",
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                expert_tensor_parallel_size=1, moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
+                ckpt_format="torch", iteration=0, use_distributed_optimizer=False,
+                make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(fields)
+    return argparse.Namespace(**base)
+
+
+def dtype_fields(config) -> dict:
+    """`params_dtype`, `bf16`, `fp16` from config.json's `dtype` (or older `torch_dtype`)."""
+    import torch
+
+    name = config.data.get("dtype") or config.data.get("torch_dtype") or "bfloat16"
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name)
+    if dtype is None:
+        raise CheckpointError(f"{config.path}: dtype {name!r} is not bfloat16, float16 or float32; fix config.json")
+    return {"params_dtype": dtype, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16}
+
+
+def dtype_name(args) -> str:
+    import torch
+
+    dtype = getattr(args, "params_dtype", None)
+    if getattr(args, "bf16", False) or dtype == torch.bfloat16:
+        return "bfloat16"
+    if getattr(args, "fp16", False) or dtype == torch.float16:
+        return "float16"
+    return "float32"
+
+
+def require(args, checks: list[tuple[str, object, object]], family: str) -> None:
+    """Refuse Megatron args an HF model of `family` cannot express: (field, found, expected)."""
+    for field, found, expected in checks:
+        if found != expected:
+            raise CheckpointError(f"Megatron args {field} is {found!r} but a {family} checkpoint on Hugging Face "
+                                  f"needs {expected!r}; this model has no HF equivalent in that family")

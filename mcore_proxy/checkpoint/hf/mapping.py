@@ -1,0 +1,194 @@
+"""Name mapping between Hugging Face keys and canonical megatron-core names, as data rows.
+
+A family (`qwen3_moe.py`, `deepseek.py`) is a table of `Row`s. A row pairs a canonical name
+pattern with one or more HF key patterns and a transform:
+
+  copy   one HF tensor is the canonical tensor
+  glu    canonical `linear_fc1` [2F, H] = cat(gate_proj [F, H], up_proj [F, H])
+  qkv    canonical `linear_qkv` [G*(r+2)*d, H] = per query group g: the r query heads of g, then
+         k_g, then v_g (megatron's layout; HF keeps q_proj [G*r*d, H], k_proj, v_proj [G*d, H])
+  fused  transformers' in-memory expert tensors (`experts.gate_up_proj` [E, 2F, H],
+         `experts.down_proj` [E, H, F]): canonical expert e is slice e (read only; written per
+         expert under the Hub names that `save_pretrained` writes)
+
+Scopes: "model" rows name whole keys (`model.embed_tokens.weight`); "layer" rows name what
+follows `model.layers.{i}.` in HF and the layer prefix in megatron (`decoder.layers.{L}` or, for
+HF layers past `num_hidden_layers`, the MTP layer `mtp.layers.{k}.transformer_layer`); "mtp" rows
+exist only in MTP layers and map to `mtp.layers.{k}.X` (DeepSeek's enorm, hnorm, eh_proj,
+shared_head.norm). `{e}` is an expert id.
+
+A key that matches no row must match an `Ignored` pattern (with the reason it is not a
+canonical tensor), otherwise reading stops with its name: a dropped tensor is never silent.
+FP8 checkpoints store `X_scale_inv` beside a quantised `X`; it follows X's row (copy and glu
+only: block scales of one tensor cannot be re-interleaved per query group).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore_proxy.errors import CheckpointError
+
+COPY, GLU, QKV, FUSED = "copy", "glu", "qkv", "fused"
+MODEL, LAYER, MTP = "model", "layer", "mtp"
+SCALE_SUFFIX = "_scale_inv"
+_PARTS = {COPY: 1, GLU: 2, QKV: 3, FUSED: 1}
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_CANON_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_CANON_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
+_CANON_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Row:
+    """canonical: pattern under the scope's prefix; hf: the HF pattern(s), one per part."""
+
+    canonical: str
+    hf: tuple[str, ...]
+    transform: str = COPY
+    scope: str = LAYER
+    read_only: bool = False   # an alternative spelling accepted when reading, never written
+
+    def __post_init__(self):
+        hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
+        object.__setattr__(self, "hf", hf)
+        if self.transform not in _PARTS or len(hf) != _PARTS[self.transform] or self.scope not in (MODEL, LAYER, MTP):
+            raise ValueError(f"bad mapping row {self}")
+        if self.transform == FUSED and not self.read_only:
+            raise ValueError(f"fused rows are read only: {self}")
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """HF keys that are deliberately not canonical tensors. `tied_to`: the canonical tensor they
+    copy (DeepSeek's MTP layers carry copies of the embedding and LM head, which megatron's MTP
+    shares with the main model); the writer writes the copy again from it."""
+
+    hf: str
+    scope: str
+    why: str
+    tied_to: str | None = None
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(re.escape("{e}"), r"(?P<e>\d+)") + "$")
+
+
+@dataclass(frozen=True)
+class Table:
+    """One family's rows, compiled once."""
+
+    rows: tuple[Row, ...]
+    ignored: tuple[Ignored, ...] = ()
+    _hf: tuple = field(init=False, repr=False, compare=False)
+    _canon: tuple = field(init=False, repr=False, compare=False)
+    _ign: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        hf = tuple((row, part, _compile(p)) for row in self.rows for part, p in enumerate(row.hf))
+        canon = tuple((row, _compile(row.canonical)) for row in self.rows if not row.read_only)
+        object.__setattr__(self, "_hf", hf)
+        object.__setattr__(self, "_canon", canon)
+        object.__setattr__(self, "_ign", tuple((i, _compile(i.hf)) for i in self.ignored))
+
+    def match_hf(self, scope: str, rest: str) -> tuple[Row, int, int | None] | None:
+        """(row, part, expert or None) of an HF key's scoped remainder."""
+        scopes = (LAYER, MTP) if scope == MTP else (scope,)
+        for row, part, regex in self._hf:
+            if row.scope in scopes and (m := regex.match(rest)):
+                return row, part, int(m.group("e")) if "e" in regex.groupindex else None
+        return None
+
+    def ignored_for(self, scope: str, rest: str) -> Ignored | None:
+        for ign, regex in self._ign:
+            if ign.scope == scope and regex.match(rest):
+                return ign
+        return None
+
+    def match_canonical(self, scope: str, rest: str) -> tuple[Row, int | None] | None:
+        for row, regex in self._canon:
+            if row.scope == scope and (m := regex.match(rest)):
+                return row, int(m.group("e")) if "e" in regex.groupindex else None
+        return None
+
+
+# -- where a key lives -------------------------------------------------------------------------
+
+def split_hf_key(key: str, num_layers: int) -> tuple[str, int | None, str]:
+    """HF key -> (scope, layer index or MTP depth, remainder). Layers at or past
+    `num_layers` are MTP layers (DeepSeek publishes MTP layer k as `model.layers.{N + k}`)."""
+    m = _HF_LAYER.match(key)
+    if not m:
+        return MODEL, None, key
+    i = int(m.group(1))
+    return (LAYER, i, m.group(2)) if i < num_layers else (MTP, i - num_layers, m.group(2))
+
+
+def canonical_name(row: Row, scope: str, index: int | None, expert: int | None) -> str:
+    name = row.canonical.replace("{e}", str(expert)) if expert is not None else row.canonical
+    if row.scope == MODEL:
+        return name
+    if row.scope == MTP:
+        return f"mtp.layers.{index}.{name}"
+    return (f"decoder.layers.{index}.{name}" if scope == LAYER
+            else f"mtp.layers.{index}.transformer_layer.{name}")
+
+
+def split_canonical(name: str) -> tuple[str, int | None, str, str]:
+    """Canonical name -> (scope, index, remainder, the row scope to look in)."""
+    if m := _CANON_DECODER.match(name):
+        return LAYER, int(m.group(1)), m.group(2), LAYER
+    if m := _CANON_MTP_LAYER.match(name):
+        return MTP, int(m.group(1)), m.group(2), LAYER
+    if m := _CANON_MTP.match(name):
+        return MTP, int(m.group(1)), m.group(2), MTP
+    return MODEL, None, name, MODEL
+
+
+def hf_name(pattern: str, scope: str, index: int | None, expert: int | None, num_layers: int) -> str:
+    key = pattern.replace("{e}", str(expert)) if expert is not None else pattern
+    if scope == MODEL:
+        return key
+    return f"model.layers.{index if scope == LAYER else num_layers + index}.{key}"
+
+
+# -- transforms: pure functions of tensors ------------------------------------------------------
+
+def glu_join(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[F, H] gate, [F, H] up -> [2F, H] megatron `linear_fc1` (gate rows, then up rows)."""
+    return torch.cat([gate, up])
+
+
+def glu_split(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = fc1.chunk(2, dim=0)
+    return gate, up
+
+
+def qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [G*r*d, H], k/v [G*d, H] -> megatron `linear_qkv` [G*(r+2)*d, H]: per query group its r
+    query heads, then its key head, then its value head."""
+    h = q.shape[1:]
+    return torch.cat([q.reshape(groups, -1, *h), k.reshape(groups, -1, *h), v.reshape(groups, -1, *h)],
+                     dim=1).reshape(-1, *h)
+
+
+def qkv_split(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of `qkv_join`."""
+    h = qkv.shape[1:]
+    per = heads // groups * head_dim
+    q, k, v = qkv.reshape(groups, per + 2 * head_dim, *h).split([per, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *h), k.reshape(-1, *h), v.reshape(-1, *h)
+
+
+def joined_shape(transform: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Canonical shape from the HF parts' shapes (no data read)."""
+    if transform == FUSED:
+        return tuple(shapes[0][1:])
+    if transform == COPY:
+        return tuple(shapes[0])
+    if len({s[1:] for s in shapes}) != 1:
+        raise CheckpointError(f"parts of one tensor disagree in their trailing dimensions: {shapes}")
+    return (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])

@@ -1,0 +1,115 @@
+"""safetensors files: what a shard holds (via safetensors' own `safe_open`), and a streaming writer.
+
+Reading uses `safe_open`, which maps the file and validates its header; `get_slice` reads only the
+bytes of the rows asked for. Each read opens and closes the file, so no mapping outlives it and
+the resident memory is the tensors held, not the shards touched.
+
+Writing streams: the header (every tensor's dtype, shape and byte range) is known from shapes
+alone, so it is written first and the tensors follow one at a time; a shard never sits in memory
+whole (safetensors' `save_file` needs the whole dict). The layout is the safetensors format:
+8-byte little-endian header length, the JSON header padded with spaces to a multiple of 8, the
+data in header order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.checkpoint.zipwrite import HashingSink
+from mcore_proxy.errors import CheckpointError
+
+DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Key -> shape and dtype of every tensor in one shard; CheckpointError naming the file when
+    it is not a complete safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            out = {}
+            for key in f.keys():
+                piece = f.get_slice(key)
+                dtype = DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"{path}: tensor {key} has dtype {piece.get_dtype()}, which mcore-proxy "
+                                          f"does not handle (supported: {', '.join(DTYPES)})")
+                out[key] = TensorInfo(tuple(piece.get_shape()), dtype)
+            return out
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: not a complete safetensors file ({' '.join(str(err).split())[:120]}); it "
+                              "may be truncated, copy it again from the model's source") from None
+
+
+def read_tensor(path: Path, key: str, index: int | None = None) -> torch.Tensor:
+    """One tensor, or row `index` of its first dimension (only those bytes are read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: reading {key} failed ({' '.join(str(err).split())[:120]}); the shard "
+                              "may be damaged, copy it again from the model's source") from None
+
+
+def header_bytes(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict | None = None) -> bytes:
+    """The 8-byte length and the padded JSON header for `tensors` laid out in order."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for key, shape, dtype in tensors:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+class StreamingWriter:
+    """Write one safetensors file: `StreamingWriter(path, layout)`, then `write(key, tensor)` for
+    every tensor of `layout` in its order, then `close()` -> (size, sha256 hex), hashed while
+    written (`zipwrite.HashingSink`) and synced. A tensor of another shape, dtype or order than
+    declared is an error, never a silently corrupt file."""
+
+    def __init__(self, path: Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        self.path, self._layout, self._next = Path(path), list(layout), 0
+        if self.path.exists():
+            raise FileExistsError(17, "File exists", str(self.path))
+        self._sink = HashingSink(self.path)
+        self._sink.write(header_bytes(self._layout))
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        want_key, shape, dtype = self._layout[self._next]
+        if key != want_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise RuntimeError(f"{self.path}: tensor {key} {tuple(tensor.shape)} {tensor.dtype} written where the "
+                               f"header declares {want_key} {tuple(shape)} {dtype}")
+        if tensor.numel():
+            self._sink.write(tensor.detach().cpu().contiguous())
+        self._next += 1
+
+    def close(self) -> tuple[int, str]:
+        if self._next != len(self._layout):
+            self._sink.abort()
+            raise RuntimeError(f"{self.path}: {len(self._layout) - self._next} declared tensors were not written")
+        return self._sink.close()
+
+    def abort(self) -> None:
+        self._sink.abort()

@@ -1,0 +1,65 @@
+"""One table of metric names across RL frameworks: canonical name -> the names logs use for it.
+
+Names are matched after `normalise` (lower case, spaces and dashes as underscores), in table
+order: the first name a run has wins (verl logs both `critic/score/mean` and
+`critic/rewards/mean`; the score, before KL or length penalties, is the reward of a verifiable task).
+
+Sources: verl (`critic/score/mean`, `actor/kl_loss`, `actor/ppo_kl`, `actor/entropy`,
+`actor/grad_norm`, `training/rollout_probs_diff_mean`, `response_length/mean`), MindSpeed-RL
+(`grpo/score/mean`, `actor/...`, `response_length/mean`), Megatron's console and TensorBoard
+(`grad norm`, `grad-norm`), TRL (`reward`, `kl`, `entropy`, `completions/mean_length`).
+"""
+from __future__ import annotations
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "reward": ("critic/score/mean", "grpo/score/mean", "critic/rewards/mean", "grpo/rewards/mean",
+               "rewards/mean", "reward/mean", "reward", "score/mean", "score", "train/reward"),
+    "kl_loss": ("actor/kl_loss", "kl_loss", "train/kl_loss", "kl"),
+    "ppo_kl": ("actor/ppo_kl", "ppo_kl", "actor/approx_kl", "approx_kl"),
+    "entropy": ("actor/entropy", "actor/entropy_loss", "entropy", "train/entropy"),
+    "grad_norm": ("actor/grad_norm", "grad_norm", "train/grad_norm"),
+    "logprob_diff": ("training/rollout_probs_diff_mean", "training/rollout_logprob_diff_mean",
+                     "rollout/logprob_diff", "logprob_diff", "rollout_logprob_diff"),
+    "response_length": ("response_length/mean", "completions/mean_length", "response_length"),
+    "clipfrac": ("actor/pg_clipfrac", "pg_clipfrac", "clipfrac"),
+    "pg_loss": ("actor/pg_loss", "pg_loss"),
+}
+
+DESCRIPTIONS = {
+    "reward": "mean reward (score) of the rollouts",
+    "kl_loss": "KL loss to the reference policy",
+    "ppo_kl": "approximate KL between the rollout and the updated policy (PPO KL)",
+    "entropy": "policy entropy",
+    "grad_norm": "gradient norm of the actor",
+    "logprob_diff": "rollout-vs-training log-probability difference",
+    "response_length": "mean response length (tokens)",
+    "clipfrac": "fraction of clipped PPO ratios",
+    "pg_loss": "policy-gradient loss",
+}
+
+
+def normalise(name: str) -> str:
+    return name.strip().lower().replace(" ", "_").replace("-", "_")
+
+
+_LOOKUP = {normalise(alias): (canonical, rank) for canonical, names in ALIASES.items()
+           for rank, alias in enumerate(names)}
+
+
+def canonical_metrics(raw_names) -> dict[str, str]:
+    """canonical name -> the raw name of this run that provides it (best-ranked alias)."""
+    best: dict[str, tuple[int, str]] = {}
+    for raw in raw_names:
+        hit = _LOOKUP.get(normalise(raw))
+        if hit is not None and (hit[0] not in best or hit[1] < best[hit[0]][0]):
+            best[hit[0]] = (hit[1], raw)
+    return {canonical: raw for canonical, (_, raw) in best.items()}
+
+
+def resolve(name: str, raw_names) -> str | None:
+    """A requested metric (canonical or raw) -> the raw name this run logs it under."""
+    raw_names = list(raw_names)
+    if name in ALIASES:
+        return canonical_metrics(raw_names).get(name)
+    wanted = normalise(name)
+    return next((raw for raw in raw_names if normalise(raw) == wanted), None)

@@ -1,0 +1,114 @@
+"""The comparison as text (a table and the verdict), as JSON, and as a folder with PNG curves.
+
+`write_report(out, comparison)` writes, staged and renamed at the end like every output here:
+`report.json` (signatures, matches, verdict, what was left out), `report.md` (the table, the
+verdict, the pictures) and one `{metric}.png` per metric: the original's baseline and faulted
+curves, the proxy's, side by side, and both normalised shift curves overlaid with their onsets.
+matplotlib is imported inside.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from mcore_proxy.diagnose.compare import ROLES, Comparison, role_name
+
+
+def _fmt(value, spec=".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _sig(sig) -> str:
+    return (f"{sig.direction:+d} {_fmt(sig.shift)} / {sig.trend:+d} / "
+            f"{'-' if sig.onset is None else sig.onset}")
+
+
+def summary_table(comparison: Comparison) -> str:
+    """One line per metric: original and proxy (direction shift / trend / onset), agreement."""
+    head = f"{'metric':<16} {'original: dir shift / trend / onset':<36} {'proxy':<30} {'r':>6}  match"
+    lines = [head]
+    for metric, m in comparison.matches.items():
+        r = _fmt(m.correlation, ".2f") if m.correlation_required else "n/a"
+        verdict = "yes" if m.match else "NO: " + ", ".join(m.reasons())
+        lines.append(f"{metric:<16} {_sig(m.orig):<36} {_sig(m.proxy):<30} {r:>6}  {verdict}")
+    lines += [f"left out: {note}" for note in comparison.left_out]
+    lines.append(comparison.verdict())
+    return "\n".join(lines)
+
+
+def as_dict(comparison: Comparison) -> dict:
+    orig, proxy = comparison.signatures()
+    return {
+        "format": "mcore-proxy-compare/1",
+        "runs": {role_name(r): comparison.sources[r] for r in ROLES},
+        "consistent": comparison.consistent,
+        "verdict": comparison.verdict(),
+        "left_out": comparison.left_out,
+        "metrics": {m: {"match": x.match, "direction": x.direction, "trend": x.trend, "onset": x.onset,
+                        "onset_window": x.onset_window, "correlation": x.correlation,
+                        "correlation_required": x.correlation_required, "score": x.score,
+                        "raw_names": {role_name(r): n for r, n in comparison.raw_names[m].items()}}
+                    for m, x in comparison.matches.items()},
+        "signatures": {"original": orig.to_dict(), "proxy": proxy.to_dict()},
+    }
+
+
+def _safe(metric: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", metric)
+
+
+def metric_figure(comparison: Comparison, metric: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    match, series = comparison.matches[metric], comparison.series[metric]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, model in zip(axes[:2], ("orig", "proxy")):
+        for role, style in ((f"{model}_base", dict(color="tab:blue", label="baseline")),
+                            (f"{model}_fault", dict(color="tab:red", label="fault"))):
+            s = series[role]
+            ax.plot(s.steps, s.values, lw=1.2, **style)
+        sig = match.orig if model == "orig" else match.proxy
+        if sig.onset is not None:
+            ax.axvline(sig.onset, color="gray", ls="--", lw=1, label=f"onset {sig.onset}")
+        ax.set_title(f"{'original' if model == 'orig' else 'proxy'}: {metric}")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    for sig, color, label in ((match.orig, "black", "original"), (match.proxy, "tab:green", "proxy")):
+        ax.plot(sig.curve_steps, sig.curve, color=color, lw=1.5,
+                label=f"{label}: dir {sig.direction:+d}, trend {sig.trend:+d}")
+    ax.axhline(0, color="gray", lw=0.5)
+    r = "n/a" if match.correlation is None else f"{match.correlation:.2f}"
+    ax.set_title(f"normalised shift (fault - baseline), r = {r}: "
+                 f"{'match' if match.match else 'MISMATCH'}")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_report(out, comparison: Comparison) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mcore_proxy.checkpoint.output import staged_output
+
+    out = Path(out)
+    with staged_output(out) as tmp:
+        (tmp / "report.json").write_text(json.dumps(as_dict(comparison), indent=1))
+        lines = ["# mcore-proxy compare", "", comparison.verdict(), "", "```",
+                 summary_table(comparison), "```", ""]
+        for metric in comparison.matches:
+            fig = metric_figure(comparison, metric)
+            name = f"{_safe(metric)}.png"
+            fig.savefig(tmp / name, dpi=90)
+            plt.close(fig)
+            lines.append(f"![{metric}]({name})")
+        (tmp / "report.md").write_text("\n".join(lines) + "\n")
+    return out

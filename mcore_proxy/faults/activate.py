@@ -1,0 +1,25 @@
+"""The fault injectors as a feature of `mcore_proxy.activation`: switched on by `MCORE_PROXY_FAULTS`.
+Standard library only. When the watched modules are imported, `mcore_proxy.faults.runtime`:
+
+    megatron.core.transformer.moe.moe_layer   -> wrap MoELayer.__init__ (router and experts faults)
+    megatron.core.models.gpt.gpt_model        -> wrap GPTModel.__init__ (output-layer faults)
+    torch.optim.optimizer                     -> global optimizer step hooks (update omission, clock)
+    transformers.modeling_utils               -> wrap PreTrainedModel.post_init (HF MoE blocks, lm_head)
+    mindspeed.patch_utils                     -> register the __init__ wrappers with
+                                                 MindSpeedPatchesManager
+"""
+from __future__ import annotations
+
+from mcore_proxy.activation import Feature
+from mcore_proxy.faults.spec import ENV_FAULTS
+
+WATCHED = {
+    "megatron.core.transformer.moe.moe_layer": "patch_moe_layer_module",
+    "megatron.core.models.gpt.gpt_model": "patch_gpt_model_module",
+    "torch.optim.optimizer": "patch_torch_optimizer_module",
+    "transformers.modeling_utils": "patch_transformers_module",
+    "mindspeed.patch_utils": "patch_mindspeed_module",
+}
+
+FEATURE = Feature("faults", ENV_FAULTS, "mcore_proxy.faults.runtime", WATCHED,
+                  check="mcore_proxy.faults.spec:check_env")

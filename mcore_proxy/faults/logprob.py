@@ -1,0 +1,42 @@
+"""`logprob_precision`: the rollout computes its log-probabilities from logits in bf16 or fp16 while
+training computes them in fp32 (the rollout engine/trainer precision mismatch of RL pipelines).
+
+The output layer's logits are rounded to the low precision (and cast back, so shapes and dtypes
+are what the caller expects) in the forward passes the `when` parameter names: `no_grad` (forward
+passes without autograd: generation and log-prob recomputation of a rollout), `rollout` (inside
+`mcore_proxy.faults.rollout()`), or `always`. Training forward passes are left in full precision.
+"""
+from __future__ import annotations
+
+import torch
+
+from mcore_proxy.faults.base import Injector
+from mcore_proxy.faults.clock import in_rollout
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def round_to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype).to(tensor.dtype)
+
+
+class LogprobPrecision(Injector):
+    kind = "logprob_precision"
+    sites = ("output",)
+
+    def applies_now(self) -> bool:
+        when = self.spec["when"]
+        return (when == "always" or (when == "no_grad" and not torch.is_grad_enabled())
+                or (when == "rollout" and in_rollout()))
+
+    def attach_output(self, site):
+        dtype = DTYPES[self.spec["dtype"]]
+
+        def hook(module, args, output):
+            if not self.applies_now() or not self.on():
+                return None
+            if isinstance(output, tuple):      # megatron ColumnParallelLinear: (logits, bias)
+                return (round_to(output[0], dtype), *output[1:])
+            return round_to(output, dtype)
+
+        return [site.module.register_forward_hook(hook)]

@@ -1,0 +1,62 @@
+"""Where injectors attach: the router, routed-experts and output-layer modules of a model.
+
+A `Site` is one module of one of these kinds, with a function that tells its global 0-based layer
+id (resolved at call time: megatron sets `layer_number` after the MoE layer is built):
+
+    router    megatron `TopKRouter` (logits through `gating`, choices through its forward output)
+    experts   megatron `MoELayer.experts` (output `(out [routed tokens, H], bias)`)
+    gate      transformers: a sparse MoE block's router `nn.Linear` (output logits)
+    hf_expert transformers: one expert module of a sparse MoE block (output [tokens, H])
+    output    megatron `GPTModel.output_layer` (output `(logits, bias)`), transformers `lm_head`
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from mcore_proxy.faults import hf
+from mcore_proxy.faults.site import Site
+
+
+def _megatron_classes():
+    try:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+    except ImportError:
+        return None
+    return MoELayer, GPTModel
+
+
+def router_layer_id(router) -> str | None:
+    from mcore_proxy.trace.megatron import layer_id
+
+    if getattr(router, "layer_number", None) is None:
+        return None
+    return layer_id(router.layer_number, router.config.num_layers)
+
+
+def moe_layer_sites(layer) -> list[Site]:
+    """The router and experts of one megatron `MoELayer`."""
+    router = layer.router
+    lid = lambda: router_layer_id(router)  # noqa: E731
+    return [Site("router", router, lid), Site("experts", layer.experts, lid)]
+
+
+def gpt_model_sites(gpt) -> list[Site]:
+    """The output layer of a megatron `GPTModel` stage that has one (post_process)."""
+    output = getattr(gpt, "output_layer", None)
+    return [Site("output", output)] if output is not None else []
+
+
+def find_sites(model) -> list[Site]:
+    """Every site of `model` (a module, or a list of virtual-pipeline chunks)."""
+    chunks: Iterable = model if isinstance(model, (list, tuple)) else [model]
+    sites: list[Site] = []
+    classes = _megatron_classes()
+    for chunk in chunks:
+        for module in chunk.modules():
+            if classes is not None and isinstance(module, classes[0]):
+                sites += moe_layer_sites(module)
+            elif classes is not None and isinstance(module, classes[1]):
+                sites += gpt_model_sites(module)
+        sites += hf.find_sites(chunk)
+    return sites

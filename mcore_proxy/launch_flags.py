@@ -1,0 +1,66 @@
+"""Megatron-LM launch flags of a model from its args, for a source no Megatron launch saved (Hugging Face).
+
+A Megatron checkpoint converted from HF has no launch script yet: these are the model-shape
+flags its args hold, in Megatron-LM's argparse spelling (`--num-layers` for `num_layers`). The
+parallel-layout flags are added by `convert` for the target layout.
+"""
+from __future__ import annotations
+
+# (args field, flag, kind): "value" prints `--flag V` when set, "true" prints `--flag` when true,
+# "list" prints a Python list (Megatron parses `--moe-layer-freq` as one), "int" a whole number;
+# "gqa", "mla", "not_mla", "yarn": printed like "value" only for that kind of attention / RoPE.
+FLAGS = (
+    ("num_layers", "--num-layers", "value"), ("hidden_size", "--hidden-size", "value"),
+    ("ffn_hidden_size", "--ffn-hidden-size", "value"), ("num_attention_heads", "--num-attention-heads", "value"),
+    ("group_query_attention", "--group-query-attention", "true"), ("num_query_groups", "--num-query-groups", "gqa"),
+    ("kv_channels", "--kv-channels", "not_mla"), ("qk_layernorm", "--qk-layernorm", "true"),
+    ("multi_latent_attention", "--multi-latent-attention", "true"), ("q_lora_rank", "--q-lora-rank", "value"),
+    ("kv_lora_rank", "--kv-lora-rank", "mla"), ("qk_head_dim", "--qk-head-dim", "mla"),
+    ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim", "mla"), ("v_head_dim", "--v-head-dim", "mla"),
+    ("rope_type", "--rope-type", "mla"), ("rotary_scaling_factor", "--rotary-scaling-factor", "yarn"),
+    ("mscale", "--mscale", "yarn"), ("mscale_all_dim", "--mscale-all-dim", "yarn"),
+    ("experimental_attention_variant", "--experimental-attention-variant", "value"),
+    ("dsa_indexer_n_heads", "--dsa-indexer-n-heads", "value"), ("dsa_indexer_head_dim", "--dsa-indexer-head-dim", "value"),
+    ("dsa_indexer_topk", "--dsa-indexer-topk", "value"),
+    ("num_experts", "--num-experts", "value"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", "value"),
+    ("moe_router_topk", "--moe-router-topk", "value"), ("moe_layer_freq", "--moe-layer-freq", "list"),
+    ("moe_router_score_function", "--moe-router-score-function", "value"),
+    ("moe_router_pre_softmax", "--moe-router-pre-softmax", "true"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", "true"),
+    ("moe_router_num_groups", "--moe-router-num-groups", "value"), ("moe_router_group_topk", "--moe-router-group-topk", "value"),
+    ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", "value"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", "value"),
+    ("mtp_num_layers", "--mtp-num-layers", "value"),
+    ("normalization", "--normalization", "value"), ("norm_epsilon", "--norm-epsilon", "value"),
+    ("swiglu", "--swiglu", "true"), ("position_embedding_type", "--position-embedding-type", "value"),
+    ("rotary_base", "--rotary-base", "int"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", "true"),
+    ("max_position_embeddings", "--max-position-embeddings", "value"),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", "value"),
+    ("bf16", "--bf16", "true"), ("fp16", "--fp16", "true"),
+)
+
+
+def _show(value) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def model_flags(args) -> list[str]:
+    """The model-shape flags of `args` (see FLAGS)."""
+    mla, gqa = bool(getattr(args, "multi_latent_attention", False)), bool(getattr(args, "group_query_attention", False))
+    yarn = getattr(args, "rope_type", None) == "yarn"
+    flags = ["--disable-bias-linear"] if getattr(args, "add_bias_linear", True) is False else []
+    for field, flag, kind in FLAGS:
+        value = getattr(args, field, None)
+        if value is None or value is False:
+            continue
+        if kind == "true":
+            flags.append(flag)
+        elif kind == "list":
+            flags.append(f'{flag} "{list(value)}"' if isinstance(value, (list, tuple)) else f"{flag} {value}")
+        elif kind == "int":
+            flags.append(f"{flag} {_show(value)}")
+        elif kind == "value" or (kind == "gqa" and gqa) or (kind == "mla" and mla) or (kind == "not_mla" and not mla) \
+                or (kind == "yarn" and yarn):
+            flags.append(f"{flag} {_show(value)}")
+    return flags

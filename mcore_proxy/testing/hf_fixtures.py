@@ -1,0 +1,219 @@
+"""Tiny Hugging Face MoE checkpoints written by transformers itself, for tests and examples.
+
+Each model is built offline from its transformers config class at a tiny size, given decisive
+deterministic weights (router rows of unit scale so routing is far from uniform, experts that
+differ), and saved with `save_pretrained` in several safetensors shards. DeepSeek models get the
+MTP layer DeepSeek publishes (`model.layers.{N}`: a MoE decoder layer plus enorm, hnorm,
+eh_proj, shared_head.norm and copies of the embedding and LM head), which transformers neither
+builds nor saves, as an extra shard added to the index. A word-level tokenizer (the `tokenizers`
+package, trained on a fixed word list) is saved beside every model.
+
+`fp8_copy` writes a copy whose linear weights are float8_e4m3fn with `*_scale_inv` block scales,
+as DeepSeek publishes its weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+
+WORDS = ("the a one two red blue cat dog sat ran on under big small tree house river stone bird fish "
+         "light dark fast slow old new sun moon over near far green high low day night").split()
+VOCAB = 128
+SHARD = "20KB"
+# the linear layers DeepSeek's FP8 release quantises (not the router, eh_proj, embeddings, head)
+FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|"
+                        r"kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, moe_intermediate_size=8,
+               num_experts_per_tok=4, norm_topk_prob=True, pad_token_id=1, bos_token_id=None, eos_token_id=2)
+_DEEPSEEK = dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=16,
+                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=20,
+                 kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_nextn_predict_layers=1,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+# name -> (config class, model class, config kwargs, MTP layers to add)
+MODELS = {
+    # GQA 4 heads / 2 groups, head dim 12 != H/heads, q/k norms; 16 experts top-4 softmax
+    # (renormalised); layer 0 dense (mlp_only_layers); non-default rope_theta and eps
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=12, num_experts=16,
+                       mlp_only_layers=[0], rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}), 0),
+    # MLA with q_lora; layer 0 dense; 16 experts in 4 groups (top-2 groups), top-4 sigmoid with
+    # expert bias, scaling 2.5, one shared expert; one MTP layer
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK), 1),
+    # the same with the DSA indexer (2 heads of 8, top-4 tokens)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                     dict(_DEEPSEEK, index_n_heads=2, index_head_dim=8, index_topk=4), 1),
+}
+
+
+def _generator(name: str, seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed((zlib.crc32(name.encode()) + 7919 * seed) % 2**63)
+
+
+def decisive_value(name: str, shape, seed: int) -> torch.Tensor:
+    """A deterministic value for parameter `name`: norms near 1, router rows of unit scale,
+    expert biases of 0.1, other weights of unit-variance outputs."""
+    x = torch.randn(tuple(shape), generator=_generator(name, seed))
+    module, param = name.split(".")[-2:]
+    if "norm" in module:
+        return 1.0 + 0.1 * x if param == "weight" else 0.1 * x
+    if name.endswith("e_score_correction_bias"):
+        return 0.1 * x
+    if name.endswith("mlp.gate.weight"):
+        return x
+    return x / shape[-1] ** 0.5
+
+
+def fill(model, seed: int = 0) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(decisive_value(name, p.shape, seed))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(decisive_value(name, b.shape, seed))
+
+
+def _mtp_tensors(model, config, seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek's published MTP layer k = N, under Hub names (experts per expert)."""
+    n, h = config.num_hidden_layers, config.hidden_size
+    layer = type(model.model.layers[-1])(config, n - 1)   # a MoE decoder layer (its index only picks the type)
+    prefix = f"model.layers.{n}."
+    fill(layer, seed + 1)
+    out = {}
+    for key, value in layer.state_dict().items():
+        name = prefix + key
+        if key.endswith("experts.gate_up_proj"):
+            for e, fc1 in enumerate(value):
+                gate, up = fc1.chunk(2)
+                out[prefix + key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
+                out[prefix + key.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
+        elif key.endswith("experts.down_proj"):
+            for e, fc2 in enumerate(value):
+                out[prefix + key.replace("down_proj", f"{e}.down_proj.weight")] = fc2.clone()
+        else:
+            out[name] = value.clone()
+    for key, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+                       ("shared_head.norm.weight", (h,))):
+        out[prefix + key] = decisive_value(prefix + key, shape, seed)
+    out[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    return out
+
+
+def add_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one more shard and list its tensors in the index."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({k: file for k in tensors})
+    index["metadata"]["total_size"] += sum(v.numel() * v.element_size() for v in tensors.values())
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over WORDS (ids below the model's vocab), saved by transformers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    fast.save_pretrained(str(folder))
+
+
+def build(name: str, folder: Path, seed: int = 0) -> Path:
+    """Save tiny model `name` (see MODELS) into `folder` (created)."""
+    import transformers
+
+    config_cls, model_cls, kwargs, mtp = MODELS[name]
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    fill(model, seed)
+    folder.mkdir(parents=True)
+    model.save_pretrained(str(folder), max_shard_size=SHARD)
+    if mtp:
+        add_shard(folder, "model-mtp.safetensors", _mtp_tensors(model, config, seed))
+    save_tokenizer(folder)
+    return folder
+
+
+def fixture_key(name: str, seed: int = 0) -> str:
+    import transformers
+
+    source = Path(__file__).read_bytes()
+    digest = hashlib.sha256(repr((MODELS[name], seed, transformers.__version__)).encode() + source).hexdigest()[:12]
+    return f"hf-{name}-{digest}"
+
+
+def build_cached(name: str, root: str | os.PathLike, seed: int = 0) -> Path:
+    """Build (or reuse from `root`) tiny model `name`; returns its folder."""
+    base = Path(root) / fixture_key(name, seed)
+    folder = base / "model"
+    if not (base / "done").is_file():
+        shutil.rmtree(base, ignore_errors=True)
+        build(name, folder, seed)
+        (base / "done").write_text("ok")
+    return folder
+
+
+def calibration_jsonl(path: Path, records: int = 24, seed: int = 0, as_ids: bool = False) -> Path:
+    """Deterministic calibration data: `{"text": ...}` sentences of WORDS of varied lengths (or
+    `{"input_ids": [...]}` with ids in 3..VOCAB-1)."""
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for i in range(records):
+        length = 4 + int(torch.randint(0, 20, (1,), generator=g))
+        if as_ids:
+            lines.append(json.dumps({"input_ids": torch.randint(3, VOCAB, (length,), generator=g).tolist()}))
+        else:
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (length,), generator=g)]
+            lines.append(json.dumps({"text": " ".join(words)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = (8, 8)) -> Path:
+    """Copy HF checkpoint `src` to `dst` with every 2-D linear weight inside the decoder and MTP
+    layers quantised to float8_e4m3fn with `{key}_scale_inv` block scales (DeepSeek's scheme:
+    embeddings, LM head, norms and the router stay as they are). Small blocks so that the tiny
+    tensors hold several, some partial."""
+    from safetensors.torch import load_file, save_file
+
+    from mcore_proxy.checkpoint.hf.fp8 import quantize
+
+    dst.mkdir(parents=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(src / file))
+        out = {}
+        for key, value in tensors.items():
+            if FP8_LINEAR.search(key) and value.dim() == 2:
+                out[key], out[key + "_scale_inv"] = quantize(value, block)
+            else:
+                out[key] = value
+        save_file(out, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in out})
+    index["weight_map"] = weight_map
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for p in src.iterdir():
+        if p.suffix != ".safetensors" and p.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copyfile(p, dst / p.name)
+    return dst

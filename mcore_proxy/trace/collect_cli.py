@@ -1,0 +1,32 @@
+"""`mcore-proxy collect --hf MODEL --data FILE -o DIR`: routing statistics of a Hugging Face model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("collect", help="routing statistics of a Hugging Face model over calibration data",
+                       description="Run a Hugging Face MoE checkpoint in transformers over JSONL records "
+                       "({\"text\": ...} with the checkpoint's tokenizer, or {\"input_ids\": [...]}) and write "
+                       "DIR/routing_stats.safetensors (+ .json) for `mcore-proxy select`.")
+    p.add_argument("--hf", type=Path, required=True, metavar="MODEL", help="Hugging Face checkpoint folder")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE", help="JSONL calibration data")
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="folder for the statistics")
+    p.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: all of FILE)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--max-length", type=int,
+                   help="longest sequence; longer records are cut into windows (default: max_position_embeddings)")
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    p.set_defaults(func=run_collect)
+
+
+def run_collect(args) -> int:
+    from mcore_proxy.stats import load_stats
+    from mcore_proxy.trace.hf import collect
+
+    path, tokens = collect(args.hf, args.data, args.out, max_tokens=args.max_tokens, batch_size=args.batch_size,
+                           max_length=args.max_length, device=args.device)
+    stats = load_stats(path)
+    print(f"wrote {path}: {tokens} tokens through {len(stats.layers)} MoE layers "
+          f"({stats.num_experts} experts, top-{stats.topk}); next: mcore-proxy select --ckpt {args.hf} --stats {path}")
+    return 0

@@ -1,0 +1,157 @@
+"""Hugging Face in, Hugging Face out: tiny Qwen3-MoE, DeepSeek-V3 and DeepSeek-V3.2 models built
+and saved by transformers (several shards, DeepSeek with the MTP layer it publishes), read into
+the canonical view, written back, pruned by a plan made from `collect` statistics, and run in
+transformers: the proxy computes what the original computes when its gates may only choose
+the kept experts (group-limited routing included), and that restriction changes the output.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.cli import main
+from mcore_proxy.hf_models import load_model, restrict_gates, run
+
+FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32"]
+TOKENS = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(11))
+
+
+def hf_tensors(folder) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(folder / file)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fixtures_are_sharded_transformers_checkpoints(hf_model, name):
+    folder = hf_model(name)
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) >= 3
+    keys = hf_tensors(folder)
+    # save_pretrained writes per-expert Hub names although transformers 5 holds experts fused
+    assert "model.layers.1.mlp.experts.15.gate_proj.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)
+    view = open_checkpoint(folder)
+    assert view.info.format == "hf" and view.spec.num_experts == 16 and view.spec.topk == 4
+    if name != "qwen3_moe":
+        assert view.spec.moe_layer_ids == ["1", "2", "mtp.0"]       # MTP layer = HF layer num_hidden_layers
+        assert (view.spec.num_groups, view.spec.group_topk, view.spec.expert_bias) == (4, 2, True)
+        assert "model.layers.3.eh_proj.weight" in keys and "mtp.layers.0.eh_proj.weight" in view.names()
+        assert view.dtype("decoder.layers.1.mlp.router.expert_bias") == torch.float32
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_to_hf_without_plan_writes_the_same_tensors(hf_model, tmp_path, name):
+    """Reader and writer are inverse: every HF tensor comes back under its name, bit for bit
+    (q/k/v re-split from megatron's interleaved linear_qkv, gate/up from linear_fc1, the MTP
+    layer's embedding and head copies re-made from the shared tensors)."""
+    src = hf_model(name)
+    out = tmp_path / "copy"
+    assert main(["convert", str(src), "-o", str(out)]) == 0
+    a, b = hf_tensors(src), hf_tensors(out)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    logits = run(load_model(src), TOKENS), run(load_model(out), TOKENS)
+    assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_proxy_equals_the_original_with_gates_restricted_to_the_kept_experts(hf_proxy, name):
+    orig, _, _, plan, proxy = hf_proxy(name)
+    original, pruned = load_model(orig), load_model(proxy)
+    assert pruned.config.num_experts_per_tok == 4
+    keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
+    with restrict_gates(original, keep):
+        reference = run(original, TOKENS)
+    unrestricted, got = run(original, TOKENS), run(pruned, TOKENS)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    assert (unrestricted - reference).abs().max() > 0.1          # the restriction is measurable
+    if name != "qwen3_moe":
+        assert (pruned.config.n_routed_experts, pruned.config.n_group, pruned.config.topk_group) == (8, 4, 2)
+        for group in range(4):   # the plan kept 2 experts of each original routing group, in order
+            assert [e // 4 for e in plan.kept("1")[2 * group:2 * group + 2]] == [group, group]
+    else:
+        assert pruned.config.num_local_experts == 8
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_proxy_files_tensors_and_config(hf_proxy, name):
+    orig, _, plan_path, plan, proxy = hf_proxy(name)
+    names = {p.name for p in proxy.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.safetensors.index.json", "manifest.json"} <= names
+    config, source_config = (json.loads((d / "config.json").read_text()) for d in (proxy, orig))
+    changed = {k for k in config if config[k] != source_config.get(k)}
+    assert changed == ({"num_local_experts"} if name == "qwen3_moe" else {"n_routed_experts"})
+    a, b = hf_tensors(orig), hf_tensors(proxy)
+    kept = plan.kept("2")
+    for j, e in enumerate(kept):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(b[f"model.layers.2.mlp.experts.{j}.{proj}.weight"], a[f"model.layers.2.mlp.experts.{e}.{proj}.weight"])
+    assert torch.equal(b["model.layers.2.mlp.gate.weight"], a["model.layers.2.mlp.gate.weight"][kept])
+    if name != "qwen3_moe":
+        mtp = plan.kept("mtp.0")
+        assert torch.equal(b["model.layers.3.mlp.gate.e_score_correction_bias"],
+                           a["model.layers.3.mlp.gate.e_score_correction_bias"][mtp])
+        assert torch.equal(b["model.layers.3.embed_tokens.weight"], a["model.embed_tokens.weight"])
+        assert torch.equal(b["model.layers.3.shared_head.head.weight"], a["lm_head.weight"])
+    assert main(["verify", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--functional"]) == 0
+
+
+def test_fused_expert_tensors_read_like_hub_names(hf_model, tmp_path):
+    """A checkpoint holding transformers' in-memory fused experts (`experts.gate_up_proj`
+    [E, 2F, H]) reads to the same canonical tensors, one expert's rows at a time."""
+    from safetensors.torch import save_file
+
+    src = hf_model("qwen3_moe")
+    model = load_model(src)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    (fused / "config.json").write_text((src / "config.json").read_text())
+    a, b = open_checkpoint(src), open_checkpoint(fused)
+    assert a.names() == b.names()
+    for name in a.names():
+        assert a.shape(name) == b.shape(name) and torch.equal(a.get(name), b.get(name)), name
+
+
+def test_fp8_checkpoint_prunes_bit_exactly_and_dequantises_on_request(hf_proxy, tmp_path):
+    """DeepSeek's FP8 release shape (float8_e4m3fn linears with `*_scale_inv` block scales, here
+    8x8 blocks so tiny tensors hold several, some partial): the plan prunes it without
+    dequantising, every kept weight and scale copied bit for bit and the quantization_config
+    kept; `--dequantize-fp8` writes bf16 weights equal to weight x block scale, and no scales."""
+    from mcore_proxy.checkpoint.hf import fp8
+    from mcore_proxy.testing.hf_fixtures import fp8_copy
+
+    orig, _, plan_path, plan, _ = hf_proxy("deepseek_v3")
+    src = fp8_copy(orig, tmp_path / "fp8")
+    out, deq = tmp_path / "proxy", tmp_path / "bf16"
+    assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(out)]) == 0
+    a, b = hf_tensors(src), hf_tensors(out)
+    kept = plan.kept("2")
+    expert = "model.layers.2.mlp.experts.{}.down_proj.weight"
+    assert a[expert.format(kept[0])].dtype == fp8.FP8
+    for j, e in enumerate(kept):
+        for suffix in ("", "_scale_inv"):
+            x, y = b[expert.format(j) + suffix], a[expert.format(e) + suffix]
+            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8) if suffix == "" else x,
+                                                      y.view(torch.uint8) if suffix == "" else y)
+    attn = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(b[attn].view(torch.uint8), a[attn].view(torch.uint8))
+    assert torch.equal(b[attn + "_scale_inv"], a[attn + "_scale_inv"])
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [8, 8]
+    assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(deq), "--dequantize-fp8"]) == 0
+    c = hf_tensors(deq)
+    assert not any(k.endswith("_scale_inv") for k in c) and c[attn].dtype == torch.bfloat16
+    assert torch.equal(c[attn], fp8.dequantize(a[attn], a[attn + "_scale_inv"], (8, 8)))
+    assert "quantization_config" not in json.loads((deq / "config.json").read_text())
