@@ -1,4 +1,10 @@
-"""manifest.json: sha256 and size of every file of an output, with its provenance."""
+"""manifest.json: sha256 and size of every file of an output, with its provenance.
+
+Paths in a manifest never go stale when the proxy moves: files are listed relative to the
+output folder, and the inputs are recorded as given on `convert`'s command line
+(`given_path`), beside their identities (sha256, router fingerprint), under a note that says
+nothing reads them back.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +15,22 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 FORMAT = "mcore-proxy-manifest/1"
+PATHS_NOTE = ("files: relative to this folder. given_path: an input as given to convert, relative to the folder "
+              "convert ran in; provenance only, never read back (verify takes its inputs on its command line), and "
+              "it does not follow a moved proxy or input: their identities are the sha256 and router_fingerprint")
+
+
+def given_path(path: str | os.PathLike) -> str:
+    """An input path as recorded in a manifest: as given, never resolved against this machine."""
+    return os.fspath(path)
+
+
+def is_output_folder(folder: Path) -> bool:
+    """Whether `folder` holds the manifest of an mcore-proxy output (what `--force` may replace)."""
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_bytes()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -41,7 +63,7 @@ def write_manifest(folder: Path, info: dict, pending: dict[str, bytes] | None = 
     files = file_table(folder)
     for rel, data in (pending or {}).items():
         files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    doc = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
+    doc = {"format": FORMAT, "paths": PATHS_NOTE, **info, "files": dict(sorted(files.items()))}
     path = Path(folder) / MANIFEST
     write_synced(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     return path
