@@ -44,6 +44,7 @@ a typical run:
   mcore-proxy select --ckpt CKPT --stats trace/routing_stats.safetensors --num-experts 8 -o plan.json
   mcore-proxy convert CKPT --plan plan.json -o PROXY --target-ep 1
   mcore-proxy verify --orig CKPT --proxy PROXY --plan plan.json
+  mcore-proxy compare --orig-base A --orig-fault B --proxy-base C --proxy-fault D   (metric logs)
 Megatron and MindSpeed-LLM converter spellings are accepted beside ours (--load-dir, --save-dir,
 --target-tensor-parallel-size, --target-expert-parallel-size, --num-layer-list, ...); every
 command takes --json (one JSON object on stdout), and every command that writes takes --force.
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mcore_proxy.flags import HelpFormatter, exit_codes_text
 
     parser = argparse.ArgumentParser(prog="mcore-proxy", description=DESCRIPTION,
-                                     epilog=EPILOG + exit_codes_text("verify"),
+                                     epilog=EPILOG + exit_codes_text("verify, compare"),
                                      formatter_class=HelpFormatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"mcore-proxy {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")

@@ -44,6 +44,7 @@ BASE = {
     "select": {"--ckpt": "ck", "--stats": "s.safetensors", "-k": "4", "-o": "plan.json"},
     "convert": {"CKPT": "ck", "--out": "out"},
     "verify": {"--orig": "a", "--proxy": "b", "--plan": "p.json"},
+    "compare": {"--orig-base": "a", "--orig-fault": "b", "--proxy-base": "c", "--proxy-fault": "d"},
 }
 POSITIONAL = {"CKPT", "DIR", "STATS"}
 
@@ -149,7 +150,7 @@ def test_top_level_help_is_written_for_users(capsys):
     assert stop.value.code == 0
     assert "Mixture-of-Experts" in text and "thin argparse layer" not in text
     listed = re.findall(r"^    (\w+)\s", text.split("commands, in pipeline order:")[1], re.M)
-    assert listed[:6] == ["inspect", "estimate", "stats", "select", "convert", "verify"]
+    assert listed == ["inspect", "estimate", "stats", "select", "convert", "verify", "compare"]
     for code in ("0", "1", "2", "3", "128+N"):
         assert re.search(rf"^  {re.escape(code)}\s+\w", text, re.M), code
     assert "--load-dir" in text and "--json" in text and "--force" in text
@@ -159,7 +160,7 @@ def test_top_level_help_is_written_for_users(capsys):
 def test_every_command_documents_its_exit_codes(command):
     text = leaf_parsers()[command].format_help()
     assert "exit codes:" in text and re.search(r"^  2\s+bad input or usage", text, re.M)
-    assert bool(re.search(r"^  1\s+a check found a difference", text, re.M)) == (command == "verify")
+    assert bool(re.search(r"^  1\s+a check found a difference", text, re.M)) == (command in ("verify", "compare"))
     assert "--json" in text
 
 

@@ -29,6 +29,7 @@ import errno
 import fcntl
 import fnmatch
 import glob
+import json
 import logging
 import os
 import re
@@ -98,17 +99,32 @@ def check_output_path(out: str | Path, inputs: tuple[str | Path, ...] = (), *, r
     return out
 
 
-def check_replaceable(out: Path) -> None:
-    """`--force` replaces only what mcore-proxy wrote: a folder with its manifest.json, or an empty one
-    (a typo must not swap away a folder of other data)."""
-    from mcore_proxy.convert.manifest import is_output_folder
+# the file that marks a folder as one of our outputs, by its "format": what --force may replace
+OUTPUT_MARKERS = (("manifest.json", "mcore-proxy-manifest/1"),    # convert
+                  ("report.json", "mcore-proxy-compare/1"))       # compare -o
 
+
+def is_output_folder(folder: str | Path) -> bool:
+    """Whether `folder` holds the marker file of an mcore-proxy output folder (OUTPUT_MARKERS)."""
+    for name, fmt in OUTPUT_MARKERS:
+        try:
+            if json.loads((Path(folder) / name).read_bytes()).get("format") == fmt:
+                return True
+        except (OSError, ValueError, AttributeError, RecursionError):
+            continue
+    return False
+
+
+def check_replaceable(out: Path) -> None:
+    """`--force` replaces only what mcore-proxy wrote: a folder with its marker file (a convert output's
+    manifest.json, a compare report's report.json), or an empty one (a typo must not swap away a
+    folder of other data)."""
     if out.is_symlink() or not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder; --force replaces only a folder written by "
                           "mcore-proxy; remove it yourself or choose another output")
     if any(out.iterdir()) and not is_output_folder(out):
-        raise OutputError(f"{out}: holds no mcore-proxy manifest.json, so --force does not replace it (it may "
-                          "hold other data); remove it yourself or choose another output")
+        raise OutputError(f"{out}: holds no mcore-proxy manifest.json (or compare report.json), so --force does "
+                          "not replace it (it may hold other data); remove it yourself or choose another output")
 
 
 def free_bytes(folder: Path) -> int:

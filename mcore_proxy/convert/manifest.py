@@ -25,14 +25,6 @@ def given_path(path: str | os.PathLike) -> str:
     return os.fspath(path)
 
 
-def is_output_folder(folder: Path) -> bool:
-    """Whether `folder` holds the manifest of an mcore-proxy output (what `--force` may replace)."""
-    try:
-        return json.loads((Path(folder) / MANIFEST).read_bytes()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return False
-
-
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

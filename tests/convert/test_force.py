@@ -77,7 +77,7 @@ def test_force_refuses_what_it_must_not_replace(megatron_ckpt, proxy_plan, tmp_p
     if case == "other_data":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-        expected = "holds no mcore-proxy manifest.json, so --force does not replace it"
+        expected = "holds no mcore-proxy manifest.json (or compare report.json), so --force does not replace it"
     elif case == "a_file":
         out.write_text("mine")
         expected = "exists and is not a folder"
