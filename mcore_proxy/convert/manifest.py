@@ -1,9 +1,10 @@
 """manifest.json: sha256 and size of every file of an output, with its provenance.
 
-Paths in a manifest never go stale when the proxy moves: files are listed relative to the
-output folder, and the inputs are recorded as given on `convert`'s command line
-(`given_path`), beside their identities (sha256, router fingerprint), under a note that says
-nothing reads them back.
+Paths in a manifest hold no place of this machine: the files are listed relative to the output
+folder, and the inputs (`source.path`, `plan.path`) relative to it too (`../orig`), so a proxy
+moved together with its inputs (a workspace copied to another node or mount point) still names
+them. They are provenance only, never read back: `verify` takes its inputs on its command line,
+and an input's identity is its sha256 or router fingerprint, beside the path.
 """
 from __future__ import annotations
 
@@ -15,14 +16,13 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 FORMAT = "mcore-proxy-manifest/1"
-PATHS_NOTE = ("files: relative to this folder. given_path: an input as given to convert, relative to the folder "
-              "convert ran in; provenance only, never read back (verify takes its inputs on its command line), and "
-              "it does not follow a moved proxy or input: their identities are the sha256 and router_fingerprint")
+PATHS_NOTE = ("relative to this folder: the files, and source.path and plan.path (where the inputs were when "
+              "convert ran); provenance only, never read back: an input's identity is its sha256 or router_fingerprint")
 
 
-def given_path(path: str | os.PathLike) -> str:
-    """An input path as recorded in a manifest: as given, never resolved against this machine."""
-    return os.fspath(path)
+def relative_to_output(path: str | os.PathLike, out: str | os.PathLike) -> str:
+    """Where input `path` lies as seen from output folder `out` ('../orig'), with '/' separators."""
+    return Path(os.path.relpath(os.path.abspath(path), os.path.abspath(out))).as_posix()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

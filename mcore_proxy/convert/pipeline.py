@@ -19,7 +19,7 @@ from mcore_proxy.checkpoint.legacy import (iteration_subdir, legacy_units, resol
                                           write_legacy_units)
 from mcore_proxy.checkpoint.output import staged_output
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
-from mcore_proxy.convert.manifest import given_path, plan_fingerprint, write_manifest
+from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.errors import ProxyError
@@ -154,10 +154,10 @@ def _manifest_info(req: ConvertRequest, source: ModelView, view: ModelView, targ
 
     return {
         "created_by": f"mcore-proxy {__version__}",
-        "source": {"given_path": given_path(req.ckpt), "format": getattr(source, "format", "?"),
+        "source": {"path": relative_to_output(req.ckpt, req.out), "format": getattr(source, "format", "?"),
                    "iteration": source.iteration, "num_experts": source.spec.num_experts,
                    "router_fingerprint": router_fingerprint(source)},
-        "plan": None if plan is None else {"given_path": given_path(req.plan),
+        "plan": None if plan is None else {"path": relative_to_output(req.plan, req.out),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {"format": req.format, "tp": target.tp, "pp": target.pp, "ep": target.ep,

@@ -156,13 +156,19 @@ def test_a_moved_proxy_verifies_and_its_manifest_names_no_place(megatron_ckpt, p
     monkeypatch.chdir(tmp_path)
     shutil.copytree(ckpt, "orig")
     shutil.copy(plan, "plan.json")
-    assert convert(capsys, "orig", "plan.json", "proxy", "--target-ep", "1", "--format", fmt)[0] == 0
+    # an absolute and a relative input alike are recorded relative to the proxy
+    assert convert(capsys, tmp_path / "orig", "plan.json", "proxy", "--target-ep", "1", "--format", fmt)[0] == 0
     m = manifest(tmp_path / "proxy")
-    assert m["source"]["given_path"] == "orig" and m["plan"]["given_path"] == "plan.json"
+    assert m["source"]["path"] == "../orig" and m["plan"]["path"] == "../plan.json"
     assert "relative to this folder" in m["paths"] and "never read back" in m["paths"]
     assert not [s for s in _strings(m) if str(tmp_path) in s or s.startswith(os.sep)]
-    moved = tmp_path / "elsewhere" / "renamed"
-    moved.parent.mkdir()
-    shutil.move(tmp_path / "proxy", moved)
-    monkeypatch.chdir(moved.parent)
-    assert verify_ok(capsys, tmp_path / "orig", tmp_path / "plan.json", moved)
+    # the workspace moved as a whole: the manifest still names the inputs, and the proxy verifies
+    ws = tmp_path / "elsewhere" / "ws"
+    ws.mkdir(parents=True)
+    for name in ("orig", "plan.json", "proxy"):
+        shutil.move(tmp_path / name, ws / name)
+    moved = ws / "proxy"
+    assert (moved / m["source"]["path"]).resolve() == (ws / "orig").resolve()
+    assert (moved / m["plan"]["path"]).resolve() == (ws / "plan.json").resolve()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert verify_ok(capsys, ws / "orig", ws / "plan.json", moved)
