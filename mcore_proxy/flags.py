@@ -31,6 +31,9 @@ MEGATRON = "Megatron-LM tools/checkpoint (convert.py, saver_core.py)"
 MINDSPEED = "MindSpeed-LLM convert_ckpt.py (mindspeed_llm/tasks/checkpoint)"
 CONVERTERS = f"{MEGATRON}; {MINDSPEED}"
 TRAINING = "Megatron training arguments"
+# the `-model-` spellings of the target sizes: Pai-Megatron-Patch's hf2mcore_*.py converters and
+# transformers' Megatron checkpoint_reshaping_and_interoperability.py
+HF2MCORE = "hf2mcore converters (Pai-Megatron-Patch, transformers' Megatron conversion)"
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,12 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("--orig", ("--load-dir",), CONVERTERS),
     Spelling("--out", ("--save-dir",), CONVERTERS),
     Spelling("--proxy", ("--save-dir",), CONVERTERS),
-    Spelling("--target-tp", ("--target-tensor-parallel-size", "--target-tensor-model-parallel-size"), CONVERTERS),
-    Spelling("--target-pp", ("--target-pipeline-parallel-size", "--target-pipeline-model-parallel-size"),
-             CONVERTERS),
-    Spelling("--target-ep", ("--target-expert-parallel-size", "--target-expert-model-parallel-size"), CONVERTERS),
+    Spelling("--target-tp", ("--target-tensor-parallel-size",), CONVERTERS),
+    Spelling("--target-tp", ("--target-tensor-model-parallel-size",), HF2MCORE),
+    Spelling("--target-pp", ("--target-pipeline-parallel-size",), CONVERTERS),
+    Spelling("--target-pp", ("--target-pipeline-model-parallel-size",), HF2MCORE),
+    Spelling("--target-ep", ("--target-expert-parallel-size",), CONVERTERS),
+    Spelling("--target-ep", ("--target-expert-model-parallel-size",), HF2MCORE),
     Spelling("--target-etp", ("--target-expert-tensor-parallel-size",), CONVERTERS),
     Spelling("--target-stage-layers", ("--num-layer-list",), MINDSPEED),
     Spelling("--expert-layout", ("--moe-grouped-gemm",), f"{MINDSPEED}; {TRAINING}", value="grouped"),
