@@ -136,8 +136,8 @@ def check_free_space(out: Path, needed: int) -> None:
     """Refuse early when the file system of `out` has less free space than `needed` bytes."""
     free = free_bytes(out.parent)
     if needed > free:
-        raise OutputError(f"{out}: needs about {format_bytes(needed)} but its file system has {format_bytes(free)} free; free "
-                          "space or choose another output (--no-space-check skips this check)")
+        raise OutputError(f"{out}: needs about {format_bytes(needed)} but its file system has {format_bytes(free)} "
+                          "free; free space or choose another output (--no-space-check skips this check)")
 
 
 def lock_path(out: Path) -> Path:

@@ -26,7 +26,8 @@ def register(sub) -> None:
                                 "Without --plan it only re-shards.")
     add_checkpoint_argument(p, "source checkpoint folder (legacy or torch_dist)", type=Path)
     p.add_argument("--plan", type=Path, help="plan.json from `mcore-proxy select`")
-    add_option(p, "-o", "--out", type=Path, required=True, metavar="OUT", help="output folder (must not exist)")
+    add_option(p, "-o", "--out", type=Path, required=True, metavar="OUT",
+               help="output folder (must not exist unless --force)")
     add_option(p, "--target-tp", dest="tp", type=int, metavar="N", help="default: the source's TP")
     add_option(p, "--target-pp", dest="pp", type=int, metavar="N", help="default: the source's PP")
     add_option(p, "--target-ep", dest="ep", type=int, metavar="N",
