@@ -17,7 +17,8 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 FORMAT = "mcore-proxy-manifest/1"
 PATHS_NOTE = ("relative to this folder: the files, and source.path and plan.path (where the inputs were when "
-              "convert ran); provenance only, never read back: an input's identity is its sha256 or router_fingerprint")
+              "convert ran); provenance only, never read back: an input's identity is its sha256 or "
+              "router_fingerprint")
 
 
 def relative_to_output(path: str | os.PathLike, out: str | os.PathLike) -> str:
