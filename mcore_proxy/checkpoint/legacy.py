@@ -20,6 +20,7 @@ from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
 from mcore_proxy.sharding import COLUMN, GLU_COLUMN, REPLICATED, ROW, is_ignored, join, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
+from mcore_proxy.units import BYTES_PROGRESS
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -623,7 +624,7 @@ def write_legacy(view: ModelView, out: str | Path, target: ParallelLayout, *, in
     check_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
     with staged_output(out, inputs, check_space=False) as tmp, \
-            tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="write legacy",
+            tqdm(total=total, **BYTES_PROGRESS, mininterval=2, desc="write legacy",
                  disable=not progress) as bar:
         write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
         write_markers(tmp, tracker_marker(view))

@@ -59,6 +59,7 @@ from mcore_proxy.layer_pattern import parse_layer_pattern
 from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
 from mcore_proxy.sharding import GLU_COLUMN, REPLICATED, ROW, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
+from mcore_proxy.units import BYTES_PROGRESS
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "metadata.json"
@@ -938,7 +939,7 @@ def write_torch_dist(view: ModelView, out, target: ParallelLayout | None = None,
         check_dist_target(view, target)
     total = sum(tensor_nbytes(view, n) for n in view.names())
     with staged_output(out, inputs, check_space=False) as tmp, \
-            tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="write torch_dist",
+            tqdm(total=total, **BYTES_PROGRESS, mininterval=2, desc="write torch_dist",
                  disable=not progress) as bar:
         write_markers(tmp, write_torch_dist_into(view, tmp, target, bar))
     return Path(out)

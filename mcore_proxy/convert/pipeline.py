@@ -19,12 +19,13 @@ from mcore_proxy.checkpoint.legacy import (iteration_subdir, legacy_units, resol
                                           write_legacy_units)
 from mcore_proxy.checkpoint.output import staged_output
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
-from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
+from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.errors import ProxyError
 from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
+from mcore_proxy.units import BYTES_PROGRESS
 
 FORMATS = ("legacy", "torch_dist", "hf")
 
@@ -45,6 +46,12 @@ class ConvertRequest:
     format: str | None = None          # None: the source's format
     workers: int = 1
     dequantize_fp8: bool = False       # HF FP8 source: read its weights as bf16
+    force: bool = False                # replace an existing earlier output (swapped in when the new one is complete)
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        """What the output must neither lie in nor replace."""
+        return (self.ckpt,) + ((self.plan,) if self.plan else ())
 
     def __post_init__(self):
         if self.format is not None and self.format not in FORMATS:
@@ -157,10 +164,10 @@ def _manifest_info(req: ConvertRequest, fmt: str, source: ModelView, view: Model
 
     return {
         "created_by": f"mcore-proxy {__version__}",
-        "source": {"path": str(Path(req.ckpt).absolute()), "format": getattr(source, "format", "?"),
+        "source": {"path": relative_to_output(req.ckpt, req.out), "format": getattr(source, "format", "?"),
                    "iteration": source.iteration, "num_experts": source.spec.num_experts,
                    "router_fingerprint": router_fingerprint(source)},
-        "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
+        "plan": None if plan is None else {"path": relative_to_output(req.plan, req.out),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {"format": fmt, "num_experts": view.spec.num_experts, **({} if target is None else {
@@ -236,7 +243,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
                            flags, unsafe_args(source.args, needed=DEFAULTS), format=fmt)
     needed = result.output_bytes = output_bytes(view, target, fmt)
-    out = check_output_path(req.out, (req.ckpt,))
+    out = check_output_path(req.out, req.inputs, replace=req.force)
     if os.environ.get("RANK", "0") != "0" and _torchrun_world() > 1:
         return Prepared(source, view, plan, target, result, needed, fmt)  # rank 0 owns the output
     try:
@@ -269,18 +276,18 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
     if _torchrun_world() > 1:
         _convert_under_torchrun(req, prep, check_space)
     else:
-        with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes,
-                           check_space=check_space) as tmp:
+        with staged_output(req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes,
+                           check_space=check_space, replace=req.force) as tmp:
             if prep.format == "hf":
                 from mcore_proxy.checkpoint.hf.writer import write_hf_into
 
-                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                with tqdm(total=result.bytes_read, **BYTES_PROGRESS, mininterval=2, desc="convert",
                           disable=not progress) as bar:
                     markers = write_hf_into(view, tmp, bar)
             elif prep.format == "torch_dist":
                 from mcore_proxy.checkpoint.torch_dist import write_torch_dist_into
 
-                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                with tqdm(total=result.bytes_read, **BYTES_PROGRESS, mininterval=2, desc="convert",
                           disable=not progress) as bar:
                     markers = write_torch_dist_into(view, tmp, target, bar)
             elif req.workers > 1:
@@ -288,7 +295,7 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
                     _write_parallel(req, target, tmp, bar)
                 markers = tracker_marker(view)
             else:
-                with tqdm(total=result.bytes_read, unit="B", unit_scale=True, mininterval=2, desc="convert",
+                with tqdm(total=result.bytes_read, **BYTES_PROGRESS, mininterval=2, desc="convert",
                           disable=not progress) as bar:
                     write_legacy_units(view, tmp, target, legacy_units(target), progress=bar)
                 markers = tracker_marker(view)
@@ -358,8 +365,8 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
             raise ProxyError(f"{req.out}: the conversion failed on another rank ({verdict}); nothing was left behind")
         return
     try:
-        with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes, check_space=check_space,
-                           staging_id=f"torchrun-{os.getpid()}") as tmp:
+        with staged_output(req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes, check_space=check_space,
+                           staging_id=f"torchrun-{os.getpid()}", replace=req.force) as tmp:
             (tmp / iteration_subdir(view)).mkdir()
             ranks.put("staging", str(tmp))
             write_legacy_units(view, tmp, target, units)
