@@ -1,12 +1,9 @@
 """`mcore-proxy` console entry point: a thin argparse layer; every command lives in its package.
 
-Each command module exposes `register(subparsers)`, which adds its parser and sets `func`.
+Each command module exposes `register(subparsers)`, which adds its parser through
+`mcore_proxy.flags` (the spelling table, help layout, `--json` and `--force`) and sets `func`.
 Heavy imports (kmedoids, matplotlib, megatron) happen inside the command functions only.
-
-Exit codes: 0 success, 1 a check found a difference, 2 bad input or usage (including a failed
-write: full disk, file-size limit, read-only target), 3 an internal error (one line; the
-traceback with --debug or MCORE_PROXY_DEBUG=1), 128 + N when stopped by signal N (SIGINT,
-SIGTERM, SIGHUP), after removing any partial output.
+Exit codes: `mcore_proxy.flags.EXIT_CODES`.
 """
 from __future__ import annotations
 
@@ -20,28 +17,72 @@ import traceback
 
 from mcore_proxy.errors import CheckFailed, Interrupted, ProxyError
 
+# in pipeline order: the order of the top-level help
 COMMAND_MODULES = (
     "mcore_proxy.checkpoint.cli",
-    "mcore_proxy.select.cli",
+    "mcore_proxy.estimate.cli",
     "mcore_proxy.trace.cli",
     "mcore_proxy.trace.collect_cli",
+    "mcore_proxy.select.cli",
     "mcore_proxy.convert.cli",
-    "mcore_proxy.estimate.cli",
     "mcore_proxy.diagnose.cli",
     "mcore_proxy.fidelity.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 
+DESCRIPTION = """\
+Build a small proxy of a Mixture-of-Experts checkpoint to reproduce training faults on
+fewer devices: keep K of the E routed experts in every MoE layer, chosen from routing
+statistics of a real run (or of a Hugging Face model under `collect`), and write a Megatron
+checkpoint (legacy or torch_dist) at a smaller expert-parallel layout, or Hugging Face safetensors
+for the rollout engine. Everything else is copied bit for bit; `verify` proves it.
+"""
+
+EPILOG = """\
+a typical run:
+  mcore-proxy inspect CKPT                               what the checkpoint holds
+  mcore-proxy estimate --ckpt CKPT --num-experts 8       devices for the original and the proxy
+  PYTHONPATH=patches MCORE_PROXY_TRACE_DIR=trace <your Megatron or MindSpeed launch>
+  mcore-proxy stats merge trace                          -> trace/routing_stats.safetensors
+  mcore-proxy select --ckpt CKPT --stats trace/routing_stats.safetensors --num-experts 8 -o plan.json
+  mcore-proxy convert CKPT --plan plan.json -o PROXY --target-ep 1
+  mcore-proxy verify --orig CKPT --proxy PROXY --plan plan.json
+  mcore-proxy compare --orig-base A --orig-fault B --proxy-base C --proxy-fault D   (metric logs)
+Megatron and MindSpeed-LLM converter spellings are accepted beside ours (--load-dir, --save-dir,
+--target-tensor-parallel-size, --target-expert-parallel-size, --num-layer-list, ...); every
+command takes --json (one JSON object on stdout), and every command that writes takes --force.
+`mcore-proxy COMMAND --help` shows a command's options.
+
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-proxy", description=__doc__.splitlines()[0])
+    from mcore_proxy import __version__
+    from mcore_proxy.flags import HelpFormatter, exit_codes_text
+
+    parser = argparse.ArgumentParser(prog="mcore-proxy", description=DESCRIPTION,
+                                     epilog=EPILOG + exit_codes_text("verify, compare"),
+                                     formatter_class=HelpFormatter, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"mcore-proxy {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
     parser.add_argument("--debug", action="store_true",
                         help=f"print the traceback of an internal error (or set {DEBUG_ENV}=1)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands, in pipeline order")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse; a usage error shows the usage of the (sub)command it belongs to, not the top level's."""
+    from mcore_proxy.flags import finish
+
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    finish(args)
+    return args
 
 
 def _one_line(err: BaseException) -> str:
@@ -52,12 +93,12 @@ def _one_line(err: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     from mcore_proxy.interrupts import signal_name, stop_on_signals
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(build_parser(), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    name = f"mcore-proxy {args.command}"
+    name = " ".join(["mcore-proxy", args.command] + ([args.stats_command] if getattr(args, "stats_command", None)
+                                                     else []))
     if hasattr(signal, "SIGXFSZ"):
         # past a file-size limit (ulimit -f) a write then fails with EFBIG, which is reported as
         # one sentence, instead of the default action: killing the process with a core dump

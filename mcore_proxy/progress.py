@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 
-GIB = 1 << 30
+from mcore_proxy.units import GIB
 
 
 @contextlib.contextmanager

@@ -9,8 +9,10 @@ Tensor keys: `layer.{L}.{field}` for decoder layers, `mtp.{k}.{field}` for MTP l
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +137,7 @@ def sidecar_path(path: str | os.PathLike) -> Path:
 
 def save_stats(stats: RoutingStats, path: str | os.PathLike) -> Path:
     """Write `path` (.safetensors) and its JSON sidecar atomically (temp file, then rename)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -148,7 +151,11 @@ def save_stats(stats: RoutingStats, path: str | os.PathLike) -> Path:
                 tensors[f"{prefix}.{name}"] = np.ascontiguousarray(value, dtype=DTYPES[name])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    try:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    except SafetensorError as err:
+        tmp.unlink(missing_ok=True)
+        raise _as_os_error(err, tmp) from None
     os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600; others on the cluster merge these
     side_tmp = sidecar_path(tmp)
     side_tmp.write_text(json.dumps(stats.sidecar(), indent=2, sort_keys=True))
@@ -156,6 +163,14 @@ def save_stats(stats: RoutingStats, path: str | os.PathLike) -> Path:
     os.replace(tmp, path)
     os.replace(side_tmp, sidecar_path(path))
     return path
+
+
+def _as_os_error(err: Exception, path: Path) -> OSError:
+    """safetensors reports a failed write (full disk, file-size limit) as its own error, with the
+    system's errno only in the text ("... (os error 28)"): make it the OSError it is."""
+    m = re.search(r"os error (\d+)", str(err))
+    code = int(m[1]) if m else errno.EIO
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _umask() -> int:

@@ -1,14 +1,14 @@
 """`mcore-proxy inspect CKPT [--json]`."""
 from __future__ import annotations
 
-import json
+from mcore_proxy.flags import add_checkpoint_argument, add_command, emit
 
 
 def register(sub) -> None:
-    p = sub.add_parser("inspect", help="show a checkpoint's format, layout, layers and bytes")
-    p.add_argument("ckpt", help="checkpoint folder (root with the tracker file, or an iter_* folder)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=run_inspect)
+    p = add_command(sub, "inspect", run_inspect, help="what a checkpoint holds: format, layout, layers, experts, bytes",
+                    description="Show a Megatron checkpoint's format, iteration, parallel layout and stage sizes, "
+                                "dense/MoE/MTP layers, experts, router settings, dtype and bytes. Reads no tensor data.")
+    add_checkpoint_argument(p, "checkpoint folder (root with the tracker file, or an iter_* folder)")
 
 
 def run_inspect(args) -> int:
@@ -16,5 +16,5 @@ def run_inspect(args) -> int:
     from mcore_proxy.checkpoint.inspect import describe, format_description
 
     info = describe(open_checkpoint(args.ckpt))
-    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    emit(args, "inspect", info, format_description(info))
     return 0

@@ -5,9 +5,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-
 from mcore_proxy.checkpoint.names import split_expert_name
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
+from mcore_proxy.units import format_bytes
 
 
 def _compact(ids: list[int]) -> str:
@@ -41,7 +41,7 @@ def describe(view: ModelView) -> dict:
     files = [p for p in Path(info.path).rglob("*") if p.is_file()] if info.path else []
     return {
         "path": str(info.path or ""),
-        "format": info.format,
+        "checkpoint_format": info.format,
         "family": view.spec.extra.get("hf_family"),
         "iteration": view.iteration,
         "parallel": None if layout is None else {
@@ -71,19 +71,13 @@ def describe(view: ModelView) -> dict:
     }
 
 
-def _gib(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def format_description(d: dict) -> str:
     """The plain-text report of `describe`."""
     p = d["parallel"] or {}
     rows = [
         ("checkpoint", d["path"]),
-        ("format", f"{d['format']}, iteration {d['iteration']}" + (f", {d['family']}" if d.get("family") else "")),
+        ("format", f"{d['checkpoint_format']}, iteration {d['iteration']}"
+         + (f", {d['family']}" if d.get("family") else "")),
         ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
          + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
          if p else "none: safetensors shards by file, not by parallel rank"),
@@ -96,9 +90,9 @@ def format_description(d: dict) -> str:
          + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")
          + (", expert bias" if d["expert_bias"] else "")),
         ("hidden", str(d["hidden_size"])),
-        ("dtype", ", ".join(f"{k} {_gib(v)}" for k, v in d["bytes_by_dtype"].items())),
-        ("bytes", f"{_gib(d['total_bytes'])} model ({d['tensors']} tensors), {_gib(d['expert_bytes'])} "
-         f"routed experts; {_gib(d['file_bytes'])} in {d['files']} files"),
+        ("dtype", ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())),
+        ("bytes", f"{format_bytes(d['total_bytes'])} model ({d['tensors']} tensors), "
+         f"{format_bytes(d['expert_bytes'])} routed experts; {format_bytes(d['file_bytes'])} in {d['files']} files"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,34 +1,44 @@
 """`mcore-proxy convert` and `mcore-proxy verify`: thin layers over convert.pipeline / convert.verify."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from mcore_proxy.checkpoint.formats import format_names
+from mcore_proxy.flags import add_checkpoint_argument, add_command, add_not_yet, add_option, emit
+from mcore_proxy.units import format_bytes
+
+MAX_PROBLEMS_SHOWN = 20
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts, e.g. 1,3") from None
 
 
 def register(sub) -> None:
-    p = sub.add_parser("convert", help="apply a selection plan and/or re-shard a checkpoint",
-                       description="Write the proxy checkpoint: kept experts renumbered, router rows "
-                       "subset, everything else copied bit for bit, at the target parallel layout. "
-                       "Without --plan it only re-shards.")
-    p.add_argument("ckpt", type=Path, help="source checkpoint folder (legacy, torch_dist or Hugging Face)")
+    p = add_command(sub, "convert", run_convert, help="write the proxy checkpoint (or only re-shard)",
+                    writes="output folder (an earlier mcore-proxy output)",
+                    description="Write the proxy checkpoint: kept experts renumbered, router rows subset, "
+                                "everything else copied bit for bit, at the target parallel layout, with "
+                                "manifest.json (sha256 of every file) and the launch flags to change. "
+                                "Without --plan it only re-shards.")
+    add_checkpoint_argument(p, "source checkpoint folder (legacy, torch_dist or Hugging Face)", type=Path)
     p.add_argument("--plan", type=Path, help="plan.json from `mcore-proxy select`")
-    p.add_argument("-o", "--out", type=Path, required=True, help="output folder (must not exist)")
-    p.add_argument("--target-tp", "--target-tensor-parallel-size", dest="tp", type=int,
-                   help="default: the source's TP")
-    p.add_argument("--target-pp", "--target-pipeline-parallel-size", dest="pp", type=int,
-                   help="default: the source's PP")
-    p.add_argument("--target-ep", "--target-expert-model-parallel-size", dest="ep", type=int,
-                   help="default: the plan's expert-parallel degree (the source's without a plan)")
-    p.add_argument("--target-etp", "--target-expert-tensor-parallel-size", dest="etp", type=int,
-                   help="default: the source's ETP when it is 1 or TP, else equal to TP")
-    p.add_argument("--target-stage-layers", type=_int_list, help="decoder layers per pipeline stage, e.g. 1,3")
-    p.add_argument("--expert-layout", choices=("sequential", "grouped"),
-                   help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
+    add_option(p, "-o", "--out", type=Path, required=True, metavar="OUT",
+               help="output folder (must not exist unless --force)")
+    add_option(p, "--target-tp", dest="tp", type=int, metavar="N", help="default: the source's TP")
+    add_option(p, "--target-pp", dest="pp", type=int, metavar="N", help="default: the source's PP")
+    add_option(p, "--target-ep", dest="ep", type=int, metavar="N",
+               help="any divisor of K; default: the plan's expert-parallel degree (the source's without a plan)")
+    add_option(p, "--target-etp", dest="etp", type=int, metavar="N",
+               help="default: the source's ETP when it is 1 or TP, else equal to TP")
+    add_option(p, "--target-stage-layers", type=_int_list, metavar="N,N,..",
+               help="decoder layers per pipeline stage, e.g. 1,3 (default: the source's when PP is kept, else even)")
+    add_option(p, "--expert-layout", choices=("sequential", "grouped"),
+               help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
     p.add_argument("--format", choices=format_names(writable=True), default=None,
                    help="output format (default: the source's)")
     p.add_argument("--dequantize-fp8", action="store_true",
@@ -40,19 +50,56 @@ def register(sub) -> None:
                         "print the plan, write nothing")
     p.add_argument("--no-space-check", action="store_true",
                    help="skip the comparison of the bytes to write with the free space of the target")
-    p.set_defaults(func=run_convert)
+    add_not_yet(p, "convert")
 
-    v = sub.add_parser("verify", help="check a proxy against its source and plan")
-    v.add_argument("--orig", type=Path, required=True, help="source checkpoint")
-    v.add_argument("--proxy", type=Path, required=True, help="proxy checkpoint written by convert")
+    v = add_command(sub, "verify", run_verify, help="check a proxy against its source and plan",
+                    checks="a tensor, an args field, a manifest hash or the functional check differs",
+                    description="Check every tensor of the proxy bit for bit against its source, the args "
+                                "against the plan, the files against manifest.json, and with --functional "
+                                "that both compute the same in megatron-core.")
+    add_option(v, "--orig", type=Path, required=True, metavar="CKPT", help="source checkpoint")
+    add_option(v, "--proxy", type=Path, required=True, metavar="OUT", help="proxy checkpoint written by convert")
     v.add_argument("--plan", type=Path, required=True, help="plan.json used for the conversion")
     v.add_argument("--functional", action="store_true",
                    help="also run both in megatron-core on CPU (small models only)")
-    v.set_defaults(func=run_verify)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def convert_dict(r, dry_run: bool) -> dict:
+    """The `--json` document of convert: the numbers of the text, sizes in bytes. `target` is None for
+    Hugging Face output, which is sharded by file, not by parallel rank."""
+    t = r.target
+    return {"out": str(r.out), "dry_run": dry_run, "output_format": r.format, "num_experts": r.num_experts,
+            "source_experts": r.source_experts,
+            "target": None if t is None else {"tp": t.tp, "pp": t.pp, "ep": t.ep, "etp": t.etp,
+                                              "expert_layout": t.expert_layout, "stage_layers": list(t.stage_layers)},
+            "read_bytes": r.bytes_read, "output_bytes": r.output_bytes,
+            "files": None if dry_run else r.files, "seconds": None if dry_run else r.seconds,
+            "dropped_args": dict(r.dropped_args),
+            "launch_flags": [f for f in r.launch_flags if not f.startswith("(")]}
+
+
+def convert_text(d: dict) -> str:
+    t, dry = d["target"], d["dry_run"]
+    if t is None:
+        layout = "sharded safetensors"
+    else:
+        layout = f"TP={t['tp']} PP={t['pp']} EP={t['ep']} ETP={t['etp']}"
+        if len(set(t["stage_layers"])) > 1:
+            layout += f" stages={t['stage_layers']}"
+        layout += f", layout {t['expert_layout']}"
+    lines = [f"{'would write' if dry else 'wrote'} {d['out']} ({d['output_format']}): {d['num_experts']} of "
+             f"{d['source_experts']} experts per MoE layer, {layout}",
+             f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}"
+             + ("" if dry else f"; {d['files']} files in {d['seconds']:.1f} s; manifest.json lists sha256 of each")]
+    lines += [f"args {name} {'would be' if dry else 'was'} dropped: it holds {why} (recorded in manifest.json)"
+              for name, why in d["dropped_args"].items()]
+    if t is None:
+        lines.append("config.json holds the expert count, top-k and routing groups: load it with transformers "
+                     "or vLLM as is")
+    else:
+        lines += ["optimizer and RNG state are not carried over; launch the proxy with these flags changed:",
+                  "  " + " ".join(d["launch_flags"])]
+    return "\n".join(lines)
 
 
 def run_convert(args) -> int:
@@ -60,23 +107,34 @@ def run_convert(args) -> int:
 
     req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, tp=args.tp, pp=args.pp, ep=args.ep,
                          etp=args.etp, expert_layout=args.expert_layout, stage_layers=args.target_stage_layers,
-                         format=args.format, workers=args.workers, dequantize_fp8=args.dequantize_fp8)
-    r = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
-    t = r.target
-    layout = "sharded safetensors" if t is None else f"{t.describe()}, layout {t.expert_layout}"
-    print(f"{'would write' if args.dry_run else 'wrote'} {r.out} ({r.format}): {r.num_experts} of "
-          f"{r.source_experts} experts per MoE layer, {layout}")
-    print(f"reads {_gib(r.bytes_read)} of tensors, writes about {_gib(r.output_bytes)}" + ("" if args.dry_run else
-                                                      f"; {r.files} files in {r.seconds:.1f} s; manifest.json lists sha256 of each"))
-    for name, why in r.dropped_args.items():
-        print(f"args {name} {'would be' if args.dry_run else 'was'} dropped: it holds {why} "
-              "(recorded in manifest.json)")
-    if t is None:
-        print("config.json holds the expert count, top-k and routing groups: load it with transformers or vLLM as is")
-        return 0
-    print("optimizer and RNG state are not carried over; launch the proxy with these flags changed:")
-    print("  " + " ".join(f for f in r.launch_flags if not f.startswith("(")))
+                         format=args.format, workers=args.workers, force=args.force,
+                         dequantize_fp8=args.dequantize_fp8)
+    result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
+    doc = convert_dict(result, args.dry_run)
+    emit(args, "convert", doc, convert_text(doc))
     return 0
+
+
+def verify_dict(report) -> dict:
+    return {"ok": report.ok, "checked_tensors": report.checked_tensors, "checked_bytes": report.checked_bytes,
+            "problems": list(report.problems), "functional": report.functional}
+
+
+def verify_text(d: dict) -> str:
+    checked = f"{d['checked_tensors']} tensors ({format_bytes(d['checked_bytes'])})"
+    lines = [f"checked {checked} bit for bit, args and manifest" if d["ok"] else
+             f"verify: {len(d['problems'])} difference(s) found, checking {checked}, args and manifest:"]
+    if not d["ok"]:
+        shown = d["problems"][:MAX_PROBLEMS_SHOWN]
+        lines += [f"  {p}" for p in shown]
+        if len(d["problems"]) > len(shown):
+            lines.append(f"  (and {len(d['problems']) - len(shown)} more; --json lists them all)")
+    if f := d["functional"]:
+        lines.append(f"functional: max |logit difference| {f['max_abs_diff']:.3g} over {f['tokens']} tokens "
+                     f"against the source restricted to the kept experts (tolerance {f['atol']:.1g})")
+    if d["ok"]:
+        lines.append("verify: OK")
+    return "\n".join(lines)
 
 
 def run_verify(args) -> int:
@@ -84,14 +142,10 @@ def run_verify(args) -> int:
     from mcore_proxy.errors import CheckFailed
 
     report = verify(args.orig, args.proxy, args.plan, functional=args.functional)
-    print(f"checked {report.checked_tensors} tensors ({_gib(report.checked_bytes)}) bit for bit, args and manifest")
-    if report.functional:
-        f = report.functional
-        print(f"functional: max |logit difference| {f['max_abs_diff']:.3g} over {f['tokens']} tokens "
-              f"against the source restricted to the kept experts (tolerance {f['atol']:.1g})")
+    doc = verify_dict(report)
+    emit(args, "verify", doc, verify_text(doc))
     if not report.ok:
         shown = report.problems[:5]
         more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
         raise CheckFailed("; ".join(shown) + more)
-    print("verify: OK")
     return 0

@@ -1,4 +1,11 @@
-"""manifest.json: sha256 and size of every file of an output, with its provenance."""
+"""manifest.json: sha256 and size of every file of an output, with its provenance.
+
+Paths in a manifest hold no place of this machine: the files are listed relative to the output
+folder, and the inputs (`source.path`, `plan.path`) relative to it too (`../orig`), so a proxy
+moved together with its inputs (a workspace copied to another node or mount point) still names
+them. They are provenance only, never read back: `verify` takes its inputs on its command line,
+and an input's identity is its sha256 or router fingerprint, beside the path.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +16,14 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 FORMAT = "mcore-proxy-manifest/1"
+PATHS_NOTE = ("relative to this folder: the files, and source.path and plan.path (where the inputs were when "
+              "convert ran); provenance only, never read back: an input's identity is its sha256 or "
+              "router_fingerprint")
+
+
+def relative_to_output(path: str | os.PathLike, out: str | os.PathLike) -> str:
+    """Where input `path` lies as seen from output folder `out` ('../orig'), with '/' separators."""
+    return Path(os.path.relpath(os.path.abspath(path), os.path.abspath(out))).as_posix()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -51,7 +66,7 @@ def write_manifest(folder: Path, info: dict, files: dict[str, dict], pending: di
     files = dict(files)
     for rel, data in (pending or {}).items():
         files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    doc = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
+    doc = {"format": FORMAT, "paths": PATHS_NOTE, **info, "files": dict(sorted(files.items()))}
     path = Path(folder) / MANIFEST
     write_synced(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     return path

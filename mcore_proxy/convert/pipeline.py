@@ -29,7 +29,7 @@ from mcore_proxy.checkpoint.output import staged_output, write_markers
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.checkpoint.target import first_last
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
-from mcore_proxy.convert.manifest import plan_fingerprint, write_manifest
+from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import ProxyError
 from mcore_proxy.launch_flags import model_flags
@@ -56,6 +56,12 @@ class ConvertRequest:
     format: str | None = None          # None: the source's format
     workers: int = 1
     dequantize_fp8: bool = False       # a source with FP8 block-quantised weights: read them as bf16
+    force: bool = False                # replace an existing earlier output (swapped in when the new one is complete)
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        """What the output must neither lie in nor replace."""
+        return (self.ckpt,) + ((self.plan,) if self.plan else ())
 
     def __post_init__(self):
         if self.format is not None and self.format not in format_names(writable=True):
@@ -151,10 +157,10 @@ def _manifest_info(req: ConvertRequest, fmt: str, source: ModelView, view: Model
 
     return {
         "created_by": f"mcore-proxy {__version__}",
-        "source": {"path": str(Path(req.ckpt).absolute()), "format": source.info.format,
+        "source": {"path": relative_to_output(req.ckpt, req.out), "format": source.info.format,
                    "iteration": source.iteration, "num_experts": source.spec.num_experts,
                    "router_fingerprint": router_fingerprint(source)},
-        "plan": None if plan is None else {"path": str(Path(req.plan).absolute()),
+        "plan": None if plan is None else {"path": relative_to_output(req.plan, req.out),
                                            "sha256": plan_fingerprint(req.plan), "method": plan.method},
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {"format": fmt, "num_experts": view.spec.num_experts, **({} if target is None else {
@@ -198,7 +204,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
                            flags, unsafe_args(source.args, needed=DEFAULTS), format=fmt)
     needed = result.output_bytes = sum(u.nbytes for u in units) + (len(units) + 3) * FILE_OVERHEAD
     prep = Prepared(source, view, plan, target, fmt, writer, units, result, needed)
-    out = check_output_path(req.out, (req.ckpt,))
+    out = check_output_path(req.out, req.inputs, replace=req.force)
     if os.environ.get("RANK", "0") != "0" and _torchrun_world() > 1:
         return prep  # rank 0 owns the output
     try:
@@ -222,8 +228,8 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
     if _torchrun_world() > 1:
         _convert_under_torchrun(req, prep, check_space)
     else:
-        with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes,
-                           check_space=check_space) as tmp, \
+        with staged_output(req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes,
+                           check_space=check_space, replace=req.force) as tmp, \
                 byte_bar(sum(u.nbytes for u in prep.units), "convert", progress) as bar:
             results = _write_units(req, prep, tmp, bar)
             if req.workers == 1:
@@ -350,8 +356,8 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
             raise ProxyError(f"{req.out}: the conversion failed on another rank ({verdict}); nothing was left behind")
         return
     try:
-        with staged_output(req.out, inputs=(req.ckpt,), needed_bytes=prep.needed_bytes, check_space=check_space,
-                           staging_id=f"torchrun-{os.getpid()}") as tmp:
+        with staged_output(req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes, check_space=check_space,
+                           staging_id=f"torchrun-{os.getpid()}", replace=req.force) as tmp:
             ranks.put("staging", str(tmp))
             reports = {0: write_mine(tmp)}
             for r in range(1, ranks.world):

@@ -14,6 +14,7 @@ from mcore_proxy.checkpoint.view import ModelView, holds_fp8, tensor_nbytes
 from mcore_proxy.convert.manifest import check_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import InternalError
+from mcore_proxy.units import BYTES_PROGRESS
 
 
 @dataclass
@@ -86,7 +87,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
     total = sum(tensor_nbytes(expected, n) for n in expected.names())
-    with tqdm(total=total, unit="B", unit_scale=True, mininterval=2, desc="verify", disable=not progress) as bar:
+    with tqdm(total=total, **BYTES_PROGRESS, mininterval=2, desc="verify", disable=not progress) as bar:
         compare_tensors(expected, proxy_view, report, bar)
     report.problems += [f"manifest: {p}" for p in check_manifest(Path(proxy))]
     if functional and report.ok:

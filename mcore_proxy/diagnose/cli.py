@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from mcore_proxy.errors import CheckFailed
+from mcore_proxy.flags import add_command, emit
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "compare", help="does the proxy reproduce the original's fault signature?",
-        description="Compare the fault signatures (faulted run against its baseline) of the original "
-                    "and the proxy, metric by metric: direction and size of the shift, trend, onset, "
-                    "correlation of the shift curves. Exit 0 consistent, 1 not, 2 bad input.")
+    p = add_command(subparsers, "compare", run_compare, help="does the proxy reproduce the original's fault signature?",
+                    checks="the proxy's fault signature differs from the original's, or is inconclusive",
+                    writes="report folder (an earlier compare report)",
+                    description="Compare the fault signatures (faulted run against its baseline) of the original "
+                                "and the proxy, metric by metric: direction and size of the shift, trend, onset, "
+                                "correlation of the shift curves.")
     for role, what in (("orig-base", "original, baseline"), ("orig-fault", "original, with the fault"),
                        ("proxy-base", "proxy, baseline"), ("proxy-fault", "proxy, with the fault")):
         p.add_argument(f"--{role}", required=True, metavar="LOG",
@@ -21,19 +23,21 @@ def register(subparsers) -> None:
     p.add_argument("--onset-window", type=int, metavar="STEPS",
                    help="onsets this close agree (default: 10%% of the compared steps, at least 3)")
     p.add_argument("-o", "--output", metavar="DIR", help="write report.json, report.md and PNG curves here")
-    p.set_defaults(func=run_compare)
 
 
 def run_compare(args) -> int:
     from mcore_proxy.diagnose.compare import ROLES, compare_runs
     from mcore_proxy.diagnose.readers import read_log
-    from mcore_proxy.diagnose.report import summary_table, write_report
+    from mcore_proxy.diagnose.report import as_dict, summary_table, write_report
 
-    logs = {role: read_log(getattr(args, role)) for role in ROLES}
-    comparison = compare_runs(logs, args.metrics, args.onset_window)
-    print(summary_table(comparison))
+    paths = {role: getattr(args, role) for role in ROLES}
+    comparison = compare_runs({role: read_log(path) for role, path in paths.items()}, args.metrics,
+                              args.onset_window)
+    report = None
     if args.output:
-        print(f"report: {write_report(args.output, comparison)}")
+        report = str(write_report(args.output, comparison, inputs=tuple(paths.values()), replace=args.force))
+    text = summary_table(comparison) + (f"\nreport: {report}" if report else "")
+    emit(args, "compare", {**as_dict(comparison), "report": report}, text)
     if not comparison.consistent:
         raise CheckFailed(comparison.verdict())
     return 0

@@ -91,7 +91,9 @@ def metric_figure(comparison: Comparison, metric: str):
     return fig
 
 
-def write_report(out, comparison: Comparison) -> Path:
+def write_report(out, comparison: Comparison, *, inputs: tuple = (), replace: bool = False) -> Path:
+    """The report folder `out`; it may neither lie in nor hold one of the `inputs` (the logs), and an
+    existing report is replaced only with `replace` (`--force`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +102,7 @@ def write_report(out, comparison: Comparison) -> Path:
     from mcore_proxy.checkpoint.output import staged_output
 
     out = Path(out)
-    with staged_output(out) as tmp:
+    with staged_output(out, inputs, replace=replace) as tmp:
         (tmp / "report.json").write_text(json.dumps(as_dict(comparison), indent=1))
         lines = ["# mcore-proxy compare", "", comparison.verdict(), "", "```",
                  summary_table(comparison), "```", ""]

@@ -13,9 +13,9 @@ from mcore_proxy.errors import PlanError, ProxyError
 from mcore_proxy.estimate.memory import DeviceMemory, Layout, Training
 from mcore_proxy.estimate.model import Architecture, ParameterCount, count_parameters, expert_flops_per_token
 from mcore_proxy.estimate.search import Constraints, check_constraints, fitting_layouts, least_memory, nearest
+from mcore_proxy.units import GIB
 
 FORMAT = "mcore-proxy-estimate/1"
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from mcore_proxy.errors import ProxyError
+from mcore_proxy.flags import add_command, add_option, emit
 
 _UNITS = {"": 1 << 30, "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
           "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -24,13 +24,14 @@ def register(sub) -> None:
     from mcore_proxy.estimate.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
     from mcore_proxy.estimate.presets import PRESETS
 
-    p = sub.add_parser(
-        "estimate", help="parameters, memory per device and the fewest devices, original against proxy",
+    p = add_command(
+        sub, "estimate", run_estimate, help="parameters, memory per device and the fewest devices, original vs proxy",
         description="Plan before converting: parameter counts, bytes of weights, gradients, optimizer state "
                     "(distributed optimizer) and activations on the most loaded device, and the smallest "
                     "valid layouts that fit for the original and its proxy with K experts. Reads only "
                     "metadata. Sources are layered: --preset, then --hf-config, then the checkpoint's own args.")
-    p.add_argument("--ckpt", type=Path, help="Megatron checkpoint (its args and tensor names; no tensor bytes)")
+    add_option(p, "--ckpt", type=Path, metavar="CKPT",
+               help="Megatron checkpoint (its args and tensor names; no tensor bytes)")
     p.add_argument("--hf-config", type=Path, metavar="CONFIG", help="HF config.json (or its folder)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a public model configuration")
     p.add_argument("--num-experts", "-k", type=int, required=True, metavar="K", help="experts the proxy keeps")
@@ -40,17 +41,15 @@ def register(sub) -> None:
                    help="share of it training may use (default 0.9: the rest for runtime, buffers, fragmentation)")
     for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--ep", "expert"),
                        ("--etp", "expert tensor"), ("--dp", "data")):
-        p.add_argument(flag, type=int, metavar="N", help=f"fix the {what}-parallel size (default: searched)")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=4096)
+        add_option(p, flag, type=int, metavar="N", help=f"fix the {what}-parallel size (default: searched)")
+    add_option(p, "--micro-batch", type=int, default=1, metavar="N")
+    add_option(p, "--seq-len", type=int, default=4096, metavar="N")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
     p.add_argument("--devices-per-node", type=int, default=8,
                    help="device counts are whole nodes or a divisor of one (default 8)")
     p.add_argument("--max-devices", type=int, default=16384, help="largest device count searched")
-    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table (GiB)")
-    p.set_defaults(func=run_estimate)
 
 
 def architecture(args):
@@ -90,5 +89,5 @@ def run_estimate(args) -> int:
                   constraints=Constraints(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=args.dp,
                                           devices_per_node=args.devices_per_node, max_devices=args.max_devices))
     result = estimate(architecture(args), req)
-    print(json.dumps(to_dict(result), indent=2) if args.json else format_text(result))
+    emit(args, "estimate", to_dict(result), format_text(result))
     return 0

@@ -1,18 +1,22 @@
 """`mcore-proxy fidelity --orig MODEL --proxy MODEL --plan plan.json --data FILE [-o DIR]`."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+
+from mcore_proxy.flags import add_command, emit
 
 REPORT, PICTURE = "fidelity.json", "fidelity.png"
 
 
 def register(sub) -> None:
-    p = sub.add_parser("fidelity", help="how closely a proxy follows its original on calibration data",
-                       description="Run original and proxy in transformers over JSONL records (as for collect) and "
-                       "measure per MoE layer the share of the original top-k gate mass on kept experts and top-1 "
-                       "routing agreement, per layer the hidden-state cosine, and the next-token KL and top-1 "
-                       "agreement. Megatron checkpoints are measured through their HF conversion.")
+    p = add_command(sub, "fidelity", run_fidelity, help="how closely a proxy follows its original on calibration data",
+                    writes=f"{REPORT} and {PICTURE} in DIR",
+                    description="Run original and proxy in transformers over JSONL records (as for collect) and "
+                                "measure per MoE layer the share of the original top-k gate mass on kept experts and "
+                                "top-1 routing agreement, per layer the hidden-state cosine, and the next-token KL "
+                                "and top-1 agreement. Megatron checkpoints are measured through their HF conversion.")
     p.add_argument("--orig", type=Path, required=True, metavar="MODEL", help="original: HF folder or Megatron checkpoint")
     p.add_argument("--proxy", type=Path, required=True, metavar="MODEL", help="proxy: HF folder or Megatron checkpoint")
     p.add_argument("--plan", type=Path, required=True, help="the plan.json the proxy was made with")
@@ -22,7 +26,6 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     p.add_argument("--max-length", type=int, help="longest sequence (default: max_position_embeddings)")
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    p.set_defaults(func=run_fidelity)
 
 
 def table(report: dict) -> str:
@@ -66,21 +69,23 @@ def draw(report: dict, path: Path) -> None:
 
 
 def run_fidelity(args) -> int:
-    from mcore_proxy.errors import OutputError
+    from mcore_proxy.checkpoint.output import staged_files
     from mcore_proxy.fidelity.measure import measure
 
-    if args.out is not None:
-        from mcore_proxy.plotting import require_matplotlib
+    with contextlib.ExitStack() as outputs:   # refused before the models run if the report exists
+        report_dir = None
+        if args.out is not None:
+            from mcore_proxy.plotting import require_matplotlib
 
-        require_matplotlib("fidelity -o")
-        if (args.out / REPORT).exists():
-            raise OutputError(f"{args.out / REPORT}: already exists; choose another -o folder or remove it first")
-    report = measure(args.orig, args.proxy, args.plan, args.data, max_tokens=args.max_tokens,
-                     batch_size=args.batch_size, max_length=args.max_length, device=args.device)
-    print(table(report))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        draw(report, args.out / PICTURE)
-        print(f"wrote {args.out / REPORT} and {args.out / PICTURE}")
+            require_matplotlib("fidelity -o")
+            report_dir = outputs.enter_context(staged_files(
+                args.out, "fidelity", (REPORT, PICTURE), replace=args.force,
+                inputs=(args.orig, args.proxy, args.plan, args.data)))
+        report = measure(args.orig, args.proxy, args.plan, args.data, max_tokens=args.max_tokens,
+                         batch_size=args.batch_size, max_length=args.max_length, device=args.device)
+        if report_dir is not None:
+            (report_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+            draw(report, report_dir / PICTURE)
+    text = table(report) + (f"\nwrote {args.out / REPORT} and {args.out / PICTURE}" if args.out else "")
+    emit(args, "fidelity", report, text)
     return 0

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 from pathlib import Path
 
 from mcore_proxy.errors import OutputError, PlanError
+from mcore_proxy.flags import add_command, add_option, emit
 from mcore_proxy.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
@@ -26,16 +28,17 @@ def parse_weights(text: str) -> tuple[float, float, float]:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "select", help="choose K experts per MoE layer and write plan.json",
+    p = add_command(
+        subparsers, "select", run, help="choose K experts per MoE layer -> plan.json",
+        writes="plan (and report files)",
         description="Multi-view, frequency-aware expert selection: router-weight, co-activation "
                     "and routed-context views, fused, clustered with K-Medoids; the most "
                     "frequently activated expert of each cluster is kept.")
-    p.add_argument("--ckpt", required=True, help="source checkpoint (router weights, spec)")
+    add_option(p, "--ckpt", required=True, metavar="CKPT", help="source checkpoint (router weights, spec)")
     p.add_argument("--stats", required=True, help="routing statistics (.safetensors + .json)")
     p.add_argument("--num-experts", "-k", type=int, required=True, metavar="K",
                    help="experts to keep in every MoE layer")
-    p.add_argument("--target-ep", "--target-expert-parallel-size", type=int, default=1, metavar="N",
+    add_option(p, "--target-ep", type=int, default=1, metavar="N",
                    help="expert-parallel degree K must divide (default 1)")
     p.add_argument("--method", choices=METHODS, default="multiview")
     p.add_argument("--weights", default=",".join(f"{w:g}" for w in DEFAULT_WEIGHTS), metavar="R,C,P",
@@ -56,45 +59,57 @@ def register(subparsers) -> None:
                         f"weights); default for multiview: {'on' if DEFAULT_REFINEMENTS['weight_search'] else 'off'}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
-    p.add_argument("--report", metavar="DIR", help="write PNGs and a summary into DIR")
-    p.add_argument("-o", "--output", required=True, help="plan.json to write (overwritten)")
-    p.set_defaults(func=run)
+    p.add_argument("--report", metavar="DIR", help="write PNGs and summary.txt into DIR")
+    p.add_argument("-o", "--output", required=True, help="plan.json to write (must not exist unless --force)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
     from tqdm import tqdm
 
     from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.checkpoint.output import staged_files
     from mcore_proxy.select.constraints import check_stats_match
-    from mcore_proxy.select.report import summary_table, write_report
+    from mcore_proxy.select.report import REPORT_FILES, summary_dict, summary_table, write_report
     from mcore_proxy.select.selector import run_selection
-    from mcore_proxy.stats import load_stats
+    from mcore_proxy.stats import load_stats, sidecar_path
 
     weights = parse_weights(args.weights)
-    if Path(args.output).is_dir():
+    out = Path(args.output)
+    if out.is_dir():
         raise OutputError(f"-o {args.output} is a folder; pass the plan file to write, e.g. "
-                          f"-o {Path(args.output) / 'plan.json'}")
+                          f"-o {out / 'plan.json'}")
     if args.report:
         require_matplotlib("--report")  # before anything is written
-    stats = load_stats(args.stats)
-    view = open_checkpoint(args.ckpt)
-    check_stats_match(stats, view.spec, str(args.stats))
-    common = dict(target_ep=args.target_ep, group_policy=args.group_policy, seed=args.seed)
-    plan, details = run_selection(
-        view, stats, args.num_experts, method=args.method, weights=weights,
-        coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
-        restarts=args.restarts, representative=args.representative,
-        weight_search=args.weight_search, progress=functools.partial(tqdm, desc="select", unit="layer"),
-        **common)
-    if args.report:  # the report first: a plan is written only by a command that succeeds
-        baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
-                     for m in ("frequency", "random")}
-        files = write_report(args.report, plan, details, baselines)
-        print(f"wrote report: {len(files)} files in {args.report}")
-    path = plan.save(args.output)
-    print(summary_table(plan))
+    inputs = (args.ckpt, args.stats, sidecar_path(args.stats))
+    with ExitStack() as outputs:   # refused before any work if they exist; moved into place at the end
+        plan_dir = outputs.enter_context(staged_files(out.parent, out.name, (glob.escape(out.name),),
+                                                      replace=args.force, inputs=inputs))
+        report_dir = args.report and outputs.enter_context(
+            staged_files(args.report, "report", REPORT_FILES, replace=args.force, inputs=inputs))
+        stats = load_stats(args.stats)
+        view = open_checkpoint(args.ckpt)
+        check_stats_match(stats, view.spec, str(args.stats))
+        common = dict(target_ep=args.target_ep, group_policy=args.group_policy, seed=args.seed)
+        plan, details = run_selection(
+            view, stats, args.num_experts, method=args.method, weights=weights,
+            coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
+            restarts=args.restarts, representative=args.representative,
+            weight_search=args.weight_search, progress=functools.partial(tqdm, desc="select", unit="layer"),
+            **common)
+        report = []
+        if args.report:  # the report first: a plan is written only by a command that succeeds
+            baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]
+                         for m in ("frequency", "random")}
+            report = [Path(args.report) / f.name for f in write_report(report_dir, plan, details, baselines)]
+        plan.save(plan_dir / out.name)
+    notes = []
     if plan.params.get("group_policy") == "flatten":
-        print("note: group-limited routing flattened: the proxy runs with "
-              "--moe-router-num-groups 1 --moe-router-group-topk 1")
-    print(f"wrote {path}")
+        notes.append("group-limited routing flattened: the proxy runs with "
+                     "--moe-router-num-groups 1 --moe-router-group-topk 1")
+    doc = {"plan": str(out), **summary_dict(plan), "report": [str(f) for f in report], "notes": notes}
+    text = [summary_table(plan)] + [f"note: {n}" for n in notes]
+    text += [f"wrote report: {len(report)} files in {args.report}"] if report else []
+    emit(args, "select", doc, "\n".join(text + [f"wrote {out}"]))
     return 0

@@ -14,6 +14,9 @@ from mcore_proxy.select.plan import SelectionPlan
 
 log = logging.getLogger(__name__)
 
+# what `write_report` writes into its folder (globs): the files a second report replaces
+REPORT_FILES = ("distance_layer_*.png", "coverage.png", "summary.txt")
+
 
 def summary_table(plan: SelectionPlan) -> str:
     """Per layer: kept count, token coverage, gate-mass coverage, dead experts (never selected)
@@ -34,6 +37,20 @@ def summary_table(plan: SelectionPlan) -> str:
         lines += ["dead experts (never selected by any token) are kept only when fewer than K are live:"]
         lines += ["  " + n for n in notes]
     return "\n".join(lines)
+
+
+def summary_dict(plan: SelectionPlan) -> dict:
+    """The numbers of `summary_table` for `select --json` (coverage as shares in [0, 1])."""
+    tok, mass = plan.mean_coverage()
+    return {
+        "method": plan.method, "num_experts": plan.num_experts, "source_experts": plan.source.num_experts,
+        "group_policy": plan.params.get("group_policy"),
+        "layers": {lid: {"kept": list(lp.kept), "token_coverage": lp.token_coverage,
+                         "gate_mass_coverage": lp.gate_mass_coverage, "never_selected": len(lp.never_selected),
+                         "dead_kept": list(lp.dead_kept), "dead_note": lp.dead_note}
+                   for lid, lp in ((lid, plan.layers[lid]) for lid in plan.layer_ids)},
+        "mean": {"token_coverage": tok, "gate_mass_coverage": mass},
+    }
 
 
 def coverage_note(plan: SelectionPlan, frequency: SelectionPlan) -> str:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import glob
 from pathlib import Path
 
 from mcore_proxy.errors import OutputError, StatsError
+from mcore_proxy.flags import add_command, add_group, emit
 from mcore_proxy.plotting import require_matplotlib
 
 MERGED_NAME = "routing_stats.safetensors"
@@ -12,23 +14,20 @@ RANK_GLOB = "rank*.safetensors"
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("stats", help="merge and inspect routing statistics",
-                              description="Routing statistics written by the trace patch.")
-    sub = p.add_subparsers(dest="stats_command", required=True)
-    m = sub.add_parser("merge", help="sum the per-rank files of a traced run",
-                       description="Element-wise sum of DIR/rank*.safetensors into one file.")
+    sub = add_group(subparsers, "stats", help="merge the per-rank routing statistics of a traced run; show them",
+                    description="Routing statistics written by the trace patch (one file per rank).")
+    m = add_command(sub, "merge", run_merge, help="sum the per-rank files of a traced run", writes="merged file",
+                    description="Element-wise sum of DIR/rank*.safetensors into one file (and its JSON sidecar).")
     m.add_argument("dir", help="folder the run wrote (MCORE_PROXY_TRACE_DIR)")
     m.add_argument("-o", "--output", help=f"merged file (default DIR/{MERGED_NAME})")
-    m.add_argument("--force", action="store_true", help="replace an existing output file")
     m.add_argument("--allow-missing-layers", action="store_true",
                    help="merge even if some declared MoE layers have no statistics")
-    m.set_defaults(func=run_merge)
-    s = sub.add_parser("show", help="per-layer load, dead experts, entropy, co-activation",
-                       description="Summarise a statistics file (or a folder of rank files).")
+    s = add_command(sub, "show", run_show, help="per-layer load, dead experts, entropy, co-activation",
+                    writes="load.png and coact.png of --png",
+                    description="Summarise a statistics file (or a folder of rank files).")
     s.add_argument("stats", help="a .safetensors statistics file, or a folder of rank files")
     s.add_argument("--top", type=int, default=3, metavar="N", help="experts listed per end (3)")
     s.add_argument("--png", metavar="DIR", help="also write load.png and coact.png into DIR")
-    s.set_defaults(func=run_show)
 
 
 def rank_files(folder: Path) -> list[Path]:
@@ -50,31 +49,38 @@ def merge_folder(folder: Path, *, allow_missing_layers: bool = False):
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from mcore_proxy.stats import save_stats
+    from mcore_proxy.checkpoint.output import staged_files
+    from mcore_proxy.stats import save_stats, sidecar_path
 
     folder = Path(args.dir)
     out = Path(args.output) if args.output else folder / MERGED_NAME
     if out.suffix != ".safetensors":
         raise OutputError(f"{out}: the merged file must end in .safetensors (its sidecar is the .json)")
-    if out.exists() and not args.force:
-        raise OutputError(f"{out}: exists; pass --force to replace it or choose another -o")
-    merged = merge_folder(folder, allow_missing_layers=args.allow_missing_layers)
-    save_stats(merged, out)
-    print(f"merged {merged.meta['ranks_merged']} rank file(s): {len(merged.layers)} MoE layers, "
-          f"{merged.total_tokens} routed tokens over all layers -> {out}")
+    names = (glob.escape(out.name), glob.escape(sidecar_path(out).name))   # the JSON last, as save_stats
+    with staged_files(out.parent, out.name, names, replace=args.force) as tmp:
+        merged = merge_folder(folder, allow_missing_layers=args.allow_missing_layers)
+        save_stats(merged, tmp / out.name)
+    doc = {"output": str(out), "ranks_merged": merged.meta["ranks_merged"], "moe_layers": len(merged.layers),
+           "total_tokens": merged.total_tokens}
+    emit(args, "stats-merge", doc, f"merged {doc['ranks_merged']} rank file(s): {doc['moe_layers']} MoE layers, "
+                                   f"{doc['total_tokens']} routed tokens over all layers -> {out}")
     return 0
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+
+    from mcore_proxy.checkpoint.output import staged_files
     from mcore_proxy.stats import load_stats
-    from mcore_proxy.trace.summary import summary_table, write_heatmaps
+    from mcore_proxy.trace.summary import HEATMAPS, summary_dict, summary_table, write_heatmaps
 
     if args.png:
         require_matplotlib("--png")  # before anything is printed or written
     path = Path(args.stats)
-    stats = merge_folder(path) if path.is_dir() else load_stats(path)
-    print(summary_table(stats, args.top))
-    if args.png:
-        for written in write_heatmaps(stats, args.png):
-            print(f"wrote {written}")
+    pngs = staged_files(args.png, "stats-png", HEATMAPS, replace=args.force) if args.png else nullcontext()
+    with pngs as png_dir:
+        stats = merge_folder(path) if path.is_dir() else load_stats(path)
+        written = [Path(args.png) / p.name for p in write_heatmaps(stats, png_dir)] if args.png else []
+    doc = {"stats": str(path), **summary_dict(stats, args.top), "png": [str(p) for p in written]}
+    emit(args, "stats-show", doc, "\n".join([summary_table(stats, args.top)] + [f"wrote {p}" for p in written]))
     return 0

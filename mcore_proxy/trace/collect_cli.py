@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mcore_proxy.flags import add_command, emit
+
 
 def register(sub) -> None:
-    p = sub.add_parser("collect", help="routing statistics of a Hugging Face model over calibration data",
-                       description="Run a Hugging Face MoE checkpoint in transformers over JSONL records "
-                       "({\"text\": ...} with the checkpoint's tokenizer, or {\"input_ids\": [...]}) and write "
-                       "DIR/routing_stats.safetensors (+ .json) for `mcore-proxy select`.")
+    p = add_command(sub, "collect", run_collect, help="routing statistics of a Hugging Face model over calibration data",
+                    writes="routing_stats.safetensors and its .json in DIR",
+                    description="Run a Hugging Face MoE checkpoint in transformers over JSONL records "
+                                "({\"text\": ...} with the checkpoint's tokenizer, or {\"input_ids\": [...]}) and "
+                                "write DIR/routing_stats.safetensors (+ .json) for `mcore-proxy select`.")
     p.add_argument("--hf", type=Path, required=True, metavar="MODEL", help="Hugging Face checkpoint folder")
     p.add_argument("--data", type=Path, required=True, metavar="FILE", help="JSONL calibration data")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="folder for the statistics")
@@ -17,16 +20,22 @@ def register(sub) -> None:
     p.add_argument("--max-length", type=int,
                    help="longest sequence; longer records are cut into windows (default: max_position_embeddings)")
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    p.set_defaults(func=run_collect)
 
 
 def run_collect(args) -> int:
-    from mcore_proxy.stats import load_stats
-    from mcore_proxy.trace.hf import collect
+    from mcore_proxy.checkpoint.output import staged_files
+    from mcore_proxy.stats import load_stats, sidecar_path
+    from mcore_proxy.trace.hf import STATS_NAME, collect
 
-    path, tokens = collect(args.hf, args.data, args.out, max_tokens=args.max_tokens, batch_size=args.batch_size,
-                           max_length=args.max_length, device=args.device)
+    path = args.out / STATS_NAME
+    # refused before the model runs if it exists (without --force); moved into place only when complete
+    with staged_files(args.out, STATS_NAME, (STATS_NAME, sidecar_path(STATS_NAME).name), replace=args.force,
+                      inputs=(args.hf, args.data)) as tmp:
+        _, tokens = collect(args.hf, args.data, tmp, max_tokens=args.max_tokens, batch_size=args.batch_size,
+                            max_length=args.max_length, device=args.device)
     stats = load_stats(path)
-    print(f"wrote {path}: {tokens} tokens through {len(stats.layers)} MoE layers "
-          f"({stats.num_experts} experts, top-{stats.topk}); next: mcore-proxy select --ckpt {args.hf} --stats {path}")
+    doc = {"stats": str(path), "tokens": tokens, "moe_layers": len(stats.layers), "num_experts": stats.num_experts,
+           "topk": stats.topk}
+    emit(args, "collect", doc, f"wrote {path}: {tokens} tokens through {len(stats.layers)} MoE layers "
+         f"({stats.num_experts} experts, top-{stats.topk}); next: mcore-proxy select --ckpt {args.hf} --stats {path}")
     return 0

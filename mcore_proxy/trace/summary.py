@@ -9,6 +9,8 @@ import numpy as np
 
 from mcore_proxy.stats import LayerStats, RoutingStats
 
+HEATMAPS = ("load.png", "coact.png")   # what `write_heatmaps` writes into its folder
+
 
 @dataclass(frozen=True)
 class LayerSummary:
@@ -51,6 +53,22 @@ def summarize_layer(layer_id: str, s: LayerStats, n: int = 3) -> LayerSummary:
 
 def _experts(items) -> str:
     return " ".join(f"{e}:{100 * sh:.1f}%" for e, sh in items)
+
+
+def summary_dict(stats: RoutingStats, n: int = 3) -> dict:
+    """The numbers of `summary_table` for `stats show --json` (shares as fractions in [0, 1])."""
+    def experts(items):
+        return [{"expert": e, "share": sh} for e, sh in items]
+
+    layers = {}
+    for layer_id in stats.layer_ids:
+        ls = summarize_layer(layer_id, stats.layers[layer_id], n)
+        pair = None if ls.top_pair is None else dict(zip(("i", "j", "tokens", "lift"), ls.top_pair))
+        layers[layer_id] = {"tokens": ls.tokens, "top": experts(ls.top), "bottom": experts(ls.bottom),
+                            "dead": ls.dead, "entropy": ls.entropy, "pairs_seen": ls.pairs_seen,
+                            "pairs_total": ls.pairs_total, "top_pair": pair}
+    return {"num_experts": stats.num_experts, "topk": stats.topk, "hidden_size": stats.hidden_size,
+            "ranks_merged": stats.meta.get("ranks_merged", 1), "layers": layers}
 
 
 def summary_table(stats: RoutingStats, n: int = 3) -> str:

@@ -30,7 +30,7 @@ EXPECTED = {
 def test_inspect_reports_layout(megatron_ckpt, fixture):
     ckpt, _ = megatron_ckpt(fixture)
     info = describe(open_checkpoint(ckpt))
-    assert info["format"] == "legacy" and info["iteration"] == 10 and info["num_layers"] == 4
+    assert info["checkpoint_format"] == "legacy" and info["iteration"] == 10 and info["num_layers"] == 4
     for field, value in EXPECTED[fixture].items():
         assert info[field] == value, field
     # routed experts: E x L_moe x (fc1 [2F, H] + fc2 [H, F]) x 4 bytes

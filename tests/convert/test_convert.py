@@ -125,10 +125,18 @@ def test_verify_reports_a_changed_tensor(converted, capsys):
     state["model"][key][0, 0] += 1.0
     torch.save(state, f)
     capsys.readouterr()
-    assert main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan_path)]) == 1
-    err = capsys.readouterr().err
-    assert "decoder.layers.3.mlp.experts.2.linear_fc2.weight: differs from source" in err
-    assert "sha256 differs from the manifest" in err
+    argv = ["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan_path)]
+    assert main(argv) == 1
+    text, err = capsys.readouterr()
+    changed = "decoder.layers.3.mlp.experts.2.linear_fc2.weight: differs from source"
+    assert changed in err and "sha256 differs from the manifest" in err
+    # the report says what differs, and never first that everything matched
+    assert "bit for bit" not in text and "OK" not in text
+    assert text.startswith("verify: 2 difference(s) found, checking ") and f"  {changed}" in text.splitlines()[1]
+    assert main(argv + ["--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and len(doc["problems"]) == 2 and doc["problems"][0].startswith(changed)
+    assert doc["checked_tensors"] > 0
 
 
 def test_verify_reports_a_plan_mismatch_in_args(converted, capsys, tmp_path):

@@ -107,3 +107,53 @@ def test_signs_agree_tolerates_a_borderline_side_only():
     assert not signs_agree(-1, -0.36, 0.01, 0, 0.2, 0.12)       # leans the other way
     assert not signs_agree(0, 0.0, 1.0, 1, 0.5, 0.001)          # nothing against a shift
     assert not signs_agree(1, 0.3, 0.01, -1, -0.3, 0.01)
+
+
+# -- the shared command-line conventions: --json, --force ---------------------------------------
+
+def test_json_carries_the_numbers_of_the_text(tmp_path, synthetic, capsys):
+    paths = four(tmp_path, synthetic, "noise", "omission")
+    assert main(["compare", *argv(paths)]) == 1
+    text = capsys.readouterr().out
+    assert main(["compare", *argv(paths), "--json"]) == 1       # a failed check still prints its document
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["format"] == "mcore-proxy-compare/1" and doc["consistent"] is False and doc["report"] is None
+    assert "check failed: NOT CONSISTENT" in captured.err and doc["verdict"] in text.splitlines()
+    assert doc["metrics"] and not all(m["match"] for m in doc["metrics"].values())
+    for metric, m in doc["metrics"].items():
+        sig = doc["signatures"]["original"]["metrics"][metric]
+        line = next(l for l in text.splitlines() if l.startswith(f"{metric} "))
+        assert f"{sig['direction']:+d} " in line and line.endswith("yes") == m["match"], line
+
+
+def test_an_existing_report_is_replaced_only_with_force(tmp_path, synthetic, capsys):
+    paths = four(tmp_path, synthetic, "omission", "omission")
+    out = tmp_path / "report"
+    assert main(["compare", *argv(paths), "-o", str(out)]) == 0
+    first = (out / "report.json").read_bytes()
+    capsys.readouterr()
+    narrower = argv(paths, "-o", str(out), "--metrics", "reward")
+    assert main(["compare", *narrower]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err and (out / "report.json").read_bytes() == first
+    assert main(["compare", *narrower, "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["report"] == str(out)
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "reward.png"]   # nothing old mixed in
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("case", ["other_data", "holds_a_log"])
+def test_force_never_replaces_other_data_or_the_logs(tmp_path, synthetic, capsys, case):
+    paths = four(tmp_path, synthetic, "omission", "omission")
+    if case == "other_data":
+        out = tmp_path / "mine"
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        expected = "holds no mcore-proxy manifest.json (or compare report.json), so --force does not replace it"
+    else:
+        out, expected = tmp_path, "must not be inside the input"
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    capsys.readouterr()
+    assert main(["compare", *argv(paths, "-o", str(out), "--force")]) == 2
+    assert expected in capsys.readouterr().err
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before

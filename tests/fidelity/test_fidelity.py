@@ -34,7 +34,7 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
-def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_against_the_original(hf_proxy, data, tmp_path, name):
+def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_against_the_original(hf_proxy, data, tmp_path, capsys, name):
     orig, _, plan_path, plan, proxy = hf_proxy(name)
     # the reference a correct proxy reproduces: the original with its gates restricted to the kept experts
     original, pruned = load_model(orig), load_model(proxy)
@@ -50,6 +50,15 @@ def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_a
                  "--data", str(data), "-o", str(out)]) == 0
     report = json.loads((out / "fidelity.json").read_text())
     assert (out / "fidelity.png").stat().st_size > 10_000
+    if name == "qwen3_moe":   # an existing report is refused without --force, replaced with it
+        argv = ["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--data", str(data),
+                "-o", str(out), "--json"]
+        assert main(argv) == 2 and json.loads((out / "fidelity.json").read_text()) == report
+        capsys.readouterr()
+        assert main(argv + ["--force"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["format"] == "mcore-proxy-fidelity/1" and doc["tokens"] == report["tokens"]
+        assert doc["next_token_kl"] == pytest.approx(report["next_token_kl"], rel=1e-6)
     assert report["tokens"] == perfect["tokens"] > 100
     first = report["moe_layers"][0]
     assert [m["kept"] for m in report["moe_layers"]] == [8] * len(report["moe_layers"])

@@ -1,8 +1,10 @@
 """`mcore-proxy select` through the real entry point, with the checkpoint reader replaced by
-an in-memory view of a planted model (the reader is tested in its own package)."""
+an in-memory view of a planted model (the reader is tested in its own package); and outputs that
+are replaced only with --force, a failed forced run on a real checkpoint included."""
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +91,92 @@ def test_missing_stats_file_names_it(tmp_path, cli_model, capsys):
     code = main(["select", "--ckpt", "C", "--stats", str(tmp_path / "nope.safetensors"), "-k", "8",
                  "-o", str(tmp_path / "plan.json")])
     assert code == 2 and "nope.safetensors: routing-statistics file not found" in capsys.readouterr().err
+
+
+# -- outputs replaced only by --force, never an input --------------------------------------------
+
+def select_argv(stats_path, out, *extra):
+    return ["select", "--ckpt", "C", "--stats", str(stats_path), "-k", "8", "-o", str(out), *map(str, extra)]
+
+
+def test_an_existing_plan_is_replaced_only_with_force(tmp_path, cli_model, capsys):
+    _, _, stats_path, _ = cli_model
+    out = tmp_path / "plan.json"
+    assert main(select_argv(stats_path, out, "--seed", "1")) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert main(select_argv(stats_path, out, "--seed", "2")) == 2
+    assert f"{out}: exists; pass --force" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(select_argv(stats_path, out, "--seed", "2", "--force")) == 0
+    assert load_plan(out).params["seed"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "routing_stats.json",
+                                                          "routing_stats.safetensors"]
+
+
+def test_a_report_is_replaced_only_with_force(tmp_path, cli_model, capsys):
+    pytest.importorskip("matplotlib")
+    _, _, stats_path, _ = cli_model
+    rep = tmp_path / "report"
+    rep.mkdir()
+    (rep / "summary.txt").write_text("old")
+    (rep / "distance_layer_99.png").write_bytes(b"old")   # of an earlier report on other layers
+    (rep / "mine.txt").write_text("not the report's")
+    argv = select_argv(stats_path, tmp_path / "plan.json", "--report", rep)
+    capsys.readouterr()
+    assert main(argv) == 2 and "exists; pass --force" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists() and (rep / "summary.txt").read_text() == "old"
+    assert main(argv + ["--force", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)["report"]
+    assert sorted(p.name for p in rep.iterdir()) == sorted([Path(f).name for f in written] + ["mine.txt"])
+    assert "distance_layer_99.png" not in {Path(f).name for f in written}
+    assert (rep / "summary.txt").read_text().startswith("method multiview")
+
+
+@pytest.mark.parametrize("where", ["stats", "sidecar", "inside_ckpt"])
+def test_the_plan_never_replaces_or_enters_an_input(tmp_path, cli_model, capsys, where):
+    _, _, stats_path, _ = cli_model
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    out = {"stats": stats_path, "sidecar": stats_path.with_suffix(".json"), "inside_ckpt": ckpt / "plan.json"}[where]
+    before = out.read_bytes() if out.exists() else None
+    capsys.readouterr()
+    argv = ["select", "--ckpt", str(ckpt), "--stats", str(stats_path), "-k", "8", "-o", str(out), "--force"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("lies inside the input" if where == "inside_ckpt" else "is an input of this command") in err
+    assert (out.read_bytes() if out.exists() else None) == before and list(ckpt.iterdir()) == []
+
+
+def test_a_forced_select_that_fails_to_write_leaves_the_old_plan(megatron_ckpt, tmp_path):
+    """On a real checkpoint, in a process of its own: a real file-size limit (RLIMIT_FSIZE, EFBIG)
+    stops the new plan; the old one stays as it was."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.select.synthetic import planted_stats
+
+    ckpt, _ = megatron_ckpt("seq_tp2_pp2_ep2")
+    spec = open_checkpoint(ckpt).spec
+    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=4,
+                             hidden=spec.hidden_size, tokens=500, seed=1)
+    stats_path = save_stats(stats, tmp_path / "routing_stats.safetensors")
+    out = tmp_path / "plan.json"
+    argv = [sys.executable, "-m", "mcore_proxy.cli", "select", "--ckpt", str(ckpt), "--stats", str(stats_path),
+            "-k", "4", "-o", str(out)]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    assert subprocess.run(argv, capture_output=True, env=env, timeout=300).returncode == 0
+    before = out.read_bytes()
+    limit = len(before) // 2
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run(argv + ["--seed", "5", "--force"], capture_output=True, text=True, env=env, timeout=300,
+                          preexec_fn=apply)
+    assert done.returncode == 2 and "file-size limit" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "routing_stats.json",
+                                                          "routing_stats.safetensors"]

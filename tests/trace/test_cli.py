@@ -1,4 +1,12 @@
-"""`mcore-proxy stats merge|show` through the real entry point: sums, refusals, exit codes."""
+"""`mcore-proxy stats merge|show` through the real entry point: sums, refusals, exit codes, --json,
+--force."""
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -119,3 +127,61 @@ def test_show_lists_dead_experts(tmp_path, capsys):
     code, out, _ = run_cli(capsys, "show", str(tmp_path / "s.safetensors"))
     assert code == 0
     assert "dead experts: [1, 3]" in out and "top pair 0+2: 1 tokens" in out
+
+
+# -- --json, and outputs replaced only by --force ------------------------------------------------
+
+def test_json_carries_the_numbers_of_the_text(rank_files, capsys):
+    code, text, _ = run_cli(capsys, "merge", str(rank_files), "--json")
+    merge = json.loads(text)
+    assert code == 0 and merge["format"] == "mcore-proxy-stats-merge/1"
+    assert (merge["ranks_merged"], merge["moe_layers"], merge["total_tokens"]) == (2, 2, 40)
+    stats = rank_files / "routing_stats.safetensors"
+    _, text, _ = run_cli(capsys, "show", str(stats))
+    _, raw, _ = run_cli(capsys, "show", str(stats), "--json")
+    d = json.loads(raw)
+    assert d["format"] == "mcore-proxy-stats-show/1" and set(d["layers"]) == {"0", "1"}
+    assert f"{len(d['layers'])} MoE layers, E={d['num_experts']}, top-{d['topk']}, H={d['hidden_size']}, " \
+           f"{d['ranks_merged']} rank file(s)" in text
+    for lid, layer in d["layers"].items():
+        top = " ".join(f"{t['expert']}:{100 * t['share']:.1f}%" for t in layer["top"])
+        i, j, tokens, lift = (layer["top_pair"][k] for k in ("i", "j", "tokens", "lift"))
+        assert re.search(rf"^\s+{lid}\s+{layer['tokens']}\s+{re.escape(top)}\s.*\s{len(layer['dead'])}\s+"
+                         rf"{layer['entropy']:.3f}\s+pairs seen {layer['pairs_seen']}/{layer['pairs_total']}, "
+                         rf"top pair {i}\+{j}: {tokens} tokens \(lift {lift:.2f}\)$", text, re.M)
+
+
+def test_show_refuses_existing_pngs_unless_force(rank_files, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "png"
+    png.mkdir()
+    (png / "load.png").write_bytes(b"old")
+    (png / "mine.txt").write_text("other data")
+    code, _, err = run_cli(capsys, "show", str(rank_files), "--png", str(png))
+    assert code == 2 and f"{png / 'load.png'}: exists; pass --force" in one_sentence(err)
+    assert (png / "load.png").read_bytes() == b"old" and not (png / "coact.png").exists()
+    code, out, _ = run_cli(capsys, "show", str(rank_files), "--png", str(png), "--force", "--json")
+    assert code == 0 and json.loads(out)["png"] == [str(png / "load.png"), str(png / "coact.png")]
+    assert (png / "load.png").read_bytes()[:4] == b"\x89PNG" and (png / "coact.png").stat().st_size > 1000
+    assert sorted(p.name for p in png.iterdir()) == ["coact.png", "load.png", "mine.txt"]
+
+
+def test_a_forced_merge_that_fails_to_write_leaves_the_old_file(rank_files, make_rank_file, capsys):
+    """A real file-size limit (RLIMIT_FSIZE: EFBIG) stops the new merge; the old pair stays whole."""
+    assert run_cli(capsys, "merge", str(rank_files))[0] == 0
+    merged, side = rank_files / "routing_stats.safetensors", rank_files / "routing_stats.json"
+    before = merged.read_bytes(), side.read_bytes()
+    make_rank_file(rank_files, 2)            # the new merge would sum three ranks
+    limit = min(map(len, before)) // 2
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-m", "mcore_proxy.cli", "stats", "merge", str(rank_files), "--force"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=apply,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert done.returncode == 2 and "file-size limit" in one_sentence(done.stderr), done.stderr
+    assert (merged.read_bytes(), side.read_bytes()) == before
+    assert not [p for p in rank_files.iterdir() if p.name.startswith(".")]
+    assert run_cli(capsys, "merge", str(rank_files), "--force")[0] == 0
+    assert load_stats(merged).meta["ranks_merged"] == 3

@@ -47,6 +47,7 @@ def test_bad_hf_input_is_one_sentence_and_exit_2(hf_model, tmp_path, capsys, cas
     edit, words = CASES[case]
     folder = broken(hf_model, tmp_path, edit)
     before = sorted((p.name, p.stat().st_size) for p in folder.iterdir())
+    capsys.readouterr()     # building the fixture (first use) prints transformers' progress
     out = tmp_path / "out"
     for argv in (["inspect", str(folder)], ["convert", str(folder), "-o", str(out), "--format", "legacy"]):
         assert main(argv) == 2, argv

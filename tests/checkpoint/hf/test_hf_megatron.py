@@ -82,7 +82,11 @@ def test_qwen3_collect_and_megatron_trace_agree_on_the_same_tokens(qwen3_in_mega
     tokens = fixed_tokens(model)
     data = tmp_path / "tokens.jsonl"
     data.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
-    assert main(["collect", "--hf", str(src), "--data", str(data), "-o", str(tmp_path / "hf"), "--batch-size", "2"]) == 0
+    argv = ["collect", "--hf", str(src), "--data", str(data), "-o", str(tmp_path / "hf"), "--batch-size", "2"]
+    assert main(argv) == 0
+    written = (tmp_path / "hf" / "routing_stats.safetensors").read_bytes()
+    assert main(argv) == 2                  # an existing statistics file is refused without --force
+    assert (tmp_path / "hf" / "routing_stats.safetensors").read_bytes() == written
     hf = load_stats(tmp_path / "hf" / "routing_stats.safetensors")
     files = sorted(trace.glob("rank*.safetensors"))
     assert len(files) == 2          # TP rank 0 of each pipeline stage records (TP without SP: one copy)
