@@ -1,10 +1,13 @@
-"""`mcore-proxy convert` against `cp -r` and against megatron-core's own re-sharding (issue 5).
+"""`mcore-proxy convert` against `cp -r` and against megatron-core's own re-sharding (issues 5, 9).
 
     python bench/bench_convert.py [--out bench/out] [--repeat 3] [--layers 16] [--libs 5a17b50,HEAD]
                                   [--no-megatron] [--diag]
+    # issue 9's checkpoint: 16 MoE layers, E=64, K=24, H=1024, EP 4 -> 1 (3.64 GiB)
+    python bench/bench_convert.py --layers 16 --experts 64 --ffn 512 --keep 24 --target-ep 1 --no-double \
+        --no-megatron --libs 4e90d54,HEAD
 
-Builds once (cached under --out) two synthetic Megatron MoE GPT legacy checkpoints with the
-streaming writer: bf16, hidden 1024, 16 experts x F=1536 (top-4), TP=1 PP=2 EP=4 (8 rank
+Builds once (cached under --out, named by layers, E, F and H) two synthetic Megatron MoE GPT legacy
+checkpoints with the streaming writer: bf16, hidden 1024, 16 experts x F=1536 (top-4), TP=1 PP=2 EP=4 (8 rank
 files), with L and 2L MoE layers, and a hand-written plan keeping K=6 of E=16 experts per
 layer (K/E = 0.375; K divides the target EP=2). Then, in one run, repeated --repeat times and
 interleaved so that the shared machine's noise falls on every command alike, each after

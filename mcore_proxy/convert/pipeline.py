@@ -38,6 +38,7 @@ from mcore_proxy.memory import return_freed_buffers_to_os
 from mcore_proxy.progress import byte_bar
 
 FILE_OVERHEAD = 64 << 10   # bytes allowed per output file beyond its tensors (zip headers, pickles)
+PLANNED_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-router-num-groups", "--moe-router-group-topk")
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,14 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
     flag its args hold comes first."""
     flags = [f"--tensor-model-parallel-size {target.tp}", f"--pipeline-model-parallel-size {target.pp}",
              f"--expert-model-parallel-size {target.ep}", f"--expert-tensor-parallel-size {target.etp}"]
-    if view.layout is None and view.args is not None:
-        flags = model_flags(view.args) + flags
-    elif plan is not None:
+    if plan is not None:
         r = plan.router
         flags = [f"--num-experts {plan.num_experts}", f"--moe-router-topk {r.topk}"] + flags
         if r.num_groups:
             flags += [f"--moe-router-num-groups {r.num_groups}", f"--moe-router-group-topk {r.group_topk}"]
+    if view.layout is None and view.args is not None:
+        # the source's args hold its expert count and routing; with a plan, the plan's say what the proxy has
+        flags = [f for f in model_flags(view.args) if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
     if target.uneven:
         first, last = first_last(target.stage_layers)
         flags += [f"--decoder-first-pipeline-num-layers {first}"] if first else []

@@ -6,6 +6,7 @@ the kept experts (group-limited routing included), and that restriction changes 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -155,3 +156,29 @@ def test_fp8_checkpoint_prunes_bit_exactly_and_dequantises_on_request(hf_proxy, 
     assert not any(k.endswith("_scale_inv") for k in c) and c[attn].dtype == torch.bfloat16
     assert torch.equal(c[attn], fp8.dequantize(a[attn], a[attn + "_scale_inv"], (8, 8)))
     assert "quantization_config" not in json.loads((deq / "config.json").read_text())
+
+
+def test_hf_output_is_the_same_from_one_process_and_two_workers(hf_model, tmp_path):
+    """HF is a row of the format table like the Megatron formats: its shards are units, spread
+    over `--workers` processes, hashed while written; the manifest (every shard, config.json and
+    the tokenizer files, with sha256) and the bytes are the same however the shards were spread."""
+    src = hf_model("deepseek_v3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["convert", str(src), "-o", str(one)]) == 0
+    assert main(["convert", str(src), "-o", str(two), "--workers", "2"]) == 0
+    files = [json.loads((out / "manifest.json").read_text())["files"] for out in (one, two)]
+    assert files[0] == files[1] and len([f for f in files[0] if f.endswith(".safetensors")]) >= 3
+    for name, entry in files[0].items():
+        data = (two / name).read_bytes()
+        assert len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == entry["sha256"], name
+
+
+def test_hf_to_megatron_with_a_plan_prints_the_proxys_expert_count(hf_proxy, tmp_path, capsys):
+    """From HF every model flag comes from config.json's args, but the expert count and routing
+    flags are the plan's: the proxy has K experts, not the source's E."""
+    orig, _, plan_path, plan, _ = hf_proxy("qwen3_moe")
+    assert main(["convert", str(orig), "--plan", str(plan_path), "-o", str(tmp_path / "m"), "--format", "legacy",
+                 "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert f"--num-experts {plan.num_experts} " in text and f"--moe-router-topk {plan.router.topk} " in text
+    assert text.count("--num-experts ") == 1 and "--hidden-size " in text
