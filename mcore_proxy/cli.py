@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "mcore_proxy.convert.cli",
     "mcore_proxy.diagnose.cli",
     "mcore_proxy.fidelity.cli",
+    "mcore_proxy.campaign.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 
