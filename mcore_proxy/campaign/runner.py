@@ -203,7 +203,9 @@ def run_campaign(config: CampaignConfig, progress: bool = True) -> CampaignResul
                 while queue and len(running) < config.jobs:
                     entry = queue.pop(0)
                     running[entry] = _start(config, entry)
-                bar.set_postfix_str(", ".join(e.name for e in running))
+                names = ", ".join(e.name for e in running)
+                if names != bar.postfix:      # redraw on change only: a log file gets few lines
+                    bar.set_postfix_str(names)
                 time.sleep(POLL)
                 for entry, (proc, t0) in list(running.items()):
                     if proc.poll() is None:

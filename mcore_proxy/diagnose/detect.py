@@ -21,7 +21,10 @@ table). They look at the whole curve so far, so re-running them on a grown log i
   steps both logged (`compare.pair_signature`) shows a significant shift; onset: its onset.
 
 `rising` and `diverge` fire only once the shift covers `persist` logged steps: a constant shift of
-the last two points has no noise to be tested against and would pass any test.
+the last two points has no noise to be tested against and would pass any test. `diverge` also
+needs the shift to be at least `effect` times the baseline's step-to-step noise (any size when the
+baseline is noiseless, e.g. a log-prob difference of exactly 0): two runs with the same seed differ
+so little that a shift of 0.1 % of a metric is "significant" without mattering.
 
 The thresholds are guesses stated as defaults, not tuned on the acceptance runs; bench/RESULTS.md
 records how they did on the demonstration.
@@ -47,6 +50,7 @@ class Settings:
     spike: float = 10.0              # grad norm: alert above this multiple of its recent median
     rise: float = 3.0                # rising: the shift must exceed this many warm-up standard deviations
     persist: int = 3                 # rising, diverge: the shift must cover this many logged steps
+    effect: float = 1.0              # diverge: |shift| in units of the baseline's step-to-step noise
     rising_metrics: tuple = ("logprob_diff", "ppo_kl")
 
     def __post_init__(self):
@@ -142,6 +146,7 @@ def diverge(baseline: RunLog, run: RunLog, s: Settings) -> list[Finding]:
 
     signature, _ = pair_signature(baseline, run)
     signature = {m: sig for m, sig in signature.metrics.items() if sig.shifted and sig.onset is not None
+                 and (sig.effect is None or abs(sig.effect) >= s.effect)
                  and _persists(run.metrics[resolve(m, run.metrics)], sig.onset, s.persist)}
     return [Finding("diverge", m, sig.onset, sig.shift,
                     f"{'above' if sig.direction > 0 else 'below'} the baseline by {sig.shift:+.3g}"

@@ -74,3 +74,15 @@ def test_settings_refuse_nonsense():
         Settings(collapse=1.5)
     with pytest.raises(ValueError, match=">= 1"):
         Settings(window=0)
+
+
+def test_divergence_needs_a_shift_that_matters(synthetic):
+    base = synthetic.curves(seed=0)
+    tiny = {k: v.copy() for k, v in base.items()}
+    tiny["critic/score/mean"][40:] += 0.002      # significant (same noise), but 1/15 of the noise
+    big = {k: v.copy() for k, v in base.items()}
+    big["critic/score/mean"][40:] -= 0.1
+    assert detect(runlog(tiny), runlog(base)) == []
+    found = detect(runlog(big), runlog(base))
+    assert [(f.detector, f.metric) for f in found] == [("diverge", "reward")] and 38 <= found[0].onset <= 42
+    assert detect(runlog(tiny), runlog(base), Settings(effect=0.01))[0].metric == "reward"
