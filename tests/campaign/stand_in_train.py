@@ -1,8 +1,8 @@
 """A stand-in for a training command (not a trainer): writes a verl-style JSONL metric log whose
 curves depend on the fault it was given through MCORE_PROXY_FAULTS, the way the campaign hands a
 fault to any launcher. router_noise lowers the reward from step 10 by 0.5 x std; logprob_precision
-raises the log-prob difference from step 0. --fail exits 3 after a few steps; --delay sleeps per step
-(so a real signal can arrive mid-run). It records the fault text it saw in seen_fault.txt."""
+raises the log-prob difference from step 0. --fail exits 3 after a few steps; --delay (or STAND_IN_DELAY) sleeps per
+step, so a real signal can arrive mid-run. It records the fault text it saw in seen_fault.txt."""
 import argparse
 import json
 import os
@@ -16,7 +16,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=60)
 p.add_argument("--seed", type=int, default=0)
-p.add_argument("--delay", type=float, default=0.0)
+p.add_argument("--delay", type=float, default=float(os.environ.get("STAND_IN_DELAY", "0")))
 p.add_argument("--fail", action="store_true")
 args = p.parse_args()
 out = Path(args.out)
