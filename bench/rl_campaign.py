@@ -251,14 +251,10 @@ def results_section(r: dict) -> str:
 
 
 def record(results: dict) -> None:
-    path = REPO / "bench" / "RESULTS.md"
-    text = path.read_text()
-    section = results_section(results)
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
+    from bench.quality.ablate import replace_section
+
+    replace_section(REPO / "bench" / "RESULTS.md", BEGIN, END, results_section(results))
+    (REPO / "bench" / "rl_campaign_results.json").write_text(json.dumps(results, indent=1))
 
 
 def main(argv=None) -> int:

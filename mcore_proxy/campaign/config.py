@@ -12,7 +12,8 @@
       "baseline": {"args": []},                # optional: extra command arguments of the baseline
       "faults": [
         {"name": "router_noise", "spec": "router_noise:std={strength}", "strengths": [0.3, 1.0],
-         "schedule": "start=5", "args": []}
+         "schedule": "start=5", "args": []},
+        {"name": "omission", "spec": "update_omission", "schedules": ["start=5", "start=5,every=2"]}
       ]
     }
 
@@ -21,7 +22,9 @@ the fault reaches it through `MCORE_PROXY_FAULTS` only. Placeholders in `command
 and `env` values: `{run_dir}` (the run's folder, absolute), `{name}`, `{fault}`, `{strength}`, `{python}`
 (this interpreter), `{config_dir}`. Relative `work` is taken from the config file's folder, and
 commands run there. A fault's `schedule` (`start=`, `stop=`, `every=`, `steps=`) is added to each
-fault of its spec; the spec is parsed here, so a typo fails before any run starts.
+fault of its spec; `schedules`, a list, makes one run per schedule and strength, named
+`NAME@STRENGTH@SCHEDULE` (commas as `+`). Every spec is parsed here, so a typo fails before any
+run starts.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from mcore_proxy.errors import ProxyError
 FORMAT = "mcore-proxy-campaign/1"
 BASELINE = "baseline"
 KEYS = {"format", "command", "log", "work", "jobs", "env", "patches", "metrics", "baseline", "faults"}
-FAULT_KEYS = {"name", "spec", "strengths", "schedule", "args"}
+FAULT_KEYS = {"name", "spec", "strengths", "schedule", "schedules", "args"}
 NAME = re.compile(r"^[A-Za-z0-9_.@=+-]+$")
 
 
@@ -161,12 +164,19 @@ def parse_config(raw, path: Path) -> CampaignConfig:
         strengths = fault.get("strengths", [None])
         if not isinstance(strengths, list) or not strengths:
             raise _fail(path, f"faults[{i}] ({fault['name']}): \"strengths\" must be a non-empty list")
+        schedules = fault.get("schedules", [None])
+        if not isinstance(schedules, list) or not schedules or "schedule" in fault and "schedules" in fault:
+            raise _fail(path, f"faults[{i}] ({fault['name']}): give \"schedule\" (one) or \"schedules\" "
+                        "(a non-empty list), not both")
         for strength in strengths:
-            label = "" if strength is None else str(strength)
-            spec = _with_schedule(str(fault["spec"]).replace("{strength}", label), fault.get("schedule", ""))
-            name = f"{fault['name']}@{label}" if label else str(fault["name"])
-            _check_spec(path, name, spec)
-            entries.append(_entry(path, work, raw, name, str(fault["name"]), label, spec, fault.get("args", [])))
+            for schedule in schedules:
+                label = "" if strength is None else str(strength)
+                spec = _with_schedule(str(fault["spec"]).replace("{strength}", label),
+                                      fault.get("schedule", "") if schedule is None else str(schedule))
+                name = "@".join([str(fault["name"]), *([label] if label else []),
+                                 *([str(schedule).replace(",", "+")] if schedule is not None else [])])
+                _check_spec(path, name, spec)
+                entries.append(_entry(path, work, raw, name, str(fault["name"]), label, spec, fault.get("args", [])))
     names = [e.name for e in entries]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:

@@ -216,6 +216,10 @@ def run_campaign(config: CampaignConfig, progress: bool = True) -> CampaignResul
                     if outcomes[entry.name].status == "done":
                         build_library(config)
         finally:
+            for entry, (proc, t0) in list(running.items()):   # finished before the signal: keep it
+                if proc.poll() == 0:
+                    del running[entry]
+                    outcomes[entry.name] = _finish(entry, proc, t0)
             if running:
                 _stop(running)
             bar.close()

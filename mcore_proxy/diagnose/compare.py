@@ -176,7 +176,7 @@ def _window(series: dict[str, Series]) -> tuple[int, int]:
 
 def pair_signature(baseline: RunLog, run: RunLog, metrics=None, label: str = "") -> tuple[FaultSignature, list[str]]:
     """The signature of `run` against `baseline` on the steps both logged, per metric (canonical or
-    raw names; default every aliased metric either has), and sentences of what was left out. A
+    raw names; default every aliased metric both logs have), and sentences of what was left out. A
     metric with too few common steps gets an empty signature saying so (`MetricSignature.note`)."""
     chosen, left_out = _pick_metrics({"baseline": baseline, "run": run}, metrics)
     signatures = {}

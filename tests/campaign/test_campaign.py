@@ -133,6 +133,7 @@ def test_a_changed_entry_is_rerun(tmp_path, capsys):
     ({"faults": [{"name": "a b", "spec": "router_noise"}]}, "may use only letters"),
     ({"faults": [{"name": "n", "spec": "router_noise"}, {"name": "n", "spec": "topk"}]}, "occur twice"),
     ({"log": "{rundir}/m.jsonl"}, "placeholder in '{rundir}/m.jsonl'"),
+    ({"faults": [{"name": "n", "spec": "topk", "schedule": "start=1", "schedules": ["start=2"]}]}, "not both"),
 ])
 def test_bad_configs(tmp_path, capsys, change, message):
     config = write_config(tmp_path)
@@ -151,3 +152,12 @@ def test_schedule_is_added_to_every_fault_of_a_spec(tmp_path):
     entry = load_config(config).entries[1]
     assert entry.spec == "router_noise:std=0.1,start=5,stop=9;update_omission:start=5,stop=9"
     assert os.path.isabs(entry.command[3]) and entry.command[3].endswith("work/runs/both")
+
+
+def test_schedules_make_one_run_each(tmp_path):
+    config = write_config(tmp_path, faults=[{"name": "omission", "spec": "update_omission",
+                                             "strengths": ["a"], "schedules": ["start=5", "start=5,every=2"]}])
+    _, first, second = load_config(config).entries
+    assert (first.name, first.spec) == ("omission@a@start=5", "update_omission:start=5")
+    assert (second.name, second.spec) == ("omission@a@start=5+every=2", "update_omission:start=5,every=2")
+    assert second.fault == "omission" and second.strength == "a"
