@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,8 +202,9 @@ def _alerts(alerts: list) -> str:
 
 def results_section(r: dict) -> str:
     i, lines = r["interrupt"], [BEGIN, "", "## Campaign, triage and watch on the RL demonstration (issue 15)", ""]
-    lines += [f"`{r['command']}` on {r['cpus']} shared CPU cores (load average at the end "
-              f"{r['load_average'][0]:.1f}); the GRPO trainer of examples/rl_faults on the 8-of-16-expert "
+    lines += [f"`{r['command']}` on {r['cpus']} shared CPU cores, with other helpers' test suites running "
+              "(1-minute load average 4.8-17 when sampled during the runs; the command resumes, so the runs "
+              "were made by its earlier invocations, interrupted one included, and the last one recorded); the GRPO trainer of examples/rl_faults on the 8-of-16-expert "
               "proxy of bench/quality's `coarse` MoE, 30 RL steps per run, two runs at a time. Configs: "
               "examples/rl_faults/campaign.json (library: baseline + 5 faults x 2 strengths, seed 0) and "
               "heldout.json (seed 1: its own baseline, one held-out run per fault at another strength or "
@@ -247,7 +249,44 @@ def results_section(r: dict) -> str:
     lines += ["", "Quiet on the baseline: no alert on either baseline watched alone, at any step. Against a baseline "
               "of another seed (different problem draws and samples) `diverge` does fire (reward early on, "
               "entropy, KL): compare a run with a baseline of the same data order and seed.", ""]
+    lines += ["![the library](rl_campaign_library.png)", "", "![watch on the mid-run faults](rl_campaign_watch.png)"]
     return "\n".join(lines + ["", END])
+
+
+PICTURE_METRICS = (("reward", "critic/score/mean"), ("logprob_diff", "training/rollout_logprob_diff_mean"),
+                   ("ppo_kl", "actor/ppo_kl"), ("grad_norm", "actor/grad_norm"))
+
+
+def watch_figure(out: Path, results: dict) -> Path:
+    """The mid-run runs against the held-out baseline, with the fault's onset and the step each
+    live watch (no baseline) first alerted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mcore_proxy.diagnose.readers import read_log
+
+    base = read_log(out / "heldout" / "runs" / "baseline" / "metrics.jsonl")
+    runs = ("midrun_precision", "midrun_router_noise")
+    fig, axes = plt.subplots(len(runs), len(PICTURE_METRICS), figsize=(16, 6.5))
+    for row, name in zip(axes, runs):
+        run = read_log(out / "heldout" / "runs" / name / "metrics.jsonl")
+        noticed = results["watch"]["watches"][name].get("first_alert", {}).get("noticed_at_step")
+        for ax, (metric, raw) in zip(row, PICTURE_METRICS):
+            ax.plot(base.metrics[raw].steps, base.metrics[raw].values, color="tab:blue", label="baseline")
+            ax.plot(run.metrics[raw].steps, run.metrics[raw].values, color="tab:red", label=name)
+            ax.axvline(MIDRUN_ONSET, color="gray", ls="--", lw=1, label=f"fault on (step {MIDRUN_ONSET})")
+            if noticed is not None:
+                ax.axvline(noticed, color="black", lw=1, label=f"first alert (step {noticed})")
+            ax.set_title(f"{name}: {metric}", fontsize=9)
+            ax.set_xlabel("RL step")
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = REPO / "bench" / "rl_campaign_watch.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def record(results: dict) -> None:
@@ -255,6 +294,8 @@ def record(results: dict) -> None:
 
     replace_section(REPO / "bench" / "RESULTS.md", BEGIN, END, results_section(results))
     (REPO / "bench" / "rl_campaign_results.json").write_text(json.dumps(results, indent=1))
+    watch_figure(Path(results["work"]), results)
+    shutil.copy(Path(results["work"]) / "library" / "library.png", REPO / "bench" / "rl_campaign_library.png")
 
 
 def main(argv=None) -> int:
@@ -273,7 +314,7 @@ def main(argv=None) -> int:
     print(json.dumps(interrupt, indent=1))
     # the config may have grown since the interrupted run: a plain restart runs only the new entries
     t0 = time.time()
-    extend = subprocess.run(cli("campaign", EXAMPLE / "campaign.json"), env=env(), capture_output=True, text=True)
+    extend = subprocess.run(cli("campaign", EXAMPLE / "campaign.json", "--png"), env=env(), capture_output=True, text=True)
     print(extend.stdout, extend.stderr[-2000:], flush=True)
     if extend.returncode != 0 or args.phase == "library":
         return extend.returncode
@@ -284,7 +325,7 @@ def main(argv=None) -> int:
         print(name, t.get("ranking"), t.get("table", t.get("stderr")), sep="\n", flush=True)
     rep = replay(out)
     print(json.dumps(rep, indent=1), flush=True)
-    results = {"interrupt": interrupt, "replay": rep, "library_campaign": {"stdout": extend.stdout, "seconds": time.time() - t0},
+    results = {"work": str(out), "interrupt": interrupt, "replay": rep, "library_campaign": {"stdout": extend.stdout, "seconds": time.time() - t0},
                "watch": watch, "triage": tri, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
                "command": "nice -n 10 python bench/rl_campaign.py " + " ".join(argv or sys.argv[1:])}
     (out / "results.json").write_text(json.dumps(results, indent=1))

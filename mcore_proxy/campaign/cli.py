@@ -17,6 +17,8 @@ def register(subparsers) -> None:
     p.add_argument("config", metavar="CONFIG", help="campaign file (JSON, mcore-proxy-campaign/1)")
     p.add_argument("--jobs", type=int, metavar="N", help="runs at once (overrides the config's \"jobs\")")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
+    p.add_argument("--png", action="store_true",
+                   help="also draw the library (entries x metrics: shift and onset) as WORK/library.png")
     p.set_defaults(func=run_campaign_command)
 
 
@@ -43,6 +45,21 @@ def warning_table(library) -> str:
     return "\n".join(lines)
 
 
+def draw_library(library, path):
+    import os
+
+    import matplotlib.pyplot as plt
+
+    from mcore_proxy.diagnose.report import library_figure
+
+    fig = library_figure(library)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 def run_campaign_command(args) -> int:
     import dataclasses
 
@@ -59,6 +76,10 @@ def run_campaign_command(args) -> int:
             state = "finished" if finished(entry) else "to run"
             print(f"{entry.name:<24} {state:<9} {entry.spec or 'no fault'}\n    {' '.join(entry.command)}")
         return 0
+    if args.png:
+        from mcore_proxy.plotting import require_matplotlib
+
+        require_matplotlib("--png")
     result = run_campaign(config)
     for outcome in result.outcomes:
         print(f"{outcome.entry.name:<24} {outcome.status:<16} {outcome.seconds / 60:6.1f} min  "
@@ -67,6 +88,8 @@ def run_campaign_command(args) -> int:
         print()
         print(warning_table(result.library))
         print(f"library: {config.library} ({len(result.library.entries)} entries)")
+        if args.png and result.library.entries:
+            print(f"picture: {draw_library(result.library, config.library.with_suffix('.png'))}")
     if result.failed:
         raise CheckFailed(f"{len(result.failed)} run(s) failed: " + "; ".join(
             f"{o.entry.name} (exit {o.returncode}, {o.entry.run_dir / 'console.log'})" for o in result.failed)

@@ -44,9 +44,10 @@ def cli(*args):
 
 def test_campaign_builds_a_library_with_the_earliest_warnings(tmp_path, capsys):
     config = write_config(tmp_path)
-    assert main(["campaign", str(config)]) == 0
+    assert main(["campaign", str(config), "--png"]) == 0
     out = capsys.readouterr().out
     work = tmp_path / "work"
+    assert (work / "library.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (work / "runs").iterdir()) == ["baseline", "noise@0.2", "noise@0.6", "precision"]
     assert (work / "runs" / "noise@0.6" / "seen_fault.txt").read_text() == "router_noise:std=0.6"
     assert (work / "runs" / "baseline" / "seen_fault.txt").read_text() == ""
