@@ -1,7 +1,7 @@
-"""The campaign file (JSON, `"format": "mcore-proxy-campaign/1"`), expanded into run entries.
+"""The campaign file (JSON, `"format": "mcore-proxy-campaign-config/1"`), expanded into run entries.
 
     {
-      "format": "mcore-proxy-campaign/1",
+      "format": "mcore-proxy-campaign-config/1",
       "command": ["{python}", "examples/rl_faults/grpo.py", "--ckpt", "proxy", "--out", "{run_dir}"],
       "log": "{run_dir}/metrics.jsonl",        # the metric log each run writes (read_log formats)
       "work": "campaign",                      # run folders and library.json go here
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from mcore_proxy.errors import ProxyError
 
-FORMAT = "mcore-proxy-campaign/1"
+FORMAT = "mcore-proxy-campaign-config/1"
 BASELINE = "baseline"
 KEYS = {"format", "command", "log", "work", "jobs", "env", "patches", "metrics", "baseline", "faults"}
 FAULT_KEYS = {"name", "spec", "strengths", "schedule", "schedules", "args"}

@@ -12,6 +12,7 @@ ROLE_ARGS = (("orig-base", "original, baseline"), ("orig-fault", "original, with
 
 
 def register(subparsers) -> None:
+    register_watch(subparsers)      # watch a run, then compare it (pipeline order in the help)
     p = add_command(subparsers, "compare", run_compare,
                     help="does the proxy reproduce the original's fault signature? / triage a run",
                     checks="the proxy's fault signature differs from the original's, or is inconclusive",
@@ -36,7 +37,6 @@ def register(subparsers) -> None:
     p.add_argument("--onset-window", type=int, metavar="STEPS",
                    help="onsets this close agree (default: 10%% of the compared steps, at least 3)")
     p.add_argument("-o", "--output", metavar="DIR", help="write report.json, report.md and PNG curves here")
-    register_watch(subparsers)
 
 
 def run_compare(args) -> int:

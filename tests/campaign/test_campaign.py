@@ -22,7 +22,7 @@ TRAIN = Path(__file__).with_name("stand_in_train.py")
 
 def write_config(tmp_path, jobs=2, delay=0.0, steps=60, extra_faults=(), **over) -> Path:
     config = {
-        "format": "mcore-proxy-campaign/1",
+        "format": "mcore-proxy-campaign-config/1",
         "command": ["{python}", str(TRAIN), "--out", "{run_dir}", "--steps", str(steps)],
         "env": {"STAND_IN_DELAY": str(delay)},     # not part of a run's identity: changing it reruns nothing
         "log": "{run_dir}/metrics.jsonl",
@@ -98,6 +98,20 @@ def test_sigint_stops_the_runs_and_a_restart_resumes(tmp_path):
     assert sorted(p.parent.name for p in work.glob("*/run.json")) == ["baseline", "noise@0.2", "noise@0.6", "precision"]
 
 
+def test_json_document(tmp_path, capsys):
+    config = write_config(tmp_path, steps=20)
+    assert main(["campaign", str(config), "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["format"] == "mcore-proxy-campaign/1" and dry["dry_run"]
+    assert [(r["name"], r["state"]) for r in dry["runs"]][:2] == [("baseline", "to run"), ("noise@0.2", "to run")]
+    assert main(["campaign", str(config), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and [r["status"] for r in doc["runs"]] == ["done"] * 4
+    assert doc["library"] == str(tmp_path / "work" / "library.json")
+    assert doc["earliest_warning"]["noise@0.6"]["metric"] == "reward"
+    assert doc["earliest_warning"]["precision"]["metric"] == "logprob_diff"
+
+
 def test_a_failed_run_is_reported_and_rerun(tmp_path, capsys):
     config = write_config(tmp_path, steps=20,
                           extra_faults=[{"name": "broken", "spec": "topk:rate=0.1", "args": ["--fail"]}])
@@ -126,7 +140,7 @@ def test_a_changed_entry_is_rerun(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"format": "x/1"}, "format 'x/1' is not 'mcore-proxy-campaign/1'"),
+    ({"format": "x/1"}, "format 'x/1' is not 'mcore-proxy-campaign-config/1'"),
     ({"command": "python train.py"}, '"command" must be a non-empty list of strings'),
     ({"jobs": 0}, '"jobs" must be an integer >= 1'),
     ({"launcher": "x"}, "unknown key(s) ['launcher']"),

@@ -104,6 +104,18 @@ def test_with_a_baseline_and_alerts_to_a_file(tmp_path, synthetic, capsys):
     assert main(["watch", run, "--baseline", base, "--once", "--fail-on", "diverge"]) == 1
 
 
+def test_json_document_at_the_end(tmp_path, synthetic, capsys):
+    base = synthetic.write_jsonl(tmp_path / "base.jsonl", synthetic.curves(seed=0))
+    run = synthetic.write_jsonl(tmp_path / "run.jsonl", synthetic.curves("omission", seed=0, onset=30))
+    assert main(["watch", run, "--baseline", base, "--once", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)        # one document, no alert lines before it
+    assert doc["format"] == "mcore-proxy-watch/1" and doc["ok"] and doc["last_step"] == 119
+    assert ("diverge", "reward") in {(a["detector"], a["metric"]) for a in doc["alerts"]}
+    assert main(["watch", run, "--baseline", base, "--once", "--json", "--fail-on", "diverge"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ok"] is False and "check failed: diverge alert" in captured.err
+
+
 def test_bad_input_exits_2(tmp_path, synthetic, capsys):
     assert main(["watch", str(tmp_path / "missing.jsonl"), "--once"]) == 2
     assert "missing.jsonl: nothing readable" in capsys.readouterr().err
