@@ -216,10 +216,13 @@ def results_section(r: dict) -> str:
               f"{i['first']['partial_folders_left'] or 'none'}, run processes left: {i['first']['run_processes_left'] or 'none'}. "
               f"Started again (exit {i['second']['returncode']}, {i['second']['seconds'] / 60:.1f} min): finished runs "
               f"run again: {i['second']['rerun_finished'] or 'none'}; statuses "
-              + ", ".join(f"{k} {v}" for k, v in i['second']['statuses'].items()) + ". The config then grew "
-              "(router_weight at 0.3 / 1.0 showed no or almost no departure in 30 steps; it was raised to 3.0 / 10.0 "
-              "and topk_drop added): the next start ran only the new entries.", "", "```",
+              + ", ".join(f"{k} {v}" for k, v in i['second']['statuses'].items()) + ". Another start, to print the "
+              "library, ran nothing:", "", "```",
               r["library_campaign"]["stdout"].strip(), "```", ""]
+    lines += ["A first campaign (same code but for the last touches, not recorded here) had router_weight at "
+              "std 0.3 and 1.0: no or almost no departure from the baseline in 30 steps. The config was changed "
+              "to 3.0 / 10.0 and topk_drop added, and the restarted campaign ran only the new entries, the "
+              "same resumption by finished-run markers; this record is a fresh run of the final config.", ""]
     lines += ["### Triage of the held-out runs (against the held-out baseline, seed 1)", "",
               "| held-out run | ranked first | score | second | score | rank of the true fault |", "|---|---|---|---|---|---|"]
     for name, t in r["triage"].items():

@@ -120,7 +120,8 @@ def register_watch(subparsers) -> None:
     p.add_argument("--every", default="30s", metavar="DURATION", help="check interval (default 30s)")
     p.add_argument("--once", action="store_true", help="check once and stop")
     p.add_argument("--idle", metavar="DURATION",
-                   help="stop when the log has not grown for this long (default: follow until stopped)")
+                   help="stop when the log has not grown (or not appeared) for this long (default: follow "
+                        "until stopped)")
     p.add_argument("--fail-on", default="", metavar="DETECTORS",
                    help=f"comma-separated detectors ({', '.join(DETECTORS)}, or 'any') whose first alert "
                         "stops the watch with exit 1")

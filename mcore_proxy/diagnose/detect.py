@@ -54,8 +54,8 @@ class Settings:
     rising_metrics: tuple = ("logprob_diff", "ppo_kl")
 
     def __post_init__(self):
-        if min(self.window, self.warmup, self.patience, self.persist) < 1:
-            raise ValueError("window, warmup, patience and persist must be >= 1")
+        if min(self.window, self.patience, self.persist) < 1 or self.warmup < 2:
+            raise ValueError("window, patience and persist must be >= 1, warmup >= 2 (a spread needs two points)")
         if not 0 < self.collapse < 1 or self.spike <= 1:
             raise ValueError("collapse must lie in (0, 1) and spike be > 1")
 
