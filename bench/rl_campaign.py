@@ -29,7 +29,7 @@ EXAMPLE = REPO / "examples" / "rl_faults"
 sys.path[:0] = [str(REPO), str(EXAMPLE)]
 
 
-def cli(*args, **kwargs) -> list[str]:
+def cli(*args) -> list[str]:
     return [sys.executable, "-m", "mcore_proxy.cli", *map(str, args)]
 
 
