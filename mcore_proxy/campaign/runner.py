@@ -125,7 +125,15 @@ def _stop(running: dict) -> None:
 
 
 def build_library(config: CampaignConfig) -> Library | None:
-    """The library of every finished run (None before the baseline finished); written atomically."""
+    """The library of every finished run (None before the baseline finished); written atomically,
+    with stop signals held until it is written (no temporary file left behind by a SIGINT)."""
+    from mcore_proxy.interrupts import deferred
+
+    with deferred():
+        return _build_library(config)
+
+
+def _build_library(config: CampaignConfig) -> Library | None:
     from mcore_proxy.diagnose.compare import pair_signature
     from mcore_proxy.diagnose.readers import read_log
 
