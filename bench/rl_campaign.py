@@ -203,8 +203,9 @@ def _alerts(alerts: list) -> str:
 def results_section(r: dict) -> str:
     i, lines = r["interrupt"], [BEGIN, "", "## Campaign, triage and watch on the RL demonstration (issue 15)", ""]
     lines += [f"`{r['command']}` on {r['cpus']} shared CPU cores, with other helpers' test suites running "
-              "(1-minute load average 4.8-17 when sampled during the runs; the command resumes, so the runs "
-              "were made by its earlier invocations, interrupted one included, and the last one recorded); the GRPO trainer of examples/rl_faults on the 8-of-16-expert "
+              "(1-minute load average between 5 and 28 when sampled during the runs), from an empty work folder "
+              "but for the proxy: one invocation made every run below (it resumes, so a later invocation only "
+              "re-records); the GRPO trainer of examples/rl_faults on the 8-of-16-expert "
               "proxy of bench/quality's `coarse` MoE, 30 RL steps per run, two runs at a time. Configs: "
               "examples/rl_faults/campaign.json (library: baseline + 5 faults x 2 strengths, seed 0) and "
               "heldout.json (seed 1: its own baseline, one held-out run per fault at another strength or "
@@ -236,9 +237,11 @@ def results_section(r: dict) -> str:
     lines += ["", f"Held-out runs ranked first: {sum(t['ranked_first'] for t in held)} of {len(held)}.", ""]
     lines += ["### watch: faults switched on at step 15, and the baselines", "",
               "Live (`watch LOG [--baseline B] --every 3s --idle 40s --alerts FILE`, started as soon as the "
-              "run's folder appeared, while the campaign's GRPO process wrote the log; with `--baseline` "
-              "the held-out baseline, finished by then; the `baseline` rows read the finished held-out "
-              "baseline; the runs take 2-5 s per step, so a check every 3 s sees about every step):", "",
+              "run's folder appeared, while the campaign's GRPO process wrote the log; the runs take 2-5 s per "
+              "step, so a check every 3 s sees about every step. `--baseline` is the held-out baseline, which "
+              "ran beside midrun_precision (two runs at a time), so `diverge` there could only use the steps "
+              "the baseline had reached (it finished before midrun_router_noise's fault came on at step 15); the "
+              "`baseline` rows watch the held-out baseline while it ran):", "",
               "| watch | alerts (onset, noticed at step) | first alert, steps after the fault's onset |", "|---|---|---|"]
     for name, w in r["watch"]["watches"].items():
         first = w.get("first_alert", {}).get("steps_after_fault_onset", "-")
