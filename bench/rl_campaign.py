@@ -254,7 +254,12 @@ def results_section(r: dict) -> str:
                      f"{w.get('first_alert_steps_after_fault_onset', '-')} |")
     lines += ["", "Quiet on the baseline: no alert on either baseline watched alone, at any step. Against a baseline "
               "of another seed (different problem draws and samples) `diverge` does fire (reward early on, "
-              "entropy, KL): compare a run with a baseline of the same data order and seed.", ""]
+              "entropy, KL): compare a run with a baseline of the same data order and seed.", "",
+              "Not blind: two rules of the detectors came after looking at these runs. `diverge` needs a shift "
+              "of at least one baseline noise unit (`--effect 1`) since a first live watch flagged a 0.1 % KL "
+              "difference between two same-seed runs, and `rising`/`diverge` need the shift to cover 3 logged "
+              "steps (`--persist 3`) since a constant 2-point shift at the end of a run got p = 0. The held-out "
+              "runs and the triage rule were not tuned: the table above is the first triage of them.", ""]
     lines += ["![the library](rl_campaign_library.png)", "", "![watch on the mid-run faults](rl_campaign_watch.png)"]
     return "\n".join(lines + ["", END])
 
