@@ -1,5 +1,7 @@
 """The pipeline on the DeepSeek-V3- and Qwen3-MoE-shaped fixtures (issue 10), as a user runs it:
-inspect, select on planted statistics, convert from either format to a smaller EP and a plain
+inspect, trace (DeepSeek: megatron-core's forward at the saved layout and at TP 1 / PP 1 / EP 4,
+`stats merge`; the two traces agree exactly) and select on the trace (Qwen3: on planted
+statistics), convert from either format to a smaller EP and a plain
 stage split (the source's layout string is not written: docs/families.md), verify --functional,
 and megatron-core loads every proxy at its target layout and computes the original's logits
 (main head and MTP head) restricted to the kept experts. All loads share one set of ranks."""
@@ -57,10 +59,19 @@ def pipeline(family_ckpt, tmp_path_factory, digest):
     """Plans, proxies and every load: {case id: (proxy folder, plan, proxy logits)} and the restricted
     originals {fixture: logits}, run in one set of ranks."""
     tmp = tmp_path_factory.mktemp("family-pipeline")
-    plans, proxies, jobs, keeps = {}, {}, [], []
+    deepseek = family_ckpt["deepseek_v3_mla"]
+    traces = [tmp / "trace-saved", tmp / "trace-tp1"]
+    load_and_run([(deepseek.model, deepseek.layout, "legacy", deepseek.legacy, tmp / "t0.pt"),
+                  (deepseek.model, StagedLayout(ep=4), "torch_dist", deepseek.torch_dist, tmp / "t1.pt")],
+                 trace_dirs=traces)
+    for trace in traces:
+        assert main(["stats", "merge", str(trace)]) == 0
+    assert main(["select", "--ckpt", str(deepseek.legacy), "--stats", str(traces[0] / "routing_stats.safetensors"),
+                 "-k", str(KEEP), "-o", str(tmp / "deepseek_v3_mla.json")]) == 0
+    plans, proxies, jobs, keeps = {"deepseek_v3_mla": load_plan(tmp / "deepseek_v3_mla.json")}, {}, [], []
+    plans["qwen3_moe"] = make_plan(family_ckpt["qwen3_moe"].legacy, KEEP, tmp / "qwen3_moe.json", target_ep=1)
     for name in ("deepseek_v3_mla", "qwen3_moe"):
         ckpt = family_ckpt[name]
-        plans[name] = make_plan(ckpt.legacy, KEEP, tmp / f"{name}.json", target_ep=1)
         keep = {lid: plans[name].kept(lid) for lid in plans[name].layer_ids}
         jobs.append((ckpt.model, ckpt.layout, "torch_dist", ckpt.torch_dist, tmp / f"{name}-restricted.pt"))
         keeps.append(keep)
@@ -75,12 +86,12 @@ def pipeline(family_ckpt, tmp_path_factory, digest):
         proxies[case_id] = out
     logits = load_and_run(jobs, keeps=keeps)
     restricted = dict(zip(("deepseek_v3_mla", "qwen3_moe"), logits[:2]))
-    return proxies, plans, dict(zip(IDS, logits[2:])), restricted
+    return proxies, plans, dict(zip(IDS, logits[2:])), restricted, traces
 
 
 @pytest.mark.parametrize("case_id", IDS)
 def test_proxy_equals_the_restricted_original(family_ckpt, pipeline, case_id):
-    proxies, plans, got, restricted = pipeline
+    proxies, plans, got, restricted, _ = pipeline
     name = case_id.split("-")[0]
     want = restricted[name]
     assert got[case_id].shape == want.shape == (1 + family_ckpt[name].model.mtp_layers, 2, 16, 128)
@@ -95,7 +106,7 @@ def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
     from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.convert.pipeline import launch_flags
 
-    proxies, plans, _, _ = pipeline
+    proxies, plans, _, _, _ = pipeline
     view = open_checkpoint(proxies["deepseek_v3_mla-legacy"])
     args = view.args
     assert args.pipeline_model_parallel_layout is None and args.virtual_pipeline_model_parallel_size is None
@@ -107,7 +118,7 @@ def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
 
 @pytest.mark.parametrize("name", ["deepseek_v3_mla", "qwen3_moe"])
 def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
-    proxies, plans, _, _ = pipeline
+    proxies, plans, _, _, _ = pipeline
     ckpt = family_ckpt[name]
     assert main(["inspect", str(ckpt.legacy)]) == 0
     shown = capsys.readouterr().out
@@ -120,3 +131,24 @@ def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
     text = capsys.readouterr().out
     assert "verify: OK" in text and "functional: max |logit difference|" in text
     assert load_plan(Path(proxies[f"{name}-legacy"]).parent / f"{name}.json").num_experts == KEEP
+
+
+def test_the_mla_trace_is_exact_at_any_layout(family_ckpt, pipeline):
+    """The routing statistics of the MoE layers and the MTP layer do not depend on the layout the
+    model ran at (TP 2 / PP 2 with the layout string / EP 2 vs TP 1 / PP 1 / EP 4): counts and
+    co-activations equal, gate mass and prototypes to rounding; every token routed top-8. At EP 4
+    on 4 ranks each rank is its own data-parallel replica running the same fixed tokens, so that
+    trace holds 4 copies of the saved layout's (where TP rank 0 of each stage records once)."""
+    import numpy as np
+
+    from mcore_proxy.stats import load_stats
+
+    *_, traces = pipeline
+    a, b = (load_stats(t / "routing_stats.safetensors") for t in traces)
+    assert a.layer_ids == b.layer_ids == ["3", "4", "mtp.0"]
+    for lid in a.layer_ids:
+        x, y = a.layers[lid], b.layers[lid]
+        assert (x.tokens, y.tokens) == (2 * 16, 4 * 2 * 16) and x.freq.sum() == 8 * x.tokens, lid
+        assert np.array_equal(4 * x.freq, y.freq) and np.array_equal(4 * x.coact, y.coact), lid
+        np.testing.assert_allclose(4 * x.gate_mass, y.gate_mass, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(4 * x.proto_sum, y.proto_sum, rtol=1e-4, atol=1e-4)
