@@ -465,11 +465,12 @@ def family_from_args(args, seq_length: int = 16) -> Family:
     """The Family a checkpoint's Megatron args describe (GQA or MLA, local spec), e.g. the args
     `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens."""
     from mcore_proxy.layer_pattern import parse_layer_pattern
-    from mcore_proxy.megatron_args import ffn_hidden_size
+    from mcore_proxy.megatron_args import arg, ffn_hidden_size
     from mcore_proxy.spec import ModelSpec
 
     spec = ModelSpec.from_args(args)
-    freq = parse_layer_pattern(args.moe_layer_freq, "args moe_layer_freq")
+    # absent in older Megatron's args: its default (megatron_args.DEFAULTS), as ModelSpec reads it
+    freq = parse_layer_pattern(arg(args, "moe_layer_freq"), "args moe_layer_freq")
     mla = bool(getattr(args, "multi_latent_attention", False))
     fields = dict(
         attention="mla" if mla else "gqa", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
