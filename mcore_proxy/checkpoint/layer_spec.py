@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from mcore_proxy.errors import CheckpointError
-from mcore_proxy.megatron_args import arg, arg_int
+from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
 from mcore_proxy.sharding import LOCAL_SPEC, TE_SPEC
 
 _FUSED_MLA_NORM = re.compile(r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$")
@@ -71,6 +71,10 @@ def infer_layer_spec(args, shapes: dict[str, tuple[int, ...] | None], tp: int = 
     """LOCAL_SPEC or TE_SPEC for a checkpoint with Megatron `args` and rank-local (legacy) or
     global (torch_dist: pass tp=1) `shapes` per key; see the module docstring for the rules."""
     said = getattr(args, "transformer_impl", None)   # explicit only; arg() would give the default
+    if not isinstance(said, str):
+        # not a name (e.g. an unpickled call kept inert): decide from the tensors; writers refuse
+        # such an args field by name (safe_globals.writable_args)
+        said = None
     if said not in (None, LOCAL_SPEC, TE_SPEC):
         raise CheckpointError(f"{where}: args transformer_impl is {said!r}, expected 'local' or "
                               "'transformer_engine'; fix the args")
@@ -84,7 +88,7 @@ def infer_layer_spec(args, shapes: dict[str, tuple[int, ...] | None], tp: int = 
                     "convert the checkpoint to megatron-core names first")
     found = _from_tensors(args, shapes, tp)
     if found is None:
-        return said or arg(args, "transformer_impl")
+        return said or DEFAULTS["transformer_impl"]
     spec, key = found
     if said is not None and said != spec:
         raise CheckpointError(f"{where}: tensor {key} is laid out as the {spec} layer spec saves it, but "
