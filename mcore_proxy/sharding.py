@@ -11,6 +11,11 @@ Kinds (dims are of the canonical, un-sharded tensor):
   glu_column  dim 0 holds [gate; up]; each shard holds [gate_r; up_r]
 Group: which parallel degree splits it, "tp" (attention/dense tensor parallel) or "etp"
 (expert tensor parallel); `expert` marks routed-expert tensors, further split over EP by expert.
+Spec: the layer spec a row applies to, "local" or "transformer_engine" (None: both). Only
+multi-latent attention's down projections differ: `ColumnParallelLinear` in the local spec,
+`TELinear(parallel_mode="duplicated")` in the Transformer Engine spec
+(megatron-core 0.16.1 `transformer/multi_latent_attention.py`). Which spec saved a checkpoint is
+decided by `checkpoint/layer_spec.py`.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 from mcore_proxy.errors import CheckpointError
 
 REPLICATED, COLUMN, ROW, GLU_COLUMN = "replicated", "column", "row", "glu_column"
+LOCAL_SPEC, TE_SPEC = "local", "transformer_engine"
 
 
 @dataclass(frozen=True)
@@ -31,17 +37,20 @@ class ShardRule:
     kind: str
     group: str = "tp"     # "tp" or "etp"
     expert: bool = False
+    spec: str | None = None   # LOCAL_SPEC / TE_SPEC: the row applies to that layer spec only
 
     def __post_init__(self):
-        if self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN) or self.group not in ("tp", "etp"):
+        if self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN) or self.group not in ("tp", "etp") \
+                or self.spec not in (None, LOCAL_SPEC, TE_SPEC):
             raise ValueError(f"bad sharding rule {self}")
 
 
 _L = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"
 
-# Order matters only for readability: patterns are disjoint.
+# Order matters only for readability: patterns are disjoint (per spec).
 SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("embedding.word_embeddings.weight", COLUMN),
+    ShardRule("embedding.position_embeddings.weight", REPLICATED),   # learned_absolute: nn.Embedding
     ShardRule("output_layer.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_qkv.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_qkv.bias", COLUMN),
@@ -49,6 +58,11 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("{layer}.self_attention.linear_q_proj.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_q_up_proj.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_kv_up_proj.weight", COLUMN),
+    # multi-latent attention's down projections [q_lora, H] / [kv_lora + rope, H]
+    ShardRule("{layer}.self_attention.linear_q_down_proj.weight", COLUMN, spec=LOCAL_SPEC),
+    ShardRule("{layer}.self_attention.linear_kv_down_proj.weight", COLUMN, spec=LOCAL_SPEC),
+    ShardRule("{layer}.self_attention.linear_q_down_proj.weight", REPLICATED, spec=TE_SPEC),
+    ShardRule("{layer}.self_attention.linear_kv_down_proj.weight", REPLICATED, spec=TE_SPEC),
     ShardRule("{layer}.mlp.linear_fc1.weight", GLU_COLUMN),
     ShardRule("{layer}.mlp.linear_fc2.weight", ROW),
     ShardRule("{layer}.mlp.shared_experts.linear_fc1.weight", GLU_COLUMN),
@@ -103,10 +117,11 @@ def is_ignored(name: str) -> bool:
 
 
 @lru_cache(maxsize=None)
-def rule_for(name: str) -> ShardRule:
-    """The sharding rule of a canonical tensor name; CheckpointError if none applies."""
+def rule_for(name: str, spec: str = LOCAL_SPEC) -> ShardRule:
+    """The sharding rule of a canonical tensor name in a checkpoint of layer spec `spec`
+    (`view.layer_spec`; megatron-core's local spec by default); CheckpointError if none applies."""
     for regex, rule in _COMPILED:
-        if regex.match(name):
+        if rule.spec in (None, spec) and regex.match(name):
             return rule
     raise CheckpointError(f"no sharding rule for tensor {name!r}; mcore-proxy does not know how "
                           "this tensor is split across ranks (add a rule to mcore_proxy/sharding.py)")

@@ -36,7 +36,9 @@ class ParallelLayout:
     """How a checkpoint is (or will be) sharded.
 
     stage_layers: decoder layers per pipeline stage (sums to num_layers); with virtual stages
-    (vpp > 1) each stage holds vpp chunks of equal size, Megatron's interleaved order.
+    (vpp > 1) each stage holds vpp chunks of equal size, Megatron's interleaved order, unless
+    pipeline_layout (Megatron's `--pipeline-model-parallel-layout` string, `pipeline_layout.py`)
+    says which layers every (stage, virtual chunk) holds.
     """
 
     tp: int = 1
@@ -46,6 +48,7 @@ class ParallelLayout:
     vpp: int = 1
     expert_layout: str = SEQUENTIAL
     stage_layers: tuple[int, ...] | None = None
+    pipeline_layout: str | None = None
 
     def __post_init__(self):
         if self.etp is None:
@@ -64,6 +67,11 @@ class ParallelLayout:
 
     def chunk_offsets(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(stage, virtual chunk) -> (global offset of its first layer, layer count)."""
+        if self.pipeline_layout:
+            from mcore_proxy.pipeline_layout import parse_pipeline_layout
+
+            stages = parse_pipeline_layout(self.pipeline_layout, self.pp).stages
+            return {(s.pp, s.vp): (s.decoder[0] if s.decoder else 0, len(s.decoder)) for s in stages}
         counts = self.stage_layers
         if self.vpp == 1:
             out, acc = {}, 0
@@ -81,7 +89,9 @@ class ParallelLayout:
         s = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp}"
         if self.vpp > 1:
             s += f" VPP={self.vpp}"
-        if self.uneven:
+        if self.pipeline_layout:
+            s += f" layout={self.pipeline_layout!r}"
+        elif self.uneven:
             s += f" stages={list(self.stage_layers)}"
         return s
 
@@ -113,7 +123,7 @@ def check_fits(view, target: ParallelLayout) -> None:
         if n and int(n) % target.tp:
             raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
     for name in view.names():
-        rule = rule_for(name)
+        rule = rule_for(name, view.layer_spec)
         parts = target.etp if rule.group == "etp" else target.tp
         shape = view.shape(name)
         if rule.kind == REPLICATED or parts == 1 or shape is None:

@@ -5,14 +5,16 @@ names to the shards that hold them, and reads a tensor's bytes only when `get` a
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, rank_dir_name, stage_layer_counts
-from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, parse_local_key
+from mcore_proxy.checkpoint.names import LINEAR_WEIGHT, SEQUENTIAL, LocalKey, parse_local_key
 from mcore_proxy.checkpoint.safe_globals import check_writable, writable_args
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
@@ -161,9 +163,9 @@ def _layout_from_args(args, folder: Path) -> ParallelLayout:
         vpp = max(1, num_layers // (pp * size("num_layers_per_virtual_pipeline_stage")))
     elif size("virtual_pipeline_model_parallel_size"):
         vpp = size("virtual_pipeline_model_parallel_size")
-    if arg(args, "pipeline_model_parallel_layout", where):
-        raise CheckpointError(f"{folder}: pipeline_model_parallel_layout is not supported yet; "
-                              "convert from a checkpoint saved with first/last stage sizes")
+    text = arg(args, "pipeline_model_parallel_layout", where)
+    if text:
+        return _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where)
     layer_list = arg(args, "num_layer_list", where)
     if layer_list is not None and not isinstance(layer_list, (str, list, tuple)):
         raise CheckpointError(f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
@@ -177,6 +179,24 @@ def _layout_from_args(args, folder: Path) -> ParallelLayout:
         raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
                               "sizes; fix the args") from None
     return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
+
+
+def _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where) -> ParallelLayout:
+    """The layout of a run saved with `--pipeline-model-parallel-layout` (validated as
+    megatron-core does); stage_layers are each pipeline rank's decoder layers over its chunks."""
+    from mcore_proxy.pipeline_layout import parse_pipeline_layout
+
+    if not isinstance(text, str):
+        raise CheckpointError(f"{where}: args pipeline_model_parallel_layout is a {type(text).__name__}, "
+                              "expected Megatron's layout string; fix the args")
+    mtp = arg_int(args, "mtp_num_layers", where) or 0
+    try:
+        parsed = parse_pipeline_layout(text, pp, num_layers, mtp)
+    except ProxyError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    counts = tuple(sum(len(s.decoder) for s in parsed.stages if s.pp == p) for p in range(pp))
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=parsed.vpp, stage_layers=counts,
+                          pipeline_layout=text)
 
 
 def _parse_rank_dir(name: str, layout: ParallelLayout) -> tuple[int, int, int]:
@@ -235,6 +255,7 @@ class LegacyCheckpoint(ModelView):
                                   f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
                                   "they hold, re-save with ETP=1 or ETP=TP")
         self.files = {c: (first if d == dirs[0] else self._open(d)) for c, d in coords.items()}
+        self.layer_spec = infer_layer_spec(self.args, self._local_shapes(layout), layout.tp, str(first.path))
         self._entries: dict[str, _Entry] = {}
         self.expert_layout = SEQUENTIAL
         self.variants: set[str] = set()
@@ -242,9 +263,7 @@ class LegacyCheckpoint(ModelView):
         for c in sorted(self.files):
             self._index_file(c, self.files[c], layout)
         self._check_complete()
-        self.layout = ParallelLayout(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
-                                     vpp=layout.vpp, expert_layout=self.expert_layout,
-                                     stage_layers=layout.stage_layers)
+        self.layout = dataclasses.replace(layout, expert_layout=self.expert_layout)
         self._names = sorted(self._entries, key=canonical_sort_key)
 
     @staticmethod
@@ -265,6 +284,15 @@ class LegacyCheckpoint(ModelView):
                                   f"{layout.describe()}; the file is not a Megatron model checkpoint")
         return chunks
 
+    def _local_shapes(self, layout: ParallelLayout) -> dict[str, tuple[int, ...] | None]:
+        """Rank-local key -> shape over every file (pickle metadata only: no tensor bytes)."""
+        out = {}
+        for tf in self.files.values():
+            for chunk in self._model_chunks(tf, layout):
+                for key, value in chunk.items():
+                    out.setdefault(key, tuple(value.shape) if isinstance(value, LazyTensor) else None)
+        return out
+
     def _index_file(self, coords, tf: TorchFile, layout: ParallelLayout) -> None:
         tp, pp, ep = coords
         offsets = layout.chunk_offsets()
@@ -278,7 +306,7 @@ class LegacyCheckpoint(ModelView):
                 lk = parse_local_key(key, offset, ep * local_experts)
                 self._check_layer_range(key, lk, offset, count, tf)
                 for name, piece in self._pieces(lk, value, local_experts, ep, tf):
-                    rule = rule_for(name)
+                    rule = rule_for(name, self.layer_spec)
                     parts = 1 if rule.kind == REPLICATED else (layout.etp if rule.group == "etp" else layout.tp)
                     shard = 0 if parts == 1 else (tp if rule.group == "tp" or layout.etp == layout.tp else 0)
                     self._add(name, rule, parts, shard, piece, tf.path)
@@ -376,9 +404,6 @@ def canonical_sort_key(name: str):
 
 # -- the writer ------------------------------------------------------------------------------
 
-_LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
-
-
 def target_args(view: ModelView, target: ParallelLayout):
     """The source `args` with the target layout and the view's expert/router settings."""
     if view.args is None:
@@ -389,6 +414,9 @@ def target_args(view: ModelView, target: ParallelLayout):
         tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
         expert_model_parallel_size=target.ep, expert_tensor_parallel_size=target.etp,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        # the writers lay out plain stages (stage_layers, MTP on the last): a source's layout string
+        # would contradict them, so it goes (and with it the virtual stages it implied)
+        pipeline_model_parallel_layout=None,
         moe_grouped_gemm=target.expert_layout != SEQUENTIAL,
         num_experts=spec.num_experts, moe_router_topk=spec.topk,
         moe_router_num_groups=spec.num_groups, moe_router_group_topk=spec.group_topk,
@@ -505,7 +533,7 @@ def write_stage(view: ModelView, it_dir: Path, target: ParallelLayout, stage: in
     num_experts = view.spec.num_experts
     per = num_experts // target.ep if num_experts else 0
     for name in names:
-        rule = rule_for(name)
+        rule = rule_for(name, view.layer_spec)
         if rule.expert:
             ep, prefix, j, rest = _expert_local(name, target, num_experts)
             dests = [c for c in coords if c[1] == ep]
@@ -524,7 +552,7 @@ def write_stage(view: ModelView, it_dir: Path, target: ParallelLayout, stage: in
             if not rule.expert:
                 key = restore_variant(to_local_layer(name, offset), variants)
                 out.add(key, shard)
-                if extra_state and _LINEAR_WEIGHT.match(key):
+                if extra_state and LINEAR_WEIGHT.match(key):
                     out.add(key[:-len(".weight")] + "._extra_state", None)
                 continue
             local_prefix = to_local_layer(prefix, offset)

@@ -22,6 +22,10 @@ NAME_VARIANTS: tuple[tuple[str, str, str, str, str], ...] = (
 SEQUENTIAL, GROUPED, TE_GROUPED = "sequential", "grouped", "te_grouped"
 EXPERT_LAYOUTS = (SEQUENTIAL, GROUPED, TE_GROUPED)
 
+# Weights of megatron-core linear modules (the local ones save `_extra_state: None` beside them):
+# `linear_*` layers, the output layer and MTP's `eh_proj` (a ColumnParallelLinear).
+LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|.*\.eh_proj|output_layer)\.weight$")
+
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$")
 _TE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -48,8 +49,9 @@ from pathlib import Path
 
 import torch
 
+from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint.layout import ParallelLayout, check_fits, stage_layer_counts
-from mcore_proxy.checkpoint.names import GROUPED, SEQUENTIAL, TE_GROUPED
+from mcore_proxy.checkpoint.names import GROUPED, LINEAR_WEIGHT, SEQUENTIAL, TE_GROUPED
 from mcore_proxy.checkpoint.safe_globals import check_writable, writable_args
 from mcore_proxy.checkpoint.torchfile import (UNREADABLE, LazyTensor, TorchFile, WriteSink, brief_error, materialize,
                                               save_object, unpickle_torch_zip, unresolved_class)
@@ -92,7 +94,6 @@ _MTP = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.*)$")
 _DIST_EXPERTS = "mlp.experts.experts."
 _CANON_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.*)$")
 _OBJECT_KEY = re.compile(r"^(.*)/shard_([\d.]*)_([\d.]*)$")
-_LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
 
 
 def _rename(rest: str, local_spec: bool, to_dist: bool) -> str:
@@ -492,8 +493,7 @@ def _layout_of(args, where: Path) -> ParallelLayout:
         base = ParallelLayout(tp=tp, pp=size("pipeline_model_parallel_size") or 1,
                               ep=size("expert_model_parallel_size") or 1,
                               etp=size("expert_tensor_parallel_size") or tp)
-    return ParallelLayout(tp=base.tp, pp=base.pp, ep=base.ep, etp=base.etp, vpp=base.vpp,
-                          expert_layout=expert_layout, stage_layers=base.stage_layers)
+    return dataclasses.replace(base, expert_layout=expert_layout)
 
 
 class TorchDistCheckpoint(ModelView):
@@ -531,6 +531,7 @@ class TorchDistCheckpoint(ModelView):
         self.linear_extra_state = False
         self.variants: set[str] = set()
         sd_md, storage = read_dcp_metadata(self.path / DCP_METADATA)
+        self.layer_spec = infer_layer_spec(self.args, dict.fromkeys(sd_md), 1, str(self.path / COMMON_FILE))
         self._storage = self._index_storage(storage)
         self._tensors: dict[str, _TensorEntry] = {}
         self._objects: dict[str, _ObjectEntry] = {}
@@ -539,7 +540,7 @@ class TorchDistCheckpoint(ModelView):
         self._check_complete()
         self._resolve_none_objects()
         for name in list(self._tensors) + list(self._objects):
-            rule_for(name)  # a name no sharding rule knows is an error, never silently kept
+            rule_for(name, self.layer_spec)  # a name no sharding rule knows is an error, never silently kept
         from mcore_proxy.checkpoint.legacy import canonical_sort_key
 
         self._names = sorted(list(self._tensors) + list(self._objects), key=canonical_sort_key)
@@ -902,11 +903,11 @@ def _write_group(view: ModelView, names: list[str], fh, file: str, writer: _DcpW
         if not isinstance(value, torch.Tensor):
             writer.add_object(fh, file, object_key(key, index, sizes), value)
             continue
-        rule = rule_for(name)
+        rule = rule_for(name, view.layer_spec)
         parts = 1 if target is None else (target.etp if rule.group == "etp" else target.tp)
         writer.add_tensor(fh, file, name, key, index, sizes, value, chunk_boxes(tuple(value.shape), rule, parts))
         extra = name[:-len(".weight")] + "._extra_state"
-        if extra_state and _LINEAR_WEIGHT.match(name) and extra not in present:
+        if extra_state and LINEAR_WEIGHT.match(name) and extra not in present:
             writer.add_object(fh, file, object_key(key[:-len(".weight")] + "._extra_state", index, sizes), None)
         if progress is not None:
             progress.update(value.numel() * value.element_size())

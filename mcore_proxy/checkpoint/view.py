@@ -32,6 +32,7 @@ class ModelView(ABC):
     spec: ModelSpec
     args: object | None = None          # the source `args` namespace, if any
     iteration: int | str | None = None
+    layer_spec: str = "local"           # megatron-core layer spec of the tensors (checkpoint/layer_spec.py)
 
     @abstractmethod
     def names(self) -> list[str]:

@@ -100,7 +100,10 @@ def plan_target(req: ConvertRequest, source: ModelView, view: ModelView, plan) -
     pp = req.pp or (src.pp if src else 1)
     ep = req.ep or (plan.expert_parallel_size if plan else (src.ep if src else 1))
     etp = req.etp or (src.etp if src and src.etp in (1, src.tp) and not req.tp else None)
-    stages = req.stage_layers or (src.stage_layers if src and src.pp == pp and src.vpp == 1 else None)
+    # a layout string's stages per pipeline rank are kept as a plain (first/last) split: the writers
+    # write no layout string nor virtual stages (MTP goes to the last stage)
+    stages = req.stage_layers or (src.stage_layers if src and src.pp == pp and (src.vpp == 1 or src.pipeline_layout)
+                                  else None)
     return resolve_target(view, tp=tp, pp=pp, ep=ep, etp=etp,
                           expert_layout=req.expert_layout, stage_layers=stages)
 
@@ -123,6 +126,11 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
         first, last = _first_last(target.stage_layers)
         flags += [f"--decoder-first-pipeline-num-layers {first}"] if first else []
         flags += [f"--decoder-last-pipeline-num-layers {last}"] if last else []
+    src = getattr(view, "layout", None)
+    if src is not None and src.pipeline_layout:
+        flags.append("(no --pipeline-model-parallel-layout)")
+    if src is not None and src.vpp > 1:
+        flags.append("(no --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage)")
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
     # the proxy carries no optimizer or RNG state: load weights only
     flags += ["--no-load-optim", "--no-load-rng"]
@@ -186,7 +194,7 @@ def output_bytes(view: ModelView, target: ParallelLayout | None, fmt: str) -> in
     for name in view.names():
         nbytes = tensor_nbytes(view, name)
         if fmt == "legacy":
-            rule = rule_for(name)
+            rule = rule_for(name, view.layer_spec)
             if rule.expert:
                 nbytes *= max(1, target.tp // target.etp) if rule.group == "etp" else 1
             else:

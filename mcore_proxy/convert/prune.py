@@ -30,7 +30,8 @@ class PrunedView(ModelView):
         self.spec = dataclasses.replace(
             source.spec, num_experts=plan.num_experts, topk=plan.router.topk,
             num_groups=plan.router.num_groups, group_topk=plan.router.group_topk)
-        for attr in ("checkpoint_version", "linear_extra_state", "variants", "layout", "format", "path", "hf"):
+        for attr in ("checkpoint_version", "linear_extra_state", "variants", "layer_spec", "layout", "format", "path",
+                     "hf"):
             if hasattr(source, attr):
                 setattr(self, attr, getattr(source, attr))
         self._kept = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}

@@ -21,6 +21,7 @@ model built at any layout, and write the logits on the fixed tokens as [1 + mtp_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import torch
 
 from mcore_proxy.pipeline_layout import split_stages
 from mcore_proxy.testing.build import (Layout, ToyMoE, _rank_coords, _training_extras, _writes_folder, fixed_tokens,
-                                       legacy_rank_dir)
+                                       legacy_rank_dir, restrict_routers)
 from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, TRACKER, iteration_dir
 from mcore_proxy.testing.global_weights import fill_global_weights
 from mcore_proxy.testing.mcore_cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
@@ -71,14 +72,16 @@ class Family(ToyMoE):
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         # built at PP 1 first: the base class knows no layout string, and 5 layers over PP 2 need one
-        base = super().transformer_config(dataclasses.replace(layout, pp=1))
+        # (or a first-stage size, set below with the real PP)
+        base = super().transformer_config(dataclasses.replace(layout, pp=1, first_stage_layers=None))
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
         # SwiGLU as the args say (`swiglu`) and both families compute: TransformerConfig's default
         # activation is gelu, which with gated_linear_unit would be GeGLU
         values.update(pipeline_model_parallel_size=layout.pp, qk_layernorm=self.qk_layernorm, mtp_num_layers=self.mtp_layers or None,
                       layernorm_epsilon=self.norm_epsilon, activation_func=torch.nn.functional.silu,
                       moe_router_topk_scaling_factor=self.topk_scaling_factor,
-                      pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None))
+                      pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
+                      num_layers_in_first_pipeline_stage=layout.first_stage_layers)
         if self.attention == "gqa":
             values.update(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
             return type(base)(**values)
@@ -136,6 +139,8 @@ class Job:
     load_legacy / load_dist: a checkpoint root to load strictly instead of filling weights.
     logits: where the last stage writes [1 + mtp_layers, b, s, V].
     trace_dir: if set, routing statistics of the forward pass go there (`mcore_proxy.trace.install`).
+    keep: if set, layer id -> kept expert ids: every router may choose only those
+    (`build.restrict_routers`, the reference a proxy must reproduce).
     """
 
     model: Family
@@ -148,6 +153,7 @@ class Job:
     logits: str | None = None
     iteration: int = 10
     trace_dir: str | None = None
+    keep: dict | None = None
 
     def __post_init__(self):
         if self.load_legacy and self.load_dist:
@@ -341,12 +347,14 @@ def _job(job: Job, world: int) -> None:
         _load(job, chunks, coords)
     else:
         fill_weights(chunks, job.model, job.seed)
-    if job.trace_dir:
-        from mcore_proxy.trace import install
+    with contextlib.ExitStack() as stack:
+        if job.trace_dir:
+            from mcore_proxy.trace import install
 
-        with install(chunks, job.trace_dir):
-            heads = run_chunks(chunks, job.model, fixed_tokens(job.model))
-    else:
+            stack.enter_context(install(chunks, job.trace_dir))
+        if job.keep is not None:
+            for chunk in chunks:
+                stack.enter_context(restrict_routers(chunk, job.keep))
         heads = run_chunks(chunks, job.model, fixed_tokens(job.model))
     if job.save_legacy:
         _save_legacy(job, chunks, writer, coords)
@@ -438,15 +446,17 @@ def save_jobs(name: str, model: Family, layout: Layout, base: Path, seed: int | 
     return job, ckpt
 
 
-def load_and_run(jobs: list[tuple], trace_dirs: list | None = None) -> list[torch.Tensor]:
+def load_and_run(jobs: list[tuple], trace_dirs: list | None = None, keeps: list | None = None) -> list[torch.Tensor]:
     """Load each (model, layout, "legacy" | "torch_dist", checkpoint, logits path) strictly into
     megatron-core models at that layout and run the fixed tokens, all in one set of ranks;
-    returns each job's logits [1 + mtp_layers, b, s, V]. `trace_dirs[i]`: trace job i there."""
+    returns each job's logits [1 + mtp_layers, b, s, V]. `trace_dirs[i]`: trace job i there;
+    `keeps[i]`: restrict job i's routers to those experts (layer id -> kept ids)."""
     built = []
     for i, (model, layout, fmt, ckpt, out) in enumerate(jobs):
         key = {"legacy": "load_legacy", "torch_dist": "load_dist"}[fmt]
         trace = str(trace_dirs[i]) if trace_dirs and trace_dirs[i] else None
-        built.append(Job(model, layout, logits=str(out), trace_dir=trace, **{key: str(ckpt)}))
+        keep = keeps[i] if keeps else None
+        built.append(Job(model, layout, logits=str(out), trace_dir=trace, keep=keep, **{key: str(ckpt)}))
     run_jobs(built)
     return [torch.load(j.logits) for j in built]
 
@@ -455,11 +465,12 @@ def family_from_args(args, seq_length: int = 16) -> Family:
     """The Family a checkpoint's Megatron args describe (GQA or MLA, local spec), e.g. the args
     `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens."""
     from mcore_proxy.layer_pattern import parse_layer_pattern
-    from mcore_proxy.megatron_args import ffn_hidden_size
+    from mcore_proxy.megatron_args import arg, ffn_hidden_size
     from mcore_proxy.spec import ModelSpec
 
     spec = ModelSpec.from_args(args)
-    freq = parse_layer_pattern(args.moe_layer_freq, "args moe_layer_freq")
+    # absent in older Megatron's args: its default (megatron_args.DEFAULTS), as ModelSpec reads it
+    freq = parse_layer_pattern(arg(args, "moe_layer_freq"), "args moe_layer_freq")
     mla = bool(getattr(args, "multi_latent_attention", False))
     fields = dict(
         attention="mla" if mla else "gqa", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -469,6 +480,7 @@ def family_from_args(args, seq_length: int = 16) -> Family:
         score_function=spec.score_function, expert_bias=spec.expert_bias, num_groups=spec.num_groups,
         group_topk=spec.group_topk, vocab_size=int(args.padded_vocab_size), seq_length=seq_length,
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)), mtp_layers=spec.mtp_layers,
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         position_embedding_type=getattr(args, "position_embedding_type", "rope"),
         norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)))
