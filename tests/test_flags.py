@@ -249,6 +249,8 @@ def test_json_documents_carry_the_numbers_of_the_text(real_stats, tmp_path, caps
     assert f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}; " \
            f"{d['files']} files in " in text
     assert "  " + " ".join(d["launch_flags"]) in text.splitlines()
+    # a sequential-expert proxy must be launched without the source's grouped GEMM, and is told so
+    assert d["remove_flags"] == ["--moe-grouped-gemm"] and "and without: --moe-grouped-gemm" in text.splitlines()
 
     text, d = both(capsys, "verify", "--orig", ckpt, "--proxy", tmp_path / "b", "--plan", plan)
     assert d["ok"] and d["problems"] == [] and d["functional"] is None
