@@ -25,8 +25,9 @@ COMMAND_MODULES = (
     "mcore_proxy.trace.collect_cli",
     "mcore_proxy.select.cli",
     "mcore_proxy.convert.cli",
-    "mcore_proxy.diagnose.cli",
     "mcore_proxy.fidelity.cli",
+    "mcore_proxy.campaign.cli",
+    "mcore_proxy.diagnose.cli",
 )
 DEBUG_ENV = "MCORE_PROXY_DEBUG"
 
@@ -48,6 +49,9 @@ a typical run:
   mcore-proxy convert CKPT --plan plan.json -o PROXY --target-ep 1
   mcore-proxy verify --orig CKPT --proxy PROXY --plan plan.json
   mcore-proxy compare --orig-base A --orig-fault B --proxy-base C --proxy-fault D   (metric logs)
+  mcore-proxy campaign faults.json                       faulted runs of the proxy -> library.json
+  mcore-proxy watch RUN_LOG --baseline BASE_LOG          early warnings while a run grows
+  mcore-proxy compare --run LOG --baseline BASE_LOG --library library.json   which fault is it?
 Megatron and MindSpeed-LLM converter spellings are accepted beside ours (--load-dir, --save-dir,
 --target-tensor-parallel-size, --target-expert-parallel-size, --num-layer-list, ...); every
 command takes --json (one JSON object on stdout), and every command that writes takes --force.
@@ -61,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mcore_proxy.flags import HelpFormatter, exit_codes_text
 
     parser = argparse.ArgumentParser(prog="mcore-proxy", description=DESCRIPTION,
-                                     epilog=EPILOG + exit_codes_text("verify, compare"),
+                                     epilog=EPILOG + exit_codes_text("verify, compare; a failed campaign run; "
+                                                                     "a watch --fail-on alert"),
                                      formatter_class=HelpFormatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"mcore-proxy {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")

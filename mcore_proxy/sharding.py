@@ -18,6 +18,11 @@ when the earlier one says so (`overrides` names the later rule's pattern): every
 checked for overlap when this module is imported (`check_rules`), and an undeclared overlap is an
 error naming a string both match. Adding a model family is adding rows (and, if a new rule kind
 is needed, one branch in ShardRule).
+Spec: the layer spec a row applies to, "local" or "transformer_engine" (None: both). Only
+multi-latent attention's down projections differ: `ColumnParallelLinear` in the local spec,
+`TELinear(parallel_mode="duplicated")` in the Transformer Engine spec
+(megatron-core 0.16.1 `transformer/multi_latent_attention.py`). Which spec saved a checkpoint is
+decided by `checkpoint/layer_spec.py`. Rows of one pattern for different specs are not an overlap.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import torch
 from mcore_proxy.errors import CheckpointError
 
 REPLICATED, COLUMN, ROW, GLU_COLUMN = "replicated", "column", "row", "glu_column"
+LOCAL_SPEC, TE_SPEC = "local", "transformer_engine"
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) of a block of a tensor
 
@@ -41,9 +47,11 @@ class ShardRule:
     group: str = "tp"     # "tp" or "etp"
     expert: bool = False
     overrides: str | None = None   # the pattern of a later, broader rule this one takes precedence over
+    spec: str | None = None   # LOCAL_SPEC / TE_SPEC: the row applies to that layer spec only
 
     def __post_init__(self):
-        if self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN) or self.group not in ("tp", "etp"):
+        if self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN) or self.group not in ("tp", "etp") \
+                or self.spec not in (None, LOCAL_SPEC, TE_SPEC):
             raise ValueError(f"bad sharding rule {self}")
 
     # -- where the rule splits ----------------------------------------------------------------
@@ -160,6 +168,7 @@ _EXTRA_STATE = "{rest}._extra_state"
 
 SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("embedding.word_embeddings.weight", COLUMN),
+    ShardRule("embedding.position_embeddings.weight", REPLICATED),   # learned_absolute: nn.Embedding
     ShardRule("output_layer.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_qkv.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_qkv.bias", COLUMN),
@@ -167,6 +176,11 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("{layer}.self_attention.linear_q_proj.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_q_up_proj.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_kv_up_proj.weight", COLUMN),
+    # multi-latent attention's down projections [q_lora, H] / [kv_lora + rope, H]
+    ShardRule("{layer}.self_attention.linear_q_down_proj.weight", COLUMN, spec=LOCAL_SPEC),
+    ShardRule("{layer}.self_attention.linear_kv_down_proj.weight", COLUMN, spec=LOCAL_SPEC),
+    ShardRule("{layer}.self_attention.linear_q_down_proj.weight", REPLICATED, spec=TE_SPEC),
+    ShardRule("{layer}.self_attention.linear_kv_down_proj.weight", REPLICATED, spec=TE_SPEC),
     ShardRule("{layer}.mlp.linear_fc1.weight", GLU_COLUMN),
     ShardRule("{layer}.mlp.linear_fc2.weight", ROW),
     ShardRule("{layer}.mlp.shared_experts.linear_fc1.weight", GLU_COLUMN),
@@ -320,9 +334,12 @@ def overlap(p: str, q: str) -> str | None:
 
 
 def check_rules(rules: tuple[ShardRule, ...]) -> None:
-    """ValueError if two rules match one name without the earlier one declaring `overrides`."""
+    """ValueError if two rules of one layer spec match one name without the earlier one declaring
+    `overrides` (rows for different specs never apply together, so they do not overlap)."""
     for i, a in enumerate(rules):
         for b in rules[i + 1:]:
+            if a.spec is not None and b.spec is not None and a.spec != b.spec:
+                continue
             name = overlap(a.pattern, b.pattern)
             if name is not None and a.overrides != b.pattern:
                 raise ValueError(f"sharding rules {a.pattern!r} and {b.pattern!r} both match {name!r}; make "
@@ -341,10 +358,12 @@ def is_ignored(name: str) -> bool:
 
 
 @lru_cache(maxsize=None)
-def rule_for(name: str) -> ShardRule:
-    """The sharding rule of a canonical tensor name (the first that matches); CheckpointError if none."""
+def rule_for(name: str, spec: str = LOCAL_SPEC) -> ShardRule:
+    """The sharding rule of a canonical tensor name in a checkpoint of layer spec `spec`
+    (`view.layer_spec`; megatron-core's local spec by default): the first row of that spec (or of
+    both) that matches; CheckpointError if none applies."""
     for regex, rule in _COMPILED:
-        if regex.match(name):
+        if rule.spec in (None, spec) and regex.match(name):
             return rule
     raise CheckpointError(f"no sharding rule for tensor {name!r}; mcore-proxy does not know how "
                           "this tensor is split across ranks (add a rule to mcore_proxy/sharding.py)")

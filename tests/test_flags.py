@@ -47,8 +47,10 @@ BASE = {
     "compare": {"--orig-base": "a", "--orig-fault": "b", "--proxy-base": "c", "--proxy-fault": "d"},
     "collect": {"--hf": "m", "--data": "d.jsonl", "-o": "stats"},
     "fidelity": {"--orig": "a", "--proxy": "b", "--plan": "p.json", "--data": "d.jsonl"},
+    "campaign": {"CONFIG": "campaign.json"},
+    "watch": {"LOGDIR": "run.jsonl"},
 }
-POSITIONAL = {"CKPT", "DIR", "STATS"}
+POSITIONAL = {"CKPT", "DIR", "STATS", "CONFIG", "LOGDIR"}
 
 
 def leaf_parsers(parser=None, prefix=()) -> dict[str, argparse.ArgumentParser]:
@@ -152,7 +154,8 @@ def test_top_level_help_is_written_for_users(capsys):
     assert stop.value.code == 0
     assert "Mixture-of-Experts" in text and "thin argparse layer" not in text
     listed = re.findall(r"^    (\w+)\s", text.split("commands, in pipeline order:")[1], re.M)
-    assert listed == ["inspect", "estimate", "stats", "collect", "select", "convert", "verify", "compare", "fidelity"]
+    assert listed == ["inspect", "estimate", "stats", "collect", "select", "convert", "verify", "fidelity",
+                      "campaign", "watch", "compare"]
     for code in ("0", "1", "2", "3", "128+N"):
         assert re.search(rf"^  {re.escape(code)}\s+\w", text, re.M), code
     assert "--load-dir" in text and "--json" in text and "--force" in text
@@ -162,7 +165,7 @@ def test_top_level_help_is_written_for_users(capsys):
 def test_every_command_documents_its_exit_codes(command):
     text = leaf_parsers()[command].format_help()
     assert "exit codes:" in text and re.search(r"^  2\s+bad input or usage", text, re.M)
-    assert bool(re.search(r"^  1\s+a check found a difference", text, re.M)) == (command in ("verify", "compare"))
+    assert bool(re.search(r"^  1\s+a check found a difference", text, re.M)) == (command in ("verify", "compare", "campaign", "watch"))
     assert "--json" in text
 
 
@@ -246,6 +249,8 @@ def test_json_documents_carry_the_numbers_of_the_text(real_stats, tmp_path, caps
     assert f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}; " \
            f"{d['files']} files in " in text
     assert "  " + " ".join(d["launch_flags"]) in text.splitlines()
+    # a sequential-expert proxy must be launched without the source's grouped GEMM, and is told so
+    assert d["remove_flags"] == ["--moe-grouped-gemm"] and "and without: --moe-grouped-gemm" in text.splitlines()
 
     text, d = both(capsys, "verify", "--orig", ckpt, "--proxy", tmp_path / "b", "--plan", plan)
     assert d["ok"] and d["problems"] == [] and d["functional"] is None

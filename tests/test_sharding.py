@@ -83,3 +83,14 @@ def test_an_undeclared_overlap_is_refused_and_precedence_is_first_match():
     rule = rule_for("decoder.layers.1.mlp.experts.3.linear_fc1._extra_state")
     assert rule.expert and rule.group == "etp"
     assert not rule_for("decoder.layers.1.self_attention.linear_proj._extra_state").expert
+
+
+def test_rows_of_one_pattern_for_different_specs_are_not_an_overlap():
+    local = ShardRule("{layer}.self_attention.linear_q_down_proj.weight", COLUMN, spec="local")
+    te = ShardRule("{layer}.self_attention.linear_q_down_proj.weight", REPLICATED, spec="transformer_engine")
+    check_rules((local, te))
+    # a spec row still overlaps a row for both specs
+    with pytest.raises(ValueError, match="both match"):
+        check_rules((local, ShardRule("{layer}.self_attention.{rest}", REPLICATED)))
+    name = "decoder.layers.0.self_attention.linear_q_down_proj.weight"
+    assert rule_for(name, "local").kind == COLUMN and rule_for(name, "transformer_engine").kind == REPLICATED

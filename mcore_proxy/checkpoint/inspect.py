@@ -5,9 +5,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from mcore_proxy.checkpoint.layer_spec import attention_kind
 from mcore_proxy.checkpoint.names import split_expert_name
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.units import format_bytes
+
+
+_ATTENTION = {"mla": "multi-latent attention", "gqa": "grouped-query attention"}
 
 
 def _compact(ids: list[int]) -> str:
@@ -46,7 +50,10 @@ def describe(view: ModelView) -> dict:
         "iteration": view.iteration,
         "parallel": None if layout is None else {
             "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
-            "stage_layers": list(layout.stage_layers) if layout.stage_layers else None},
+            "stage_layers": list(layout.stage_layers) if layout.stage_layers else None,
+            "pipeline_layout": layout.pipeline_layout},
+        "attention": attention_kind(view.args) if view.args is not None else None,
+        "layer_spec": view.layer_spec,
         "expert_layout": None if layout is None else layout.expert_layout,
         "num_layers": spec.num_layers,
         "dense_layers": [L for L in layers if L not in moe],
@@ -79,6 +86,7 @@ def format_description(d: dict) -> str:
         ("format", f"{d['checkpoint_format']}, iteration {d['iteration']}"
          + (f", {d['family']}" if d.get("family") else "")),
         ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
+         + (f" layout {p['pipeline_layout']!r}" if p.get("pipeline_layout") else "")
          + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
          if p else "none: safetensors shards by file, not by parallel rank"),
         ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
@@ -89,7 +97,9 @@ def format_description(d: dict) -> str:
         ("router", f"top-{d['topk']} {d['score_function']}"
          + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")
          + (", expert bias" if d["expert_bias"] else "")),
-        ("hidden", str(d["hidden_size"])),
+        ("hidden", str(d["hidden_size"])
+         + (f", {_ATTENTION[d['attention']]}" if d.get("attention") else "")
+         + (f", {d['layer_spec']} layer spec" if d.get("attention") else "")),
         ("dtype", ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())),
         ("bytes", f"{format_bytes(d['total_bytes'])} model ({d['tensors']} tensors), "
          f"{format_bytes(d['expert_bytes'])} routed experts; {format_bytes(d['file_bytes'])} in {d['files']} files"),

@@ -37,7 +37,9 @@ class ParallelLayout:
     """How a checkpoint is (or will be) sharded.
 
     stage_layers: decoder layers per pipeline stage (sums to num_layers); with virtual stages
-    (vpp > 1) each stage holds vpp chunks of equal size, Megatron's interleaved order.
+    (vpp > 1) each stage holds vpp chunks of equal size, Megatron's interleaved order, unless
+    pipeline_layout (Megatron's `--pipeline-model-parallel-layout` string, `pipeline_layout.py`)
+    says which layers every (stage, virtual chunk) holds.
     """
 
     tp: int = 1
@@ -47,6 +49,7 @@ class ParallelLayout:
     vpp: int = 1
     expert_layout: str = SEQUENTIAL
     stage_layers: tuple[int, ...] | None = None
+    pipeline_layout: str | None = None
 
     def __post_init__(self):
         if self.etp is None:
@@ -65,6 +68,11 @@ class ParallelLayout:
 
     def chunk_offsets(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(stage, virtual chunk) -> (global offset of its first layer, layer count)."""
+        if self.pipeline_layout:
+            from mcore_proxy.pipeline_layout import parse_pipeline_layout
+
+            stages = parse_pipeline_layout(self.pipeline_layout, self.pp).stages
+            return {(s.pp, s.vp): (s.decoder[0] if s.decoder else 0, len(s.decoder)) for s in stages}
         counts = self.stage_layers
         if self.vpp == 1:
             out, acc = {}, 0
@@ -82,7 +90,9 @@ class ParallelLayout:
         s = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp}"
         if self.vpp > 1:
             s += f" VPP={self.vpp}"
-        if self.uneven:
+        if self.pipeline_layout:
+            s += f" layout={self.pipeline_layout!r}"
+        elif self.uneven:
             s += f" stages={list(self.stage_layers)}"
         return s
 
@@ -111,9 +121,9 @@ def layout_from_args(args, folder) -> ParallelLayout:
         vpp = max(1, num_layers // (pp * size("num_layers_per_virtual_pipeline_stage")))
     elif size("virtual_pipeline_model_parallel_size"):
         vpp = size("virtual_pipeline_model_parallel_size")
-    if arg(args, "pipeline_model_parallel_layout", where):
-        raise CheckpointError(f"{folder}: pipeline_model_parallel_layout is not supported yet; "
-                              "convert from a checkpoint saved with first/last stage sizes")
+    text = arg(args, "pipeline_model_parallel_layout", where)
+    if text:
+        return _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where)
     layer_list = arg(args, "num_layer_list", where)
     if layer_list is not None and not isinstance(layer_list, (str, list, tuple)):
         raise CheckpointError(f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
@@ -127,3 +137,21 @@ def layout_from_args(args, folder) -> ParallelLayout:
         raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
                               "sizes; fix the args") from None
     return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
+
+
+def _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where) -> ParallelLayout:
+    """The layout of a run saved with `--pipeline-model-parallel-layout` (validated as
+    megatron-core does); stage_layers are each pipeline rank's decoder layers over its chunks."""
+    from mcore_proxy.pipeline_layout import parse_pipeline_layout
+
+    if not isinstance(text, str):
+        raise CheckpointError(f"{where}: args pipeline_model_parallel_layout is a {type(text).__name__}, "
+                              "expected Megatron's layout string; fix the args")
+    mtp = arg_int(args, "mtp_num_layers", where) or 0
+    try:
+        parsed = parse_pipeline_layout(text, pp, num_layers, mtp)
+    except ProxyError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    counts = tuple(sum(len(s.decoder) for s in parsed.stages if s.pp == p) for p in range(pp))
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=parsed.vpp, stage_layers=counts,
+                          pipeline_layout=text)

@@ -24,7 +24,9 @@ from mcore_proxy.megatron_args import arg
 
 _LAYER_RE = re.compile(r"^(decoder\.layers\.(\d+)|mtp\.layers\.(\d+))\.")
 _DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|output_layer)\.weight$")
+# Weights of megatron-core linear modules (the local ones save `_extra_state: None` beside them):
+# `linear_*` layers, the output layer and MTP's `eh_proj` (a ColumnParallelLinear).
+LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|.*\.eh_proj|output_layer)\.weight$")
 
 
 def group_of(name: str) -> str:
@@ -58,7 +60,7 @@ def canonical_sort_key(name: str):
 def linear_extra_state(key: str) -> str | None:
     """The `_extra_state` key megatron's linear layers save beside a linear weight `key`
     (`X.linear_fc1.weight` -> `X.linear_fc1._extra_state`), None for other keys."""
-    return key[:-len(".weight")] + "._extra_state" if _LINEAR_WEIGHT.match(key) else None
+    return key[:-len(".weight")] + "._extra_state" if LINEAR_WEIGHT.match(key) else None
 
 
 # -- legacy rank files: rank-local keys ----------------------------------------------------------

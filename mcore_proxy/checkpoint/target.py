@@ -36,7 +36,7 @@ def check_fits(view, target: ParallelLayout) -> None:
         if n and int(n) % target.tp:
             raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
     for name in view.names():
-        rule = rule_for(name)
+        rule = rule_for(name, view.layer_spec)
         parts, shape = rule.parts(target), view.shape(name)
         if shape is not None and not rule.divides(shape, parts):
             raise CheckpointError(f"{name} dimension {rule.dim} ({shape[rule.dim]}) does not divide over "
@@ -73,7 +73,10 @@ def source_target(view, tp=None, pp=None, ep=None, etp=None, expert_layout=None,
     tp_ = tp or (src.tp if src else 1)
     pp_ = pp or (src.pp if src else 1)
     etp_ = etp or (src.etp if src and src.etp in (1, src.tp) and not tp else None)
-    stages = stage_layers or (src.stage_layers if src and src.pp == pp_ and src.vpp == 1 else None)
+    # a layout string's stages per pipeline rank are kept as a plain (first/last) split: the writers
+    # write no layout string nor virtual stages (MTP goes to the last stage)
+    stages = stage_layers or (src.stage_layers if src and src.pp == pp_ and (src.vpp == 1 or src.pipeline_layout)
+                              else None)
     return resolve_target(view, tp=tp_, pp=pp_, ep=ep or (src.ep if src else 1), etp=etp_,
                           expert_layout=expert_layout, stage_layers=stages)
 
@@ -105,6 +108,9 @@ def target_args(view, target: ParallelLayout):
         tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
         expert_model_parallel_size=target.ep, expert_tensor_parallel_size=target.etp,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        # the writers lay out plain stages (stage_layers, MTP on the last): a source's layout string
+        # would contradict them, so it goes (and with it the virtual stages it implied)
+        pipeline_model_parallel_layout=None,
         moe_grouped_gemm=target.expert_layout != SEQUENTIAL,
         num_experts=spec.num_experts, moe_router_topk=spec.topk,
         moe_router_num_groups=spec.num_groups, moe_router_group_topk=spec.group_topk,

@@ -41,7 +41,9 @@ class ViewInfo:
       entries; writers re-create them for the target's modules);
     format_info: the format's own record of the source, for a writer of the same format (for a
       Hugging Face folder its `HFSource`: config.json, tokenizer folder, FP8 block size); None
-      for Megatron formats.
+      for Megatron formats;
+    layer_spec: the megatron-core layer spec that saved the tensors, "local" or
+      "transformer_engine" (checkpoint/layer_spec.py); it picks spec-specific sharding rows.
     """
 
     spec: ModelSpec
@@ -54,6 +56,7 @@ class ViewInfo:
     variants: frozenset[str] = frozenset()
     linear_extra_state: bool = True
     format_info: object | None = dataclasses.field(default=None, compare=False)
+    layer_spec: str = "local"
 
 
 class ModelView(ABC):
@@ -80,6 +83,10 @@ class ModelView(ABC):
     @property
     def layout(self) -> ParallelLayout | None:
         return self.info.layout
+
+    @property
+    def layer_spec(self) -> str:
+        return self.info.layer_spec
 
     @abstractmethod
     def names(self) -> list[str]:

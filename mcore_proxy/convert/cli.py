@@ -75,7 +75,9 @@ def convert_dict(r, dry_run: bool) -> dict:
             "read_bytes": r.bytes_read, "output_bytes": r.output_bytes,
             "files": None if dry_run else r.files, "seconds": None if dry_run else r.seconds,
             "dropped_args": dict(r.dropped_args),
-            "launch_flags": [f for f in r.launch_flags if not f.startswith("(")]}
+            "launch_flags": [f for f in r.launch_flags if not f.startswith("(")],
+            # flags of the source's launch that the proxy's must not carry: "(no --moe-grouped-gemm)"
+            "remove_flags": [f[4:-1] for f in r.launch_flags if f.startswith("(no ")]}
 
 
 def convert_text(d: dict) -> str:
@@ -99,6 +101,8 @@ def convert_text(d: dict) -> str:
     else:
         lines += ["optimizer and RNG state are not carried over; launch the proxy with these flags changed:",
                   "  " + " ".join(d["launch_flags"])]
+        if d["remove_flags"]:
+            lines.append("and without: " + ", ".join(d["remove_flags"]))
     return "\n".join(lines)
 
 

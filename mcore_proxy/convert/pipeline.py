@@ -138,6 +138,11 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
         first, last = first_last(target.stage_layers)
         flags += [f"--decoder-first-pipeline-num-layers {first}"] if first else []
         flags += [f"--decoder-last-pipeline-num-layers {last}"] if last else []
+    src = view.layout
+    if src is not None and src.pipeline_layout:
+        flags.append("(no --pipeline-model-parallel-layout)")
+    if src is not None and src.vpp > 1:
+        flags.append("(no --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage)")
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
     # the proxy carries no optimizer or RNG state: load weights only
     flags += ["--no-load-optim", "--no-load-rng"]

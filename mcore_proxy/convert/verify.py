@@ -124,25 +124,28 @@ def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
 
 
 def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
-    """Build both models in megatron-core on CPU (TP=PP=EP=1, small models only), run fixed
-    tokens, and compare the proxy's logits with the source's when its routers may only choose
-    the kept experts. The two are the same function, so they must agree to rounding."""
+    """Build both models in megatron-core on CPU (TP=PP=EP=1, small models only; local spec, GQA or
+    multi-latent attention, MTP heads included), run fixed tokens, and compare the proxy's logits
+    with the source's when its routers may only choose the kept experts. The two are the same
+    function, so they must agree to rounding."""
     from mcore_proxy.checkpoint.formats import write_checkpoint
     from mcore_proxy.checkpoint.target import resolve_target
-    from mcore_proxy.functional.model import Layout, toy_from_args
-    from mcore_proxy.functional.run import load_and_run
+    from mcore_proxy.functional.family import StagedLayout, family_from_args, load_legacy_and_run
+    from mcore_proxy.functional.model import toy_from_args
 
     keep = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
     # absent args fields take Megatron's defaults; a field without one is named before any work
-    models = {"source": toy_from_args(source.args, str(source.info.path or "the source")),
-              "proxy": toy_from_args(proxy.args, str(proxy.info.path or "the proxy"))}
+    for label, view in (("the source", source), ("the proxy", proxy)):
+        toy_from_args(view.args, str(view.info.path or label))
+    # the families' builder: GQA or multi-latent attention, MTP, learned or rope positions
+    models = {"source": family_from_args(source.args), "proxy": family_from_args(proxy.args)}
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
         tmp = Path(tmp)
         for label, view in (("source", source), ("proxy", proxy)):
             write_checkpoint(view, tmp / label, resolve_target(view, expert_layout="sequential"), progress=False)
         try:
-            ref = load_and_run(models["source"], Layout(), tmp / "source", tmp / "source.pt", keep=keep)
-            got = load_and_run(models["proxy"], Layout(), tmp / "proxy", tmp / "proxy.pt")
+            ref, got = load_legacy_and_run([(models[label], StagedLayout(), tmp / label, tmp / f"{label}.pt")
+                                     for label in ("source", "proxy")], keeps=[keep, None])
         except torch.multiprocessing.ProcessRaisedException as err:
             # not a difference found by the check (exit 1): the check could not run (exit 3)
             last = str(err).strip().splitlines()[-1]
@@ -151,4 +154,4 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     atol = 1e-5 if floating <= {torch.float32} else 2e-2
     diff = (ref.float() - got.float()).abs().max().item()
     return {"max_abs_diff": diff, "atol": atol, "match": bool(diff <= atol + atol * ref.abs().max().item()),
-            "tokens": int(ref.shape[0] * ref.shape[1])}
+            "tokens": int(ref.shape[-3] * ref.shape[-2])}   # logits [1 + mtp, b, s, V]: every head compared

@@ -151,7 +151,7 @@ class Comparison:
 
 
 def _pick_metrics(logs: dict[str, RunLog], requested) -> tuple[dict, list[str]]:
-    """metric -> role -> raw name, for metrics all four runs have; and sentences of what is not."""
+    """metric -> role -> raw name, for metrics every given run has; and sentences of what is not."""
     left_out = []
     if requested:
         names = list(requested)
@@ -172,6 +172,19 @@ def _pick_metrics(logs: dict[str, RunLog], requested) -> tuple[dict, list[str]]:
 
 def _window(series: dict[str, Series]) -> tuple[int, int]:
     return max(int(s.steps[0]) for s in series.values()), min(int(s.steps[-1]) for s in series.values())
+
+
+def pair_signature(baseline: RunLog, run: RunLog, metrics=None, label: str = "") -> tuple[FaultSignature, list[str]]:
+    """The signature of `run` against `baseline` on the steps both logged, per metric (canonical or
+    raw names; default every aliased metric both logs have), and sentences of what was left out. A
+    metric with too few common steps gets an empty signature saying so (`MetricSignature.note`)."""
+    chosen, left_out = _pick_metrics({"baseline": baseline, "run": run}, metrics)
+    signatures = {}
+    for name, raw in chosen.items():
+        base, other = baseline.metrics[raw["baseline"]], run.metrics[raw["run"]]
+        lo, hi = _window({"baseline": base, "run": other})
+        signatures[name] = metric_signature(name, base.window(lo, hi), other.window(lo, hi))
+    return FaultSignature(baseline.source, run.source, signatures, label), left_out
 
 
 def compare_runs(logs: dict[str, RunLog], metrics=None, onset_window: int | None = None) -> Comparison:

@@ -114,3 +114,36 @@ def write_report(out, comparison: Comparison, *, inputs: tuple = (), replace: bo
             lines.append(f"![{metric}]({name})")
         (tmp / "report.md").write_text("\n".join(lines) + "\n")
     return out
+
+
+def library_figure(library):
+    """A signature library at a glance: entries x metrics, coloured by the shift's sign and size in
+    baseline noise units (|effect| >= 5 saturates; a shift against a noiseless baseline is drawn
+    saturated), with the onset step written in each shifted cell; grey: no significant shift."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    metrics = list(dict.fromkeys(m for e in library.entries for m in e.signature.metrics))
+    grid = np.full((len(library.entries), len(metrics)), np.nan)
+    fig, ax = plt.subplots(figsize=(1.1 * len(metrics) + 3, 0.45 * len(library.entries) + 1.8))
+    for i, entry in enumerate(library.entries):
+        for j, metric in enumerate(metrics):
+            sig = entry.signature.metrics.get(metric)
+            if sig is None or not sig.shifted:
+                continue
+            size = 1.0 if sig.effect is None else min(abs(sig.effect) / 5, 1.0)
+            grid[i, j] = sig.direction * max(size, 0.15)
+            ax.text(j, i, str(sig.onset), ha="center", va="center", fontsize=8,
+                    color="white" if abs(grid[i, j]) > 0.6 else "black")
+    ax.set_facecolor("#e8e8e8")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(metrics)), metrics, rotation=35, ha="right")
+    ax.set_yticks(range(len(library.entries)), [f"{e.name}" for e in library.entries])
+    ax.set_title(f"signature library against {library.baseline_name}: shift per metric "
+                 "(number: onset step)", fontsize=10)
+    fig.colorbar(image, ax=ax, label="direction x min(|effect| / 5, 1)", shrink=0.8)
+    fig.tight_layout()
+    return fig

@@ -5,6 +5,9 @@
   model  `ToyMoE`, a small MoE GPT described by (and read from) Megatron args; `build_gpt`
   run    fixed tokens -> logits, `restrict_routers` (the reference a correct proxy reproduces
          exactly), `load_and_run` a legacy checkpoint in spawned ranks
+  family `Family` (GQA or multi-latent attention, MTP, learned or rope positions) read from args
+         (`family_from_args`), built and run over pipeline stages; `load_legacy_and_run` is what
+         `verify --functional` runs
 
 Meant for small models (tests, the quickstart, `verify --functional`), not a 600B checkpoint.
 The test helpers (`mcore_proxy.testing`) build their fixtures on it; nothing here imports them.

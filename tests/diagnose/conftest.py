@@ -11,8 +11,9 @@ DATA = __import__("pathlib").Path(__file__).parents[1] / "data"
 
 
 def curves(fault: str | None = None, steps: int = 120, seed: int = 0, onset: int = 0,
-           scale: float = 1.0) -> dict[str, np.ndarray]:
-    """name -> values at steps 0..steps-1 (verl metric names)."""
+           scale: float = 1.0, strength: float = 1.0) -> dict[str, np.ndarray]:
+    """name -> values at steps 0..steps-1 (verl metric names). `scale`: of the reward curve (another
+    model); `strength`: of the fault's effect."""
     rng = np.random.default_rng(seed)
     t = np.arange(steps, dtype=float)
     reward = scale * (0.2 + 0.6 * (1 - np.exp(-t / 40))) + rng.normal(0, 0.03, steps)
@@ -22,13 +23,13 @@ def curves(fault: str | None = None, steps: int = 120, seed: int = 0, onset: int
     on = t >= onset
     if fault == "omission":        # reward stops improving at the onset
         frozen = scale * (0.2 + 0.6 * (1 - np.exp(-onset / 40)))
-        reward = np.where(on, frozen + rng.normal(0, 0.03, steps), reward)
+        reward = np.where(on, (1 - strength) * reward + strength * (frozen + rng.normal(0, 0.03, steps)), reward)
     elif fault == "precision":     # log-prob difference and KL jump at the onset and keep growing
-        diff = diff + on * (0.004 + 0.00005 * (t - onset))
-        kl = kl + on * (0.001 + 0.00003 * (t - onset))
+        diff = diff + on * strength * (0.004 + 0.00005 * (t - onset))
+        kl = kl + on * strength * (0.001 + 0.00003 * (t - onset))
     elif fault == "noise":         # entropy up, reward slightly down
-        entropy = entropy + on * 0.08
-        reward = reward - on * 0.05 * scale
+        entropy = entropy + on * 0.08 * strength
+        reward = reward - on * 0.05 * scale * strength
     return {"critic/score/mean": reward, "actor/kl_loss": kl, "training/rollout_probs_diff_mean": diff,
             "actor/entropy": entropy}
 

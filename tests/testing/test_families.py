@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_proxy.errors import ProxyError
 from mcore_proxy.pipeline_layout import parse_pipeline_layout
 from mcore_proxy.testing import global_weights
 from mcore_proxy.testing.families import DEEPSEEK_V3, QWEN3_MOE, StagedLayout, iteration_dir, load_and_run
@@ -299,21 +298,33 @@ def test_the_mtp_head_is_a_real_prediction(family_ckpt):
     assert (ref[0] - ref[1]).abs().max() > 0.1
 
 
-# -- what the readers cannot do yet (issue 10, next phase) ---------------------------------------
+# -- the readers ---------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=ProxyError,
-                   reason="issue 10: the readers refuse pipeline_model_parallel_layout, MLA and learned positions")
-@pytest.mark.parametrize("name,fmt,tensor", [
-    ("deepseek_v3_mla", "legacy", "decoder.layers.3.self_attention.linear_q_down_proj.weight"),
-    ("deepseek_v3_mla", "torch_dist", "decoder.layers.3.self_attention.linear_q_down_proj.weight"),
-    ("qwen3_moe", "legacy", "embedding.position_embeddings.weight"),
-    ("qwen3_moe", "torch_dist", "embedding.position_embeddings.weight"),
-])
-def test_readers_open_the_family_fixtures(family_ckpt, name, fmt, tensor):
-    """Today's refusal (a layout string, then "no sharding rule"); the next phase flips these."""
+@pytest.mark.parametrize("name", ["deepseek_v3_mla", "qwen3_moe"])
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_readers_open_the_family_fixtures(family_ckpt, name, fmt):
+    """Every canonical tensor either reader yields equals the full tensor megatron-core saved
+    (its torch_dist key, read by torch's own DCP loader), and every saved parameter is yielded:
+    MLA in the local spec, the layout string with VPP and a standalone MTP stage (its embedding
+    copy), learned absolute positions, GroupedMLP."""
     from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.checkpoint.names import KeyStyle
 
     ckpt = family_ckpt[name]
     view = open_checkpoint(getattr(ckpt, fmt))
-    full = _dist_tensor(ckpt, tensor, view.shape(tensor))
-    assert torch.equal(view.get(tensor), full)
+    assert view.layer_spec == "local"
+    assert (view.layout.tp, view.layout.pp, view.layout.ep, view.layout.etp) == (2, 2, 2, 1)
+    assert view.layout.pipeline_layout == ckpt.layout.pipeline_layout
+    md = _dist_metadata(ckpt)
+    style = KeyStyle.from_args(view.args, view.spec)
+    tensors = [n for n in view.names() if view.shape(n) is not None]
+    by_key: dict[str, list[str]] = {}
+    for n in tensors:
+        by_key.setdefault(style.locate(n)[0], []).append(n)
+    saved = {k for k, v in md.items() if hasattr(v, "size")}
+    assert set(by_key) == saved                      # nothing dropped, nothing invented
+    for key, names in by_key.items():
+        full = _dist_tensor(ckpt, key, tuple(md[key].size))
+        for n in names:
+            _, index, _ = style.locate(n)
+            assert torch.equal(view.get(n), full[index] if index else full), n

@@ -5,6 +5,7 @@ names to the shards that hold them, and reads a tensor's bytes only when `get` a
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.iteration import TRACKER, is_iteration_folder_name, resolve_iteration_dir
+from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, canonical_sort_key, layer_number, parse_local_key
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
@@ -156,6 +158,7 @@ class LegacyCheckpoint(ModelView):
                                   f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
                                   "they hold, re-save with ETP=1 or ETP=TP")
         self.files = {c: (first if d == dirs[0] else self._open(d)) for c, d in coords.items()}
+        self._layer_spec = infer_layer_spec(args, self._local_shapes(layout), layout.tp, str(first.path))
         self._entries: dict[str, _Entry] = {}
         self._expert_layout = SEQUENTIAL
         self._variants: set[str] = set()
@@ -167,9 +170,9 @@ class LegacyCheckpoint(ModelView):
         super().__init__(ViewInfo(
             spec=self._spec, format="legacy", path=self.path, iteration=iteration, args=args,
             checkpoint_version=first.obj.get("checkpoint_version"),
-            layout=ParallelLayout(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp,
-                                  expert_layout=self._expert_layout, stage_layers=layout.stage_layers),
-            variants=frozenset(self._variants), linear_extra_state=self._linear_extra_state))
+            layout=dataclasses.replace(layout, expert_layout=self._expert_layout),
+            variants=frozenset(self._variants), linear_extra_state=self._linear_extra_state,
+            layer_spec=self._layer_spec))
 
     @staticmethod
     def _open(rank_dir: Path) -> TorchFile:
@@ -189,6 +192,15 @@ class LegacyCheckpoint(ModelView):
                                   f"{layout.describe()}; the file is not a Megatron model checkpoint")
         return chunks
 
+    def _local_shapes(self, layout: ParallelLayout) -> dict[str, tuple[int, ...] | None]:
+        """Rank-local key -> shape over every file (pickle metadata only: no tensor bytes)."""
+        out = {}
+        for tf in self.files.values():
+            for chunk in self._model_chunks(tf, layout):
+                for key, value in chunk.items():
+                    out.setdefault(key, tuple(value.shape) if isinstance(value, LazyTensor) else None)
+        return out
+
     def _index_file(self, coords, tf: TorchFile, layout: ParallelLayout) -> None:
         tp, pp, ep = coords
         offsets = layout.chunk_offsets()
@@ -202,7 +214,7 @@ class LegacyCheckpoint(ModelView):
                 lk = parse_local_key(key, offset, ep * local_experts)
                 self._check_layer_range(key, lk, offset, count, tf)
                 for name, piece in self._pieces(lk, value, local_experts, ep, tf):
-                    rule = rule_for(name)
+                    rule = rule_for(name, self._layer_spec)
                     self._add(name, rule, rule.parts(layout), rule.shard_index(layout, tp), piece, tf.path)
 
     def _check_layer_range(self, key: str, lk: LocalKey, offset: int, count: int, tf: TorchFile) -> None:

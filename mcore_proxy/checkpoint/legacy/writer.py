@@ -62,10 +62,10 @@ def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> list[st
             if stage_of(n, target) == stage or (mtp_embedding and n.startswith("embedding."))]
 
 
-def _ep_of(name: str, target: ParallelLayout, num_experts: int) -> int | None:
+def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
     """The EP rank holding an expert tensor (None for every other tensor)."""
-    parts = split_expert_name(name) if rule_for(name).expert else None
-    return None if parts is None else parts[1] // (num_experts // target.ep)
+    parts = split_expert_name(name) if rule_for(name, view.layer_spec).expert else None
+    return None if parts is None else parts[1] // (view.spec.num_experts // target.ep)
 
 
 def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int, ep: int, args, header: dict,
@@ -80,10 +80,10 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
     extra_state, variants = view.info.linear_extra_state, view.info.variants
     num_experts = view.spec.num_experts
     per = num_experts // target.ep if num_experts else 0
-    names = [n for n in _stage_names(view, target, stage) if _ep_of(n, target, num_experts) in (None, ep)]
+    names = [n for n in _stage_names(view, target, stage) if _ep_of(view, n, target) in (None, ep)]
     try:
         for name, tensor in stream(view, names):
-            rule = rule_for(name)
+            rule = rule_for(name, view.layer_spec)
             parts = rule.parts(target)
             for t, out in enumerate(outs):
                 # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
@@ -142,11 +142,10 @@ class LegacyWriter(Writer):
         checkpoint_version(view)
 
     def units(self, view: ModelView, target: ParallelLayout) -> list[Unit]:
-        num_experts = view.spec.num_experts
         sizes = {(p, e): 0 for p in range(target.pp) for e in range(target.ep)}
         for p in range(target.pp):
             for name in _stage_names(view, target, p):
-                rule, ep = rule_for(name), _ep_of(name, target, num_experts)
+                rule, ep = rule_for(name, view.layer_spec), _ep_of(view, name, target)
                 # every TP file of the group holds a 1/parts shard
                 nbytes = tensor_nbytes(view, name) * target.tp // rule.parts(target)
                 for e in range(target.ep) if ep is None else (ep,):

@@ -8,6 +8,7 @@ process group is needed.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import json
 import math
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.iteration import resolve_iteration_dir, tracked_folder
+from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args
 from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, TE_GROUPED, DistName, canonical_sort_key,
                                           is_ignored_dist_key, parse_dist_key, parse_object_key, uses_local_spec)
@@ -305,8 +307,7 @@ def _layout_of(args, where: Path) -> ParallelLayout:
         base = ParallelLayout(tp=tp, pp=size("pipeline_model_parallel_size") or 1,
                               ep=size("expert_model_parallel_size") or 1,
                               etp=size("expert_tensor_parallel_size") or tp)
-    return ParallelLayout(tp=base.tp, pp=base.pp, ep=base.ep, etp=base.etp, vpp=base.vpp,
-                          expert_layout=expert_layout, stage_layers=base.stage_layers)
+    return dataclasses.replace(base, expert_layout=expert_layout)
 
 
 class TorchDistCheckpoint(ModelView):
@@ -336,6 +337,7 @@ class TorchDistCheckpoint(ModelView):
         self._spec = ModelSpec.from_args(args, where=str(self.path / COMMON_FILE))
         self.local_spec = uses_local_spec(args)
         sd_md, storage = read_dcp_metadata(self.path / DCP_METADATA)
+        self._layer_spec = infer_layer_spec(args, dict.fromkeys(sd_md), 1, str(self.path / COMMON_FILE))
         self._storage = self._index_storage(storage)
         self._tensors: dict[str, _TensorEntry] = {}
         self._objects: dict[str, _ObjectEntry] = {}
@@ -344,13 +346,13 @@ class TorchDistCheckpoint(ModelView):
         self._check_complete()
         dropped = self._resolve_none_objects()
         for name in list(self._tensors) + list(self._objects):
-            rule_for(name)  # a name no sharding rule knows is an error, never silently kept
+            rule_for(name, self._layer_spec)  # a name no sharding rule knows is an error, never silently kept
         self._names = sorted(list(self._tensors) + list(self._objects), key=canonical_sort_key)
         super().__init__(ViewInfo(
             spec=self._spec, format="torch_dist", path=self.path, iteration=iteration, args=args,
             checkpoint_version=common.get("checkpoint_version"), layout=_layout_of(args, self.path),
             # writers re-create None extra states for every linear of the target modules
-            linear_extra_state=dropped > 0))
+            linear_extra_state=dropped > 0, layer_spec=self._layer_spec))
 
     # -- indexing ----------------------------------------------------------------------------
     def _index_storage(self, storage: dict) -> dict:

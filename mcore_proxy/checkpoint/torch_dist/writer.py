@@ -88,7 +88,7 @@ def write_group(view: ModelView, names: list[str], it_dir: Path, file: str, styl
             if not isinstance(value, torch.Tensor):
                 _write_object(sink, object_key(key, index, sizes), value, records)
                 continue
-            rule = rule_for(name)
+            rule = rule_for(name, view.layer_spec)
             _write_tensor(sink, key, index, sizes, value, rule.chunk_boxes(tuple(value.shape), rule.parts(target)),
                           records)
             extra = linear_extra_state(name)

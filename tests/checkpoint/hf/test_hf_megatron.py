@@ -4,9 +4,9 @@ config.json) loads strictly into megatron-core at TP 2 / PP 2 / EP 2 and compute
 logits; a Qwen3-MoE saved by megatron-core converts to HF and transformers computes megatron's
 logits; one plan applied HF -> HF and HF -> Megatron gives a rollout proxy and a trainer proxy
 that compute the same logits; and the routing statistics `collect` measures in transformers
-equal the Megatron trace's on the same tokens. DeepSeek's multi-latent attention has no
-sharding rules yet (issue 10 phase 2): its HF -> Megatron test is a strict xfail that flips
-when they land.
+equal the Megatron trace's on the same tokens. DeepSeek-V3 (multi-latent attention, written
+in megatron-core's local spec: down projections column-parallel) converts to legacy and
+torch_dist and megatron-core computes the HF model's logits.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
-from mcore_proxy.errors import ProxyError
 from mcore_proxy.hf_models import load_model, run
 from mcore_proxy.stats import load_stats, merge_stats
 from mcore_proxy.functional.run import fixed_tokens
@@ -124,14 +123,33 @@ def test_megatron_with_learned_positions_is_refused_for_hf(family_ckpt, tmp_path
     assert "position_embedding" in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
 
-@pytest.mark.xfail(strict=True, raises=ProxyError,
-                   reason="issue 10 phase 2: no sharding rules for multi-latent attention's down projections yet")
 def test_deepseek_hf_to_megatron_computes_the_hf_logits(hf_model, tmp_path):
     from mcore_proxy.convert.pipeline import ConvertRequest, convert
 
     src = hf_model("deepseek_v3")
-    out = tmp_path / "legacy"
-    convert(ConvertRequest(ckpt=src, out=out, format="legacy", tp=2, pp=1, ep=2, etp=1), progress=False)
-    model = family_from_args(open_checkpoint(out).args)
-    (logits,) = load_and_run([(model, StagedLayout(tp=2, pp=1, ep=2, etp=1), "legacy", out, tmp_path / "l.pt")])
-    torch.testing.assert_close(logits[0], run(load_model(src), fixed_tokens(model)), **CLOSE)
+    legacy, dist = tmp_path / "legacy", tmp_path / "dist"
+    convert(ConvertRequest(ckpt=src, out=legacy, format="legacy", tp=2, pp=1, ep=2, etp=1), progress=False)
+    convert(ConvertRequest(ckpt=src, out=dist, format="torch_dist", tp=2, pp=1, ep=2, etp=1), progress=False)
+    model = family_from_args(open_checkpoint(legacy).args)
+    assert model.attention == "mla"
+    logits = load_and_run([(model, StagedLayout(tp=2, pp=1, ep=2, etp=1), "legacy", legacy, tmp_path / "l.pt"),
+                           (model, StagedLayout(tp=1, pp=1, ep=1), "torch_dist", dist, tmp_path / "d.pt")])
+    want = run(load_model(src), fixed_tokens(model))
+    for got in logits:
+        torch.testing.assert_close(got[0], want, **CLOSE)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_deepseek_megatron_to_hf_computes_megatron_logits(family_ckpt, tmp_path, fmt):
+    """The megatron-core-saved DeepSeek-V3 fixture (MLA, layout "Ettt|tt|m|L" with a standalone MTP
+    stage) converts to HF; transformers computes megatron's main-head logits, and the MTP layer is
+    written as DeepSeek's extra decoder layer (`num_nextn_predict_layers`)."""
+    ckpt = family_ckpt["deepseek_v3_mla"]
+    out = tmp_path / "hf"
+    assert main(["convert", str(getattr(ckpt, fmt)), "-o", str(out), "--format", "hf"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_nextn_predict_layers"], config["num_hidden_layers"]) == (1, 5)
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.5.eh_proj.weight" in names
+    got = run(load_model(out), fixed_tokens(ckpt.model))
+    torch.testing.assert_close(got, torch.load(ckpt.logits)[0], **CLOSE)

@@ -1,0 +1,313 @@
+"""megatron-core models of the families mcore-proxy supports, built from a checkpoint's args, on CPU.
+
+`Family` extends `functional.model.ToyMoE` with what DeepSeek-V3- and Qwen3-MoE-shaped models add:
+multi-latent attention (`q_lora_rank`, `kv_lora_rank`, head dims), GQA with qk norms and an
+explicit head dim, learned absolute positions, MTP layers, the top-k scaling factor.
+`StagedLayout` adds Megatron's `--pipeline-model-parallel-layout` string (which may imply virtual
+stages) to a Layout. `family_from_args` reads a Family from Megatron args; `build_chunks` builds a
+rank's model chunks with megatron-core's local spec (`functional.cpu.local_mla_spec` for MLA),
+`run_chunks` runs the fixed tokens through the pipeline, and `load_legacy_and_run` loads legacy
+checkpoints strictly (weights only, nothing in them may run) and returns their logits
+[1 + mtp_layers, b, s, V] (main head, then each MTP depth): what `verify --functional` runs.
+
+Shipped on purpose (issue 9); `mcore_proxy.testing.families` builds its fixtures on it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from mcore_proxy.checkpoint.layout import rank_dir_name
+from mcore_proxy.checkpoint.legacy.reader import RANK_FILE, resolve_legacy_dir
+from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
+from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
+from mcore_proxy.pipeline_layout import split_stages
+
+
+@dataclass(frozen=True)
+class Family(ToyMoE):
+    """A ToyMoE with the attention, position and MTP options of DeepSeek-V3 and Qwen3-MoE.
+
+    attention: "gqa" (`linear_qkv`, `num_query_groups`, head dim `kv_channels`) or "mla"
+    (`linear_q_down_proj` [q_lora, H], `linear_q_up_proj` [heads*(qk+rope), q_lora],
+    `linear_kv_down_proj` [kv_lora+rope, H], `linear_kv_up_proj` [heads*(qk+v), kv_lora]; with
+    q_lora_rank None a single `linear_q_proj`). qk_layernorm: q/k norms for GQA, q/kv latent norms
+    for MLA (the local MLA spec has none without it).
+    """
+
+    attention: str = "gqa"
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    qk_layernorm: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 8
+    qk_pos_emb_head_dim: int = 4
+    v_head_dim: int = 8
+    position_embedding_type: str = "rope"
+    mtp_layers: int = 0
+    topk_scaling_factor: float | None = None
+    norm_epsilon: float = 1e-5           # megatron's default layernorm_epsilon
+    rotary_base: float = 10000.0
+
+    def __post_init__(self):
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+
+    def transformer_config(self, layout: Layout):
+        """megatron-core's TransformerConfig (MLATransformerConfig for MLA) of this model at `layout`."""
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        # built at PP 1 first: the base class knows no layout string, and 5 layers over PP 2 need one
+        # (or a first-stage size, set below with the real PP)
+        base = super().transformer_config(dataclasses.replace(layout, pp=1, first_stage_layers=None))
+        values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+        # SwiGLU as the args say (`swiglu`) and both families compute: TransformerConfig's default
+        # activation is gelu, which with gated_linear_unit would be GeGLU
+        values.update(pipeline_model_parallel_size=layout.pp, qk_layernorm=self.qk_layernorm, mtp_num_layers=self.mtp_layers or None,
+                      layernorm_epsilon=self.norm_epsilon, activation_func=torch.nn.functional.silu,
+                      moe_router_topk_scaling_factor=self.topk_scaling_factor,
+                      pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
+                      num_layers_in_first_pipeline_stage=layout.first_stage_layers)
+        if self.attention == "gqa":
+            values.update(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
+            return type(base)(**values)
+        values.update(multi_latent_attention=True, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                      qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+                      v_head_dim=self.v_head_dim, rope_type="rope", num_query_groups=None, kv_channels=None)
+        return MLATransformerConfig(**values)
+
+    def megatron_args(self, layout: Layout):
+        """`args` as Megatron-LM's argparse and validate_args leave them for this model."""
+        args = super().megatron_args(layout)
+        mla = self.attention == "mla"
+        text = getattr(layout, "pipeline_layout", None)
+        vpp = getattr(layout, "vpp", None)
+        heads = self.num_attention_heads
+        vars(args).update(
+            multi_latent_attention=mla, qk_layernorm=self.qk_layernorm,
+            group_query_attention=not mla and self.num_query_groups not in (None, heads),
+            num_query_groups=(self.num_query_groups or heads) if not mla else heads,
+            kv_channels=self.kv_channels or self.hidden_size // heads,
+            q_lora_rank=self.q_lora_rank if mla else None, kv_lora_rank=self.kv_lora_rank,
+            qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim,
+            rope_type="rope" if mla else None, rotary_scaling_factor=1.0, rotary_base=self.rotary_base,
+            norm_epsilon=self.norm_epsilon,
+            position_embedding_type=self.position_embedding_type, max_position_embeddings=self.seq_length,
+            untie_embeddings_and_output_weights=True,
+            mtp_num_layers=self.mtp_layers or None, mtp_loss_scaling_factor=0.1,
+            moe_router_topk_scaling_factor=self.topk_scaling_factor,
+            pipeline_model_parallel_layout=text, virtual_pipeline_model_parallel_size=vpp,
+            num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+            overlap_p2p_comm=vpp is not None)
+        return args
+
+
+@dataclass(frozen=True)
+class StagedLayout(Layout):
+    """A Layout with Megatron's `pipeline_model_parallel_layout` string (None: even stages)."""
+
+    pipeline_layout: str | None = None
+
+    @property
+    def vpp(self) -> int | None:
+        """Virtual stages per rank as Megatron-LM's validate_args derives them (None for 1)."""
+        if self.pipeline_layout is None:
+            return None
+        n = len(split_stages(self.pipeline_layout)) // self.pp
+        return n if n > 1 else None
+
+
+def vpp_of(layout: Layout) -> int | None:
+    return getattr(layout, "vpp", None)
+
+def build_chunks(model: Family, layout: Layout) -> list:
+    """This rank's model chunks (one per virtual stage) as Megatron-LM's gpt_builder builds them
+    (call inside the layout's parallel state). MTP layers use the spec of the model's last
+    decoder layer, also on a stage without decoder layers (`gpt_builders.py`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
+                                                          get_gpt_mtp_block_spec)
+
+    config = model.transformer_config(layout)
+    vpp = vpp_of(layout)
+    chunks = []
+    for vp in (range(vpp) if vpp else [None]):
+        spec = local_mla_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                         normalization="RMSNorm", vp_stage=vp))
+        mtp = None
+        if model.mtp_layers:
+            last = local_mla_spec(get_gpt_decoder_layer_specs(config, False, "RMSNorm", vp_stage=vp)[-1])
+            mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp)
+        chunks.append(GPTModel(
+            config, spec, vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            parallel_output=False, share_embeddings_and_output_weights=False,
+            position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
+            mtp_block_spec=mtp, vp_stage=vp).eval())
+    return chunks
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    """Tensor with its shape first: an MTP stage sends [(1 + mtp) * s, b, h], the others [s, b, h]."""
+    torch.distributed.send(torch.tensor(t.shape, dtype=torch.int64), dst=dst)
+    torch.distributed.send(t.contiguous(), dst=dst)
+
+
+def _recv(src: int) -> torch.Tensor:
+    shape = torch.empty(3, dtype=torch.int64)
+    torch.distributed.recv(shape, src=src)
+    out = torch.empty(tuple(shape.tolist()))
+    torch.distributed.recv(out, src=src)
+    return out
+
+
+def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tensor | None:
+    """One forward pass of the fixed tokens through the pipeline (chunks in Megatron's
+    interleaved order, activations passed by p2p around the PP ring); on the last stage the
+    logits of every output-layer call as [1 + mtp_layers, b, s, V] (main head first), else None."""
+    from megatron.core import parallel_state as ps
+
+    b, s = tokens.shape
+    positions = torch.arange(s).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    labels = {"labels": tokens} if model.mtp_layers else {}
+    vpp = len(chunks) > 1
+    seen: list[torch.Tensor] = []
+    hooks = [c.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
+             for c in chunks if c.post_process]
+    try:
+        with torch.no_grad():
+            for vp, chunk in enumerate(chunks):
+                vp_stage = vp if vpp else None
+                if not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
+                    chunk.set_input_tensor(_recv(ps.get_pipeline_model_parallel_prev_rank()))
+                out = chunk(tokens, positions, mask, **labels)
+                if not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
+                    _send(out, ps.get_pipeline_model_parallel_next_rank())
+    finally:
+        for h in hooks:
+            h.remove()
+    if not seen:
+        return None
+    if len(seen) != 1 + model.mtp_layers:
+        raise RuntimeError(f"expected {1 + model.mtp_layers} output-layer calls, saw {len(seen)}")
+    # megatron's post-processing applies the output layer to the MTP depths first, the main head last
+    return torch.stack([x.transpose(0, 1) for x in [seen[-1], *seen[:-1]]])
+
+def state_keys(chunks: list) -> list[str]:
+    """Megatron-LM's generate_state_dict: `model`, or `model0`, `model1`, ... with virtual stages."""
+    return ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
+
+def embedding_ranks(model: Family, layout: Layout):
+    """Megatron-LM's `get_embedding_ranks` (pretrain_gpt.py) for this model: the ranks whose word
+    embeddings are kept equal are the first stage, the last one if embeddings are tied (never
+    here), and every stage with MTP layers. megatron-core's default (first and last stage) would
+    all-reduce an untied output layer into the MTP stage's embedding copy."""
+    text = getattr(layout, "pipeline_layout", None)
+    if text is not None:
+        from mcore_proxy.pipeline_layout import parse_pipeline_layout
+
+        mtp_pp = {s.pp for s in parse_pipeline_layout(text, layout.pp).stages if s.mtp}
+    else:
+        mtp_pp = {layout.pp - 1} if model.mtp_layers else set()
+
+    def ranks(pp_ranks: list[int]) -> list[int]:
+        if len(pp_ranks) == 1:
+            return list(pp_ranks)
+        return sorted({pp_ranks[0]} | {pp_ranks[p] for p in mtp_pp})
+
+    return ranks
+
+
+def enter_layout(rank: int, world: int, port: int, model: Family, layout: Layout) -> None:
+    """gloo group on first use, then megatron's parallel state for `layout` (and this model's
+    embedding group)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not torch.distributed.is_initialized():
+        init_distributed(rank, world, port)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 virtual_pipeline_model_parallel_size=vpp_of(layout),
+                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+                                 get_embedding_ranks=embedding_ranks(model, layout))
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+def _load_worker(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
+    from mcore_proxy.checkpoint.torchfile import load_weights_only
+
+    torch.set_num_threads(1)  # several ranks share few cores
+    try:
+        for model, layout, ckpt, out, keep in jobs:
+            enter_layout(rank, world, port, model, layout)
+            chunks = build_chunks(model, layout)
+            coords = rank_coords(layout)
+            writer = writes_folder(coords, world)  # a collective: every rank calls it once per job
+            it_dir, _ = resolve_legacy_dir(ckpt)
+            state = load_weights_only(it_dir / rank_dir_name(*coords, layout) / RANK_FILE)
+            for chunk, key in zip(chunks, state_keys(chunks)):
+                chunk.load_state_dict(state[key], strict=True)
+            with contextlib.ExitStack() as stack:
+                if keep is not None:
+                    for chunk in chunks:
+                        stack.enter_context(restrict_routers(chunk, keep))
+                heads = run_chunks(chunks, model, fixed_tokens(model))
+            if heads is not None and writer and coords == (0, layout.pp - 1, 0):
+                torch.save(heads, out)
+            torch.distributed.barrier()
+    finally:
+        if torch.distributed.is_initialized():
+            destroy_distributed()
+
+
+def load_legacy_and_run(jobs: list[tuple], keeps: list | None = None) -> list[torch.Tensor]:
+    """Load each (model, layout, legacy checkpoint, logits path) strictly into megatron-core models
+    at that layout (`torch.load(weights_only=True)` with the allow-list of safe globals) and run the
+    fixed tokens, all in one set of spawned gloo ranks; returns each job's logits
+    [1 + mtp_layers, b, s, V]. `keeps[i]`: restrict job i's routers to those experts (layer id ->
+    kept ids, `restrict_routers`)."""
+    world = max(layout.world_size for _, layout, _, _ in jobs)
+    for _, layout, _, _ in jobs:
+        if world % layout.world_size:
+            raise ValueError(f"{layout} does not fit a world of {world} ranks")
+    built = [(m, lay, str(c), str(o), keeps[i] if keeps else None) for i, (m, lay, c, o) in enumerate(jobs)]
+    torch.multiprocessing.spawn(_load_worker, args=(world, free_port(), built), nprocs=world, join=True)
+    return [torch.load(o) for _, _, _, o in jobs]
+
+
+def family_from_args(args, seq_length: int = 16) -> Family:
+    """The Family a checkpoint's Megatron args describe (GQA or MLA, local spec), e.g. the args
+    `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens."""
+    from mcore_proxy.layer_pattern import parse_layer_pattern
+    from mcore_proxy.megatron_args import arg, ffn_hidden_size
+    from mcore_proxy.spec import ModelSpec
+
+    spec = ModelSpec.from_args(args)
+    # absent in older Megatron's args: its default (megatron_args.DEFAULTS), as ModelSpec reads it
+    freq = parse_layer_pattern(arg(args, "moe_layer_freq"), "args moe_layer_freq")
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    fields = dict(
+        attention="mla" if mla else "gqa", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=int(args.num_attention_heads), ffn_hidden_size=ffn_hidden_size(args),
+        num_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size, topk=spec.topk,
+        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq, shared_expert_size=spec.shared_expert_size,
+        score_function=spec.score_function, expert_bias=spec.expert_bias, num_groups=spec.num_groups,
+        group_topk=spec.group_topk, vocab_size=int(args.padded_vocab_size), seq_length=seq_length,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)), mtp_layers=spec.mtp_layers,
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        position_embedding_type=getattr(args, "position_embedding_type", "rope"),
+        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)))
+    if mla:
+        fields.update(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                      qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+    else:
+        fields.update(num_query_groups=getattr(args, "num_query_groups", None), kv_channels=getattr(args, "kv_channels", None))
+    return Family(**fields)

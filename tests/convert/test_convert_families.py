@@ -1,0 +1,154 @@
+"""The pipeline on the DeepSeek-V3- and Qwen3-MoE-shaped fixtures (issue 10), as a user runs it:
+inspect, trace (DeepSeek: megatron-core's forward at the saved layout and at TP 1 / PP 1 / EP 4,
+`stats merge`; the two traces agree exactly) and select on the trace (Qwen3: on planted
+statistics), convert from either format to a smaller EP and a plain
+stage split (the source's layout string is not written: docs/families.md), verify --functional,
+and megatron-core loads every proxy at its target layout and computes the original's logits
+(main head and MTP head) restricted to the kept experts. All loads share one set of ranks."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_proxy.cli import main
+from mcore_proxy.select.plan import load_plan
+from mcore_proxy.testing.families import StagedLayout, load_and_run
+
+
+
+def make_plan(ckpt, num_experts: int, path, target_ep: int = 1):
+    """Multiview selection on planted statistics shaped like the checkpoint (as conftest.make_plan)."""
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.select import select_experts
+    from mcore_proxy.select.synthetic import planted_stats
+
+    view = open_checkpoint(ckpt)
+    spec = view.spec
+    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts,
+                             clusters=num_experts, hidden=spec.hidden_size, tokens=2000, seed=3)
+    plan = select_experts(view, stats, num_experts, method="multiview", target_ep=target_ep)
+    plan.save(path)
+    return plan
+
+pytestmark = [pytest.mark.megatron,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+
+KEEP = 16   # of 32 experts; >= top-8 and two experts per group of the 8 DeepSeek groups
+CLOSE = dict(rtol=1e-4, atol=1e-4)   # fp32 logits of size ~1; another TP/EP reorders sums
+
+# (fixture, source format, convert options, layout megatron-core loads the proxy at)
+CASES = [
+    # layout "Ettt|tt|m|L" (VPP 2, standalone MTP) -> PP 2 with 3 + 2 layers, MTP on the last stage
+    ("deepseek_v3_mla", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1"],
+     StagedLayout(tp=2, pp=2, ep=1, first_stage_layers=3)),
+    ("deepseek_v3_mla", "torch_dist", ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
+     StagedLayout(tp=1, pp=1, ep=2)),
+    ("qwen3_moe", "legacy", ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1"],
+     StagedLayout(tp=1, pp=2, ep=1, grouped=True)),
+    ("qwen3_moe", "torch_dist", ["--target-tp", "2", "--target-pp", "1", "--target-ep", "1"],
+     StagedLayout(tp=2, pp=1, ep=1, grouped=True)),
+]
+IDS = [f"{c[0]}-{c[1]}" for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def pipeline(family_ckpt, tmp_path_factory, digest):
+    """Plans, proxies and every load: {case id: (proxy folder, plan, proxy logits)} and the restricted
+    originals {fixture: logits}, run in one set of ranks."""
+    tmp = tmp_path_factory.mktemp("family-pipeline")
+    deepseek = family_ckpt["deepseek_v3_mla"]
+    traces = [tmp / "trace-saved", tmp / "trace-tp1"]
+    load_and_run([(deepseek.model, deepseek.layout, "legacy", deepseek.legacy, tmp / "t0.pt"),
+                  (deepseek.model, StagedLayout(ep=4), "torch_dist", deepseek.torch_dist, tmp / "t1.pt")],
+                 trace_dirs=traces)
+    for trace in traces:
+        assert main(["stats", "merge", str(trace)]) == 0
+    assert main(["select", "--ckpt", str(deepseek.legacy), "--stats", str(traces[0] / "routing_stats.safetensors"),
+                 "-k", str(KEEP), "-o", str(tmp / "deepseek_v3_mla.json")]) == 0
+    plans, proxies, jobs, keeps = {"deepseek_v3_mla": load_plan(tmp / "deepseek_v3_mla.json")}, {}, [], []
+    plans["qwen3_moe"] = make_plan(family_ckpt["qwen3_moe"].legacy, KEEP, tmp / "qwen3_moe.json", target_ep=1)
+    for name in ("deepseek_v3_mla", "qwen3_moe"):
+        ckpt = family_ckpt[name]
+        keep = {lid: plans[name].kept(lid) for lid in plans[name].layer_ids}
+        jobs.append((ckpt.model, ckpt.layout, "torch_dist", ckpt.torch_dist, tmp / f"{name}-restricted.pt"))
+        keeps.append(keep)
+    for case_id, (name, fmt, options, run_layout) in zip(IDS, CASES):
+        src = getattr(family_ckpt[name], fmt)
+        before, out = digest(src), tmp / case_id
+        assert main(["convert", str(src), "--plan", str(tmp / f"{name}.json"), "-o", str(out), *options]) == 0
+        assert digest(src) == before, "the input checkpoint was modified"
+        proxy_model = dataclasses.replace(family_ckpt[name].model, num_experts=KEEP)
+        jobs.append((proxy_model, run_layout, fmt, out, tmp / f"{case_id}.pt"))
+        keeps.append(None)
+        proxies[case_id] = out
+    logits = load_and_run(jobs, keeps=keeps)
+    restricted = dict(zip(("deepseek_v3_mla", "qwen3_moe"), logits[:2]))
+    return proxies, plans, dict(zip(IDS, logits[2:])), restricted, traces
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_proxy_equals_the_restricted_original(family_ckpt, pipeline, case_id):
+    proxies, plans, got, restricted, _ = pipeline
+    name = case_id.split("-")[0]
+    want = restricted[name]
+    assert got[case_id].shape == want.shape == (1 + family_ckpt[name].model.mtp_layers, 2, 16, 128)
+    torch.testing.assert_close(got[case_id], want, **CLOSE)
+    # the restriction matters: the unrestricted original computes something else
+    assert (torch.load(family_ckpt[name].logits) - want).abs().max() > 1e-3
+
+
+def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
+    """No layout string nor virtual stages in the proxy's args (megatron-core builds it from
+    first/last stage sizes), and the launch flags say so."""
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.convert.pipeline import launch_flags
+
+    proxies, plans, _, _, _ = pipeline
+    view = open_checkpoint(proxies["deepseek_v3_mla-legacy"])
+    args = view.args
+    assert args.pipeline_model_parallel_layout is None and args.virtual_pipeline_model_parallel_size is None
+    assert (args.decoder_first_pipeline_num_layers, args.num_experts) == (3, KEEP)
+    assert view.layout.stage_layers == (3, 2) and view.layout.vpp == 1
+    flags = launch_flags(open_checkpoint(family_ckpt["deepseek_v3_mla"].legacy), view.layout, plans["deepseek_v3_mla"])
+    assert "--decoder-first-pipeline-num-layers 3" in flags and "(no --pipeline-model-parallel-layout)" in flags
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_mla", "qwen3_moe"])
+def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
+    proxies, plans, _, _, _ = pipeline
+    ckpt = family_ckpt[name]
+    assert main(["inspect", str(ckpt.legacy)]) == 0
+    shown = capsys.readouterr().out
+    if name == "deepseek_v3_mla":
+        assert "multi-latent attention, local layer spec" in shown and "VPP=2 layout 'Ettt|tt|m|L'" in shown
+    else:
+        assert "grouped-query attention, local layer spec" in shown
+    assert main(["verify", "--orig", str(ckpt.legacy), "--proxy", str(proxies[f"{name}-legacy"]),
+                 "--plan", str(Path(proxies[f"{name}-legacy"]).parent / f"{name}.json"), "--functional"]) == 0
+    text = capsys.readouterr().out
+    assert "verify: OK" in text and "functional: max |logit difference|" in text
+    assert load_plan(Path(proxies[f"{name}-legacy"]).parent / f"{name}.json").num_experts == KEEP
+
+
+def test_the_mla_trace_is_exact_at_any_layout(family_ckpt, pipeline):
+    """The routing statistics of the MoE layers and the MTP layer do not depend on the layout the
+    model ran at (TP 2 / PP 2 with the layout string / EP 2 vs TP 1 / PP 1 / EP 4): counts and
+    co-activations equal, gate mass and prototypes to rounding; every token routed top-8. At EP 4
+    on 4 ranks each rank is its own data-parallel replica running the same fixed tokens, so that
+    trace holds 4 copies of the saved layout's (where TP rank 0 of each stage records once)."""
+    import numpy as np
+
+    from mcore_proxy.stats import load_stats
+
+    *_, traces = pipeline
+    a, b = (load_stats(t / "routing_stats.safetensors") for t in traces)
+    assert a.layer_ids == b.layer_ids == ["3", "4", "mtp.0"]
+    for lid in a.layer_ids:
+        x, y = a.layers[lid], b.layers[lid]
+        assert (x.tokens, y.tokens) == (2 * 16, 4 * 2 * 16) and x.freq.sum() == 8 * x.tokens, lid
+        assert np.array_equal(4 * x.freq, y.freq) and np.array_equal(4 * x.coact, y.coact), lid
+        np.testing.assert_allclose(4 * x.gate_mass, y.gate_mass, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(4 * x.proto_sum, y.proto_sum, rtol=1e-4, atol=1e-4)
