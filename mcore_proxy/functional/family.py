@@ -123,7 +123,9 @@ class StagedLayout(Layout):
 
 
 def vpp_of(layout: Layout) -> int | None:
+    """Virtual stages per rank of `layout` (None for a plain Layout or 1)."""
     return getattr(layout, "vpp", None)
+
 
 def build_chunks(model: Family, layout: Layout) -> list:
     """This rank's model chunks (one per virtual stage) as Megatron-LM's gpt_builder builds them
@@ -239,6 +241,7 @@ def enter_layout(rank: int, world: int, port: int, model: Family, layout: Layout
                                  expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
                                  get_embedding_ranks=embedding_ranks(model, layout))
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
 
 def _load_worker(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
     from mcore_proxy.checkpoint.torchfile import load_weights_only
