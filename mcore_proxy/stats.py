@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.errors import StatsError
 
 FORMAT = "mcore-proxy-stats/1"
@@ -202,12 +203,8 @@ def load_stats(path: str | os.PathLike) -> RoutingStats:
     except (SafetensorError, OSError, ValueError) as err:
         raise StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
                          "re-run the trace or remove it from the folder") from None
-    try:
-        meta = json.loads(side.read_text()) if side.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: absurd nesting
-        raise StatsError(f"{side}: sidecar is not valid JSON; re-run the trace or remove it") from None
-    if not isinstance(meta, dict):
-        raise StatsError(f"{side}: sidecar is not a JSON object; re-run the trace or remove it")
+    meta = (read_json_object(side, "statistics sidecar", "re-run the trace or remove it", StatsError)
+            if side.is_file() else {})
     fields: dict[str, dict[str, np.ndarray]] = {}
     for key, value in raw.items():
         try:

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.errors import ProxyError
 
 FORMAT = "mcore-proxy-campaign-config/1"
@@ -188,10 +189,6 @@ def parse_config(raw, path: Path) -> CampaignConfig:
 
 def load_config(path) -> CampaignConfig:
     path = Path(path).resolve()
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such campaign file; write one (see `mcore-proxy campaign --help`)") from None
-    except (OSError, UnicodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path}: not a readable JSON campaign file ({err})") from None
+    raw = read_json_object(path, "campaign file", "fix it or write a new one (see `mcore-proxy campaign --help`)",
+                           ConfigError)
     return parse_config(raw, path)

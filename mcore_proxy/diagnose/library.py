@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.diagnose.signature import FaultSignature, MetricSignature
 from mcore_proxy.errors import ProxyError
 
@@ -88,16 +89,11 @@ class Library:
 
 def load_library(path) -> Library:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LibraryError(f"{path}: no such signature library; build one with `mcore-proxy campaign "
-                           "CONFIG` (it writes library.json in the campaign's work folder)") from None
-    except (OSError, UnicodeError, json.JSONDecodeError) as err:
-        raise LibraryError(f"{path}: not a readable JSON signature library ({err}); rebuild it with "
-                           "`mcore-proxy campaign CONFIG`") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+    data = read_json_object(path, "signature library", "rebuild it with `mcore-proxy campaign CONFIG`",
+                            LibraryError, missing_fix="build one with `mcore-proxy campaign CONFIG` (it writes "
+                            "library.json in the campaign's work folder)")
+    if data.get("format") != FORMAT:
+        found = data.get("format")
         raise LibraryError(f"{path}: format {found!r} is not {FORMAT!r}; pass the library.json that "
                            "`mcore-proxy campaign` wrote")
     try:

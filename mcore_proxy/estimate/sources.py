@@ -9,9 +9,9 @@ tensor names it holds (metadata only: no tensor bytes are read).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.errors import ProxyError
 from mcore_proxy.estimate.model import MLA, Architecture, Indexer
 from mcore_proxy.estimate.presets import PRESETS
@@ -33,15 +33,7 @@ def read_hf_config(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProxyError(f"{path}: no such file; pass the model's config.json or its folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ProxyError(f"{path}: not a readable JSON config ({err}); pass the model's config.json") from None
-    if not isinstance(cfg, dict):
-        raise ProxyError(f"{path}: holds {type(cfg).__name__}, expected a JSON object of model settings")
-    return cfg
+    return read_json_object(path, "model config", "pass the model's config.json or its folder")
 
 
 def from_hf_config(cfg: dict, source: str) -> dict:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.errors import PlanError
 from mcore_proxy.stats import layer_sort_key
 
@@ -274,15 +275,8 @@ def _layer_from_json(layer_id: str, d: dict) -> LayerPlan:
 def load_plan(path: str | os.PathLike) -> SelectionPlan:
     """Read `plan.json`; PlanError names the file on any defect."""
     path = Path(path)
-    if not path.is_file():
-        raise PlanError(f"{path}: plan file not found; write one with `mcore-proxy select ... -o {path}`")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:  # RecursionError: absurd nesting
-        raise PlanError(f"{path}: not valid JSON ({err}); regenerate it with `mcore-proxy select`") from None
-    if not isinstance(data, dict):
-        raise PlanError(f"{path}: not a selection plan (top level is not an object); "
-                        "regenerate it with `mcore-proxy select`")
+    data = read_json_object(path, "plan file", "regenerate it with `mcore-proxy select`", PlanError,
+                            missing_fix=f"write one with `mcore-proxy select ... -o {path}`")
     try:
         return SelectionPlan.from_json(data)
     except PlanError as err:

@@ -50,10 +50,10 @@ def test_dense_layers_follow_each_family_s_fields():
 
 
 def test_bad_config_files_name_the_file_and_the_fix(tmp_path):
-    with pytest.raises(ProxyError, match=r"config\.json: no such file"):
+    with pytest.raises(ProxyError, match=r"config\.json: model config not found; pass"):
         read_hf_config(tmp_path / "config.json")
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ProxyError, match=r"config\.json: not a readable JSON config"):
+    with pytest.raises(ProxyError, match=r"config\.json: model config is not valid JSON"):
         read_hf_config(tmp_path / "config.json")
     cfg = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts_per_tok"}
     with pytest.raises(ProxyError, match=r"cfg\.json: no 'num_experts_per_tok'"):

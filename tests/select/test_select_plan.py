@@ -106,9 +106,9 @@ def test_load_plan_errors_name_the_file(tmp_path):
     with pytest.raises(PlanError, match=r"missing\.json: plan file not found"):
         load_plan(tmp_path / "missing.json")
     path = write(tmp_path, "{not json")
-    with pytest.raises(PlanError, match=rf"{path}: not valid JSON"):
+    with pytest.raises(PlanError, match=rf"{path}: plan file is not valid JSON"):
         load_plan(path)
-    with pytest.raises(PlanError, match="top level is not an object"):
+    with pytest.raises(PlanError, match="plan file holds a JSON list, expected an object"):
         load_plan(write(tmp_path, "[]"))
     d = make_plan().to_json()
     with pytest.raises(PlanError, match=r"plan.json: format is 'other/1'.*regenerate"):

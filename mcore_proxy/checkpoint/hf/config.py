@@ -6,11 +6,11 @@ and the key in its message. Nothing in the folder is imported or executed: `auto
 """
 from __future__ import annotations
 
-import json
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.errors import CheckpointError
 
 CONFIG = "config.json"
@@ -20,21 +20,8 @@ _MISSING = object()
 
 def read_json(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> dict:
     """A JSON object from `path`; CheckpointError naming the file otherwise."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} is missing; copy it from the model's source") from None
-    if size > limit:
-        raise CheckpointError(f"{path}: {what} is {size} bytes, far beyond any real one; the file is not a "
-                              f"{what}, copy it again from the model's source")
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({str(err)[:80]}); copy it again from "
-                              "the model's source") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} is not a JSON object; copy it again from the model's source")
-    return data
+    return read_json_object(path, what, "copy it again from the model's source", CheckpointError,
+                            missing_fix="copy it from the model's source", limit=limit)
 
 
 @dataclass(frozen=True)
