@@ -28,18 +28,14 @@ from __future__ import annotations
 from functools import partial
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import FUSED, GLU, MODEL, MTP, Ignored, Row, Table
+from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, SHARED_ROWS, Ignored, Row, Table
 from mcore_proxy.errors import CheckpointError
 
 V3, V32 = "DeepSeek-V3", "DeepSeek-V3.2"
 _ARCH = {V3: "DeepseekV3ForCausalLM", V32: "DeepseekV32ForCausalLM"}
 _MODEL_TYPE = {V3: "deepseek_v3", V32: "deepseek_v32"}
 
-_MLA = (
-    Row("embedding.word_embeddings.weight", "model.embed_tokens.weight", scope=MODEL),
-    Row("decoder.final_layernorm.weight", "model.norm.weight", scope=MODEL),
-    Row("output_layer.weight", "lm_head.weight", scope=MODEL),
-    Row("input_layernorm.weight", "input_layernorm.weight"),
+_MLA = SHARED_ROWS + (
     Row("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
     Row("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
     Row("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
@@ -47,16 +43,7 @@ _MLA = (
     Row("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
     Row("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
     Row("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-    Row("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    Row("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
-    Row("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
-    Row("mlp.router.weight", "mlp.gate.weight"),
     Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
-    Row("mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight"),
-    Row("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj", FUSED, read_only=True),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.down_proj", FUSED, read_only=True),
     Row("mlp.shared_experts.linear_fc1.weight",
         ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), GLU),
     Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),

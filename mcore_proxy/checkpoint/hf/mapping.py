@@ -73,6 +73,34 @@ class Ignored:
     tied_to: str | None = None
 
 
+# Rows every family here shares: transformers names these tensors alike in its Llama-style MoE
+# models. A family's table is its own rows plus these (tables match by anchored patterns, so the
+# order between rows of different tensors does not matter; a read-only alternative spelling
+# follows the row it stands in for).
+WHOLE_MODEL_ROWS = (
+    Row("embedding.word_embeddings.weight", "model.embed_tokens.weight", scope=MODEL),
+    Row("decoder.final_layernorm.weight", "model.norm.weight", scope=MODEL),
+    Row("output_layer.weight", "lm_head.weight", scope=MODEL),
+)
+LAYER_NORM_ROWS = (
+    Row("input_layernorm.weight", "input_layernorm.weight"),
+    Row("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+)
+ATTENTION_OUTPUT_ROW = Row("self_attention.linear_proj.weight", "self_attn.o_proj.weight")
+DENSE_SWIGLU_ROWS = (
+    Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
+    Row("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+)
+ROUTED_SWIGLU_ROWS = (
+    Row("mlp.router.weight", "mlp.gate.weight"),
+    Row("mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU),
+    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight"),
+    Row("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj", FUSED, read_only=True),
+    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.down_proj", FUSED, read_only=True),
+)
+SHARED_ROWS = WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW,) + DENSE_SWIGLU_ROWS + ROUTED_SWIGLU_ROWS
+
+
 def _compile(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(re.escape("{e}"), r"(?P<e>\d+)") + "$")
 

@@ -18,31 +18,18 @@ Checked against transformers 5.24 `models/qwen3_moe` and megatron-core 0.16.1:
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import FUSED, GLU, MODEL, QKV, Ignored, Row, Table
+from mcore_proxy.checkpoint.hf.mapping import QKV, SHARED_ROWS, Ignored, Row, Table
 from mcore_proxy.errors import CheckpointError
 
 NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 EXPERT_KEYS = ("num_experts", "num_local_experts")
 
-TABLE = Table(rows=(
-    Row("embedding.word_embeddings.weight", "model.embed_tokens.weight", scope=MODEL),
-    Row("decoder.final_layernorm.weight", "model.norm.weight", scope=MODEL),
-    Row("output_layer.weight", "lm_head.weight", scope=MODEL),
-    Row("input_layernorm.weight", "input_layernorm.weight"),
+TABLE = Table(rows=SHARED_ROWS + (
     Row("self_attention.linear_qkv.weight",
         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), QKV),
     Row("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
     Row("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-    Row("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    Row("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    Row("mlp.router.weight", "mlp.gate.weight"),
-    Row("mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight"),
-    Row("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj", FUSED, read_only=True),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.down_proj", FUSED, read_only=True),
-    Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
-    Row("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 ), ignored=(
     Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),
 ))
