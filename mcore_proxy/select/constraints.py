@@ -37,7 +37,8 @@ def check_sizes(num_experts: int, k: int, topk: int, target_ep: int) -> None:
     """K < E, K divisible by the target EP degree, top-k <= K."""
     if not 0 < k < num_experts:
         raise PlanError(f"--num-experts {k} must be in 1..{num_experts - 1}: the checkpoint has "
-                        f"{num_experts} experts per layer and a proxy keeps fewer")
+                        f"{num_experts} experts per layer and a proxy keeps fewer (to keep all of them and only "
+                        "re-shard, run `mcore-proxy convert` without --plan)")
     if target_ep < 1 or k % target_ep:
         raise PlanError(f"--num-experts {k} is not divisible by --target-ep {target_ep}; choose K "
                         f"as a multiple of the expert-parallel degree")
