@@ -50,6 +50,11 @@ class Row:
     argv: tuple[str, ...]       # extra `mcore-proxy select` arguments
 
 
+def k_values(model) -> list[int]:
+    """The K measured for `model`: 50 %, 37.5 % and 25 % of its experts (at least its top-k), largest first."""
+    return sorted({max(model.topk, round(model.num_experts * f)) for f in K_SHARES}, reverse=True)
+
+
 def rows() -> list[Row]:
     p, s = ("--coact-mode", "partners"), ("--coact-mode", "substitutes")
     # the paper's rule spelled out, whatever the default is
@@ -149,7 +154,7 @@ def run_shape(shape: str, out_root: Path, smoke: bool = False, only: list[str] |
     test_stats = load_stats(trace(gpt, test, work / "trace_test"))
     ref = metrics.reference(gpt, test)
     E = model.num_experts
-    ks = sorted({max(model.topk, round(E * f)) for f in K_SHARES}, reverse=True)
+    ks = k_values(model)
     measure_ks = [k for k in ks if not only_k or k in only_k]
     selected = rows()
     if smoke:   # one of each kind: the default, the paper's, two beyond it, random over 2 seeds
@@ -337,7 +342,10 @@ def results_section(all_res: list[dict], command: str) -> str:
                   f"and evaluated in {sum(r['seconds'] for r in res['results']) / 60:.0f} min in "
                   f"total; load average {res['load_average_end'][0]:.0f} at the end of the last run."
                   + (" **Partial run** (stopped or limited to these K and rows; the command "
-                     "without --k/--rows measures every row at every K)." if res.get("partial") else ""),
+                     "without --k/--rows measures every row at every K)." if res.get("partial") else "")
+                  + (f" Measured by {res['merged_from']} invocations side by side (`--k K --no-write`, one per "
+                     "K, each its own --work folder) merged by `--from-partial`: the same proxies one "
+                     "invocation measures, in less wall time." if res.get("merged_from", 1) > 1 else ""),
                   "",
                   markdown_table(res), "",
                   f"![accuracy](quality/accuracy-{res['shape']}.png) ![KL](quality/kl-{res['shape']}.png)", ""]
@@ -412,7 +420,9 @@ def from_partial(shape: str, partials: list[Path]) -> dict:
     measured on the test split with the same greedy decoding."""
     results = [r for partial in partials for r in json.loads(Path(partial).read_text())]
     model, tr = qmodel.SHAPES[shape], train.training_report(shape)
-    return {"shape": shape, "partial": True,
+    measured = {(r["row"], r["k"]) for r in results}
+    complete = all((row.name, k) in measured for row in rows() for k in k_values(model))
+    return {"shape": shape, "partial": not complete, "merged_from": len(partials),
             "model": {"num_experts": model.num_experts, "topk": model.topk,
                       "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
                       "shared_expert_size": model.shared_expert_size,
@@ -446,7 +456,7 @@ def main(argv=None) -> int:
                    help="measure only these rows and merge them into the shape's results JSON "
                         "(e.g. --rows default after the default changed)")
     p.add_argument("--from-partial", type=Path, nargs="+", metavar="JSON",
-                   help="write the outputs from the partial-results.json of a stopped run of --shape")
+                   help="write the outputs from the partial-results.json files of stopped runs of --shape, or of side-by-side runs with --k (one per K)")
     args = p.parse_args(argv)
     if args.from_partial:
         write_outputs([from_partial(args.shape[0], args.from_partial)])
