@@ -36,6 +36,9 @@ from mcore_proxy.errors import CheckpointError
 
 REPLICATED, COLUMN, ROW, GLU_COLUMN = "replicated", "column", "row", "glu_column"
 LOCAL_SPEC, TE_SPEC = "local", "transformer_engine"
+# MindSpeed-LLM's local MLA module (checkpoint/mindspeed_llm.py): its fused down projection
+# `linear_qkv` is a `LinearNoTP`, full on every TP rank; only multi-latent attention layers have it
+MINDSPEED_SPEC = "mindspeed_llm"
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) of a block of a tensor
 
@@ -47,11 +50,11 @@ class ShardRule:
     group: str = "tp"     # "tp" or "etp"
     expert: bool = False
     overrides: str | None = None   # the pattern of a later, broader rule this one takes precedence over
-    spec: str | None = None   # LOCAL_SPEC / TE_SPEC: the row applies to that layer spec only
+    spec: str | None = None   # LOCAL_SPEC / TE_SPEC / MINDSPEED_SPEC: the row applies to that layer spec only
 
     def __post_init__(self):
         if self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN) or self.group not in ("tp", "etp") \
-                or self.spec not in (None, LOCAL_SPEC, TE_SPEC):
+                or self.spec not in (None, LOCAL_SPEC, TE_SPEC, MINDSPEED_SPEC):
             raise ValueError(f"bad sharding rule {self}")
 
     # -- where the rule splits ----------------------------------------------------------------
@@ -170,6 +173,11 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("embedding.word_embeddings.weight", COLUMN),
     ShardRule("embedding.position_embeddings.weight", REPLICATED),   # learned_absolute: nn.Embedding
     ShardRule("output_layer.weight", COLUMN),
+    # the same key is GQA's column-parallel projection and MindSpeed-LLM's fused MLA down projection
+    # [q_lora + kv_lora + rope, H]; decided by layer kind: readers use the "mindspeed_llm" spec only
+    # for multi-latent attention (checkpoint/mindspeed_llm.detect_naming)
+    ShardRule("{layer}.self_attention.linear_qkv.weight", REPLICATED, spec=MINDSPEED_SPEC,
+              overrides="{layer}.self_attention.linear_qkv.weight"),
     ShardRule("{layer}.self_attention.linear_qkv.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_qkv.bias", COLUMN),
     ShardRule("{layer}.self_attention.linear_proj.weight", ROW),
@@ -181,6 +189,18 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("{layer}.self_attention.linear_kv_down_proj.weight", COLUMN, spec=LOCAL_SPEC),
     ShardRule("{layer}.self_attention.linear_q_down_proj.weight", REPLICATED, spec=TE_SPEC),
     ShardRule("{layer}.self_attention.linear_kv_down_proj.weight", REPLICATED, spec=TE_SPEC),
+    # MindSpeed-LLM --mla-mm-split: the up projections' per-head parts, column-parallel by heads
+    ShardRule("{layer}.self_attention.linear_qk_nope.weight", COLUMN),
+    ShardRule("{layer}.self_attention.linear_qk_rope.weight", COLUMN),
+    ShardRule("{layer}.self_attention.linear_kv_nope.weight", COLUMN),
+    ShardRule("{layer}.self_attention.linear_v.weight", COLUMN),
+    # DeepSeek-V3.2 sparse-attention indexer: every linear `parallel_mode="duplicated"` (Megatron-LM
+    # transformer/experimental_attention_variant/dsa.py), MindSpeed-LLM's `LinearNoTP`
+    ShardRule("{layer}.self_attention.core_attention.indexer.linear_wq_b.weight", REPLICATED),
+    ShardRule("{layer}.self_attention.core_attention.indexer.linear_wk.weight", REPLICATED),
+    ShardRule("{layer}.self_attention.core_attention.indexer.linear_weights_proj.weight", REPLICATED),
+    ShardRule("{layer}.self_attention.core_attention.indexer.k_norm.weight", REPLICATED),
+    ShardRule("{layer}.self_attention.core_attention.indexer.k_norm.bias", REPLICATED),
     ShardRule("{layer}.mlp.linear_fc1.weight", GLU_COLUMN),
     ShardRule("{layer}.mlp.linear_fc2.weight", ROW),
     ShardRule("{layer}.mlp.shared_experts.linear_fc1.weight", GLU_COLUMN),
@@ -210,6 +230,16 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("mtp.layers.{k}.final_layernorm.weight", REPLICATED),
     ShardRule("mtp.layers.{k}.eh_proj.weight", COLUMN),
     ShardRule(_EXTRA_STATE, REPLICATED),   # TE/fp8 metadata: opaque, copied as is
+)
+
+# For a name no rule matches: (regex, the nearest supported kind), named in the refusal.
+NEAREST_KINDS: tuple[tuple[str, str], ...] = (
+    (r"\.(core_attention\.indexer|dsa_indexer)\.",
+     "the DSA indexer tensors linear_wq_b.weight, linear_wk.weight, k_norm.weight, k_norm.bias and "
+     "linear_weights_proj.weight under self_attention.core_attention.indexer (MindSpeed-LLM: "
+     "self_attention.dsa_indexer.wq_b/wk/k_norm/weights_proj)"),
+    (r"\.self_attention\.", "megatron-core's attention tensors (linear_qkv, linear_proj, q/k layernorms; MLA: "
+     "linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj)"),
 )
 
 # Keys present in checkpoints that are deliberately not part of the ModelView.
@@ -365,5 +395,8 @@ def rule_for(name: str, spec: str = LOCAL_SPEC) -> ShardRule:
     for regex, rule in _COMPILED:
         if rule.spec in (None, spec) and regex.match(name):
             return rule
+    nearest = next((kind for regex, kind in NEAREST_KINDS if re.search(regex, name)), None)
     raise CheckpointError(f"no sharding rule for tensor {name!r}; mcore-proxy does not know how "
-                          "this tensor is split across ranks (add a rule to mcore_proxy/sharding.py)")
+                          "this tensor is split across ranks" + (f" (the nearest supported kind is {nearest})"
+                                                                 if nearest else
+                                                                 " (add a rule to mcore_proxy/sharding.py)"))

@@ -71,6 +71,22 @@ NAME_VARIANTS: tuple[tuple[str, str, str, str, str], ...] = (
      r"^(.*)\.mlp\.shared_experts\.gate_weight$", r"\1.mlp.shared_expert_gate.weight"),
     ("mtp_final_layernorms", r"^mtp\.final_layernorms\.(\d+)\.weight$", r"mtp.layers.\1.final_layernorm.weight",
      r"^mtp\.layers\.(\d+)\.final_layernorm\.weight$", r"mtp.final_layernorms.\1.weight"),
+    # MindSpeed-LLM (checkpoint/mindspeed_llm.py): up projections before tag 2.2.0, the main model's
+    # final norm with MTP, the DeepSeek-V3.2 indexer (`self_attention.dsa_indexer`)
+    ("linear_qb", r"^(.*)\.self_attention\.linear_qb\.weight$", r"\1.self_attention.linear_q_up_proj.weight",
+     r"^(.*)\.self_attention\.linear_q_up_proj\.weight$", r"\1.self_attention.linear_qb.weight"),
+    ("linear_kvb", r"^(.*)\.self_attention\.linear_kvb\.weight$", r"\1.self_attention.linear_kv_up_proj.weight",
+     r"^(.*)\.self_attention\.linear_kv_up_proj\.weight$", r"\1.self_attention.linear_kvb.weight"),
+    ("final_layernorm_top", r"^final_layernorm\.(weight|bias)$", r"decoder.final_layernorm.\1",
+     r"^decoder\.final_layernorm\.(weight|bias)$", r"final_layernorm.\1"),
+    ("dsa_indexer", r"^(.*)\.self_attention\.dsa_indexer\.(wq_b|wk|weights_proj)\.weight$",
+     r"\1.self_attention.core_attention.indexer.linear_\2.weight",
+     r"^(.*)\.self_attention\.core_attention\.indexer\.linear_(wq_b|wk|weights_proj)\.weight$",
+     r"\1.self_attention.dsa_indexer.\2.weight"),
+    ("dsa_indexer", r"^(.*)\.self_attention\.dsa_indexer\.k_norm\.(weight|bias)$",
+     r"\1.self_attention.core_attention.indexer.k_norm.\2",
+     r"^(.*)\.self_attention\.core_attention\.indexer\.k_norm\.(weight|bias)$",
+     r"\1.self_attention.dsa_indexer.k_norm.\2"),
 )
 
 # Expert module types: SequentialMLP (one module per local expert), GroupedMLP (`weight1`,
