@@ -99,6 +99,8 @@ class TargetOptions:
     expert_layout: str | None = None
     stage_layers: tuple[int, ...] | None = None
     plan_ep: int | None = None
+    naming: str | None = None          # "megatron" / "mindspeed-llm" (checkpoint/mindspeed_llm.py)
+    tp_extend_ep: bool | None = None   # MindSpeed-LLM --moe-tp-extend-ep
 
     def given(self) -> list[str]:
         """The layout options the user set (field names; the plan's EP is not the user's)."""

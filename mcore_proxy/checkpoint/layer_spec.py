@@ -32,9 +32,9 @@ from mcore_proxy.sharding import LOCAL_SPEC, TE_SPEC
 _FUSED_MLA_NORM = re.compile(r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$")
 _MLA_NORM = re.compile(r"\.self_attention\.(q|kv)_layernorm\.weight$")
 _DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
-# MindSpeed-LLM's MLA names (docs/families.md 3): a fused, replicated `linear_qkv` = [q_a; kv_a],
-# up projections `linear_qb`/`linear_kvb` (tags <= 2.1.0) or split by `--mla-mm-split`. Not mapped
-# yet; `linear_qkv` would otherwise match GQA's column-parallel row and be joined wrongly.
+# MindSpeed-LLM's MLA names (checkpoint/mindspeed_llm.py): the legacy reader maps them before it asks
+# for a spec; anywhere else (torch_dist) they are refused, since `linear_qkv` would otherwise match
+# GQA's column-parallel row and its TP copies be joined wrongly.
 _MINDSPEED_MLA = re.compile(r"\.self_attention\.(linear_qkv|linear_qb|linear_kvb|linear_qk_nope|linear_qk_rope"
                             r"|linear_kv_nope|linear_v)\.weight$")
 
@@ -83,9 +83,9 @@ def infer_layer_spec(args, shapes: dict[str, tuple[int, ...] | None], tp: int = 
             if _MINDSPEED_MLA.search(key):
                 raise CheckpointError(
                     f"{where}: tensor {key} is MindSpeed-LLM's naming of multi-latent attention, which "
-                    "mcore-proxy does not map yet; the nearest supported kind is megatron-core's MLA names "
-                    "(linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj): "
-                    "convert the checkpoint to megatron-core names first")
+                    "mcore-proxy maps in legacy (--ckpt-format torch) checkpoints only; the nearest supported "
+                    "kind is megatron-core's MLA names (linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, "
+                    "linear_kv_up_proj) or MindSpeed-LLM's legacy checkpoint: save it with --ckpt-format torch")
     found = _from_tensors(args, shapes, tp)
     if found is None:
         return said or DEFAULTS["transformer_impl"]

@@ -1,11 +1,12 @@
 """Parallel layouts: TP/PP/EP/ETP, virtual stages, the global layer offset of every stage."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mcore_proxy.checkpoint.names import EXPERT_LAYOUTS, SEQUENTIAL
 from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.megatron_args import arg, arg_int
+from mcore_proxy.megatron_args import arg, arg_bool, arg_int
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None,
@@ -50,6 +51,11 @@ class ParallelLayout:
     expert_layout: str = SEQUENTIAL
     stage_layers: tuple[int, ...] | None = None
     pipeline_layout: str | None = None
+    # MindSpeed-LLM --moe-tp-extend-ep: experts spread over EP x TP ranks, whole (no expert TP);
+    # rank (tp, ep) holds expert chunk ep * TP + tp (`expert_chunk`)
+    tp_extend_ep: bool = False
+    # the names written (writers): None megatron-core's, or a `mindspeed_llm.MindSpeedNaming`
+    naming: object | None = None
 
     def __post_init__(self):
         if self.etp is None:
@@ -59,6 +65,9 @@ class ParallelLayout:
                 raise ProxyError(f"parallel size {name}={getattr(self, name)} must be at least 1")
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise ProxyError(f"expert layout {self.expert_layout!r} is not one of {EXPERT_LAYOUTS}")
+        if self.tp_extend_ep and self.etp != 1:
+            raise ProxyError(f"--moe-tp-extend-ep keeps experts whole: expert tensor parallel size must be 1, "
+                             f"not {self.etp}")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise ProxyError(f"stage_layers {self.stage_layers} must have pp={self.pp} entries")
 
@@ -86,8 +95,21 @@ class ParallelLayout:
         return {(p, v): ((v * self.pp + p) * per_chunk, per_chunk)
                 for p in range(self.pp) for v in range(self.vpp)}
 
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the routed experts are spread over: EP, or EP x TP with --moe-tp-extend-ep."""
+        return self.ep * self.tp if self.tp_extend_ep else self.ep
+
+    def expert_chunk(self, tp: int, ep: int) -> int:
+        """Which of the `expert_ranks` chunks of consecutive experts rank folder (tp, ep) holds."""
+        return ep * self.tp + tp if self.tp_extend_ep else ep
+
     def describe(self) -> str:
         s = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp}"
+        if self.tp_extend_ep:
+            s += " tp-extend-ep"
+        if self.naming is not None:
+            s += f" names {self.naming.describe()}"
         if self.vpp > 1:
             s += f" VPP={self.vpp}"
         if self.pipeline_layout:
@@ -109,7 +131,14 @@ def rank_dir_name(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
 
 def layout_from_args(args, folder) -> ParallelLayout:
     """The saving run's layout from its args (absent fields: Megatron's defaults); `folder` names
-    the checkpoint in messages."""
+    the checkpoint in messages. MindSpeed-LLM's `moe_tp_extend_ep` makes experts whole (ETP 1)."""
+    layout = _layout_from_args(args, folder)
+    if arg_bool(args, "moe_tp_extend_ep", str(folder)):
+        return dataclasses.replace(layout, etp=1, tp_extend_ep=True)
+    return layout
+
+
+def _layout_from_args(args, folder) -> ParallelLayout:
     where = str(folder)
     size = lambda n: arg_int(args, n, where, minimum=1, maximum=1 << 20)  # noqa: E731
     tp, pp = size("tensor_model_parallel_size") or 1, size("pipeline_model_parallel_size") or 1

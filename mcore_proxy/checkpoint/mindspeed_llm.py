@@ -29,14 +29,18 @@ Sharding of the MindSpeed names is in `sharding.py` (layer spec "mindspeed_llm")
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
+from mcore_proxy.checkpoint.names import apply_variants, canonical_sort_key, restore_variant
+from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.megatron_args import arg, arg_int
+from mcore_proxy.sharding import MINDSPEED_SPEC
 
 MEGATRON, MINDSPEED_LLM = "megatron", "mindspeed-llm"
 NAMINGS = (MEGATRON, MINDSPEED_LLM)
@@ -123,8 +127,8 @@ def mindspeed_keys(name: str, naming: MindSpeedNaming) -> tuple[str, ...]:
     fused key; an up projection gives its two parts under --mla-mm-split."""
     if m := _DOWN.match(name):
         return (f"{m['p']}.self_attention.linear_qkv.weight",)
-    if naming.mla_mm_split and (m := _UP.match(name)):
-        return tuple(f"{m['p']}.self_attention.linear_{part}.weight" for part in _PART_NAMES[m["w"]])
+    if naming.mla_mm_split and _UP.match(name):
+        return split_parts(name)
     return (name,)
 
 
@@ -139,18 +143,20 @@ def megatron_keys(key: str) -> tuple[str, ...]:
     return (key,)
 
 
+def split_parts(up_name: str) -> tuple[str, str]:
+    """Megatron up-projection name -> the keys of its two --mla-mm-split parts, in order."""
+    m = _UP.match(up_name)
+    return tuple(f"{m['p']}.self_attention.linear_{part}.weight" for part in _PART_NAMES[m["w"]])
+
+
 def megatron_to_mindspeed_key(name: str, naming: MindSpeedNaming) -> tuple[str, ...]:
     """Megatron canonical name -> MindSpeed-LLM key(s) as saved (all renames applied)."""
-    from mcore_proxy.checkpoint.names import restore_variant
-
     return tuple(restore_variant(k, naming.variants()) for k in mindspeed_keys(name, naming))
 
 
 def mindspeed_to_megatron_key(key: str, mla: bool = True) -> tuple[str, ...]:
     """MindSpeed-LLM key as saved -> megatron canonical name(s); `mla`: the layer is
     multi-latent attention (decides the fused `linear_qkv`)."""
-    from mcore_proxy.checkpoint.names import apply_variants
-
     key = apply_variants(key)[0]
     return megatron_keys(key) if mla else (key,)
 
@@ -208,8 +214,6 @@ def megatron_to_mindspeed(state: Mapping[str, object], naming: MindSpeedNaming, 
 def mindspeed_to_megatron(state: Mapping[str, object], dims: MLADims) -> dict:
     """The inverse of `megatron_to_mindspeed` for a state dict of an MLA model (every `linear_qkv` is
     the fused down projection)."""
-    from mcore_proxy.checkpoint.names import apply_variants
-
     renamed = {apply_variants(k)[0]: v for k, v in state.items()}
     out: dict = {}
     for key, value in renamed.items():
@@ -249,3 +253,112 @@ def detect_naming(args, keys, where: str = "args") -> MindSpeedNaming | None:
     return MindSpeedNaming(mla_mm_split=split,
                            old_up_names=has(re.compile(r"\.self_attention\.linear_(qb|kvb)\.weight$")),
                            mtp=bool(arg_int(args, "mtp_num_layers")))
+
+
+# -- writing: a canonical view seen under MindSpeed-LLM's names --------------------------------------
+
+def written_naming(view, naming: str | None, fmt: str):
+    """The naming a writer of format `fmt` writes `view` in: `naming` ("megatron" / "mindspeed-llm"),
+    or by default the source's (MindSpeed-LLM names are written to legacy checkpoints only, as
+    MindSpeed-LLM saves them). Returns a MindSpeedNaming or None (megatron-core names)."""
+    from mcore_proxy.checkpoint.layer_spec import attention_kind
+    from mcore_proxy.errors import ProxyError
+
+    if naming not in (None, *NAMINGS):
+        raise ProxyError(f"--naming {naming!r} is not one of {', '.join(NAMINGS)}")
+    source = view.info.naming
+    if naming is None:
+        return source if fmt == "legacy" else None
+    if naming == MEGATRON:
+        return None
+    if fmt != "legacy":
+        raise ProxyError(f"--naming {MINDSPEED_LLM} is written in the legacy format only (MindSpeed-LLM saves "
+                         "--ckpt-format torch); pass --format legacy")
+    if view.args is None or attention_kind(view.args) != "mla":
+        raise ProxyError(f"--naming {MINDSPEED_LLM} maps multi-latent attention names; this checkpoint has "
+                         "grouped-query attention, whose names MindSpeed-LLM shares with megatron-core: drop --naming")
+    return source or MindSpeedNaming(mtp=bool(arg_int(view.args, "mtp_num_layers")))
+
+
+class MindSpeedNamedView(ModelView):
+    """A view with megatron canonical names seen under MindSpeed-LLM's names, for writers: the fused
+    `linear_qkv` and the --mla-mm-split parts replace the down and up projections (full tensors,
+    global layers); the one-to-one renames are left to the writer (`info.variants`); layer spec
+    "mindspeed_llm" (its sharding rows)."""
+
+    def __init__(self, view: ModelView, naming: MindSpeedNaming):
+        super().__init__(dataclasses.replace(view.info, naming=naming, layer_spec=MINDSPEED_SPEC,
+                                             variants=view.info.variants | naming.variants()))
+        self.source, self.dims = view, MLADims.from_args(view.args)
+        self._sources: dict[str, tuple[str, ...]] = {}
+        for name in view.names():
+            for key in mindspeed_keys(name, naming):
+                # the fused key's sources in its row order (q, then kv), whatever the names' order
+                self._sources[key] = megatron_keys(key) if _FUSED.match(key) else (name,)
+        self._names = sorted(self._sources, key=canonical_sort_key)
+        self._last: tuple[str, torch.Tensor] | None = None   # the up projection both its parts read
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def _part(self, key: str) -> tuple[str, int] | None:
+        """(which up projection, position) of an --mla-mm-split part, None for other keys."""
+        src = self._sources[key]
+        return _PARTS[_SPLIT.match(key)["w"]] if len(src) == 1 and src[0] != key else None
+
+    def get(self, key: str):
+        src = self._sources[key]
+        if len(src) == 2:
+            return fuse_down(self.source.get(src[0]), self.source.get(src[1]))
+        if part := self._part(key):
+            if self._last is None or self._last[0] != src[0]:
+                self._last = (src[0], self.source.get(src[0]))
+            return split_up(self._last[1], part[0], self.dims)[part[1]].contiguous()
+        return self.source.get(key)
+
+    def shape(self, key: str):
+        src = self._sources[key]
+        if len(src) == 2:
+            a, b = self.source.shape(src[0]), self.source.shape(src[1])
+            return (a[0] + b[0], a[1])
+        if part := self._part(key):
+            up, sizes = self.source.shape(src[0]), self.dims.part_sizes(part[0])
+            return (up[0] // sum(sizes) * sizes[part[1]], up[1])
+        return self.source.shape(key)
+
+    def dtype(self, key: str):
+        return self.source.dtype(self._sources[key][0])
+
+    def prefetch(self, names: list[str]) -> None:
+        self.source.prefetch([n for k in names for n in self._sources.get(k, ())])
+
+
+class MegatronNamedView(ModelView):
+    """A MindSpeed-LLM source (read under megatron names) to be written with megatron-core's names:
+    the same tensors without MindSpeed-LLM's one-to-one renames (`info.variants`)."""
+
+    def __init__(self, view: ModelView):
+        super().__init__(dataclasses.replace(view.info, naming=None,
+                                             variants=view.info.variants - view.info.naming.variants()))
+        self.source = view
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def get(self, name: str):
+        return self.source.get(name)
+
+    def shape(self, name: str):
+        return self.source.shape(name)
+
+    def dtype(self, name: str):
+        return self.source.dtype(name)
+
+    def prefetch(self, names: list[str]) -> None:
+        self.source.prefetch(names)
+
+
+def has_extra_state(key: str, naming: MindSpeedNaming | None) -> bool:
+    """Whether a linear weight `key` has an `_extra_state` entry beside it: MindSpeed-LLM's fused
+    `linear_qkv` is a `LinearNoTP` (a torch.nn.Linear), which has none."""
+    return naming is None or not _FUSED.match(key)

@@ -43,7 +43,9 @@ class ViewInfo:
       Hugging Face folder its `HFSource`: config.json, tokenizer folder, FP8 block size); None
       for Megatron formats;
     layer_spec: the megatron-core layer spec that saved the tensors, "local" or
-      "transformer_engine" (checkpoint/layer_spec.py); it picks spec-specific sharding rows.
+      "transformer_engine" (checkpoint/layer_spec.py); it picks spec-specific sharding rows;
+    naming: the source's naming of multi-latent attention when it is not megatron-core's, a
+      `mindspeed_llm.MindSpeedNaming` (None: megatron-core names); writers write it back.
     """
 
     spec: ModelSpec
@@ -57,6 +59,7 @@ class ViewInfo:
     linear_extra_state: bool = True
     format_info: object | None = dataclasses.field(default=None, compare=False)
     layer_spec: str = "local"
+    naming: object | None = None
 
 
 class ModelView(ABC):

@@ -39,6 +39,12 @@ def register(sub) -> None:
                help="decoder layers per pipeline stage, e.g. 1,3 (default: the source's when PP is kept, else even)")
     add_option(p, "--expert-layout", choices=("sequential", "grouped"),
                help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
+    p.add_argument("--naming", choices=("megatron", "mindspeed-llm"),
+               help="tensor names of multi-latent attention: megatron-core's or MindSpeed-LLM's (fused linear_qkv, "
+                    "--mla-mm-split parts as the source has them); default: the source's (legacy output)")
+    p.add_argument("--moe-tp-extend-ep", dest="tp_extend_ep", action=argparse.BooleanOptionalAction, default=None,
+               help="MindSpeed-LLM --moe-tp-extend-ep: whole experts over EP x TP rank folders; default: the "
+                    "source's when writing MindSpeed-LLM names")
     p.add_argument("--format", choices=format_names(writable=True), default=None,
                    help="output format (default: the source's)")
     p.add_argument("--dequantize-fp8", action="store_true",
@@ -71,7 +77,9 @@ def convert_dict(r, dry_run: bool) -> dict:
     return {"out": str(r.out), "dry_run": dry_run, "output_format": r.format, "num_experts": r.num_experts,
             "source_experts": r.source_experts,
             "target": None if t is None else {"tp": t.tp, "pp": t.pp, "ep": t.ep, "etp": t.etp,
-                                              "expert_layout": t.expert_layout, "stage_layers": list(t.stage_layers)},
+                                              "expert_layout": t.expert_layout, "stage_layers": list(t.stage_layers),
+                                              "naming": t.naming.describe() if t.naming else "megatron-core",
+                                              "moe_tp_extend_ep": t.tp_extend_ep},
             "read_bytes": r.bytes_read, "output_bytes": r.output_bytes,
             "files": None if dry_run else r.files, "seconds": None if dry_run else r.seconds,
             "dropped_args": dict(r.dropped_args),
@@ -89,6 +97,9 @@ def convert_text(d: dict) -> str:
         if len(set(t["stage_layers"])) > 1:
             layout += f" stages={t['stage_layers']}"
         layout += f", layout {t['expert_layout']}"
+        if t.get("moe_tp_extend_ep"):
+            layout += ", --moe-tp-extend-ep"
+        layout += f", {t.get('naming', 'megatron-core')} names"
     lines = [f"{'would write' if dry else 'wrote'} {d['out']} ({d['output_format']}): {d['num_experts']} of "
              f"{d['source_experts']} experts per MoE layer, {layout}",
              f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}"
@@ -111,6 +122,7 @@ def run_convert(args) -> int:
 
     req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, tp=args.tp, pp=args.pp, ep=args.ep,
                          etp=args.etp, expert_layout=args.expert_layout, stage_layers=args.target_stage_layers,
+                         naming=args.naming, tp_extend_ep=args.tp_extend_ep,
                          format=args.format, workers=args.workers, force=args.force,
                          dequantize_fp8=args.dequantize_fp8)
     result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)

@@ -25,6 +25,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import format_names, writer_of
 from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
 from mcore_proxy.checkpoint.layout import ParallelLayout
+from mcore_proxy.checkpoint.mindspeed_llm import written_naming
 from mcore_proxy.checkpoint.output import staged_output, write_markers
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.checkpoint.target import first_last
@@ -54,6 +55,8 @@ class ConvertRequest:
     etp: int | None = None
     expert_layout: str | None = None
     stage_layers: tuple[int, ...] | None = None
+    naming: str | None = None          # "megatron" / "mindspeed-llm"; None: the source's (legacy output)
+    tp_extend_ep: bool | None = None   # MindSpeed-LLM --moe-tp-extend-ep; None: the source's with its names
     format: str | None = None          # None: the source's format
     workers: int = 1
     dequantize_fp8: bool = False       # a source with FP8 block-quantised weights: read them as bf16
@@ -107,7 +110,8 @@ def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False)
 def target_options(req: ConvertRequest, plan) -> TargetOptions:
     """The layout options of a request; the writer turns them into its target (`Writer.target`)."""
     return TargetOptions(tp=req.tp, pp=req.pp, ep=req.ep, etp=req.etp, expert_layout=req.expert_layout,
-                         stage_layers=req.stage_layers, plan_ep=plan.expert_parallel_size if plan else None)
+                         stage_layers=req.stage_layers, plan_ep=plan.expert_parallel_size if plan else None,
+                         naming=req.naming, tp_extend_ep=req.tp_extend_ep)
 
 
 def output_format(req: ConvertRequest, source: ModelView) -> str:
@@ -201,6 +205,9 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
 
     source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8)
     fmt = output_format(req, source)
+    written_naming(view, req.naming, fmt)   # MindSpeed-LLM names: legacy output of MLA models only
+    if req.tp_extend_ep and fmt != "legacy":
+        raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
     writer = writer_of(fmt)
     target = writer.target(view, target_options(req, plan))
     writer.check(view, target)

@@ -14,12 +14,14 @@ import torch
 
 from mcore_proxy.checkpoint.iteration import TRACKER, is_iteration_folder_name, resolve_iteration_dir
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
+from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, MindSpeedNaming, detect_naming, join_up, megatron_keys,
+                                                  split_parts)
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, canonical_sort_key, layer_number, parse_local_key
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError
-from mcore_proxy.sharding import REPLICATED, is_ignored, rule_for
+from mcore_proxy.sharding import LOCAL_SPEC, MINDSPEED_SPEC, REPLICATED, is_ignored, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
 RANK_FILE = "model_optim_rng.pt"
@@ -93,6 +95,55 @@ class _Constant:
         return self.value
 
 
+class _Rows:
+    """Rows [start, start + count) of a rank-local 2-D tensor (MindSpeed-LLM's fused `linear_qkv`:
+    the q rows, then the kv rows); only those bytes are read."""
+
+    def __init__(self, lazy: LazyTensor, start: int, count: int):
+        self.lazy, self.start, self.count = lazy, start, count
+        self.cols = lazy.shape[1] if len(lazy.shape) == 2 else 0
+        if not self.cols or start + count > lazy.shape[0]:
+            raise CheckpointError(f"{lazy.file.path}: fused linear_qkv of shape {list(lazy.shape)} does not hold "
+                                  f"rows {start}..{start + count}; the args' MLA sizes do not match the files")
+        self.shape, self.dtype = (count, self.cols), lazy.dtype
+
+    def byte_ranges(self) -> list[tuple[Path, int, int]]:
+        return [(self.lazy.file.path, *self.lazy.byte_range(self.start * self.cols, self.count * self.cols))]
+
+    def will_need(self) -> None:
+        self.lazy.will_need(self.start * self.cols, self.count * self.cols)
+
+    def load(self) -> torch.Tensor:
+        if not self.lazy.is_contiguous():
+            return self.lazy.load()[self.start:self.start + self.count].clone()
+        return self.lazy.read_flat(self.start * self.cols, self.count * self.cols).view(self.shape)
+
+
+class _JoinedHeads:
+    """One TP shard of an up projection from its two --mla-mm-split parts (same whole heads)."""
+
+    def __init__(self, first, second, which: str, dims: MLADims):
+        self.parts, self.which, self.dims = (first, second), which, dims
+        self.shape = (first.shape[0] + second.shape[0], first.shape[1])
+        self.dtype = first.dtype
+
+    def byte_ranges(self) -> list:
+        return [r for p in self.parts for r in _piece_ranges(p)]
+
+    def will_need(self) -> None:
+        for p in self.parts:
+            p.will_need()
+
+    def load(self) -> torch.Tensor:
+        return join_up(self.parts[0].load(), self.parts[1].load(), self.which, self.dims)
+
+
+def _piece_ranges(piece) -> list[tuple[Path, int, int]]:
+    if isinstance(piece, LazyTensor):
+        return [(piece.file.path, *piece.byte_range())]
+    return piece.byte_ranges()
+
+
 @dataclass
 class _Entry:
     """One canonical tensor: its rule and its shards in (E)TP rank order."""
@@ -126,7 +177,7 @@ def _check_rank_dirs(it_dir: Path, coords: dict[tuple[int, int, int], Path], lay
     for pp in range(layout.pp):
         for tp in range(layout.tp):
             for ep in range(layout.ep):
-                needed = layout.etp == layout.tp
+                needed = layout.etp == layout.tp or layout.tp_extend_ep
                 covered = (any((tp, pp, e) in coords for e in range(layout.ep))
                            and any((t, pp, ep) in coords for t in range(layout.tp)))
                 if (tp, pp, ep) not in coords and (needed or not covered):
@@ -158,7 +209,14 @@ class LegacyCheckpoint(ModelView):
                                   f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
                                   "they hold, re-save with ETP=1 or ETP=TP")
         self.files = {c: (first if d == dirs[0] else self._open(d)) for c, d in coords.items()}
-        self._layer_spec = infer_layer_spec(args, self._local_shapes(layout), layout.tp, str(first.path))
+        shapes = self._local_shapes(layout)
+        self._naming = detect_naming(args, shapes, str(first.path))
+        if self._naming is not None:
+            # MindSpeed-LLM's local MLA: its rows first, then megatron-core local-spec names
+            self._check_mindspeed_spec(args, first.path)
+            self._layer_spec = MINDSPEED_SPEC
+        else:
+            self._layer_spec = infer_layer_spec(args, shapes, layout.tp, str(first.path))
         self._entries: dict[str, _Entry] = {}
         self._expert_layout = SEQUENTIAL
         self._variants: set[str] = set()
@@ -166,13 +224,24 @@ class LegacyCheckpoint(ModelView):
         for c in sorted(self.files):
             self._index_file(c, self.files[c], layout)
         self._check_complete()
+        if self._naming is not None:
+            self._entries = _canonical_entries(self._entries, MLADims.from_args(args, str(first.path)))
+            self._layer_spec = LOCAL_SPEC
         self._names = sorted(self._entries, key=canonical_sort_key)
         super().__init__(ViewInfo(
             spec=self._spec, format="legacy", path=self.path, iteration=iteration, args=args,
             checkpoint_version=first.obj.get("checkpoint_version"),
             layout=dataclasses.replace(layout, expert_layout=self._expert_layout),
             variants=frozenset(self._variants), linear_extra_state=self._linear_extra_state,
-            layer_spec=self._layer_spec))
+            layer_spec=self._layer_spec, naming=self._naming))
+
+    @staticmethod
+    def _check_mindspeed_spec(args, path) -> None:
+        said = getattr(args, "transformer_impl", None)
+        if said not in (None, LOCAL_SPEC):
+            raise CheckpointError(f"{path}: MindSpeed-LLM's multi-latent attention names with transformer_impl "
+                                  f"{said!r} are not mapped; the nearest supported kind is MindSpeed-LLM's local "
+                                  "spec (--transformer-impl local, as its DeepSeek-V3 recipes save)")
 
     @staticmethod
     def _open(rank_dir: Path) -> TorchFile:
@@ -205,15 +274,16 @@ class LegacyCheckpoint(ModelView):
         tp, pp, ep = coords
         offsets = layout.chunk_offsets()
         num_experts = self._spec.num_experts
-        local_experts = num_experts // layout.ep if num_experts else 0
+        local_experts = num_experts // layout.expert_ranks if num_experts else 0
+        chunk_id = layout.expert_chunk(tp, ep)
         for v, chunk in enumerate(self._model_chunks(tf, layout)):
             offset, count = offsets[(pp, v)]
             for key, value in chunk.items():
                 if is_ignored(key):
                     continue
-                lk = parse_local_key(key, offset, ep * local_experts)
+                lk = parse_local_key(key, offset, chunk_id * local_experts)
                 self._check_layer_range(key, lk, offset, count, tf)
-                for name, piece in self._pieces(lk, value, local_experts, ep, tf):
+                for name, piece in self._pieces(lk, value, local_experts, chunk_id, tf):
                     rule = rule_for(name, self._layer_spec)
                     self._add(name, rule, rule.parts(layout), rule.shard_index(layout, tp), piece, tf.path)
 
@@ -223,8 +293,9 @@ class LegacyCheckpoint(ModelView):
             raise CheckpointError(f"{tf.path}: key {key} lies outside this stage's {count} layers; the "
                                   "args' pipeline split does not match the files")
 
-    def _pieces(self, lk: LocalKey, value, local_experts: int, ep: int, tf: TorchFile):
-        """(canonical name, shard piece) pairs one local key contributes."""
+    def _pieces(self, lk: LocalKey, value, local_experts: int, chunk: int, tf: TorchFile):
+        """(canonical name, shard piece) pairs one local key contributes; `chunk`: which chunk of
+        experts the file holds (its EP rank, `ParallelLayout.expert_chunk`)."""
         if lk.expert_layout:
             self._expert_layout = lk.expert_layout
         if lk.variant:
@@ -233,7 +304,7 @@ class LegacyCheckpoint(ModelView):
             if not isinstance(value, LazyTensor) or len(value.shape) != 2:
                 raise CheckpointError(f"{tf.path}: {lk.canonical}.weight{lk.fc} is not a 2-D tensor")
             for j in range(local_experts):
-                name = f"{lk.canonical}.{ep * local_experts + j}.linear_fc{lk.fc}.weight"
+                name = f"{lk.canonical}.{chunk * local_experts + j}.linear_fc{lk.fc}.weight"
                 yield name, _GroupedExpert(value, lk.fc, j, local_experts)
             return
         if value is None and lk.canonical.endswith("._extra_state"):
@@ -242,7 +313,8 @@ class LegacyCheckpoint(ModelView):
             return
         if lk.kind == "expert" and lk.local_expert >= local_experts:
             raise CheckpointError(f"{tf.path}: local expert {lk.local_expert} but args say "
-                                  f"{self._spec.num_experts} experts over EP={self._spec.num_experts // local_experts}")
+                                  f"{self._spec.num_experts} experts over {self._spec.num_experts // local_experts} "
+                                  "expert ranks (EP, or EP x TP with moe_tp_extend_ep)")
         yield lk.canonical, value if isinstance(value, LazyTensor) else _Constant(value)
 
     def _add(self, name, rule, parts, shard, piece, path) -> None:
@@ -289,13 +361,7 @@ class LegacyCheckpoint(ModelView):
 
     def byte_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         """(rank file, offset, length) of every run of bytes `get(name)` reads."""
-        out = []
-        for piece in self._entries[name].shards.values():
-            if isinstance(piece, LazyTensor):
-                out.append((piece.file.path, *piece.byte_range()))
-            else:
-                out += piece.byte_ranges()
-        return out
+        return [r for piece in self._entries[name].shards.values() for r in _piece_ranges(piece)]
 
     def prefetch(self, names: list[str]) -> None:
         """Start reading the bytes of `names`' shards (only theirs: a dropped expert next to a
@@ -311,3 +377,31 @@ class LegacyCheckpoint(ModelView):
 
     def dtype(self, name: str):
         return self._entries[name].shards[0].dtype
+
+
+def _canonical_entries(entries: dict[str, _Entry], dims: MLADims) -> dict[str, _Entry]:
+    """Entries under MindSpeed-LLM's MLA names -> entries under megatron-core's names
+    (checkpoint/mindspeed_llm.py): the fused `linear_qkv` (replicated) becomes the two down
+    projections as row ranges of it, still read from one rank; the --mla-mm-split parts of each TP
+    rank become that rank's shard of the up projection (same whole heads, same column split)."""
+    out: dict[str, _Entry] = {}
+    for name, entry in entries.items():
+        canon = megatron_keys(name)
+        if len(canon) == 2:                                   # fused down projection
+            q_rows = (0, dims.q_lora), (dims.q_lora, dims.kv_lora + dims.rope)
+            for target, (start, count) in zip(canon, q_rows):
+                out[target] = _Entry(entry.rule, 1, {0: _Rows(entry.shards[0], start, count)}, dict(entry.where))
+        elif canon[0] != name:                                # an --mla-mm-split part
+            parts = split_parts(canon[0])
+            if name != parts[0]:
+                continue
+            other = entries.get(parts[1])
+            if other is None or other.parts != entry.parts:
+                raise CheckpointError(f"{next(iter(entry.where.values()))}: {name} has no matching {parts[1]}; "
+                                      "the checkpoint is incomplete")
+            which = "q" if ".linear_qk_nope." in name else "kv"
+            shards = {t: _JoinedHeads(entry.shards[t], other.shards[t], which, dims) for t in entry.shards}
+            out[canon[0]] = _Entry(rule_for(canon[0], LOCAL_SPEC), entry.parts, shards, dict(entry.where))
+        else:
+            out[name] = entry
+    return out

@@ -10,6 +10,7 @@ linears get their `_extra_state: None` entries when the source had them.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
+from mcore_proxy.checkpoint.mindspeed_llm import (MegatronNamedView, MindSpeedNamedView, has_extra_state,
+                                                  written_naming)
 from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
                                           restore_variant, split_expert_name, to_local_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
@@ -77,9 +80,9 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
     it_dir = folder_name(view.iteration)
     offset = sum(target.stage_layers[:stage])
     outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}") for t in range(target.tp)]
-    extra_state, variants = view.info.linear_extra_state, view.info.variants
+    extra_state, variants, naming = view.info.linear_extra_state, view.info.variants, view.info.naming
     num_experts = view.spec.num_experts
-    per = num_experts // target.ep if num_experts else 0
+    per = num_experts // target.expert_ranks if num_experts else 0
     names = [n for n in _stage_names(view, target, stage) if _ep_of(view, n, target) in (None, ep)]
     try:
         for name, tensor in stream(view, names):
@@ -91,10 +94,12 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
                 if not rule.expert:
                     key = restore_variant(to_local_layer(name, offset), variants)
                     out.add(key, shard)
-                    if extra_state and (extra := linear_extra_state(key)):
+                    if extra_state and (extra := linear_extra_state(key)) and has_extra_state(key, naming):
                         out.add(extra, None)
                     continue
                 prefix, e, rest = split_expert_name(name)
+                if target.expert_chunk(t, ep) != e // per:
+                    continue                       # --moe-tp-extend-ep: another TP rank's expert
                 local_prefix = to_local_layer(prefix, offset)
                 if target.expert_layout == GROUPED:
                     _add_grouped(out, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
@@ -128,12 +133,46 @@ def _add_grouped(out: _RankOut, prefix: str, j: int, rest: str, shard: torch.Ten
         del out.grouped[(prefix, fc)]
 
 
+def _named(view: ModelView, target: ParallelLayout) -> ModelView:
+    """The view under the names the target writes (checkpoint/mindspeed_llm.py)."""
+    if target.naming is not None:
+        return MindSpeedNamedView(view, target.naming)
+    return view if view.info.naming is None else MegatronNamedView(view)
+
+
+def _written_args(args, view: ModelView, target: ParallelLayout):
+    """MindSpeed-LLM's flags in the args say what the files hold."""
+    if target.naming is not None or getattr(args, "mla_mm_split", None) is not None:
+        args.mla_mm_split = bool(target.naming is not None and target.naming.mla_mm_split)
+    if target.tp_extend_ep or getattr(args, "moe_tp_extend_ep", None) is not None:
+        args.moe_tp_extend_ep = target.tp_extend_ep
+    return args
+
+
 class LegacyWriter(Writer):
-    """The legacy format's Writer (see `checkpoint/interface.py`)."""
+    """The legacy format's Writer (see `checkpoint/interface.py`). Names: megatron-core's, or
+    MindSpeed-LLM's (`--naming`, by default the source's; checkpoint/mindspeed_llm.py)."""
+
+    def target(self, view, options):
+        target = super().target(view, options)
+        naming = written_naming(view, options.naming, "legacy")
+        source = view.info.layout
+        extend = options.tp_extend_ep
+        if extend is None:
+            extend = bool(naming is not None and source is not None and source.tp_extend_ep)
+        if extend:
+            if options.etp not in (None, 1):
+                raise CheckpointError(f"--moe-tp-extend-ep keeps experts whole: --target-etp must be 1, not {options.etp}")
+            if view.spec.num_experts % (target.ep * target.tp):
+                raise CheckpointError(f"{view.spec.num_experts} experts do not divide over EP x TP = "
+                                      f"{target.ep * target.tp} ranks (--moe-tp-extend-ep); choose sizes that divide it")
+            target = dataclasses.replace(target, etp=1, tp_extend_ep=True)
+        return dataclasses.replace(target, naming=naming)
 
     def check(self, view: ModelView, target: ParallelLayout) -> None:
         """`check_fits`, the one limit of legacy folders (ETP is 1 or TP), and the args and header
         it will store."""
+        view = _named(view, target)
         check_fits(view, target)
         if target.etp not in (1, target.tp):
             raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
@@ -142,6 +181,7 @@ class LegacyWriter(Writer):
         checkpoint_version(view)
 
     def units(self, view: ModelView, target: ParallelLayout) -> list[Unit]:
+        view = _named(view, target)
         sizes = {(p, e): 0 for p in range(target.pp) for e in range(target.ep)}
         for p in range(target.pp):
             for name in _stage_names(view, target, p):
@@ -155,9 +195,11 @@ class LegacyWriter(Writer):
     def write_unit(self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit,
                    progress=None) -> list[WrittenFile]:
         stage, ep = unit.key
+        view = _named(view, target)
         (Path(root) / folder_name(view.iteration)).mkdir(exist_ok=True)
         header = {"checkpoint_version": checkpoint_version(view), "iteration": header_iteration(view.iteration)}
-        return write_files(view, Path(root), target, stage, ep, target_args(view, target), header, progress)
+        args = _written_args(target_args(view, target), view, target)
+        return write_files(view, Path(root), target, stage, ep, args, header, progress)
 
     def finish(self, view: ModelView, root: Path, target: ParallelLayout, results) -> Finished:
         return Finished(files=(), markers=tracker_marker(view.iteration))
