@@ -51,9 +51,12 @@ def describe(view: ModelView) -> dict:
         "parallel": None if layout is None else {
             "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
             "stage_layers": list(layout.stage_layers) if layout.stage_layers else None,
-            "pipeline_layout": layout.pipeline_layout},
+            "pipeline_layout": layout.pipeline_layout, "moe_tp_extend_ep": layout.tp_extend_ep},
         "attention": attention_kind(view.args) if view.args is not None else None,
         "layer_spec": view.layer_spec,
+        # names of multi-latent attention as saved: megatron-core's or MindSpeed-LLM's (with its options)
+        "naming": info.naming.describe() if info.naming is not None else "megatron-core",
+        "indexer": any(".core_attention.indexer." in n for n in names),
         "expert_layout": None if layout is None else layout.expert_layout,
         "num_layers": spec.num_layers,
         "dense_layers": [L for L in layers if L not in moe],
@@ -88,6 +91,7 @@ def format_description(d: dict) -> str:
         ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
          + (f" layout {p['pipeline_layout']!r}" if p.get("pipeline_layout") else "")
          + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
+         + (" tp-extend-ep (experts over EP x TP)" if p.get("moe_tp_extend_ep") else "")
          if p else "none: safetensors shards by file, not by parallel rank"),
         ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
          + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else "")),
@@ -99,7 +103,9 @@ def format_description(d: dict) -> str:
          + (", expert bias" if d["expert_bias"] else "")),
         ("hidden", str(d["hidden_size"])
          + (f", {_ATTENTION[d['attention']]}" if d.get("attention") else "")
-         + (f", {d['layer_spec']} layer spec" if d.get("attention") else "")),
+         + (f", {d['layer_spec']} layer spec" if d.get("attention") else "")
+         + (f", {d['naming']} names" if d.get("attention") else "")
+         + (", DSA indexer" if d.get("indexer") else "")),
         ("dtype", ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())),
         ("bytes", f"{format_bytes(d['total_bytes'])} model ({d['tensors']} tensors), "
          f"{format_bytes(d['expert_bytes'])} routed experts; {format_bytes(d['file_bytes'])} in {d['files']} files"),
