@@ -17,6 +17,8 @@ How the spec is decided, first match wins:
   3. a separate `q_layernorm.weight` / `kv_layernorm.weight` of an MLA layer -> local;
   4. `args.transformer_impl` ("local" or "transformer_engine"; absent: Megatron's default,
      transformer_engine, `megatron_args.DEFAULTS`).
+MindSpeed-LLM's MLA names (`checkpoint/mindspeed_llm.py`) are a third layout, "mindspeed_llm": the
+legacy reader detects them before asking this module and reads them as the local spec's tensors.
 Evidence from the tensors that contradicts an explicit `args.transformer_impl` is refused: the args
 then do not describe the files, and guessing would split the down projections wrongly. Without
 MLA the spec changes no split, and rules 2-3 do not apply.

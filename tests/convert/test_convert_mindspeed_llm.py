@@ -46,6 +46,19 @@ def _keys(root) -> set[str]:
     return out
 
 
+def _plan(view, path, target_ep: int):
+    """Multiview selection of KEEP experts on planted statistics shaped like `view`."""
+    from mcore_proxy.select import select_experts
+    from mcore_proxy.select.synthetic import planted_stats
+
+    spec = view.spec
+    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=KEEP,
+                             hidden=spec.hidden_size, tokens=2000, seed=3)
+    plan = select_experts(view, stats, KEEP, method="multiview", target_ep=target_ep)
+    plan.save(path)
+    return plan
+
+
 @pytest.fixture(scope="module")
 def derived(family_ckpt, tmp_path_factory):
     ckpt = family_ckpt["deepseek_v3_mla"]
@@ -106,17 +119,9 @@ def proxies(derived, tmp_path_factory):
     """A K = 16 plan on planted statistics; the MindSpeed-LLM source converted with megatron-core
     names (TP 1, PP 2, EP 2) and with MindSpeed-LLM names (TP 2, PP 1, EP 2, --moe-tp-extend-ep);
     megatron-core runs the megatron-named proxy and the restricted original."""
-    from mcore_proxy.select import select_experts
-    from mcore_proxy.select.synthetic import planted_stats
-
     ckpt, roots = derived
     tmp = tmp_path_factory.mktemp("mindspeed-proxies")
-    view = open_checkpoint(roots[SPLIT_EXTEND])
-    spec = view.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=KEEP,
-                             hidden=spec.hidden_size, tokens=2000, seed=3)
-    plan = select_experts(view, stats, KEEP, method="multiview", target_ep=2)
-    plan.save(tmp / "plan.json")
+    plan = _plan(open_checkpoint(roots[SPLIT_EXTEND]), tmp / "plan.json", target_ep=2)
     out = {"megatron": tmp / "megatron", "mindspeed": tmp / "mindspeed"}
     assert main(["convert", str(roots[SPLIT_EXTEND]), "--plan", str(tmp / "plan.json"), "-o", str(out["megatron"]),
                  "--target-tp", "1", "--target-pp", "2", "--target-ep", "2", "--naming", "megatron"]) == 0
@@ -161,14 +166,7 @@ def test_indexer_tensors_round_trip_and_are_kept(derived, tmp_path, which):
     stored = "self_attention.dsa_indexer.wq_b.weight" if which == "mindspeed-llm" else \
         "self_attention.core_attention.indexer.linear_wq_b.weight"
     assert f"decoder.layers.0.{stored}" in _keys(roots[how])
-    from mcore_proxy.select.plan import SelectionPlan  # noqa: F401  (plan via the CLI below)
-    from mcore_proxy.select import select_experts
-    from mcore_proxy.select.synthetic import planted_stats
-
-    spec = src.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=KEEP,
-                             hidden=spec.hidden_size, tokens=500, seed=1)
-    select_experts(src, stats, KEEP, method="multiview", target_ep=1).save(tmp_path / "plan.json")
+    _plan(src, tmp_path / "plan.json", target_ep=1)
     out = tmp_path / "proxy"
     assert main(["convert", str(roots[how]), "--plan", str(tmp_path / "plan.json"), "-o", str(out),
                  "--target-tp", "1", "--target-pp", "1", "--target-ep", "1"]) == 0

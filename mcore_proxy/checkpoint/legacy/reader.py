@@ -14,7 +14,7 @@ import torch
 
 from mcore_proxy.checkpoint.iteration import TRACKER, is_iteration_folder_name, resolve_iteration_dir
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
-from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, MindSpeedNaming, detect_naming, join_up, megatron_keys,
+from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, detect_naming, join_up, megatron_keys,
                                                   split_parts)
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
 from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, canonical_sort_key, layer_number, parse_local_key
@@ -386,6 +386,10 @@ def _canonical_entries(entries: dict[str, _Entry], dims: MLADims) -> dict[str, _
     rank become that rank's shard of the up projection (same whole heads, same column split)."""
     out: dict[str, _Entry] = {}
     for name, entry in entries.items():
+        if name.endswith(".self_attention.linear_qkv.bias"):
+            raise CheckpointError(f"{next(iter(entry.where.values()))}: tensor {name} is a bias of MindSpeed-LLM's "
+                                  "fused MLA down projection (add_qkv_bias), which mcore-proxy does not map; the "
+                                  "nearest supported kind is multi-latent attention without linear biases (DeepSeek-V3)")
         canon = megatron_keys(name)
         if len(canon) == 2:                                   # fused down projection
             q_rows = (0, dims.q_lora), (dims.q_lora, dims.kv_lora + dims.rope)
