@@ -51,7 +51,8 @@ def describe(view: ModelView) -> dict:
         "parallel": None if layout is None else {
             "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
             "stage_layers": list(layout.stage_layers) if layout.stage_layers else None,
-            "pipeline_layout": layout.pipeline_layout, "moe_tp_extend_ep": layout.tp_extend_ep},
+            "pipeline_layout": layout.pipeline_layout},
+        "moe_tp_extend_ep": layout is not None and layout.tp_extend_ep,
         "attention": attention_kind(view.args) if view.args is not None else None,
         "layer_spec": view.layer_spec,
         # names of multi-latent attention as saved: megatron-core's or MindSpeed-LLM's (with its options)
@@ -91,7 +92,7 @@ def format_description(d: dict) -> str:
         ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
          + (f" layout {p['pipeline_layout']!r}" if p.get("pipeline_layout") else "")
          + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
-         + (" tp-extend-ep (experts over EP x TP)" if p.get("moe_tp_extend_ep") else "")
+         + (" tp-extend-ep (experts over EP x TP)" if d.get("moe_tp_extend_ep") else "")
          if p else "none: safetensors shards by file, not by parallel rank"),
         ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
          + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else "")),
