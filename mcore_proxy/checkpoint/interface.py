@@ -90,7 +90,8 @@ class Finished:
 @dataclass(frozen=True)
 class TargetOptions:
     """What the user asked of the output's parallel layout; None: not given (keep the source's).
-    plan_ep: the plan's EP degree, the default EP when `ep` is not given."""
+    plan_ep: the plan's EP degree, the default EP when `ep` is not given; naming: the tensor names
+    (not a layout: `convert.pipeline.prepare` checks it against the format)."""
 
     tp: int | None = None
     pp: int | None = None
@@ -104,7 +105,8 @@ class TargetOptions:
 
     def given(self) -> list[str]:
         """The layout options the user set (field names; the plan's EP is not the user's)."""
-        return [f.name for f in dataclasses.fields(self) if f.name != "plan_ep" and getattr(self, f.name) is not None]
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in ("plan_ep", "naming") and getattr(self, f.name) is not None]
 
 
 class Writer(ABC):

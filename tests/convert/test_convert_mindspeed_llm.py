@@ -189,3 +189,29 @@ def test_an_unknown_indexer_tensor_is_refused_in_one_sentence(derived, tmp_path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "dsa_indexer.wq_c.weight" in err and "nearest supported kind is the DSA indexer tensors" in err
+
+
+def test_other_formats_and_expert_layouts(derived, tmp_path, capsys):
+    """torch_dist output of a MindSpeed-LLM source has megatron-core names (MindSpeed-LLM saves
+    legacy); GroupedMLP experts (--moe-grouped-gemm) with --moe-tp-extend-ep round trip; asking for
+    MindSpeed-LLM names in torch_dist is refused in one sentence."""
+    ckpt, roots = derived
+    original = open_checkpoint(ckpt.legacy)
+    src = roots[SPLIT_EXTEND]
+    assert main(["convert", str(src), "-o", str(tmp_path / "dist"), "--format", "torch_dist",
+                 "--target-tp", "1", "--target-pp", "1", "--target-ep", "2"]) == 0
+    assert "megatron-core names" in capsys.readouterr().out
+    dist = open_checkpoint(tmp_path / "dist")
+    assert dist.info.format == "torch_dist" and dist.info.naming is None
+    _same_tensors(original, dist)
+    assert main(["convert", str(src), "-o", str(tmp_path / "grouped"), "--expert-layout", "grouped",
+                 "--target-tp", "2", "--target-pp", "2", "--target-ep", "2"]) == 0
+    grouped = open_checkpoint(tmp_path / "grouped")
+    assert grouped.layout.expert_layout == "grouped" and grouped.layout.tp_extend_ep
+    assert "decoder.layers.0.mlp.experts.weight1" in _keys(tmp_path / "grouped")
+    _same_tensors(original, grouped)
+    capsys.readouterr()
+    assert main(["convert", str(src), "-o", str(tmp_path / "bad"), "--format", "torch_dist",
+                 "--naming", "mindspeed-llm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "legacy format only" in err and not (tmp_path / "bad").exists()
