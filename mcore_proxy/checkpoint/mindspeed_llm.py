@@ -358,6 +358,17 @@ class MegatronNamedView(ModelView):
         self.source.prefetch(names)
 
 
+def naming_args(args, target):
+    """Written `args` whose MindSpeed-LLM flags (`mla_mm_split`, `moe_tp_extend_ep`) describe the
+    files of `target` (a ParallelLayout): a reader of the output must not place experts or split
+    projections by the source's flags. Fields the source lacks stay absent when off."""
+    if target.naming is not None or getattr(args, "mla_mm_split", None) is not None:
+        args.mla_mm_split = bool(target.naming is not None and target.naming.mla_mm_split)
+    if target.tp_extend_ep or getattr(args, "moe_tp_extend_ep", None) is not None:
+        args.moe_tp_extend_ep = target.tp_extend_ep
+    return args
+
+
 def has_extra_state(key: str, naming: MindSpeedNaming | None) -> bool:
     """Whether a linear weight `key` has an `_extra_state` entry beside it: MindSpeed-LLM's fused
     `linear_qkv` is a `LinearNoTP` (a torch.nn.Linear), which has none."""

@@ -202,7 +202,8 @@ def test_other_formats_and_expert_layouts(derived, tmp_path, capsys):
                  "--target-tp", "1", "--target-pp", "1", "--target-ep", "2"]) == 0
     assert "megatron-core names" in capsys.readouterr().out
     dist = open_checkpoint(tmp_path / "dist")
-    assert dist.info.format == "torch_dist" and dist.info.naming is None
+    assert dist.info.format == "torch_dist" and dist.info.naming is None and not dist.layout.tp_extend_ep
+    assert dist.args.moe_tp_extend_ep is False and dist.args.mla_mm_split is False   # the files' truth
     _same_tensors(original, dist)
     assert main(["convert", str(src), "-o", str(tmp_path / "grouped"), "--expert-layout", "grouped",
                  "--target-tp", "2", "--target-pp", "2", "--target-ep", "2"]) == 0

@@ -20,7 +20,7 @@ from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, trac
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
 from mcore_proxy.checkpoint.mindspeed_llm import (MegatronNamedView, MindSpeedNamedView, has_extra_state,
-                                                  written_naming)
+                                                  naming_args, written_naming)
 from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
                                           restore_variant, split_expert_name, to_local_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
@@ -140,15 +140,6 @@ def _named(view: ModelView, target: ParallelLayout) -> ModelView:
     return view if view.info.naming is None else MegatronNamedView(view)
 
 
-def _written_args(args, view: ModelView, target: ParallelLayout):
-    """MindSpeed-LLM's flags in the args say what the files hold."""
-    if target.naming is not None or getattr(args, "mla_mm_split", None) is not None:
-        args.mla_mm_split = bool(target.naming is not None and target.naming.mla_mm_split)
-    if target.tp_extend_ep or getattr(args, "moe_tp_extend_ep", None) is not None:
-        args.moe_tp_extend_ep = target.tp_extend_ep
-    return args
-
-
 class LegacyWriter(Writer):
     """The legacy format's Writer (see `checkpoint/interface.py`). Names: megatron-core's, or
     MindSpeed-LLM's (`--naming`, by default the source's; checkpoint/mindspeed_llm.py)."""
@@ -186,8 +177,9 @@ class LegacyWriter(Writer):
         for p in range(target.pp):
             for name in _stage_names(view, target, p):
                 rule, ep = rule_for(name, view.layer_spec), _ep_of(view, name, target)
-                # every TP file of the group holds a 1/parts shard
-                nbytes = tensor_nbytes(view, name) * target.tp // rule.parts(target)
+                # every TP file of the group holds a 1/parts shard (--moe-tp-extend-ep: an expert is in one)
+                files = 1 if rule.expert and target.tp_extend_ep else target.tp
+                nbytes = tensor_nbytes(view, name) * files // rule.parts(target)
                 for e in range(target.ep) if ep is None else (ep,):
                     sizes[(p, e)] += nbytes
         return [Unit(key, n) for key, n in sizes.items()]
@@ -198,7 +190,7 @@ class LegacyWriter(Writer):
         view = _named(view, target)
         (Path(root) / folder_name(view.iteration)).mkdir(exist_ok=True)
         header = {"checkpoint_version": checkpoint_version(view), "iteration": header_iteration(view.iteration)}
-        args = _written_args(target_args(view, target), view, target)
+        args = naming_args(target_args(view, target), target)
         return write_files(view, Path(root), target, stage, ep, args, header, progress)
 
     def finish(self, view: ModelView, root: Path, target: ParallelLayout, results) -> Finished:

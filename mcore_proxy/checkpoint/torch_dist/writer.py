@@ -28,6 +28,7 @@ import torch
 from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import TRACKER, folder_name, header_iteration, tracker_bytes
 from mcore_proxy.checkpoint.layout import ParallelLayout
+from mcore_proxy.checkpoint.mindspeed_llm import naming_args
 from mcore_proxy.checkpoint.names import KeyStyle, linear_extra_state, object_key
 from mcore_proxy.checkpoint.safe_globals import check_writable
 from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, target_args
@@ -43,7 +44,7 @@ def dist_args(view: ModelView, target: ParallelLayout):
     """common.pt `args`: `target_args`, and `no_save_optim`/`no_save_rng`, which tell Megatron's
     loader there is no optimizer or RNG state to look for, so it loads the weights instead of
     failing on their absence."""
-    args = target_args(view, target)
+    args = naming_args(target_args(view, target), target)   # megatron names: MindSpeed-LLM's flags off
     args.ckpt_format = BACKEND
     args.no_save_optim = True
     args.no_save_rng = True
