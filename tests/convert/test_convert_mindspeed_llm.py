@@ -92,16 +92,18 @@ def test_the_reader_maps_mindspeed_llm_names_to_the_original_tensors(derived):
                        original.get("decoder.layers.3.mlp.experts.8.linear_fc1.weight"))   # chunk 0 * 2 + 1
 
 
-def test_args_silent_about_mla_and_the_split_still_read(derived, tmp_path):
+def test_args_silent_about_mla_the_split_and_tp_extend_ep_still_read(derived, tmp_path):
+    """Without `mla_mm_split` and `moe_tp_extend_ep` in the args the names and the local expert
+    count (E / (EP x TP) per folder) say it."""
     ckpt, roots = derived
     silent = tmp_path / "silent"
     shutil.copytree(roots[SPLIT_EXTEND], silent)
     for f in iteration_dir(silent).glob("mp_rank_*/model_optim_rng.pt"):
         state = torch.load(f, weights_only=False)
-        del state["args"].mla_mm_split
+        del state["args"].mla_mm_split, state["args"].moe_tp_extend_ep
         torch.save(state, f)
     view = open_checkpoint(silent)
-    assert view.info.naming.mla_mm_split
+    assert view.info.naming.mla_mm_split and view.layout.tp_extend_ep
     _same_tensors(open_checkpoint(ckpt.legacy), view)
 
 

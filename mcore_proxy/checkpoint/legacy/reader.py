@@ -210,6 +210,7 @@ class LegacyCheckpoint(ModelView):
                                   "they hold, re-save with ETP=1 or ETP=TP")
         self.files = {c: (first if d == dirs[0] else self._open(d)) for c, d in coords.items()}
         shapes = self._local_shapes(layout)
+        layout = self._with_tp_extend_ep(args, layout)
         self._naming = detect_naming(args, shapes, str(first.path))
         if self._naming is not None:
             # MindSpeed-LLM's local MLA: its rows first, then megatron-core local-spec names
@@ -234,6 +235,23 @@ class LegacyCheckpoint(ModelView):
             layout=dataclasses.replace(layout, expert_layout=self._expert_layout),
             variants=frozenset(self._variants), linear_extra_state=self._linear_extra_state,
             layer_spec=self._layer_spec, naming=self._naming))
+
+    def _with_tp_extend_ep(self, args, layout: ParallelLayout) -> ParallelLayout:
+        """MindSpeed-LLM's --moe-tp-extend-ep when the args do not say either way: every file holds
+        E / (EP x TP) local experts (the most any file numbers) instead of E / EP."""
+        num_experts = self._spec.num_experts
+        if hasattr(args, "moe_tp_extend_ep") or layout.tp == 1 or not num_experts or num_experts % (layout.ep * layout.tp):
+            return layout
+        local = re.compile(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.weight(\d+)$)")
+        most = 0
+        for tf in self.files.values():
+            for chunk in self._model_chunks(tf, layout):
+                for key in chunk:
+                    if m := local.search(key):
+                        most = max(most, 1 + int(m.group(1) or m.group(2)))
+        if most == num_experts // (layout.ep * layout.tp):
+            return dataclasses.replace(layout, etp=1, tp_extend_ep=True)
+        return layout
 
     @staticmethod
     def _check_mindspeed_spec(args, path) -> None:
