@@ -218,3 +218,14 @@ def test_other_formats_and_expert_layouts(derived, tmp_path, capsys):
                  "--naming", "mindspeed-llm"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "legacy format only" in err and not (tmp_path / "bad").exists()
+
+
+def test_verify_functional_on_the_mindspeed_named_proxy(derived, proxies, capsys):
+    """verify reads both MindSpeed-LLM-named checkpoints, checks every kept tensor bit for bit, and
+    runs both in megatron-core (written with megatron-core names for the run)."""
+    _, roots = derived
+    out, _ = proxies
+    assert main(["verify", "--orig", str(roots[SPLIT_EXTEND]), "--proxy", str(out["mindspeed"]),
+                 "--plan", str(out["mindspeed"].parent / "plan.json"), "--functional"]) == 0
+    text = capsys.readouterr().out
+    assert "verify: OK" in text and "functional: max |logit difference|" in text
