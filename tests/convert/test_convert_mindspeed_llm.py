@@ -229,3 +229,11 @@ def test_verify_functional_on_the_mindspeed_named_proxy(derived, proxies, capsys
                  "--plan", str(out["mindspeed"].parent / "plan.json"), "--functional"]) == 0
     text = capsys.readouterr().out
     assert "verify: OK" in text and "functional: max |logit difference|" in text
+
+
+def test_mindspeed_llm_names_for_a_gqa_model_are_refused(family_ckpt, tmp_path, capsys):
+    """Qwen3-MoE (GQA) has no MindSpeed-LLM-specific names: asking for them is one sentence."""
+    assert main(["convert", str(family_ckpt["qwen3_moe"].legacy), "-o", str(tmp_path / "out"),
+                 "--naming", "mindspeed-llm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "grouped-query attention" in err and not (tmp_path / "out").exists()
