@@ -98,6 +98,8 @@ class TargetOptions:
     etp: int | None = None
     expert_layout: str | None = None
     stage_layers: tuple[int, ...] | None = None
+    pipeline_layout: str | None = None
+    vpp: int | None = None
     plan_ep: int | None = None
 
     def given(self) -> list[str]:
@@ -112,7 +114,8 @@ class Writer(ABC):
         """A Megatron ParallelLayout: the options given, else the source's TP/PP/ETP and the plan's EP."""
         return source_target(view, tp=options.tp, pp=options.pp, ep=options.ep or options.plan_ep,
                              etp=options.etp, expert_layout=options.expert_layout,
-                             stage_layers=options.stage_layers)
+                             stage_layers=options.stage_layers, pipeline_layout=options.pipeline_layout,
+                             vpp=options.vpp)
 
     @abstractmethod
     def check(self, view, target) -> None:

@@ -43,6 +43,12 @@ def layer_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def mtp_depth(name: str) -> int | None:
+    """The MTP depth of `mtp.layers.{j}.…` names, None for other names."""
+    m = _LAYER_RE.match(name)
+    return int(m.group(3)) if m and m.group(3) is not None else None
+
+
 def canonical_sort_key(name: str):
     """Embedding first, decoder layers in order (experts by id), final norm/output, then MTP."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)

@@ -1,7 +1,9 @@
 """Megatron legacy (`torch`) checkpoints, written from any ModelView at a target layout.
 
 Units: one per (pipeline stage, EP rank): the TP rank files `mp_rank_TT[_PPP][_EEE]` of that
-stage and EP rank, which share one read of every tensor they hold (an expert is read once for
+stage and EP rank (each file's `model`, or with virtual stages `model0`, `model1`, ... for its
+chunks, local layer numbers restarting at 0 in each, as Megatron-LM's `generate_state_dict`
+writes them; which chunk holds what: `target.chunks_of`), which share one read of every tensor they hold (an expert is read once for
 all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
 destination file (`ShardRule.shard`), never split whole for every rank.
 
@@ -21,45 +23,55 @@ from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
 from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
                                           restore_variant, split_expert_name, to_local_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, stage_of, target_args
+from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, target_args
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.sharding import rule_for
 
 class _RankOut:
-    """One output rank file being streamed."""
+    """One output rank file being streamed: `model` or `model0`, `model1`, ... (`chunk_keys`)."""
 
-    def __init__(self, root: Path, rel: str):
+    def __init__(self, root: Path, rel: str, chunk_keys: list[str]):
         path = Path(root) / rel
         path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
         self.rel, self.path = rel, path
         self.writer = TorchFileWriter(path)
-        self.model: dict = {}
-        self.grouped: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self.chunks: dict[str, dict] = {key: {} for key in chunk_keys}
+        self.grouped: dict[tuple[str, str, int], dict[int, torch.Tensor]] = {}
 
-    def add(self, key: str, value) -> None:
+    def add(self, chunk: str, key: str, value) -> None:
         """A tensor, the pieces of one (a GLU shard's gate and up rows), or a plain value."""
         pieces = value if isinstance(value, list) else [value]
         if not isinstance(pieces[0], torch.Tensor):
             check_writable(pieces[0], f"model entry {key}")
-            self.model[key] = pieces[0]
+            self.chunks[chunk][key] = pieces[0]
         else:
-            self.model[key] = self.writer.add_pieces(pieces)
+            self.chunks[chunk][key] = self.writer.add_pieces(pieces)
 
     def close(self, header: dict) -> WrittenFile:
         if self.grouped:
             raise CheckpointError(f"{self.path}: incomplete GroupedMLP experts {sorted(self.grouped)}")
-        self.writer.close({**header, "model": self.model})
+        self.writer.close({**header, **self.chunks})
         return WrittenFile(self.rel, self.writer.size, self.writer.sha256)
 
 
-def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> list[str]:
-    # MTP layers sit on the last stage, which then holds its own copy of the word embeddings
-    # (megatron-core builds `embedding` wherever `mtp_process`; tied to the first stage's)
-    mtp_embedding = view.spec.mtp_layers and stage == target.pp - 1
-    return [n for n in view.names()
-            if stage_of(n, target) == stage or (mtp_embedding and n.startswith("embedding."))]
+def chunk_key(target: ParallelLayout, vp: int) -> str:
+    """Megatron-LM's state key of model chunk `vp`: `model`, or `model{vp}` with virtual stages."""
+    return "model" if target.vpp == 1 else f"model{vp}"
+
+
+def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> dict[str, list[tuple[str, int]]]:
+    """name -> [(chunk key, global offset of the chunk's first layer)] for the names pipeline rank
+    `stage` holds (the embeddings twice when a chunk of it has the MTP layers beside the first)."""
+    stages = target.stages(view.spec.mtp_layers)
+    out = {}
+    for name in view.names():
+        held = [(chunk_key(target, s.vp), s.decoder[0] if s.decoder else 0)
+                for s in chunks_of(name, stages) if s.pp == stage]
+        if held:
+            out[name] = held
+    return out
 
 
 def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
@@ -75,36 +87,24 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
 
     Memory: one canonical tensor, plus one layer's local experts for a GroupedMLP target."""
     it_dir = folder_name(view.iteration)
-    offset = sum(target.stage_layers[:stage])
-    outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}") for t in range(target.tp)]
+    keys = [chunk_key(target, v) for v in range(target.vpp)]
+    outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}", keys)
+            for t in range(target.tp)]
     extra_state, variants = view.info.linear_extra_state, view.info.variants
     num_experts = view.spec.num_experts
     per = num_experts // target.ep if num_experts else 0
-    names = [n for n in _stage_names(view, target, stage) if _ep_of(view, n, target) in (None, ep)]
+    placed = {n: held for n, held in _stage_names(view, target, stage).items() if _ep_of(view, n, target) in (None, ep)}
     try:
-        for name, tensor in stream(view, names):
+        for name, tensor in stream(view, list(placed)):
             rule = rule_for(name, view.layer_spec)
             parts = rule.parts(target)
             for t, out in enumerate(outs):
                 # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
                 shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
-                if not rule.expert:
-                    key = restore_variant(to_local_layer(name, offset), variants)
-                    out.add(key, shard)
-                    if extra_state and (extra := linear_extra_state(key)):
-                        out.add(extra, None)
-                    continue
-                prefix, e, rest = split_expert_name(name)
-                local_prefix = to_local_layer(prefix, offset)
-                if target.expert_layout == GROUPED:
-                    _add_grouped(out, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
-                else:
-                    key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
-                    out.add(key, shard)
-                    if extra_state and target.expert_layout == SEQUENTIAL and (extra := linear_extra_state(key)):
-                        out.add(extra, None)
+                for chunk, offset in placed[name]:
+                    _add(out, chunk, name, shard, offset, rule, target, per, extra_state, variants)
             if progress is not None and isinstance(tensor, torch.Tensor):
-                progress(tensor.numel() * tensor.element_size())
+                progress(tensor.numel() * tensor.element_size() * len(placed[name]))
             del tensor
         return [out.close({**header, "args": args}) for out in outs]
     except BaseException:
@@ -113,19 +113,39 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
         raise
 
 
-def _add_grouped(out: _RankOut, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
+def _add(out: _RankOut, chunk: str, name: str, shard: list, offset: int, rule, target: ParallelLayout, per: int,
+         extra_state: bool, variants) -> None:
+    """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key."""
+    if not rule.expert:
+        key = restore_variant(to_local_layer(name, offset), variants)
+        out.add(chunk, key, shard)
+        if extra_state and (extra := linear_extra_state(key)):
+            out.add(chunk, extra, None)
+        return
+    prefix, e, rest = split_expert_name(name)
+    local_prefix = to_local_layer(prefix, offset)
+    if target.expert_layout == GROUPED:
+        _add_grouped(out, chunk, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
+        return
+    key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
+    out.add(chunk, key, shard)
+    if extra_state and target.expert_layout == SEQUENTIAL and (extra := linear_extra_state(key)):
+        out.add(chunk, extra, None)
+
+
+def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
     """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
     fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
     if fc is None:
         raise CheckpointError(f"{prefix}.{j}.{rest}: GroupedMLP stores only expert fc1/fc2 weights; "
                               "write this checkpoint with the sequential expert layout")
-    pending = out.grouped.setdefault((prefix, fc), {})
+    pending = out.grouped.setdefault((chunk, prefix, fc), {})
     pending[j] = shard.t()
     if len(pending) == per:
         stacked = torch.stack([pending[i] for i in range(per)])      # [El, H, n] or [El, m, H]
         rows = stacked.shape[1] if fc == 1 else stacked.shape[0] * stacked.shape[1]
-        out.add(f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
-        del out.grouped[(prefix, fc)]
+        out.add(chunk, f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
+        del out.grouped[(chunk, prefix, fc)]
 
 
 class LegacyWriter(Writer):
@@ -144,10 +164,10 @@ class LegacyWriter(Writer):
     def units(self, view: ModelView, target: ParallelLayout) -> list[Unit]:
         sizes = {(p, e): 0 for p in range(target.pp) for e in range(target.ep)}
         for p in range(target.pp):
-            for name in _stage_names(view, target, p):
+            for name, held in _stage_names(view, target, p).items():
                 rule, ep = rule_for(name, view.layer_spec), _ep_of(view, name, target)
-                # every TP file of the group holds a 1/parts shard
-                nbytes = tensor_nbytes(view, name) * target.tp // rule.parts(target)
+                # every TP file of the group holds a 1/parts shard, once per chunk holding it
+                nbytes = tensor_nbytes(view, name) * target.tp // rule.parts(target) * len(held)
                 for e in range(target.ep) if ep is None else (ep,):
                     sizes[(p, e)] += nbytes
         return [Unit(key, n) for key, n in sizes.items()]
