@@ -3,8 +3,8 @@
 Units: one per (pipeline stage, EP rank): the TP rank files `mp_rank_TT[_PPP][_EEE]` of that
 stage and EP rank (each file's `model`, or with virtual stages `model0`, `model1`, ... for its
 chunks, local layer numbers restarting at 0 in each, as Megatron-LM's `generate_state_dict`
-writes them; which chunk holds what: `target.chunks_of`), which share one read of every tensor they hold (an expert is read once for
-all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
+writes them; which chunk holds what: `target.chunks_of`), which share one read of every tensor
+they hold (an expert is read once for all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
 destination file (`ShardRule.shard`), never split whole for every rank.
 
 Optimizer and RNG state are not written; `iteration` and `checkpoint_version` are kept. Local
