@@ -247,3 +247,28 @@ def test_the_mla_trace_is_exact_at_any_layout(family_ckpt, pipeline):
         assert np.array_equal(4 * x.freq, y.freq) and np.array_equal(4 * x.coact, y.coact), lid
         np.testing.assert_allclose(4 * x.gate_mass, y.gate_mass, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(4 * x.proto_sum, y.proto_sum, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layout_string_replaces_first_last_stage_sizes(megatron_ckpt, tmp_path, capsys):
+    """A source saved with --decoder-first-pipeline-num-layers 1 (no MTP) written with a layout
+    string: the flags say to drop the stage sizes, the args clear them, the final norm and the output
+    layer go to the last chunk, and the proxy reads back tensor for tensor."""
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.checkpoint.torchfile import load_weights_only
+
+    src, _ = megatron_ckpt("deepseek_like_pp2_uneven")
+    out = tmp_path / "out"
+    assert main(["convert", str(src), "-o", str(out), "--target-pipeline-layout", "Et|t|t|tL", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "--pipeline-model-parallel-layout 'Et|t|t|tL'" in doc["launch_flags"]
+    assert any("--decoder-first-pipeline-num-layers" in f for f in doc["remove_flags"])
+    last = load_weights_only(next(out.glob("iter_*/mp_rank_00_001_000/model_optim_rng.pt")))
+    assert "decoder.final_layernorm.weight" in last["model1"] and "output_layer.weight" in last["model1"]
+    assert not any(k.startswith(("decoder.final_layernorm", "output_layer")) for k in last["model0"])
+    assert last["args"].decoder_first_pipeline_num_layers is None
+    source, again = open_checkpoint(src), open_checkpoint(out)
+    assert (again.layout.vpp, again.layout.stage_layers) == (2, (2, 2))
+    assert again.names() == source.names()
+    for name in source.names():
+        a, b = source.get(name), again.get(name)
+        assert (a is None and b is None) or torch.equal(a, b), name
