@@ -122,10 +122,11 @@ def source_target(view, tp=None, pp=None, ep=None, etp=None, expert_layout=None,
     pp_ = pp or (src.pp if src else 1)
     etp_ = etp or (src.etp if src and src.etp in (1, src.tp) and not tp else None)
     keep = src is not None and src.pp == pp_ and stage_layers is None and pipeline_layout is None
-    if keep and vpp is None:
+    if keep and vpp is None and src.pipeline_layout:
         pipeline_layout = src.pipeline_layout
-        vpp = None if src.pipeline_layout else src.vpp
-    elif keep and vpp == 1:
+    elif keep and vpp is None and src.vpp > 1:
+        vpp = src.vpp
+    elif keep and vpp in (None, 1):  # its stage sizes (per pipeline rank over its chunks) as a plain split
         stage_layers = src.stage_layers
     return resolve_target(view, tp=tp_, pp=pp_, ep=ep or (src.ep if src else 1), etp=etp_,
                           expert_layout=expert_layout, stage_layers=stage_layers,
