@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from mcore_proxy.checkpoint.layout import ParallelLayout, stage_layer_counts
-from mcore_proxy.checkpoint.names import SEQUENTIAL, layer_number
+from mcore_proxy.checkpoint.names import OUTPUT_LAYER, SEQUENTIAL, embeddings_tied, layer_number
 from mcore_proxy.checkpoint.safe_globals import writable_args
 from mcore_proxy.checkpoint.view import holds_fp8
 from mcore_proxy.errors import CheckpointError, ProxyError
@@ -114,6 +114,8 @@ def target_args(view, target: ParallelLayout):
         moe_grouped_gemm=target.expert_layout != SEQUENTIAL,
         num_experts=spec.num_experts, moe_router_topk=spec.topk,
         moe_router_num_groups=spec.num_groups, moe_router_group_topk=spec.group_topk,
+        # said explicitly: the writers place (or leave out) the tied output copy by it
+        untie_embeddings_and_output_weights=not embeddings_tied(view.args, OUTPUT_LAYER in view.names()),
     )
     counts = target.stage_layers
     if getattr(args, "num_layer_list", None):  # MindSpeed spelling of uneven stages

@@ -18,8 +18,10 @@ from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
-from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
-                                          restore_variant, split_expert_name, to_local_layer)
+from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
+                                          embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
+                                          split_expert_name, to_local_layer)
+from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.safe_globals import check_writable
 from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, stage_of, target_args
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
@@ -62,6 +64,15 @@ def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> list[st
             if stage_of(n, target) == stage or (mtp_embedding and n.startswith("embedding."))]
 
 
+def _tied_output_copy(view: ModelView, target: ParallelLayout, stage: int) -> bool:
+    """Whether `stage` holds `output_layer.weight` as its copy of the word embeddings: with tied
+    embeddings megatron-core allocates an output weight on the last stage unless it is also the
+    first (`GPTModel`: `skip_weight_param_allocation=pre_process and share_embeddings...`)."""
+    names = view.names()
+    return (target.pp > 1 and stage == target.pp - 1 and WORD_EMBEDDINGS in names
+            and embeddings_tied(view.args, OUTPUT_LAYER in names))
+
+
 def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
     """The EP rank holding an expert tensor (None for every other tensor)."""
     parts = split_expert_name(name) if rule_for(name, view.layer_spec).expert else None
@@ -80,7 +91,10 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
     extra_state, variants = view.info.linear_extra_state, view.info.variants
     num_experts = view.spec.num_experts
     per = num_experts // target.ep if num_experts else 0
-    names = [n for n in _stage_names(view, target, stage) if _ep_of(view, n, target) in (None, ep)]
+    own = [n for n in _stage_names(view, target, stage) if _ep_of(view, n, target) in (None, ep)]
+    tied_copy = _tied_output_copy(view, target, stage)
+    names = own + [WORD_EMBEDDINGS] if tied_copy and WORD_EMBEDDINGS not in own else own
+    present = set(view.names())
     try:
         for name, tensor in stream(view, names):
             rule = rule_for(name, view.layer_spec)
@@ -89,22 +103,34 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
                 # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
                 shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
                 if not rule.expert:
-                    key = restore_variant(to_local_layer(name, offset), variants)
-                    out.add(key, shard)
-                    if extra_state and (extra := linear_extra_state(key)):
-                        out.add(extra, None)
+                    # (rank-local key, canonical name it is written as)
+                    keys = [(restore_variant(to_local_layer(name, offset), variants), name)] if name in own else []
+                    keys += [(OUTPUT_LAYER, OUTPUT_LAYER)] if tied_copy and name == WORD_EMBEDDINGS else []
+                    for key, canonical in keys:
+                        out.add(key, shard)
+                        if extra_state and (extra := linear_extra_state(key)) and \
+                                linear_extra_state(canonical) not in present:
+                            out.add(extra, None)
                     continue
                 prefix, e, rest = split_expert_name(name)
                 local_prefix = to_local_layer(prefix, offset)
+                if rest.endswith("._extra_state") and target.expert_layout != SEQUENTIAL:
+                    # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
+                    continue
                 if target.expert_layout == GROUPED:
                     _add_grouped(out, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
                 else:
                     key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
                     out.add(key, shard)
-                    if extra_state and target.expert_layout == SEQUENTIAL and (extra := linear_extra_state(key)):
+                    if target.expert_layout == TE_GROUPED and e % per == 0 and rest.endswith(".weight"):
+                        # one state for all local experts: TE's empty "no FP8 state" (te_extra_state.py)
+                        out.add(f"{local_prefix}.{rest[:-len('.weight')]}._extra_state", empty_extra_state())
+                    extra = linear_extra_state(key)
+                    if extra_state and target.expert_layout == SEQUENTIAL and extra and \
+                            linear_extra_state(name) not in present:
                         out.add(extra, None)
-            if progress is not None and isinstance(tensor, torch.Tensor):
-                progress(tensor.numel() * tensor.element_size())
+            if progress is not None:
+                progress(tensor_nbytes(view, name))   # as `units` counts (an object's tensor: 0)
             del tensor
         return [out.close({**header, "args": args}) for out in outs]
     except BaseException:
@@ -144,7 +170,7 @@ class LegacyWriter(Writer):
     def units(self, view: ModelView, target: ParallelLayout) -> list[Unit]:
         sizes = {(p, e): 0 for p in range(target.pp) for e in range(target.ep)}
         for p in range(target.pp):
-            for name in _stage_names(view, target, p):
+            for name in _stage_names(view, target, p) + ([WORD_EMBEDDINGS] if _tied_output_copy(view, target, p) else []):
                 rule, ep = rule_for(name, view.layer_spec), _ep_of(view, name, target)
                 # every TP file of the group holds a 1/parts shard
                 nbytes = tensor_nbytes(view, name) * target.tp // rule.parts(target)
