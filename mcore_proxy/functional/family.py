@@ -216,16 +216,16 @@ def embedding_ranks(model: Family, layout: Layout):
     if text is not None:
         from mcore_proxy.pipeline_layout import parse_pipeline_layout
 
-        mtp_pp = {s.pp for s in parse_pipeline_layout(text, layout.pp).stages if s.mtp}
+        copies = {s.pp for s in parse_pipeline_layout(text, layout.pp).stages if s.mtp}
     else:
-        mtp_pp = {layout.pp - 1} if model.mtp_layers else set()
+        copies = {layout.pp - 1} if model.mtp_layers else set()
     if model.tied_embeddings:
-        mtp_pp.add(layout.pp - 1)
+        copies.add(layout.pp - 1)   # the last stage's output layer is the embeddings' copy
 
     def ranks(pp_ranks: list[int]) -> list[int]:
         if len(pp_ranks) == 1:
             return list(pp_ranks)
-        return sorted({pp_ranks[0]} | {pp_ranks[p] for p in mtp_pp})
+        return sorted({pp_ranks[0]} | {pp_ranks[p] for p in copies})
 
     return ranks
 

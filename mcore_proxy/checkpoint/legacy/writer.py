@@ -21,9 +21,9 @@ from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
 from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
                                           embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
                                           split_expert_name, to_local_layer)
-from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.safe_globals import check_writable
 from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, stage_of, target_args
+from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.errors import CheckpointError
