@@ -136,3 +136,34 @@ def test_args_without_the_field_keep_the_output_layer(family_ckpt, tmp_path):
     view = open_checkpoint(src)
     assert OUT in view.names()
     torch.testing.assert_close(view.get(OUT), view.get(EMB), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_tied_megatron_to_hf_computes_megatrons_logits(family_ckpt, tmp_path, fmt):
+    """The HF side of tied embeddings: `tie_word_embeddings`, no `lm_head.weight` stored, and
+    transformers computes megatron-core's logits."""
+    import json
+
+    from mcore_proxy.functional.run import fixed_tokens
+    from mcore_proxy.hf_models import load_model, run
+
+    ckpt = family_ckpt[NAME]
+    out = tmp_path / "hf"
+    assert main(["convert", str(getattr(ckpt, fmt)), "-o", str(out), "--format", "hf"]) == 0
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    stored = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+    got = run(load_model(out), fixed_tokens(ckpt.model))
+    torch.testing.assert_close(got, torch.load(ckpt.logits)[0], **CLOSE)
+
+
+def test_a_copy_that_does_not_match_the_embeddings_is_refused(family_ckpt, tmp_path, capsys):
+    src = tmp_path / "bad"
+    shutil.copytree(family_ckpt[NAME].legacy, src)
+    for f in iteration_dir(src).glob("mp_rank_*_001_*/model_optim_rng.pt"):   # both TP ranks of the last stage
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        state["model"][OUT] = state["model"][OUT][:-1].clone()
+        torch.save(state, f)
+    assert main(["inspect", str(src)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tied copy of embedding.word_embeddings.weight" in err
