@@ -144,6 +144,8 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
     if src is not None and src.vpp > 1:
         flags.append("(no --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage)")
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
+    if target.expert_layout == "grouped" and view.layer_spec == "transformer_engine":
+        flags.append("--moe-use-legacy-grouped-gemm")   # GroupedMLP, not TE's TEGroupedMLP
     # the proxy carries no optimizer or RNG state: load weights only
     flags += ["--no-load-optim", "--no-load-rng"]
     return flags

@@ -180,6 +180,9 @@ CASES = [
      StagedLayout(ep=2, grouped=True)),
     ("torch_dist-tp2-pp2", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1",
                                       "--format", "torch_dist"], StagedLayout(tp=2, pp=2, grouped=True)),
+    # the legacy GroupedMLP (weight1/weight2) from TE: args say moe_use_legacy_grouped_gemm
+    ("legacy-grouped-pp2", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1",
+                                      "--expert-layout", "grouped"], StagedLayout(tp=2, pp=2, grouped=True)),
 ]
 
 
@@ -294,3 +297,15 @@ def test_torch_dist_per_expert_states_follow_their_expert(te_copy, converted, tm
             want = source.get(f"decoder.layers.{layer}.mlp.experts.{e}.linear_fc1._extra_state")
             assert got.dtype == torch.uint8 and got.numel() > 0 and torch.equal(got, want), (layer, j, e)
     assert not marker.exists()
+
+
+def test_te_to_legacy_grouped_mlp_says_so_in_args(converted):
+    _, _, out, _, _ = converted
+    for f in _rank_files(out["legacy-grouped-pp2"]):
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        assert state["args"].moe_use_legacy_grouped_gemm is True and state["args"].moe_grouped_gemm is True
+        model = state["model"]
+        assert not any(".mlp.experts.linear_fc" in k for k in model)      # no TE keys, no grouped extra state
+        assert any(k.endswith(".mlp.experts.weight1") for k in model)
+    for f in _rank_files(out["legacy-tp1-pp1-ep2"]):
+        assert torch.load(f, map_location="cpu", weights_only=False)["args"].moe_use_legacy_grouped_gemm is False
