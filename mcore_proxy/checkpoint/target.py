@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from mcore_proxy.checkpoint.layout import ParallelLayout, stage_layer_counts
-from mcore_proxy.checkpoint.names import SEQUENTIAL, layer_number, mtp_depth
+from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, embeddings_tied, layer_number,
+                                          mtp_depth)
 from mcore_proxy.checkpoint.safe_globals import writable_args
 from mcore_proxy.checkpoint.view import holds_fp8
 from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.megatron_args import DEFAULTS
-from mcore_proxy.sharding import rule_for
+from mcore_proxy.sharding import TE_SPEC, rule_for
 
 
 def check_fits(view, target: ParallelLayout) -> None:
@@ -170,7 +171,13 @@ def target_args(view, target: ParallelLayout):
         moe_grouped_gemm=target.expert_layout != SEQUENTIAL,
         num_experts=spec.num_experts, moe_router_topk=spec.topk,
         moe_router_num_groups=spec.num_groups, moe_router_group_topk=spec.group_topk,
+        # said explicitly: the writers place (or leave out) the tied output copy by it
+        untie_embeddings_and_output_weights=not embeddings_tied(view.args, OUTPUT_LAYER in view.names()),
     )
+    if view.layer_spec == TE_SPEC and target.expert_layout != SEQUENTIAL:
+        # the TE spec builds TEGroupedMLP (`linear_fc1.weight{j}`) for --moe-grouped-gemm unless the
+        # legacy GroupedMLP (`weight1`/`weight2`) is asked for (TESpecProvider.grouped_mlp_modules)
+        updates["moe_use_legacy_grouped_gemm"] = target.expert_layout == GROUPED
     counts = target.stage_layers
     if target.pipeline_layout:  # the string says it all; Megatron refuses it with stage sizes beside it
         updates.update(decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,

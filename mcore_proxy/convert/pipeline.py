@@ -142,6 +142,8 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
         flags = [f for f in model_flags(view.args) if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
     flags += pipeline_flags(view.layout, target)
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
+    if target.expert_layout == "grouped" and view.layer_spec == "transformer_engine":
+        flags.append("--moe-use-legacy-grouped-gemm")   # GroupedMLP, not TE's TEGroupedMLP
     # the proxy carries no optimizer or RNG state: load weights only
     flags += ["--no-load-optim", "--no-load-rng"]
     return flags

@@ -20,10 +20,12 @@ from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
-from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
-                                          restore_variant, split_expert_name, to_local_layer)
+from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
+                                          embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
+                                          split_expert_name, to_local_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
 from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, target_args
+from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.errors import CheckpointError
@@ -61,17 +63,30 @@ def chunk_key(target: ParallelLayout, vp: int) -> str:
     return "model" if target.vpp == 1 else f"model{vp}"
 
 
-def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> dict[str, list[tuple[str, int]]]:
-    """name -> [(chunk key, global offset of the chunk's first layer)] for the names pipeline rank
-    `stage` holds (the embeddings twice when a chunk of it has the MTP layers beside the first)."""
+def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> dict[str, list[tuple[str, int, str]]]:
+    """name -> [(chunk key, global offset of the chunk's first layer, canonical name written as)]
+    for the names pipeline rank `stage` holds: the embeddings twice when a chunk of it has the MTP
+    layers beside the first, and the word embeddings once more as the last stage's tied output copy."""
     stages = target.stages(view.spec.mtp_layers)
     out = {}
     for name in view.names():
-        held = [(chunk_key(target, s.vp), s.decoder[0] if s.decoder else 0)
+        held = [(chunk_key(target, s.vp), s.decoder[0] if s.decoder else 0, name)
                 for s in chunks_of(name, stages) if s.pp == stage]
         if held:
             out[name] = held
+    if _tied_output_copy(view, target, stage):
+        out.setdefault(WORD_EMBEDDINGS, []).extend(
+            (chunk_key(target, s.vp), 0, OUTPUT_LAYER) for s in chunks_of(OUTPUT_LAYER, stages) if s.pp == stage)
     return out
+
+
+def _tied_output_copy(view: ModelView, target: ParallelLayout, stage: int) -> bool:
+    """Whether `stage` holds `output_layer.weight` as its copy of the word embeddings: with tied
+    embeddings megatron-core allocates an output weight on the last stage unless it is also the
+    first (`GPTModel`: `skip_weight_param_allocation=pre_process and share_embeddings...`)."""
+    names = view.names()
+    return (target.pp > 1 and stage == target.pp - 1 and WORD_EMBEDDINGS in names
+            and embeddings_tied(view.args, OUTPUT_LAYER in names))
 
 
 def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
@@ -94,6 +109,7 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
     num_experts = view.spec.num_experts
     per = num_experts // target.ep if num_experts else 0
     placed = {n: held for n, held in _stage_names(view, target, stage).items() if _ep_of(view, n, target) in (None, ep)}
+    present = set(view.names())
     try:
         for name, tensor in stream(view, list(placed)):
             rule = rule_for(name, view.layer_spec)
@@ -101,10 +117,10 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
             for t, out in enumerate(outs):
                 # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
                 shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
-                for chunk, offset in placed[name]:
-                    _add(out, chunk, name, shard, offset, rule, target, per, extra_state, variants)
-            if progress is not None and isinstance(tensor, torch.Tensor):
-                progress(tensor.numel() * tensor.element_size() * len(placed[name]))
+                for chunk, offset, written_as in placed[name]:
+                    _add(out, chunk, written_as, shard, offset, rule, target, per, extra_state, variants, present)
+            if progress is not None:   # as `units` counts (an object's tensor: 0)
+                progress(tensor_nbytes(view, name) * target.tp // rule.parts(target) * len(placed[name]))
             del tensor
         return [out.close({**header, "args": args}) for out in outs]
     except BaseException:
@@ -114,22 +130,29 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
 
 
 def _add(out: _RankOut, chunk: str, name: str, shard: list, offset: int, rule, target: ParallelLayout, per: int,
-         extra_state: bool, variants) -> None:
-    """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key."""
+         extra_state: bool, variants, present: set[str]) -> None:
+    """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key;
+    `present`: the view's names (a linear whose extra state the view holds gets that, not None)."""
     if not rule.expert:
         key = restore_variant(to_local_layer(name, offset), variants)
         out.add(chunk, key, shard)
-        if extra_state and (extra := linear_extra_state(key)):
+        if extra_state and (extra := linear_extra_state(key)) and linear_extra_state(name) not in present:
             out.add(chunk, extra, None)
         return
     prefix, e, rest = split_expert_name(name)
     local_prefix = to_local_layer(prefix, offset)
+    if rest.endswith("._extra_state") and target.expert_layout != SEQUENTIAL:
+        return   # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
     if target.expert_layout == GROUPED:
         _add_grouped(out, chunk, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
         return
     key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
     out.add(chunk, key, shard)
-    if extra_state and target.expert_layout == SEQUENTIAL and (extra := linear_extra_state(key)):
+    if target.expert_layout == TE_GROUPED and e % per == 0 and rest.endswith(".weight"):
+        # one state for all local experts: TE's empty "no FP8 state" (te_extra_state.py)
+        out.add(chunk, f"{local_prefix}.{rest[:-len('.weight')]}._extra_state", empty_extra_state())
+    extra = linear_extra_state(key)
+    if extra_state and target.expert_layout == SEQUENTIAL and extra and linear_extra_state(name) not in present:
         out.add(chunk, extra, None)
 
 
