@@ -75,7 +75,8 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("--target-ep", ("--target-expert-parallel-size",), CONVERTERS),
     Spelling("--target-ep", ("--target-expert-model-parallel-size",), HF2MCORE),
     Spelling("--target-etp", ("--target-expert-tensor-parallel-size",), CONVERTERS),
-    Spelling("--target-stage-layers", ("--num-layer-list",), MINDSPEED),
+    # ModelLink / MindSpeed-LLM saver (`--target-num-layer-list 2,5,5,4` in their conversion scripts)
+    Spelling("--target-stage-layers", ("--num-layer-list", "--target-num-layer-list"), MINDSPEED),
     Spelling("--expert-layout", ("--moe-grouped-gemm",), f"{MINDSPEED}; {TRAINING}", value="grouped"),
     Spelling("--tp", ("--tensor-model-parallel-size",), TRAINING),
     Spelling("--pp", ("--pipeline-model-parallel-size",), TRAINING),
@@ -90,8 +91,9 @@ NOT_YET: tuple[NotYet, ...] = (
            "mcore-proxy does not write noop layers yet; convert without it (the proxy keeps the "
            "source's layers) and launch the proxy without --noop-layers", ("convert",)),
     NotYet(("--num-layers-per-virtual-pipeline-stage", "--vpp-stage"), MINDSPEED,
-           "mcore-proxy does not write virtual pipeline stages yet; convert without it and launch "
-           "the proxy without virtual pipeline stages", ("convert",)),
+           "mcore-proxy does not write virtual stages from a layer count per virtual stage; give "
+           "--target-vpp N (N = layers per pipeline rank / layers per virtual stage) or a "
+           "--target-pipeline-layout", ("convert",)),
 )
 
 EXIT_CODES = {

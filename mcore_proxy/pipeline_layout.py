@@ -50,6 +50,7 @@ chunks) holds:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -216,9 +217,17 @@ def num_layer_list_stages(num_layer_list: str | list[int] | tuple[int, ...], num
     if sum(counts) != num_layers or min(counts) < 0:
         raise ProxyError(f"num_layer_list {num_layer_list!r} sums to {sum(counts)}, the model has {num_layers} "
                          f"layers; give one non-negative count per pipeline rank")
+    layout = chunk_stages(counts, len(counts), mtp_layers)
+    return dataclasses.replace(layout, source=str(num_layer_list))
+
+
+def chunk_stages(counts: list[int] | tuple[int, ...], pp: int, mtp_layers: int = 0) -> PipelineLayout:
+    """The stages megatron-core builds without a layout string: `counts` decoder layers per chunk
+    in stage order k = vp * PP + pp (first/last stage sizes, or the even interleaved split of
+    `--num-layers-per-virtual-pipeline-stage`), the embedding on the first chunk, the MTP layers
+    and the loss on the last; `source` is the equivalent layout string."""
     text = "E" + "|".join("t" * c for c in counts) + "m" * mtp_layers + "L"
-    layout = parse_pipeline_layout(text, len(counts))
-    return PipelineLayout(pp=layout.pp, vpp=1, stages=layout.stages, source=str(num_layer_list))
+    return parse_pipeline_layout(text, pp)
 
 
 def noop_layer_ids(value, num_layers: int) -> frozenset[int]:

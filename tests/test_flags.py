@@ -27,6 +27,7 @@ APPLIES = {
     "--target-expert-model-parallel-size": {"convert", "select"},
     "--target-expert-tensor-parallel-size": {"convert"},
     "--num-layer-list": {"convert"},
+    "--target-num-layer-list": {"convert"},
     "--moe-grouped-gemm": {"convert"},
     "--tensor-model-parallel-size": {"estimate"},
     "--pipeline-model-parallel-size": {"estimate"},

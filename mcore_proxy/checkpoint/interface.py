@@ -99,6 +99,8 @@ class TargetOptions:
     etp: int | None = None
     expert_layout: str | None = None
     stage_layers: tuple[int, ...] | None = None
+    pipeline_layout: str | None = None
+    vpp: int | None = None
     plan_ep: int | None = None
     naming: str | None = None          # "megatron" / "mindspeed-llm" (checkpoint/mindspeed_llm.py)
     tp_extend_ep: bool | None = None   # MindSpeed-LLM --moe-tp-extend-ep
@@ -116,7 +118,8 @@ class Writer(ABC):
         """A Megatron ParallelLayout: the options given, else the source's TP/PP/ETP and the plan's EP."""
         return source_target(view, tp=options.tp, pp=options.pp, ep=options.ep or options.plan_ep,
                              etp=options.etp, expert_layout=options.expert_layout,
-                             stage_layers=options.stage_layers)
+                             stage_layers=options.stage_layers, pipeline_layout=options.pipeline_layout,
+                             vpp=options.vpp)
 
     @abstractmethod
     def check(self, view, target) -> None:

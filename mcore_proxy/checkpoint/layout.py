@@ -104,6 +104,17 @@ class ParallelLayout:
         """Which of the `expert_ranks` chunks of consecutive experts rank folder (tp, ep) holds."""
         return ep * self.tp + tp if self.tp_extend_ep else ep
 
+    def stages(self, mtp_layers: int = 0):
+        """Every (pp, vp) model chunk as a `pipeline_layout.PipelineLayout`: parsed from the layout
+        string, else the chunks megatron-core builds from the stage sizes (MTP layers last)."""
+        from mcore_proxy.pipeline_layout import chunk_stages, parse_pipeline_layout
+
+        if self.pipeline_layout:
+            return parse_pipeline_layout(self.pipeline_layout, self.pp)
+        offsets = self.chunk_offsets()
+        return chunk_stages([offsets[(k % self.pp, k // self.pp)][1] for k in range(self.pp * self.vpp)],
+                            self.pp, mtp_layers)
+
     def describe(self) -> str:
         s = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp}"
         if self.tp_extend_ep:

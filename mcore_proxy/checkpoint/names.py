@@ -43,6 +43,12 @@ def layer_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def mtp_depth(name: str) -> int | None:
+    """The MTP depth of `mtp.layers.{j}.…` names, None for other names."""
+    m = _LAYER_RE.match(name)
+    return int(m.group(3)) if m and m.group(3) is not None else None
+
+
 def canonical_sort_key(name: str):
     """Embedding first, decoder layers in order (experts by id), final norm/output, then MTP."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
@@ -318,3 +324,36 @@ def object_key(key: str, index: tuple[int, ...], sizes: tuple[int, ...]) -> str:
     offsets = ".".join(map(str, index)) if index else "0"
     shape = ".".join(map(str, sizes)) if sizes else "1"
     return f"{key}/shard_{offsets}_{shape}"
+
+
+# -- tied embeddings (megatron's default: no --untie-embeddings-and-output-weights) ---------------
+
+WORD_EMBEDDINGS, OUTPUT_LAYER = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+def embeddings_tied(args, has_output_layer: bool) -> bool:
+    """Whether the output layer is the word embedding matrix (`share_embeddings_and_output_weights`).
+
+    `args.untie_embeddings_and_output_weights` decides when it is a bool. When args lack it
+    (Megatron always saves it; hand-made args may not), the tensors decide: tied only if the
+    checkpoint holds no `output_layer.weight` of its own (`has_output_layer`). With PP > 1 a tied
+    checkpoint also holds the last stage's copy, so without the field such a checkpoint reads as
+    untied: its output layer is kept as a tensor, never dropped on a guess.
+    """
+    said = getattr(args, "untie_embeddings_and_output_weights", None)
+    if isinstance(said, bool):
+        return not said
+    return not has_output_layer
+
+
+# -- Transformer Engine grouped experts (TEGroupedMLP) ---------------------------------------------
+
+# One `_extra_state` per grouped linear for all local experts of a legacy rank file (the per-expert
+# keys are `_TE_EXPERT`'s `weight{j}`): `…mlp.experts.linear_fc1._extra_state`.
+_TE_GROUPED_EXTRA = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\._extra_state$")
+
+
+def te_grouped_extra_state(key: str) -> tuple[str, str] | None:
+    """`P.mlp.experts.linear_fc1._extra_state` -> (`P.mlp.experts`, `linear_fc1`); None otherwise."""
+    m = _TE_GROUPED_EXTRA.match(key)
+    return (m.group(1), m.group(2)) if m else None

@@ -37,6 +37,13 @@ def register(sub) -> None:
                help="default: the source's ETP when it is 1 or TP, else equal to TP")
     add_option(p, "--target-stage-layers", type=_int_list, metavar="N,N,..",
                help="decoder layers per pipeline stage, e.g. 1,3 (default: the source's when PP is kept, else even)")
+    add_option(p, "--target-pipeline-layout", metavar="STR",
+               help="Megatron's --pipeline-model-parallel-layout for the proxy, e.g. 'Et|tt|m|L' (E embedding, "
+                    "t decoder layer, m MTP layer, L loss; stages split by '|', PP x VPP of them; default: the "
+                    "source's when PP is kept)")
+    add_option(p, "--target-vpp", dest="vpp", type=int, metavar="N",
+               help="virtual pipeline stages per rank, Megatron's even interleaved split: chunk (pp, vp) holds "
+                    "layers (vp*PP + pp)*n .. +n (default: the source's when PP is kept; 1: none)")
     add_option(p, "--expert-layout", choices=("sequential", "grouped"),
                help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
     p.add_argument("--naming", choices=("megatron", "mindspeed-llm"),
@@ -78,6 +85,7 @@ def convert_dict(r, dry_run: bool) -> dict:
             "source_experts": r.source_experts,
             "target": None if t is None else {"tp": t.tp, "pp": t.pp, "ep": t.ep, "etp": t.etp,
                                               "expert_layout": t.expert_layout, "stage_layers": list(t.stage_layers),
+                                              "vpp": t.vpp, "pipeline_layout": t.pipeline_layout,
                                               "naming": t.naming.describe() if t.naming else "megatron-core",
                                               "moe_tp_extend_ep": t.tp_extend_ep},
             "read_bytes": r.bytes_read, "output_bytes": r.output_bytes,
@@ -94,7 +102,11 @@ def convert_text(d: dict) -> str:
         layout = "sharded safetensors"
     else:
         layout = f"TP={t['tp']} PP={t['pp']} EP={t['ep']} ETP={t['etp']}"
-        if len(set(t["stage_layers"])) > 1:
+        if t["vpp"] > 1:
+            layout += f" VPP={t['vpp']}"
+        if t["pipeline_layout"]:
+            layout += f" layout {t['pipeline_layout']!r}"
+        elif len(set(t["stage_layers"])) > 1:
             layout += f" stages={t['stage_layers']}"
         layout += f", layout {t['expert_layout']}"
         if t.get("moe_tp_extend_ep"):
@@ -123,6 +135,7 @@ def run_convert(args) -> int:
     req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, tp=args.tp, pp=args.pp, ep=args.ep,
                          etp=args.etp, expert_layout=args.expert_layout, stage_layers=args.target_stage_layers,
                          naming=args.naming, tp_extend_ep=args.tp_extend_ep,
+                         pipeline_layout=args.target_pipeline_layout, vpp=args.vpp,
                          format=args.format, workers=args.workers, force=args.force,
                          dequantize_fp8=args.dequantize_fp8)
     result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class ConvertRequest:
     stage_layers: tuple[int, ...] | None = None
     naming: str | None = None          # "megatron" / "mindspeed-llm"; None: the source's (legacy output)
     tp_extend_ep: bool | None = None   # MindSpeed-LLM --moe-tp-extend-ep; None: the source's with its names
+    pipeline_layout: str | None = None  # Megatron's --pipeline-model-parallel-layout syntax
+    vpp: int | None = None             # virtual stages per pipeline rank (the even interleaved split)
     format: str | None = None          # None: the source's format
     workers: int = 1
     dequantize_fp8: bool = False       # a source with FP8 block-quantised weights: read them as bf16
@@ -72,6 +75,8 @@ class ConvertRequest:
             raise ProxyError(f"--format {self.format!r} is not one of {', '.join(format_names(writable=True))}")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
+        if self.vpp is not None and self.vpp < 1:
+            raise ProxyError(f"--target-vpp {self.vpp} must be at least 1 (1: no virtual pipeline stages)")
 
 
 @dataclass
@@ -110,7 +115,8 @@ def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False)
 def target_options(req: ConvertRequest, plan) -> TargetOptions:
     """The layout options of a request; the writer turns them into its target (`Writer.target`)."""
     return TargetOptions(tp=req.tp, pp=req.pp, ep=req.ep, etp=req.etp, expert_layout=req.expert_layout,
-                         stage_layers=req.stage_layers, plan_ep=plan.expert_parallel_size if plan else None,
+                         stage_layers=req.stage_layers, pipeline_layout=req.pipeline_layout, vpp=req.vpp,
+                         plan_ep=plan.expert_parallel_size if plan else None,
                          naming=req.naming, tp_extend_ep=req.tp_extend_ep)
 
 
@@ -138,18 +144,40 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
     if view.layout is None and view.args is not None:
         # the source's args hold its expert count and routing; with a plan, the plan's say what the proxy has
         flags = [f for f in model_flags(view.args) if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
-    if target.uneven:
-        first, last = first_last(target.stage_layers)
-        flags += [f"--decoder-first-pipeline-num-layers {first}"] if first else []
-        flags += [f"--decoder-last-pipeline-num-layers {last}"] if last else []
-    src = view.layout
-    if src is not None and src.pipeline_layout:
-        flags.append("(no --pipeline-model-parallel-layout)")
-    if src is not None and src.vpp > 1:
-        flags.append("(no --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage)")
+    flags += pipeline_flags(view.layout, target)
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
+    if target.expert_layout == "grouped" and view.layer_spec == "transformer_engine":
+        flags.append("--moe-use-legacy-grouped-gemm")   # GroupedMLP, not TE's TEGroupedMLP
     # the proxy carries no optimizer or RNG state: load weights only
     flags += ["--no-load-optim", "--no-load-rng"]
+    return flags
+
+
+def pipeline_flags(src: ParallelLayout | None, target: ParallelLayout) -> list[str]:
+    """Megatron-LM's flags for the target's pipeline stages, and "(no --flag)" notes for the
+    source's stage flags the proxy's launch must drop. Megatron-LM accepts at most one of the
+    layout string, `--num-layers-per-virtual-pipeline-stage` and `--num-virtual-stages-per-
+    pipeline-rank` (validate_args), and derives VPP from it; the even split is given by layers
+    per virtual stage, the spelling MindSpeed and older Megatron-LM also have."""
+    if target.pipeline_layout:
+        # quoted: '|' is a shell pipe
+        flags = [f"--pipeline-model-parallel-layout {shlex.quote(target.pipeline_layout)}"]
+    elif target.vpp > 1:
+        flags = [f"--num-layers-per-virtual-pipeline-stage {target.stage_layers[0] // target.vpp}"]
+    elif target.uneven:
+        first, last = first_last(target.stage_layers)
+        flags = ([f"--decoder-first-pipeline-num-layers {first}"] if first else []) + \
+                ([f"--decoder-last-pipeline-num-layers {last}"] if last else [])
+    else:
+        flags = []
+    if src is None:
+        return flags
+    if src.pipeline_layout and not target.pipeline_layout:
+        flags.append("(no --pipeline-model-parallel-layout)")
+    if src.vpp > 1 and not src.pipeline_layout and (target.vpp == 1 or target.pipeline_layout):
+        flags.append("(no --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
+    if src.uneven and not src.pipeline_layout and (target.pipeline_layout or not target.uneven):
+        flags.append("(no --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers / --num-layer-list)")
     return flags
 
 
@@ -176,7 +204,8 @@ def _manifest_info(req: ConvertRequest, fmt: str, source: ModelView, view: Model
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {"format": fmt, "num_experts": view.spec.num_experts, **({} if target is None else {
                    "tp": target.tp, "pp": target.pp, "ep": target.ep, "etp": target.etp,
-                   "expert_layout": target.expert_layout, "stage_layers": list(target.stage_layers)})},
+                   "expert_layout": target.expert_layout, "stage_layers": list(target.stage_layers),
+                   "vpp": target.vpp, "pipeline_layout": target.pipeline_layout})},
     }
 
 

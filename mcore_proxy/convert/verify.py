@@ -129,6 +129,7 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     with the source's when its routers may only choose the kept experts. The two are the same
     function, so they must agree to rounding."""
     from mcore_proxy.checkpoint.formats import write_checkpoint
+    from mcore_proxy.checkpoint.names import OUTPUT_LAYER, embeddings_tied
     from mcore_proxy.checkpoint.target import resolve_target
     from mcore_proxy.functional.family import StagedLayout, family_from_args, load_legacy_and_run
     from mcore_proxy.functional.model import toy_from_args
@@ -138,7 +139,8 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     for label, view in (("the source", source), ("the proxy", proxy)):
         toy_from_args(view.args, str(view.info.path or label))
     # the families' builder: GQA or multi-latent attention, MTP, learned or rope positions
-    models = {"source": family_from_args(source.args), "proxy": family_from_args(proxy.args)}
+    models = {label: family_from_args(view.args, tied=embeddings_tied(view.args, OUTPUT_LAYER in view.names()))
+              for label, view in (("source", source), ("proxy", proxy))}
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
         tmp = Path(tmp)
         for label, view in (("source", source), ("proxy", proxy)):

@@ -53,6 +53,7 @@ class Family(ToyMoE):
     topk_scaling_factor: float | None = None
     norm_epsilon: float = 1e-5           # megatron's default layernorm_epsilon
     rotary_base: float = 10000.0
+    tied_embeddings: bool = False        # megatron's default: the output layer is the word embeddings
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
@@ -98,7 +99,7 @@ class Family(ToyMoE):
             rope_type="rope" if mla else None, rotary_scaling_factor=1.0, rotary_base=self.rotary_base,
             norm_epsilon=self.norm_epsilon,
             position_embedding_type=self.position_embedding_type, max_position_embeddings=self.seq_length,
-            untie_embeddings_and_output_weights=True,
+            untie_embeddings_and_output_weights=not self.tied_embeddings,
             mtp_num_layers=self.mtp_layers or None, mtp_loss_scaling_factor=0.1,
             moe_router_topk_scaling_factor=self.topk_scaling_factor,
             pipeline_model_parallel_layout=text, virtual_pipeline_model_parallel_size=vpp,
@@ -150,7 +151,7 @@ def build_chunks(model: Family, layout: Layout) -> list:
             config, spec, vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            parallel_output=False, share_embeddings_and_output_weights=False,
+            parallel_output=False, share_embeddings_and_output_weights=model.tied_embeddings,
             position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
             mtp_block_spec=mtp, vp_stage=vp).eval())
     return chunks
@@ -208,21 +209,23 @@ def state_keys(chunks: list) -> list[str]:
 
 def embedding_ranks(model: Family, layout: Layout):
     """Megatron-LM's `get_embedding_ranks` (pretrain_gpt.py) for this model: the ranks whose word
-    embeddings are kept equal are the first stage, the last one if embeddings are tied (never
-    here), and every stage with MTP layers. megatron-core's default (first and last stage) would
+    embeddings are kept equal are the first stage, the last one if embeddings are tied, and every
+    stage with MTP layers. megatron-core's default (first and last stage) would
     all-reduce an untied output layer into the MTP stage's embedding copy."""
     text = getattr(layout, "pipeline_layout", None)
     if text is not None:
         from mcore_proxy.pipeline_layout import parse_pipeline_layout
 
-        mtp_pp = {s.pp for s in parse_pipeline_layout(text, layout.pp).stages if s.mtp}
+        copies = {s.pp for s in parse_pipeline_layout(text, layout.pp).stages if s.mtp}
     else:
-        mtp_pp = {layout.pp - 1} if model.mtp_layers else set()
+        copies = {layout.pp - 1} if model.mtp_layers else set()
+    if model.tied_embeddings:
+        copies.add(layout.pp - 1)   # the last stage's output layer is the embeddings' copy
 
     def ranks(pp_ranks: list[int]) -> list[int]:
         if len(pp_ranks) == 1:
             return list(pp_ranks)
-        return sorted({pp_ranks[0]} | {pp_ranks[p] for p in mtp_pp})
+        return sorted({pp_ranks[0]} | {pp_ranks[p] for p in copies})
 
     return ranks
 
@@ -285,9 +288,11 @@ def load_legacy_and_run(jobs: list[tuple], keeps: list | None = None) -> list[to
     return [torch.load(o) for _, _, _, o in jobs]
 
 
-def family_from_args(args, seq_length: int = 16) -> Family:
+def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Family:
     """The Family a checkpoint's Megatron args describe (GQA or MLA, local spec), e.g. the args
-    `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens."""
+    `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether
+    the output layer is the word embeddings (`checkpoint.names.embeddings_tied` of the view); None:
+    only when args say so explicitly (`untie_embeddings_and_output_weights` False)."""
     from mcore_proxy.layer_pattern import parse_layer_pattern
     from mcore_proxy.megatron_args import arg, ffn_hidden_size
     from mcore_proxy.spec import ModelSpec
@@ -307,7 +312,8 @@ def family_from_args(args, seq_length: int = 16) -> Family:
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         position_embedding_type=getattr(args, "position_embedding_type", "rope"),
-        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)))
+        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)),
+        tied_embeddings=(getattr(args, "untie_embeddings_and_output_weights", True) is False) if tied is None else tied)
     if mla:
         fields.update(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
                       qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)

@@ -34,7 +34,8 @@ from mcore_proxy.testing.build import legacy_rank_dir, training_extras
 from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, iteration_dir
 from mcore_proxy.testing.global_weights import fill_global_weights
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "QWEN3_MOE", "QWEN3_MOE_LAYOUT", "QWEN3_MOE_HF", "Family",
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "QWEN3_MOE", "QWEN3_MOE_LAYOUT", "QWEN3_MOE_HF", "QWEN3_MOE_TIED",
+           "QWEN3_MOE_TIED_LAYOUT", "Family",
            "FamilyCheckpoint", "Job", "StagedLayout", "build_chunks", "family_from_args", "fill_weights",
            "iteration_dir", "load_and_run", "run_chunks", "run_jobs", "save_jobs"]
 
@@ -206,6 +207,12 @@ QWEN3_MOE_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, grouped=True)
 # RoPE base of the real model (1e-6, 1e6) rather than megatron's defaults
 QWEN3_MOE_HF = dataclasses.replace(QWEN3_MOE, position_embedding_type="rope", moe_layer_freq=(0, 1, 1, 1),
                                    norm_epsilon=1e-6, rotary_base=1e6, weight_seed=5)
+
+# Megatron's default of tied embeddings (no --untie-embeddings-and-output-weights) at PP 2: the last
+# stage's `output_layer.weight` is its copy of the word embeddings (legacy), a replica of
+# `embedding.word_embeddings.weight` (torch_dist); SequentialMLP
+QWEN3_MOE_TIED = dataclasses.replace(QWEN3_MOE_HF, tied_embeddings=True, weight_seed=6)
+QWEN3_MOE_TIED_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1)
 
 
 @dataclass(frozen=True)

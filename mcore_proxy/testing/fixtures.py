@@ -73,6 +73,8 @@ def _family_fixtures():
         # the same as Hugging Face's Qwen3-MoE has it (rope, a dense first layer, eps 1e-6, RoPE base 1e6):
         # the Megatron -> HF source of tests/checkpoint/hf
         "qwen3_moe_hf": (fam.QWEN3_MOE_HF, fam.QWEN3_MOE_LAYOUT),
+        # tied embeddings (Megatron's default) at PP 2: the last stage holds the embeddings' copy
+        "qwen3_moe_tied": (fam.QWEN3_MOE_TIED, fam.QWEN3_MOE_TIED_LAYOUT),
     }
 
 

@@ -110,6 +110,8 @@ def _canonical_prefix(local_name: str, layers: dict[str, int]) -> str:
 def _global_slices(local_name, param, gpt, layers, seed, router_std, tp, etp, ep):
     """Yield (target, value): target None means the whole parameter, else a view into it."""
     name = _canonical_prefix(local_name, layers)
+    if name == "output_layer.weight" and getattr(gpt, "share_embeddings_and_output_weights", False):
+        name = "embedding.word_embeddings.weight"   # a later stage's copy of the tied embeddings
     match = re.match(r"(.*\.mlp\.experts\.)(local_experts\.(\d+)\.(.*)|weight([12]))$", name)
     if not match:
         kind = kind_of(name)

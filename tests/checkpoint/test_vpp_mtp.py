@@ -138,19 +138,30 @@ def converted(saved, tmp_path_factory):
     assert main(["convert", str(saved["mtp"][0]), "--plan", str(plan_path), "-o", str(proxy),
                  "--target-ep", "1"]) == 0
 
+    # virtual stages written: the PP 1 model split PP 2 x VPP 2, and the MTP proxy at VPP 2
+    pp1_vpp, proxy_vpp = tmp / "pp1_vpp", tmp / "proxy_vpp"
+    assert main(["convert", str(saved["pp1"][0]), "-o", str(pp1_vpp), "--target-pp", "2", "--target-vpp", "2"]) == 0
+    assert main(["convert", str(saved["mtp"][0]), "--plan", str(plan_path), "-o", str(proxy_vpp),
+                 "--target-ep", "1", "--target-vpp", "2"]) == 0
+
     keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
     mtp_run = TraceRun(MODEL, Layout(), mtp_layers=1, seed=SEED)
-    proxy_run = TraceRun(dataclasses.replace(MODEL, num_experts=K), Layout(pp=2), mtp_layers=1, seed=SEED)
-    logits = {n: tmp / f"{n}.pt" for n in ("mtp_ep1", "restricted", "proxy", "vpp_pp2")}
+    proxy_model = dataclasses.replace(MODEL, num_experts=K)
+    proxy_run = TraceRun(proxy_model, Layout(pp=2), mtp_layers=1, seed=SEED)
+    logits = {n: tmp / f"{n}.pt" for n in ("mtp_ep1", "restricted", "proxy", "vpp_pp2", "pp1_vpp", "proxy_vpp")}
     run_jobs([Job(mtp_run, load=str(ep1), logits=str(logits["mtp_ep1"])),
               Job(mtp_run, load=str(ep1), logits=str(logits["restricted"]), keep=keep),
               Job(proxy_run, load=str(proxy), logits=str(logits["proxy"])),
-              Job(TraceRun(MODEL, Layout(pp=2), seed=SEED), load=str(pp2), logits=str(logits["vpp_pp2"]))])
-    return dict(ep1=ep1, pp2=pp2, proxy=proxy, plan=plan, logits={n: torch.load(p) for n, p in logits.items()})
+              Job(TraceRun(MODEL, Layout(pp=2), seed=SEED), load=str(pp2), logits=str(logits["vpp_pp2"])),
+              Job(TraceRun(MODEL, Layout(pp=2), vpp=2, seed=SEED), load=str(pp1_vpp), logits=str(logits["pp1_vpp"])),
+              Job(TraceRun(proxy_model, Layout(pp=2), vpp=2, mtp_layers=1, seed=SEED), load=str(proxy_vpp),
+                  logits=str(logits["proxy_vpp"]))])
+    return dict(ep1=ep1, pp2=pp2, proxy=proxy, plan=plan, pp1_vpp=pp1_vpp, proxy_vpp=proxy_vpp,
+                logits={n: torch.load(p) for n, p in logits.items()})
 
 
 def test_vpp_source_converts_and_runs(saved, converted):
-    """VPP is read-only: written at PP=2 without virtual stages, megatron loads it strictly."""
+    """Written at PP=2 without virtual stages (resolve_target defaults to none), megatron loads it strictly."""
     again = LegacyCheckpoint(converted["pp2"])
     assert (again.layout.pp, again.layout.vpp) == (2, 1)
     torch.testing.assert_close(converted["logits"]["vpp_pp2"], torch.load(saved["vpp"][1]), rtol=1e-5, atol=1e-5)
@@ -189,3 +200,54 @@ def test_mtp_proxy_loads_and_equals_the_restricted_original(saved, converted):
     full = torch.load(saved["mtp"][1])
     for head in (0, 1):  # the restriction matters, for both heads
         assert (full[head] - converted["logits"]["restricted"][head]).abs().max() > 1e-3
+
+
+# -- virtual stages written (--target-vpp) ----------------------------------------------------------
+
+def _model_chunks(path: Path) -> dict[str, dict]:
+    from mcore_proxy.checkpoint.torchfile import load_weights_only
+
+    state = load_weights_only(path)
+    return {k: v for k, v in state.items() if re.fullmatch(r"model\d*", k)}
+
+
+def test_a_vpp_source_is_rewritten_as_megatron_saved_it(saved, tmp_path):
+    """PP kept, no stage option: the virtual stages are kept, and every rank file holds the chunks
+    megatron-core saved, key for key and bit for bit, with Megatron-LM's args for them."""
+    out = tmp_path / "vpp_again"
+    assert main(["convert", str(saved["vpp"][0]), "-o", str(out)]) == 0
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        want = _model_chunks(saved["vpp"][0] / "iter_0000010" / rank / "model_optim_rng.pt")
+        got = _model_chunks(out / "iter_0000010" / rank / "model_optim_rng.pt")
+        assert sorted(got) == sorted(want) == ["model0", "model1"]
+        for key in want:
+            assert sorted(got[key]) == sorted(want[key]), (rank, key)
+            for name, value in want[key].items():
+                assert (value is None and got[key][name] is None) or torch.equal(got[key][name], value), name
+    args = TorchFile(out / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt").obj["args"]
+    assert (args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
+            args.pipeline_model_parallel_layout) == (2, 1, None)
+
+
+def test_target_vpp_loads_in_megatron_core_with_virtual_stages(saved, converted, capsys):
+    """--target-vpp 2 on models without a layout string: chunk (pp, vp) holds layer vp*PP + pp;
+    megatron-core builds PP 2 x VPP 2 chunks, loads them strictly and computes the same logits (the
+    PP 1 model), and the MTP proxy equals the original restricted to the kept experts."""
+    view = LegacyCheckpoint(converted["pp1_vpp"])
+    assert (view.layout.pp, view.layout.vpp, view.layout.stage_layers) == (2, 2, (2, 2))
+    assert_global_weights(view)
+    rank1 = _model_chunks(converted["pp1_vpp"] / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt")
+    # global layers 1 and 3, numbered 0 in their chunks; the output layer on the last chunk only
+    assert {k: sorted({n.split(".")[2] for n in v if n.startswith("decoder.layers.")}) for k, v in rank1.items()} \
+        == {"model0": ["0"], "model1": ["0"]}
+    assert "output_layer.weight" in rank1["model1"] and "output_layer.weight" not in rank1["model0"]
+    torch.testing.assert_close(converted["logits"]["pp1_vpp"], torch.load(saved["pp1"][1]), rtol=1e-5, atol=1e-5)
+    # MTP on the last chunk of the last rank, with its own embedding copy
+    last = _model_chunks(converted["proxy_vpp"] / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt")
+    assert any(n.startswith("mtp.layers.0.") for n in last["model1"]) and "embedding.word_embeddings.weight" in last["model1"]
+    torch.testing.assert_close(converted["logits"]["proxy_vpp"], converted["logits"]["restricted"], rtol=1e-5, atol=1e-5)
+    assert main(["inspect", str(converted["proxy_vpp"])]) == 0
+    assert "TP=1 PP=2 EP=1 ETP=1 VPP=2" in capsys.readouterr().out
+    assert main(["verify", "--orig", str(saved["mtp"][0]), "--proxy", str(converted["proxy_vpp"]),
+                 "--plan", str(converted["proxy"].parent / "plan.json")]) == 0
+    assert "verify: OK" in capsys.readouterr().out

@@ -33,3 +33,9 @@ def proxy_plan(megatron_ckpt, tmp_path_factory):
         return made[fixture]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def planted_plan():
+    """`make_plan` for modules with checkpoints of their own: `planted_plan(ckpt, K, path, target_ep)`."""
+    return make_plan

@@ -8,6 +8,7 @@ and megatron-core loads every proxy at its target layout and computes the origin
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -39,19 +40,30 @@ pytestmark = [pytest.mark.megatron,
 KEEP = 16   # of 32 experts; >= top-8 and two experts per group of the 8 DeepSeek groups
 CLOSE = dict(rtol=1e-4, atol=1e-4)   # fp32 logits of size ~1; another TP/EP reorders sums
 
-# (fixture, source format, convert options, layout megatron-core loads the proxy at)
+# (case id, source format, convert options, layout megatron-core loads the proxy at); the fixture
+# is the id's first part
 CASES = [
-    # layout "Ettt|tt|m|L" (VPP 2, standalone MTP) -> PP 2 with 3 + 2 layers, MTP on the last stage
-    ("deepseek_v3_mla", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1"],
+    # layout "Ettt|tt|m|L" (VPP 2, standalone MTP) -> a plain PP 2 split (--target-vpp 1) with 3 + 2
+    # layers, MTP on the last stage
+    ("deepseek_v3_mla-legacy", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1", "--target-vpp", "1"],
      StagedLayout(tp=2, pp=2, ep=1, first_stage_layers=3)),
-    ("deepseek_v3_mla", "torch_dist", ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
+    # -> another layout string: VPP 2, the MTP layer beside the loss on (pp 1, vp 1), so the final
+    # norm sits on (pp 0, vp 1) with the last decoder layer and pp 1 holds an embedding copy
+    ("deepseek_v3_mla-legacy-layout", "legacy",
+     ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1", "--target-pipeline-layout", "Et|tt|tt|mL"],
+     StagedLayout(tp=1, pp=2, ep=1, pipeline_layout="Et|tt|tt|mL")),
+    ("deepseek_v3_mla-torch_dist", "torch_dist", ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
      StagedLayout(tp=1, pp=1, ep=2)),
-    ("qwen3_moe", "legacy", ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1"],
+    # -> a layout string with a stage of the embedding alone (no decoder layer on pp 0, vp 0)
+    ("deepseek_v3_mla-torch_dist-layout", "torch_dist",
+     ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2", "--target-pipeline-layout", "E|ttttt|m|L"],
+     StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="E|ttttt|m|L")),
+    ("qwen3_moe-legacy", "legacy", ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1"],
      StagedLayout(tp=1, pp=2, ep=1, grouped=True)),
-    ("qwen3_moe", "torch_dist", ["--target-tp", "2", "--target-pp", "1", "--target-ep", "1"],
+    ("qwen3_moe-torch_dist", "torch_dist", ["--target-tp", "2", "--target-pp", "1", "--target-ep", "1"],
      StagedLayout(tp=2, pp=1, ep=1, grouped=True)),
 ]
-IDS = [f"{c[0]}-{c[1]}" for c in CASES]
+IDS = [c[0] for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +87,8 @@ def pipeline(family_ckpt, tmp_path_factory, digest):
         keep = {lid: plans[name].kept(lid) for lid in plans[name].layer_ids}
         jobs.append((ckpt.model, ckpt.layout, "torch_dist", ckpt.torch_dist, tmp / f"{name}-restricted.pt"))
         keeps.append(keep)
-    for case_id, (name, fmt, options, run_layout) in zip(IDS, CASES):
+    for case_id, fmt, options, run_layout in CASES:
+        name = case_id.split("-")[0]
         src = getattr(family_ckpt[name], fmt)
         before, out = digest(src), tmp / case_id
         assert main(["convert", str(src), "--plan", str(tmp / f"{name}.json"), "-o", str(out), *options]) == 0
@@ -116,6 +129,86 @@ def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
     assert "--decoder-first-pipeline-num-layers 3" in flags and "(no --pipeline-model-parallel-layout)" in flags
 
 
+def _chunk_keys(state: dict) -> dict[str, list[str]]:
+    """model chunk key -> its tensor names without `_extra_state` (first three name parts)."""
+    return {k: sorted({".".join(n.split(".")[:3]) for n in v if not n.endswith("_extra_state")})
+            for k, v in state.items() if k.startswith("model")}
+
+
+def test_the_written_layout_string_is_what_megatron_core_builds(family_ckpt, pipeline, capsys):
+    """"Et|tt|tt|mL" at PP 2: each rank file holds model0 and model1 with local layer numbers, the
+    embedding on the first chunk and again beside the MTP layer, the final norm with the last
+    decoder layer (MTP is on), the output layer on the last chunk; the args are Megatron-LM's for
+    that flag (raw string, VPP 2, no stage sizes) and so are the launch flags and inspect."""
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.checkpoint.torchfile import TorchFile
+
+    proxies, *_ = pipeline
+    out = proxies["deepseek_v3_mla-legacy-layout"]
+    files = {d.name: TorchFile(d / "model_optim_rng.pt").obj for d in sorted(out.glob("iter_*/mp_rank_*"))}
+    assert sorted(files) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert _chunk_keys(files["mp_rank_00_000"]) == {
+        "model0": ["decoder.layers.0", "embedding.word_embeddings.weight"],
+        "model1": ["decoder.final_layernorm.weight", "decoder.layers.0", "decoder.layers.1"]}
+    assert _chunk_keys(files["mp_rank_00_001"]) == {
+        "model0": ["decoder.layers.0", "decoder.layers.1"],
+        "model1": ["embedding.word_embeddings.weight", "mtp.layers.0", "output_layer.weight"]}
+    for state in files.values():
+        args = state["args"]
+        assert (args.pipeline_model_parallel_layout, args.virtual_pipeline_model_parallel_size) == ("Et|tt|tt|mL", 2)
+        assert args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None
+        assert args.num_layers_per_virtual_pipeline_stage is None and args.overlap_p2p_comm is True
+    view = open_checkpoint(out)
+    assert (view.layout.vpp, view.layout.stage_layers) == (2, (3, 2))
+    # the launch flags set the string (quoted for the shell) and ask to drop nothing about stages
+    assert main(["convert", str(family_ckpt["deepseek_v3_mla"].legacy), "-o", str(out.parent / "dry"), "--dry-run",
+                 "--target-pp", "2", "--target-pipeline-layout", "Et|tt|tt|mL", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "--pipeline-model-parallel-layout 'Et|tt|tt|mL'" in doc["launch_flags"]
+    assert doc["target"]["vpp"] == 2 and doc["target"]["pipeline_layout"] == "Et|tt|tt|mL"
+    assert not [f for f in doc["remove_flags"] if "layout" in f or "virtual" in f]
+    assert main(["inspect", str(out)]) == 0
+    assert "VPP=2 layout 'Et|tt|tt|mL'" in capsys.readouterr().out
+    # torch_dist: layout-independent files, the target's layout in common.pt
+    dist = open_checkpoint(proxies["deepseek_v3_mla-torch_dist-layout"])
+    assert dist.args.pipeline_model_parallel_layout == "E|ttttt|m|L"
+    assert (dist.layout.vpp, dist.layout.stage_layers) == (2, (0, 5))
+
+
+def test_the_source_layout_is_kept_by_default(family_ckpt, pipeline, capsys):
+    """PP kept and no stage option: the proxy keeps "Ettt|tt|m|L", and convert says so in its flags."""
+    proxies, *_ = pipeline
+    out = proxies["deepseek_v3_mla-legacy"].parent / "kept"
+    assert main(["convert", str(family_ckpt["deepseek_v3_mla"].legacy), "-o", str(out), "--target-ep", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "--pipeline-model-parallel-layout 'Ettt|tt|m|L'" in text and "without: --pipeline" not in text
+    from mcore_proxy.checkpoint import open_checkpoint
+
+    assert open_checkpoint(out).layout.pipeline_layout == "Ettt|tt|m|L"
+
+
+BAD_LAYOUTS = [
+    (["--target-pipeline-layout", "Et|tt|m|L"], "--target-pipeline-layout: pipeline layout 'Et|tt|m|L': it has 3 "
+     "decoder layers (t), the model has 5; fix the layout string"),
+    (["--target-pipeline-layout", "Ettt|ttL"], "it has 0 MTP layers (m), the model has 1"),
+    (["--target-pipeline-layout", "Ettt|ttm|L"], "has 3 stages, not a multiple of PP=2"),
+    (["--target-pipeline-layout", "Ettt|tx|m|L"], "stage 1 ('tx') has 'x'"),
+    (["--target-pipeline-layout", "Ettt|ttmL", "--target-stage-layers", "3,2"], "give one of them"),
+    (["--target-pp", "1", "--target-pipeline-layout", "Ettt|ttmL"], "needs PP > 1"),
+    (["--target-vpp", "3", "--target-pipeline-layout", "Ettt|tt|m|L"], "drop --target-vpp"),
+    (["--target-vpp", "2"], "--target-vpp 2: 5 decoder layers do not split evenly into PP x VPP = 4 chunks"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_LAYOUTS, ids=[" ".join(o) for o, _ in BAD_LAYOUTS])
+def test_a_bad_target_layout_is_one_sentence_and_exit_2(family_ckpt, tmp_path, capsys, options, message):
+    out = tmp_path / "out"
+    assert main(["convert", str(family_ckpt["deepseek_v3_mla"].legacy), "-o", str(out), *options]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "--target-" in err[0], err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3_mla", "qwen3_moe"])
 def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
     proxies, plans, _, _, _ = pipeline
@@ -126,8 +219,10 @@ def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
         assert "multi-latent attention, local layer spec" in shown and "VPP=2 layout 'Ettt|tt|m|L'" in shown
     else:
         assert "grouped-query attention, local layer spec" in shown
-    assert main(["verify", "--orig", str(ckpt.legacy), "--proxy", str(proxies[f"{name}-legacy"]),
-                 "--plan", str(Path(proxies[f"{name}-legacy"]).parent / f"{name}.json"), "--functional"]) == 0
+    # DeepSeek: the proxy written with another layout string (VPP 2)
+    proxy = proxies[f"{name}-legacy-layout" if name == "deepseek_v3_mla" else f"{name}-legacy"]
+    assert main(["verify", "--orig", str(ckpt.legacy), "--proxy", str(proxy),
+                 "--plan", str(Path(proxy).parent / f"{name}.json"), "--functional"]) == 0
     text = capsys.readouterr().out
     assert "verify: OK" in text and "functional: max |logit difference|" in text
     assert load_plan(Path(proxies[f"{name}-legacy"]).parent / f"{name}.json").num_experts == KEEP
@@ -152,3 +247,28 @@ def test_the_mla_trace_is_exact_at_any_layout(family_ckpt, pipeline):
         assert np.array_equal(4 * x.freq, y.freq) and np.array_equal(4 * x.coact, y.coact), lid
         np.testing.assert_allclose(4 * x.gate_mass, y.gate_mass, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(4 * x.proto_sum, y.proto_sum, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layout_string_replaces_first_last_stage_sizes(megatron_ckpt, tmp_path, capsys):
+    """A source saved with --decoder-first-pipeline-num-layers 1 (no MTP) written with a layout
+    string: the flags say to drop the stage sizes, the args clear them, the final norm and the output
+    layer go to the last chunk, and the proxy reads back tensor for tensor."""
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.checkpoint.torchfile import load_weights_only
+
+    src, _ = megatron_ckpt("deepseek_like_pp2_uneven")
+    out = tmp_path / "out"
+    assert main(["convert", str(src), "-o", str(out), "--target-pipeline-layout", "Et|t|t|tL", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "--pipeline-model-parallel-layout 'Et|t|t|tL'" in doc["launch_flags"]
+    assert any("--decoder-first-pipeline-num-layers" in f for f in doc["remove_flags"])
+    last = load_weights_only(next(out.glob("iter_*/mp_rank_00_001_000/model_optim_rng.pt")))
+    assert "decoder.final_layernorm.weight" in last["model1"] and "output_layer.weight" in last["model1"]
+    assert not any(k.startswith(("decoder.final_layernorm", "output_layer")) for k in last["model0"])
+    assert last["args"].decoder_first_pipeline_num_layers is None
+    source, again = open_checkpoint(src), open_checkpoint(out)
+    assert (again.layout.vpp, again.layout.stage_layers) == (2, (2, 2))
+    assert again.names() == source.names()
+    for name in source.names():
+        a, b = source.get(name), again.get(name)
+        assert (a is None and b is None) or torch.equal(a, b), name

@@ -257,6 +257,7 @@ class HFWriter(Writer):
 # ConvertRequest/TargetOptions fields -> the convert flags that set them (for the refusal above)
 _FLAGS = {"tp": "--target-tp", "pp": "--target-pp", "ep": "--target-ep", "etp": "--target-etp",
           "expert_layout": "--expert-layout", "stage_layers": "--target-stage-layers",
+          "pipeline_layout": "--target-pipeline-layout", "vpp": "--target-vpp",
           "tp_extend_ep": "--moe-tp-extend-ep"}
 
 

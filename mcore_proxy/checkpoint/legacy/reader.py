@@ -6,6 +6,7 @@ names to the shards that hold them, and reads a tensor's bytes only when `get` a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +18,17 @@ from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, detect_naming, join_up, megatron_keys,
                                                   split_parts)
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
-from mcore_proxy.checkpoint.names import SEQUENTIAL, LocalKey, canonical_sort_key, layer_number, parse_local_key
+from mcore_proxy.checkpoint.names import (OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS, LocalKey,
+                                          canonical_sort_key, embeddings_tied, layer_number, parse_local_key,
+                                          te_grouped_extra_state)
+from mcore_proxy.checkpoint.te_extra_state import empty_extra_state, holds_state
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.sharding import LOCAL_SPEC, MINDSPEED_SPEC, REPLICATED, is_ignored, rule_for
 from mcore_proxy.spec import ModelSpec, layer_module_prefix
+
+log = logging.getLogger(__name__)
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -222,9 +228,15 @@ class LegacyCheckpoint(ModelView):
         self._expert_layout = SEQUENTIAL
         self._variants: set[str] = set()
         self._linear_extra_state = False
+        self._reset_states = 0
         for c in sorted(self.files):
             self._index_file(c, self.files[c], layout)
+        if self._reset_states:
+            log.warning("%s: %d TEGroupedMLP extra states hold FP8 metadata for all local experts; they are "
+                        "reset to TE's empty state (never unpickled, see checkpoint/te_extra_state.py)",
+                        self.path, self._reset_states)
         self._check_complete()
+        self._drop_tied_output_copy(args)
         if self._naming is not None:
             self._entries = _canonical_entries(self._entries, MLADims.from_args(args, str(first.path)))
             self._layer_spec = LOCAL_SPEC
@@ -318,6 +330,15 @@ class LegacyCheckpoint(ModelView):
             self._expert_layout = lk.expert_layout
         if lk.variant:
             self._variants.add(lk.variant)
+        grouped_extra = te_grouped_extra_state(lk.canonical) if lk.kind == "plain" else None
+        if grouped_extra is not None:
+            # one opaque state for every local expert: reset per expert (te_extra_state.py)
+            self._expert_layout = TE_GROUPED
+            self._reset_states += holds_state(value)
+            prefix, module = grouped_extra
+            for j in range(local_experts):
+                yield f"{prefix}.{ep * local_experts + j}.{module}._extra_state", _Constant(empty_extra_state())
+            return
         if lk.kind == "grouped":
             if not isinstance(value, LazyTensor) or len(value.shape) != 2:
                 raise CheckpointError(f"{tf.path}: {lk.canonical}.weight{lk.fc} is not a 2-D tensor")
@@ -366,6 +387,23 @@ class LegacyCheckpoint(ModelView):
                     raise CheckpointError(
                         f"{self.path}: MoE layer {layer_id} holds {len(found)} experts but args say "
                         f"num_experts={self._spec.num_experts}; the checkpoint is incomplete")
+
+    def _drop_tied_output_copy(self, args) -> None:
+        """With tied embeddings and PP > 1 the last stage saves `output_layer.weight`, its copy of the
+        word embeddings (megatron-core `LanguageModule.setup_embeddings_and_output_layer`): the same
+        canonical tensor, so it is not a tensor of the view (writers re-create it where the target
+        needs it)."""
+        if OUTPUT_LAYER not in self._entries or not embeddings_tied(args, True):
+            return
+        where = self._entries[OUTPUT_LAYER].where[0]
+        if WORD_EMBEDDINGS not in self._entries:
+            raise CheckpointError(f"{where}: args say the output layer is tied to the word embeddings, but no rank "
+                                  f"file holds {WORD_EMBEDDINGS}; copy the first stage's rank folders too")
+        copy, original = self.shape(OUTPUT_LAYER), self.shape(WORD_EMBEDDINGS)
+        if copy != original:
+            raise CheckpointError(f"{where}: {OUTPUT_LAYER} {list(copy)} should be the tied copy of {WORD_EMBEDDINGS} "
+                                  f"{list(original)}; the rank folders come from different runs, re-copy them")
+        del self._entries[OUTPUT_LAYER]
 
     # -- ModelView ---------------------------------------------------------------------------
     def names(self) -> list[str]:

@@ -1,8 +1,10 @@
 """Megatron legacy (`torch`) checkpoints, written from any ModelView at a target layout.
 
 Units: one per (pipeline stage, EP rank): the TP rank files `mp_rank_TT[_PPP][_EEE]` of that
-stage and EP rank, which share one read of every tensor they hold (an expert is read once for
-all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
+stage and EP rank (each file's `model`, or with virtual stages `model0`, `model1`, ... for its
+chunks, local layer numbers restarting at 0 in each, as Megatron-LM's `generate_state_dict`
+writes them; which chunk holds what: `target.chunks_of`), which share one read of every tensor
+they hold (an expert is read once for all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
 destination file (`ShardRule.shard`), never split whole for every rank.
 
 Optimizer and RNG state are not written; `iteration` and `checkpoint_version` are kept. Local
@@ -21,48 +23,73 @@ from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
 from mcore_proxy.checkpoint.mindspeed_llm import (MegatronNamedView, MindSpeedNamedView, has_extra_state,
                                                   naming_args, written_naming)
-from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, linear_extra_state, local_expert_key,
-                                          restore_variant, split_expert_name, to_local_layer)
+from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
+                                          embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
+                                          split_expert_name, to_local_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, stage_of, target_args
+from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, target_args
+from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.sharding import rule_for
 
 class _RankOut:
-    """One output rank file being streamed."""
+    """One output rank file being streamed: `model` or `model0`, `model1`, ... (`chunk_keys`)."""
 
-    def __init__(self, root: Path, rel: str):
+    def __init__(self, root: Path, rel: str, chunk_keys: list[str]):
         path = Path(root) / rel
         path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
         self.rel, self.path = rel, path
         self.writer = TorchFileWriter(path)
-        self.model: dict = {}
-        self.grouped: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self.chunks: dict[str, dict] = {key: {} for key in chunk_keys}
+        self.grouped: dict[tuple[str, str, int], dict[int, torch.Tensor]] = {}
 
-    def add(self, key: str, value) -> None:
+    def add(self, chunk: str, key: str, value) -> None:
         """A tensor, the pieces of one (a GLU shard's gate and up rows), or a plain value."""
         pieces = value if isinstance(value, list) else [value]
         if not isinstance(pieces[0], torch.Tensor):
             check_writable(pieces[0], f"model entry {key}")
-            self.model[key] = pieces[0]
+            self.chunks[chunk][key] = pieces[0]
         else:
-            self.model[key] = self.writer.add_pieces(pieces)
+            self.chunks[chunk][key] = self.writer.add_pieces(pieces)
 
     def close(self, header: dict) -> WrittenFile:
         if self.grouped:
             raise CheckpointError(f"{self.path}: incomplete GroupedMLP experts {sorted(self.grouped)}")
-        self.writer.close({**header, "model": self.model})
+        self.writer.close({**header, **self.chunks})
         return WrittenFile(self.rel, self.writer.size, self.writer.sha256)
 
 
-def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> list[str]:
-    # MTP layers sit on the last stage, which then holds its own copy of the word embeddings
-    # (megatron-core builds `embedding` wherever `mtp_process`; tied to the first stage's)
-    mtp_embedding = view.spec.mtp_layers and stage == target.pp - 1
-    return [n for n in view.names()
-            if stage_of(n, target) == stage or (mtp_embedding and n.startswith("embedding."))]
+def chunk_key(target: ParallelLayout, vp: int) -> str:
+    """Megatron-LM's state key of model chunk `vp`: `model`, or `model{vp}` with virtual stages."""
+    return "model" if target.vpp == 1 else f"model{vp}"
+
+
+def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> dict[str, list[tuple[str, int, str]]]:
+    """name -> [(chunk key, global offset of the chunk's first layer, canonical name written as)]
+    for the names pipeline rank `stage` holds: the embeddings twice when a chunk of it has the MTP
+    layers beside the first, and the word embeddings once more as the last stage's tied output copy."""
+    stages = target.stages(view.spec.mtp_layers)
+    out = {}
+    for name in view.names():
+        held = [(chunk_key(target, s.vp), s.decoder[0] if s.decoder else 0, name)
+                for s in chunks_of(name, stages) if s.pp == stage]
+        if held:
+            out[name] = held
+    if _tied_output_copy(view, target, stage):
+        out.setdefault(WORD_EMBEDDINGS, []).extend(
+            (chunk_key(target, s.vp), 0, OUTPUT_LAYER) for s in chunks_of(OUTPUT_LAYER, stages) if s.pp == stage)
+    return out
+
+
+def _tied_output_copy(view: ModelView, target: ParallelLayout, stage: int) -> bool:
+    """Whether `stage` holds `output_layer.weight` as its copy of the word embeddings: with tied
+    embeddings megatron-core allocates an output weight on the last stage unless it is also the
+    first (`GPTModel`: `skip_weight_param_allocation=pre_process and share_embeddings...`)."""
+    names = view.names()
+    return (target.pp > 1 and stage == target.pp - 1 and WORD_EMBEDDINGS in names
+            and embeddings_tied(view.args, OUTPUT_LAYER in names))
 
 
 def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
@@ -78,38 +105,29 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
 
     Memory: one canonical tensor, plus one layer's local experts for a GroupedMLP target."""
     it_dir = folder_name(view.iteration)
-    offset = sum(target.stage_layers[:stage])
-    outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}") for t in range(target.tp)]
+    keys = [chunk_key(target, v) for v in range(target.vpp)]
+    outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}", keys)
+            for t in range(target.tp)]
     extra_state, variants, naming = view.info.linear_extra_state, view.info.variants, view.info.naming
     num_experts = view.spec.num_experts
     per = num_experts // target.expert_ranks if num_experts else 0
-    names = [n for n in _stage_names(view, target, stage) if _ep_of(view, n, target) in (None, ep)]
+    placed = {n: held for n, held in _stage_names(view, target, stage).items() if _ep_of(view, n, target) in (None, ep)}
+    present = set(view.names())
     try:
-        for name, tensor in stream(view, names):
+        for name, tensor in stream(view, list(placed)):
             rule = rule_for(name, view.layer_spec)
             parts = rule.parts(target)
             for t, out in enumerate(outs):
+                if rule.expert and target.expert_chunk(t, ep) != split_expert_name(name)[1] // per:
+                    continue                       # --moe-tp-extend-ep: another TP rank's expert
                 # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
                 shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
-                if not rule.expert:
-                    key = restore_variant(to_local_layer(name, offset), variants)
-                    out.add(key, shard)
-                    if extra_state and (extra := linear_extra_state(key)) and has_extra_state(key, naming):
-                        out.add(extra, None)
-                    continue
-                prefix, e, rest = split_expert_name(name)
-                if target.expert_chunk(t, ep) != e // per:
-                    continue                       # --moe-tp-extend-ep: another TP rank's expert
-                local_prefix = to_local_layer(prefix, offset)
-                if target.expert_layout == GROUPED:
-                    _add_grouped(out, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
-                else:
-                    key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
-                    out.add(key, shard)
-                    if extra_state and target.expert_layout == SEQUENTIAL and (extra := linear_extra_state(key)):
-                        out.add(extra, None)
-            if progress is not None and isinstance(tensor, torch.Tensor):
-                progress(tensor.numel() * tensor.element_size())
+                for chunk, offset, written_as in placed[name]:
+                    _add(out, chunk, written_as, shard, offset, rule, target, per, extra_state, variants, present,
+                         naming)
+            if progress is not None:   # as `units` counts (an object's tensor: 0)
+                progress(tensor_nbytes(view, name) * _files_holding(rule, target) // rule.parts(target)
+                         * len(placed[name]))
             del tensor
         return [out.close({**header, "args": args}) for out in outs]
     except BaseException:
@@ -118,19 +136,54 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
         raise
 
 
-def _add_grouped(out: _RankOut, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
+def _files_holding(rule, target: ParallelLayout) -> int:
+    """TP rank files of one (stage, EP rank) holding a tensor: all, or one for an expert with
+    --moe-tp-extend-ep."""
+    return 1 if rule.expert and target.tp_extend_ep else target.tp
+
+
+def _add(out: _RankOut, chunk: str, name: str, shard: list, offset: int, rule, target: ParallelLayout, per: int,
+         extra_state: bool, variants, present: set[str], naming=None) -> None:
+    """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key;
+    `present`: the view's names (a linear whose extra state the view holds gets that, not None);
+    `naming`: the MindSpeed-LLM naming written (its fused `linear_qkv` has no extra state)."""
+    if not rule.expert:
+        key = restore_variant(to_local_layer(name, offset), variants)
+        out.add(chunk, key, shard)
+        if extra_state and (extra := linear_extra_state(key)) and linear_extra_state(name) not in present \
+                and has_extra_state(key, naming):
+            out.add(chunk, extra, None)
+        return
+    prefix, e, rest = split_expert_name(name)
+    local_prefix = to_local_layer(prefix, offset)
+    if rest.endswith("._extra_state") and target.expert_layout != SEQUENTIAL:
+        return   # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
+    if target.expert_layout == GROUPED:
+        _add_grouped(out, chunk, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
+        return
+    key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
+    out.add(chunk, key, shard)
+    if target.expert_layout == TE_GROUPED and e % per == 0 and rest.endswith(".weight"):
+        # one state for all local experts: TE's empty "no FP8 state" (te_extra_state.py)
+        out.add(chunk, f"{local_prefix}.{rest[:-len('.weight')]}._extra_state", empty_extra_state())
+    extra = linear_extra_state(key)
+    if extra_state and target.expert_layout == SEQUENTIAL and extra and linear_extra_state(name) not in present:
+        out.add(chunk, extra, None)
+
+
+def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
     """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
     fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
     if fc is None:
         raise CheckpointError(f"{prefix}.{j}.{rest}: GroupedMLP stores only expert fc1/fc2 weights; "
                               "write this checkpoint with the sequential expert layout")
-    pending = out.grouped.setdefault((prefix, fc), {})
+    pending = out.grouped.setdefault((chunk, prefix, fc), {})
     pending[j] = shard.t()
     if len(pending) == per:
         stacked = torch.stack([pending[i] for i in range(per)])      # [El, H, n] or [El, m, H]
         rows = stacked.shape[1] if fc == 1 else stacked.shape[0] * stacked.shape[1]
-        out.add(f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
-        del out.grouped[(prefix, fc)]
+        out.add(chunk, f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
+        del out.grouped[(chunk, prefix, fc)]
 
 
 def _named(view: ModelView, target: ParallelLayout) -> ModelView:
@@ -175,11 +228,10 @@ class LegacyWriter(Writer):
         view = _named(view, target)
         sizes = {(p, e): 0 for p in range(target.pp) for e in range(target.ep)}
         for p in range(target.pp):
-            for name in _stage_names(view, target, p):
+            for name, held in _stage_names(view, target, p).items():
                 rule, ep = rule_for(name, view.layer_spec), _ep_of(view, name, target)
-                # every TP file of the group holds a 1/parts shard (--moe-tp-extend-ep: an expert is in one)
-                files = 1 if rule.expert and target.tp_extend_ep else target.tp
-                nbytes = tensor_nbytes(view, name) * files // rule.parts(target)
+                # every TP file of the group holds a 1/parts shard, once per chunk holding it
+                nbytes = tensor_nbytes(view, name) * _files_holding(rule, target) // rule.parts(target) * len(held)
                 for e in range(target.ep) if ep is None else (ep,):
                     sizes[(p, e)] += nbytes
         return [Unit(key, n) for key, n in sizes.items()]

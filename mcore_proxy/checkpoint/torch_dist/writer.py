@@ -68,11 +68,16 @@ def _write_tensor(sink: HashingSink, key: str, index, sizes, tensor: torch.Tenso
 def _write_object(sink: HashingSink, unique: str, value, records) -> None:
     """A ShardedObject as torch.save([value]); record ("object", key, byte start, byte length).
     It may hold Unresolved objects (TE extra state read back): torchfile's pickler keeps them."""
-    if value is not None:
+    if value is not None and not isinstance(value, torch.Tensor):   # a tensor is data (TE's byte tensor)
         check_writable(value, f"object {unique}")
     start = sink.position
     save_object([value], sink=sink)
     records.append(("object", unique, start, sink.position - start))
+
+
+def is_extra_state(name: str) -> bool:
+    """A module's `_extra_state` entry (opaque bytes or None), written as a ShardedObject."""
+    return name.endswith("._extra_state")
 
 
 def write_group(view: ModelView, names: list[str], it_dir: Path, file: str, style: KeyStyle,
@@ -86,7 +91,9 @@ def write_group(view: ModelView, names: list[str], it_dir: Path, file: str, styl
     with HashingSink(it_dir / file) as sink:
         for name, value in stream(view, names):
             key, index, sizes = style.locate(name)
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or is_extra_state(name):
+                # TE's extra state is a byte tensor read from a legacy file, but megatron-core saves
+                # every `_extra_state` as a ShardedObject (per expert for experts: renumbered to K)
                 _write_object(sink, object_key(key, index, sizes), value, records)
                 continue
             rule = rule_for(name, view.layer_spec)
@@ -152,7 +159,7 @@ class DistWriter(Writer):
         for name in view.names():
             key, _, sizes = style.locate(name)
             shape = view.shape(name)
-            if shape is None:
+            if shape is None or is_extra_state(name):   # objects: nothing to stack
                 continue
             got = (tuple(sizes) + tuple(shape), view.dtype(name))
             if seen.setdefault(key, got) != got:
