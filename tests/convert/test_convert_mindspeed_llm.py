@@ -119,7 +119,7 @@ def test_inspect_reports_the_naming(derived, capsys):
 @pytest.fixture(scope="module")
 def proxies(derived, tmp_path_factory):
     """A K = 16 plan on planted statistics; the MindSpeed-LLM source converted with megatron-core
-    names (TP 1, PP 2, EP 2) and with MindSpeed-LLM names (TP 2, PP 1, EP 2, --moe-tp-extend-ep);
+    names (TP 1, PP 2 keeping the source's layout string, EP 2) and with MindSpeed-LLM names (TP 2, PP 1, EP 2, --moe-tp-extend-ep);
     megatron-core runs the megatron-named proxy and the restricted original."""
     ckpt, roots = derived
     tmp = tmp_path_factory.mktemp("mindspeed-proxies")
@@ -132,7 +132,7 @@ def proxies(derived, tmp_path_factory):
     keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
     proxy_model = dataclasses.replace(ckpt.model, num_experts=KEEP)
     logits = load_and_run([(ckpt.model, ckpt.layout, "torch_dist", ckpt.torch_dist, tmp / "restricted.pt"),
-                           (proxy_model, StagedLayout(tp=1, pp=2, ep=2, first_stage_layers=3), "legacy",
+                           (proxy_model, StagedLayout(tp=1, pp=2, ep=2, etp=1, pipeline_layout="Ettt|tt|m|L"), "legacy",
                             out["megatron"], tmp / "proxy.pt")], keeps=[keep, None])
     return out, logits
 
