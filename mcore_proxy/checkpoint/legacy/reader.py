@@ -337,7 +337,7 @@ class LegacyCheckpoint(ModelView):
             self._reset_states += holds_state(value)
             prefix, module = grouped_extra
             for j in range(local_experts):
-                yield f"{prefix}.{ep * local_experts + j}.{module}._extra_state", _Constant(empty_extra_state())
+                yield f"{prefix}.{chunk * local_experts + j}.{module}._extra_state", _Constant(empty_extra_state())
             return
         if lk.kind == "grouped":
             if not isinstance(value, LazyTensor) or len(value.shape) != 2:
