@@ -1,0 +1,384 @@
+"""The pipeline at DeepSeek-V3 scale (issue 10 item 5): inspect, select and convert a synthetic
+checkpoint with DeepSeek-V3's real layer and expert counts, laid out as a large job saves it.
+
+    python bench/bench_deepseek_scale.py [--data /work/benchdata-scale] [--repeat 3] [--depths 16,32,61]
+    python bench/bench_deepseek_scale.py --smoke --data DIR      # tiny sizes, seconds (tests/bench)
+
+The model (`scale_model`): 61 layers, the first 3 dense, 256 routed experts per MoE layer, top-8
+with 8 groups / top-4 groups, sigmoid scores with expert bias, scaling 2.5, one shared expert,
+one MTP layer, multi-latent attention with q_lora and kv_lora and latent norms, rope, untied
+embeddings, bf16: DeepSeek-V3's structure at reduced width (H 256, 8 heads, expert FFN 96,
+vocab 4096; about 3.1 GiB on disk). The layout: legacy `--ckpt-format torch`, TP 1, PP 8 with
+uneven stages (first 7 and last 6 layers, Megatron's `--decoder-first/last-pipeline-num-layers`,
+or with `--stages num-layer-list` MindSpeed-LLM's `--num-layer-list 7,8,8,8,8,8,8,6` with its
+`first_k_dense_replace` / int `moe_layer_freq` spelling of the dense layers), EP 32, ETP 1:
+256 rank folders `mp_rank_00_PPP_EEE`, the MTP layer on the last stage beside its copy of the
+word embeddings, megatron-core's local-spec (SequentialMLP) names.
+
+megatron-core cannot build a 256-expert 61-layer model on a 2-core box, so `write_checkpoint`
+writes the rank files itself, as Megatron-LM's `save_checkpoint` would: `torch.save` of
+{args (argparse.Namespace, from the same `Family.megatron_args` the megatron-core fixtures use),
+checkpoint_version 3.0, iteration, model (rank-local names and shapes, `_extra_state` None for
+every local linear), optimizer, opt_param_scheduler, rng_state,
+num_floating_point_operations_so_far}. tests/bench/test_bench_deepseek_scale.py generates the
+megatron-core DeepSeek fixture's own model with it and compares keys, shapes and args with the
+files megatron-core saved, so the generator cannot drift. Values are random bf16 (replicated
+tensors equal on every EP rank); routers and the routing statistics come from
+`select.synthetic.planted_layer` (32 planted clusters per layer), so selection sees a coherent
+router and trace.
+
+The measurement, in one run, every command under `/usr/bin/time -v` after
+`sync; echo 3 > /proc/sys/vm/drop_caches` (cold page cache; warm, and said so, where that is not
+permitted), repeated --repeat times interleaved: `cp -r` of each source, `mcore-proxy inspect`,
+`mcore-proxy select` (K 16 per layer, target EP 2) and `mcore-proxy convert` to TP 1 / PP 1 /
+EP 2, for checkpoints truncated to each of --depths layers (same 256 rank folders, same
+per-layer tensors: peak RSS must be flat in depth). Bytes read: disk reads of the process tree
+(`File system inputs` of time -v, i.e. read_bytes with the cache dropped). Medians and the
+ratio to `cp -r` in the same repetition print as a markdown table; every sample goes to
+DATA/scale-results.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.functional.model import Layout
+from mcore_proxy.testing.families import DEEPSEEK_V3, Family
+
+HERE = Path(__file__).resolve().parent
+MIB, GIB = 2**20, 2**30
+ITERATION = 1000
+
+
+def scale_model(num_layers: int = 61) -> Family:
+    """DeepSeek-V3's structure (layer/expert counts, routing, MLA, MTP) at reduced width."""
+    return dataclasses.replace(
+        DEEPSEEK_V3, num_layers=num_layers, hidden_size=256, num_attention_heads=8, ffn_hidden_size=768,
+        q_lora_rank=96, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
+        num_experts=256, moe_ffn_hidden_size=96, shared_expert_size=96, topk=8, num_groups=8, group_topk=4,
+        moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3), vocab_size=4096, seq_length=4096)
+
+
+def smoke_model(num_layers: int = 5) -> Family:
+    """The same structure at test size: 32 experts (8 groups), H 32."""
+    return dataclasses.replace(
+        DEEPSEEK_V3, num_layers=num_layers, moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3))
+
+
+def stage_counts(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage: even if PP divides them, else the middle stages
+    ceil(L/PP) each and the first and last the rest (61 over 8: 7, 8 x 6, 6)."""
+    if num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    middle = -(-num_layers // pp)
+    rest = num_layers - middle * (pp - 2)
+    first, last = -(-rest // 2), rest // 2
+    if last < 1:
+        raise SystemExit(f"{num_layers} layers do not split over PP {pp} as first + even middle + last")
+    return [first] + [middle] * (pp - 2) + [last]
+
+
+# -- the checkpoint ----------------------------------------------------------------------------
+
+def megatron_args(model: Family, counts: list[int], ep: int, stages: str = "first-last") -> argparse.Namespace:
+    """args as the saving job's Megatron-LM (or MindSpeed-LLM, `stages="num-layer-list"`) leaves them."""
+    pp = len(counts)
+    even = len(set(counts)) == 1
+    args = model.megatron_args(Layout(tp=1, pp=pp, ep=ep, etp=1, first_stage_layers=None if even else counts[0]))
+    vars(args).update(bf16=True, params_dtype=torch.bfloat16, iteration=ITERATION, use_distributed_optimizer=True,
+                      moe_router_dtype=None, sequence_parallel=False)
+    if not even:
+        args.decoder_last_pipeline_num_layers = counts[-1]
+    if stages == "num-layer-list":   # MindSpeed-LLM: --num-layer-list, --first-k-dense-replace, int freq
+        dense = model.moe_layer_freq.index(1)
+        vars(args).update(num_layer_list=",".join(map(str, counts)), decoder_first_pipeline_num_layers=None,
+                          decoder_last_pipeline_num_layers=None, first_k_dense_replace=dense, moe_layer_freq=1,
+                          noop_layers=None)
+    elif stages != "first-last":
+        raise SystemExit(f"--stages {stages!r}: expected first-last or num-layer-list")
+    return args
+
+
+def _randn(shape, name: str, dtype=torch.bfloat16, std: float = 0.02, memo: dict | None = None) -> torch.Tensor:
+    """Random values keyed by `name`; `memo` keeps replicated tensors so that the 32 EP ranks of
+    a stage draw them once (the same tensor objects, saved into each rank file)."""
+    if memo is not None and name in memo:
+        return memo[name]
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    t = (torch.randn(shape, generator=g) * std).to(dtype)
+    if memo is not None:
+        memo[name] = t
+    return t
+
+
+def _linear(out: dict, key: str, shape, seed_name: str, memo: dict | None = None) -> None:
+    out[f"{key}.weight"] = _randn(shape, seed_name, memo=memo)
+    out[f"{key}._extra_state"] = None                   # megatron-core's local linears save None
+
+
+def layer_tensors(model: Family, prefix: str, seed_prefix: str, moe: bool, router: torch.Tensor | None,
+                  experts: range, memo: dict | None = None) -> dict:
+    """One transformer layer's rank-local state at TP 1 / ETP 1 (megatron-core local spec, MLA):
+    `prefix` its rank-local key prefix, `seed_prefix` its global name (values are keyed by it, so
+    every EP rank holds the same replicated tensors), `experts` the global ids this EP rank holds,
+    `memo` replicated tensors already drawn (see `_randn`)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    qk, rope, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+    out: dict = {}
+
+    def w(key, shape):
+        _linear(out, f"{prefix}.{key}", shape, f"{seed_prefix}.{key}", memo)
+
+    def norm(key, size):
+        out[f"{prefix}.{key}.weight"] = _randn((size,), f"{seed_prefix}.{key}", memo=memo) + 1
+
+    norm("input_layernorm", h)
+    w("self_attention.linear_proj", (h, heads * v))
+    w("self_attention.linear_q_down_proj", (model.q_lora_rank, h))
+    w("self_attention.linear_q_up_proj", (heads * (qk + rope), model.q_lora_rank))
+    w("self_attention.linear_kv_down_proj", (model.kv_lora_rank + rope, h))
+    w("self_attention.linear_kv_up_proj", (heads * (qk + v), model.kv_lora_rank))
+    norm("self_attention.q_layernorm", model.q_lora_rank)
+    norm("self_attention.kv_layernorm", model.kv_lora_rank)
+    norm("pre_mlp_layernorm", h)
+    if not moe:
+        w("mlp.linear_fc1", (2 * model.ffn_hidden_size, h))
+        w("mlp.linear_fc2", (h, model.ffn_hidden_size))
+        return out
+    f = model.moe_ffn_hidden_size
+    out[f"{prefix}.mlp.router.weight"] = router.to(torch.bfloat16)
+    out[f"{prefix}.mlp.router.expert_bias"] = _randn((model.num_experts,), f"{seed_prefix}.mlp.router.expert_bias",
+                                                     torch.float32, std=0.1, memo=memo)
+    for j, e in enumerate(experts):
+        _linear(out, f"{prefix}.mlp.experts.local_experts.{j}.linear_fc1", (2 * f, h),
+                f"{seed_prefix}.mlp.experts.{e}.linear_fc1")
+        _linear(out, f"{prefix}.mlp.experts.local_experts.{j}.linear_fc2", (h, f),
+                f"{seed_prefix}.mlp.experts.{e}.linear_fc2")
+    w("mlp.shared_experts.linear_fc1", (2 * model.shared_expert_size, h))
+    w("mlp.shared_experts.linear_fc2", (h, model.shared_expert_size))
+    return out
+
+
+def planted(model: Family, layer_id: str, tokens: int):
+    """The planted routing of one MoE layer (`"12"` or `"mtp.0"`): its router [E, H] and statistics."""
+    from mcore_proxy.select.synthetic import planted_layer
+
+    seed = 10_000 + int(layer_id.split(".")[-1]) + (5_000 if layer_id.startswith("mtp.") else 0)
+    return planted_layer(num_experts=model.num_experts, clusters=min(32, model.num_experts // 2),
+                         hidden=model.hidden_size, topk=model.topk, tokens=tokens, seed=seed)
+
+
+def rank_state(model: Family, counts: list[int], pp_rank: int, ep_rank: int, ep: int, routers: dict,
+               memo: dict | None = None) -> dict:
+    """Rank (tp 0, pp_rank, ep_rank)'s `model` entry: the stage's layers with local numbers, the
+    embedding on the first stage, and on the last the final norm, the MTP layer beside its own
+    embedding copy (megatron-core's GPTModel builds one wherever MTP runs) and the output layer.
+    `memo`: the stage's replicated tensors drawn for an earlier EP rank (see `_randn`)."""
+    h, v = model.hidden_size, model.vocab_size
+    local = model.num_experts // ep
+    experts = range(ep_rank * local, (ep_rank + 1) * local)
+    first, last = pp_rank == 0, pp_rank == len(counts) - 1
+    start = sum(counts[:pp_rank])
+    out: dict = {}
+
+    def norm(name):
+        out[name] = _randn((h,), name, memo=memo) + 1
+
+    if first or (last and model.mtp_layers):
+        out["embedding.word_embeddings.weight"] = _randn((v, h), "embedding.word_embeddings.weight", memo=memo)
+    for i in range(counts[pp_rank]):
+        L = start + i
+        moe = bool(model.moe_layer_freq[L])
+        out.update(layer_tensors(model, f"decoder.layers.{i}", f"decoder.layers.{L}", moe, routers.get(str(L)),
+                                 experts, memo))
+    if last:
+        norm("decoder.final_layernorm.weight")
+        for d in range(model.mtp_layers):
+            p = f"mtp.layers.{d}"
+            norm(f"{p}.enorm.weight")
+            norm(f"{p}.hnorm.weight")
+            _linear(out, f"{p}.eh_proj", (h, 2 * h), f"{p}.eh_proj", memo)
+            out.update(layer_tensors(model, f"{p}.transformer_layer", f"{p}.transformer_layer", True,
+                                     routers[f"mtp.{d}"], experts, memo))
+            norm(f"{p}.final_layernorm.weight")
+        _linear(out, "output_layer", (v, h), "output_layer", memo)
+    return out
+
+
+def moe_layer_ids(model: Family) -> list[str]:
+    return [str(L) for L, f in enumerate(model.moe_layer_freq) if f] + [f"mtp.{d}" for d in range(model.mtp_layers)]
+
+
+def write_checkpoint(root: Path, model: Family, pp: int, ep: int, stages: str = "first-last",
+                     tokens: int = 4096, stats_path: Path | None = None) -> None:
+    """Write the legacy checkpoint (and its planted routing statistics) under `root`, complete or
+    not at all: built in a sibling folder, renamed into place last."""
+    from mcore_proxy.stats import RoutingStats, save_stats
+    from mcore_proxy.testing.build import training_extras
+
+    if root.exists():
+        return
+    counts = stage_counts(model.num_layers, pp)
+    args = megatron_args(model, counts, ep, stages)
+    layers = {lid: planted(model, lid, tokens) for lid in moe_layer_ids(model)}
+    routers = {lid: torch.from_numpy(p.router) for lid, p in layers.items()}
+    tmp = root.with_name(f".{root.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    it_dir = tmp / f"iter_{ITERATION:07d}"
+    for pp_rank in range(pp):
+        memo: dict = {}
+        for ep_rank in range(ep):
+            state = rank_state(model, counts, pp_rank, ep_rank, ep, routers, memo)
+            name = (f"mp_rank_00_{pp_rank:03d}" if pp > 1 else "mp_rank_00") + (f"_{ep_rank:03d}" if ep > 1 else "")
+            folder = it_dir / name
+            folder.mkdir(parents=True)
+            params = torch.nn.ParameterList([torch.nn.Parameter(t, requires_grad=True)
+                                             for t in state.values() if t is not None and t.is_floating_point()])
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": state,
+                        **training_extras(params)}, folder / "model_optim_rng.pt")
+    (tmp / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    if stats_path is not None:
+        save_stats(RoutingStats({lid: p.stats for lid, p in layers.items()}, model.topk,
+                                meta={"source": "bench/bench_deepseek_scale.py: select.synthetic.planted_layer, "
+                                                "32 clusters per layer (synthetic)"}), stats_path)
+    os.replace(tmp, root)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(HERE))
+    from bench_convert import drop_caches, measure, rm
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="/work/benchdata-scale", help="checkpoints, plans, outputs (rebuilt if missing)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--depths", default="16,32,61", help="decoder layers of the truncated checkpoints")
+    ap.add_argument("--pp", type=int, default=8)
+    ap.add_argument("--ep", type=int, default=32)
+    ap.add_argument("--stages", default="first-last", choices=("first-last", "num-layer-list"))
+    ap.add_argument("--keep", type=int, default=16)
+    ap.add_argument("--target-ep", type=int, default=2)
+    ap.add_argument("--target-pp", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=4096, help="planted tokens per MoE layer")
+    ap.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    ap.add_argument("--build-only", action="store_true", help="build the missing checkpoints, measure nothing")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: 5 layers, 32 experts, PP 2, EP 4, once")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.depths, a.pp, a.ep, a.keep, a.repeat, a.tokens = "5", 2, 4, 16, 1, 256
+    data = Path(a.data)
+    data.mkdir(parents=True, exist_ok=True)
+    depths = [int(x) for x in a.depths.split(",")]
+    make = smoke_model if a.smoke else scale_model
+    mcore = shutil.which("mcore-proxy") or "mcore-proxy"
+    src, stats, info = {}, {}, {}
+    for n in depths:
+        tag = f"{'smoke' if a.smoke else 'dsv3'}-{n}L-pp{a.pp}-ep{a.ep}-{a.stages}"
+        src[n], stats[n] = data / tag, data / f"{tag}.stats.safetensors"
+        t = time.perf_counter()
+        if not src[n].exists():
+            print(f"building {src[n]} ...", flush=True)
+            write_checkpoint(src[n], make(n), a.pp, a.ep, a.stages, a.tokens, stats[n])
+            print(f"  built in {time.perf_counter() - t:.0f} s", flush=True)
+        info[n] = {"bytes": disk_bytes(src[n]), "rank_files": len(list(src[n].rglob("model_optim_rng.pt")))}
+        print(f"{src[n].name}: {info[n]['bytes'] / GIB:.2f} GiB in {info[n]['rank_files']} rank files", flush=True)
+    if a.build_only:
+        return 0
+    cold = not a.warm and drop_caches()
+    tmp = data / "scale-tmp"
+    rm(tmp)
+    tmp.mkdir()
+    log = data / "scale-bench.log"
+    log.write_text("")
+    plan = {n: tmp / f"plan-{n}.json" for n in depths}
+    keep, tep = str(a.keep), str(a.target_ep)
+
+    def jobs(n):
+        out = tmp / f"out-{n}"
+        select = [mcore, "select", "--ckpt", str(src[n]), "--stats", str(stats[n]), "--num-experts", keep,
+                  "--target-ep", tep, "-o", str(plan[n]), "--force"]
+        convert = [mcore, "convert", str(src[n]), "--plan", str(plan[n]), "-o", str(out), "--target-tp", "1",
+                   "--target-pp", str(a.target_pp), "--target-ep", tep]
+        return {f"cp -r ({n}L)": (["cp", "-r", str(src[n]), str(out)], out),
+                f"inspect ({n}L)": ([mcore, "inspect", str(src[n])], None),
+                f"select K={a.keep} ({n}L)": (select, None),
+                f"convert K={a.keep} -> TP 1 PP {a.target_pp} EP {a.target_ep} ({n}L)": (convert, out)}
+
+    order = {k: v for n in depths for k, v in jobs(n).items()}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+          f"torch {torch.__version__}; page cache {'dropped before every command' if cold else 'warm'}", flush=True)
+    print(f"command: python {' '.join(sys.argv)}", flush=True)
+    load_before = os.getloadavg()
+    samples: dict[str, list[dict]] = {k: [] for k in order}
+    proxy = {}
+    for r in range(a.repeat):
+        for label, (cmd, out) in order.items():
+            if out is not None:
+                rm(out)
+            m = measure(cmd, cold, log)
+            if out is not None and out.exists():
+                m["out_bytes"] = disk_bytes(out)
+                if label.startswith("convert"):
+                    proxy[label] = m["out_bytes"]
+                    if r == 0:
+                        n = int(label.rsplit("(", 1)[1].split("L")[0])
+                        v = subprocess.run([mcore, "verify", "--orig", str(src[n]), "--proxy", str(out), "--plan",
+                                            str(plan[n])], capture_output=True, text=True, check=False)
+                        m["verify_rc"] = v.returncode
+                        if v.returncode:
+                            raise SystemExit(f"verify failed ({v.returncode}) on {out}:\n{v.stdout[-2000:]}{v.stderr[-2000:]}")
+                rm(out)
+            samples[label].append(m)
+            print(f"[{r + 1}/{a.repeat}] {label}: wall {m['wall']:.1f} s, max RSS {m['rss_max'] / MIB:.0f} MiB, "
+                  f"tree PSS {m['pss_tree'] / MIB:.0f} MiB, disk read {m['read_bytes'] / MIB:.0f} MiB"
+                  + (f", out {m['out_bytes'] / MIB:.0f} MiB" if "out_bytes" in m else "")
+                  + (", verify ok" if m.get("verify_rc") == 0 else ""), flush=True)
+    load_after = os.getloadavg()
+    rm(tmp)
+    med = {}
+    for k, v in samples.items():
+        n = int(k.rsplit("(", 1)[1].split("L")[0])
+        cp = samples[f"cp -r ({n}L)"]
+        med[k] = {f: statistics.median(x[f] for x in v) for f in ("wall", "rss_max", "pss_tree", "read_bytes")}
+        # time -v has 10 ms resolution: a smoke-sized cp -r can take "0.00 s"
+        med[k]["ratio"] = statistics.median(x["wall"] / max(c["wall"], 0.01) for x, c in zip(v, cp))
+    (data / "scale-results.json").write_text(json.dumps(
+        {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv, "cold_cache": cold, "inputs": info,
+         "load_before": load_before, "load_after": load_after, "samples": samples, "medians": med},
+        indent=1, default=str))
+    print(f"\nload average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    for n in depths:
+        conv = next(k for k in proxy if k.endswith(f"({n}L)"))
+        print(f"{n}L: source {info[n]['bytes'] / GIB:.2f} GiB in {info[n]['rank_files']} rank files; "
+              f"proxy {proxy[conv] / GIB:.3f} GiB ({proxy[conv] / info[n]['bytes']:.1%})")
+    print(f"medians of {a.repeat}; / cp -r = median over repetitions of (wall / wall of cp -r in the same repetition)")
+    print("| command | wall s | / cp -r | peak RSS MiB (largest process) | peak PSS MiB (process tree) "
+          "| disk read MiB | read / source |")
+    print("|---|---|---|---|---|---|---|")
+    for k, m in med.items():
+        n = int(k.rsplit("(", 1)[1].split("L")[0])
+        print(f"| {k} | {m['wall']:.2f} | {m['ratio']:.2f} | {m['rss_max'] / MIB:.0f} | {m['pss_tree'] / MIB:.0f} "
+              f"| {m['read_bytes'] / MIB:.0f} | {m['read_bytes'] / info[n]['bytes']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
