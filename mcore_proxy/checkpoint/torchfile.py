@@ -220,10 +220,15 @@ class TorchFile:
         self._offsets: dict[str, tuple[int, int]] = {}
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
+            # the zip index and data.pkl are read through a second descriptor: advised alike
+            self._fh = open(self.path, "rb")
             if hasattr(os, "posix_fadvise"):
                 # we pread exactly the tensors we need; readahead would pull in dropped experts
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
-            self._zip = zipfile.ZipFile(self.path)
+                # (with the kernel's read_ahead_kb of several MiB, a file's metadata reads alone
+                # pulled in about 1 MiB of every rank file: bench/RESULTS.md, DeepSeek-V3 scale)
+                for fd in (self._fd, self._fh.fileno()):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._zip = zipfile.ZipFile(self._fh)
             self.obj = unpickle_torch_zip(self._zip, self)
         except UNREADABLE as err:
             self.close()
@@ -287,6 +292,9 @@ class TorchFile:
         zf, self._zip = getattr(self, "_zip", None), None
         if zf is not None:
             zf.close()
+        fh, self._fh = getattr(self, "_fh", None), None
+        if fh is not None:
+            fh.close()
 
     __del__ = close
 

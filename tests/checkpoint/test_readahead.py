@@ -69,3 +69,25 @@ def test_prefetch_reads_ahead_only_the_bytes_asked_for(tmp_path):
     assert resident(path, k_off, k_len) == 1.0
     assert resident(path, d_off + PAGE, d_len - 2 * PAGE) == 0.0     # its neighbour, whole pages only
     assert ckpt.get(kept).shape == (1024, 256)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
+def test_opening_a_rank_file_reads_no_tensor_bytes(tmp_path):
+    """The zip index and data.pkl go through zipfile's own descriptor; advised like the pread one,
+    it does not pull the tensor bytes behind data.pkl into the page cache (at DeepSeek-V3 scale,
+    256 rank files, that readahead was most of what `inspect` read: bench/RESULTS.md)."""
+    import torch
+
+    from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": {"n": list(range(100))}, "w": torch.randn(1 << 20)}, path)
+    evict(path)
+    if resident(path, 0, path.stat().st_size) > 0.1:
+        pytest.skip("this file system keeps the pages cached after POSIX_FADV_DONTNEED")
+    f = TorchFile(path)
+    w = f.obj["w"]
+    assert isinstance(w, LazyTensor)
+    offset, length = f.byte_range(w.storage, 0, 1 << 20)
+    assert resident(path, offset + PAGE, length - 2 * PAGE) == 0.0     # whole pages of the tensor only
+    f.close()
