@@ -33,7 +33,10 @@ permitted), repeated --repeat times interleaved: `cp -r` of each source, `mcore-
 `mcore-proxy select` (K 16 per layer, target EP 2) and `mcore-proxy convert` to TP 1 / PP 1 /
 EP 2, for checkpoints truncated to each of --depths layers (same 256 rank folders, same
 per-layer tensors: peak RSS must be flat in depth). Bytes read: disk reads of the process tree
-(`File system inputs` of time -v, i.e. read_bytes with the cache dropped). Medians and the
+(`File system inputs` of time -v, i.e. read_bytes with the cache dropped; that includes some
+290 MiB of Python, torch and library files every command reads cold), and of it the bytes of the
+checkpoint's own files in the page cache right after the command (`fincore`). --libs measures
+library commits side by side (git archives first on PYTHONPATH). Medians and the
 ratio to `cp -r` in the same repetition print as a markdown table; every sample goes to
 DATA/scale-results.json.
 """
@@ -262,9 +265,21 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def cached_bytes(root: Path) -> int | None:
+    """Bytes of `root`'s files in the page cache (util-linux `fincore`): right after a command
+    that started with the cache dropped, what it read from the checkpoint (readahead included),
+    apart from the Python and library files every process reads (`File system inputs`)."""
+    files = [str(p) for p in root.rglob("*") if p.is_file()]
+    try:
+        r = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *files], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(x) for x in r.stdout.split())
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))
-    from bench_convert import drop_caches, measure, rm
+    from bench_convert import drop_caches, measure, pin_library, rm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="/work/benchdata-scale", help="checkpoints, plans, outputs (rebuilt if missing)")
@@ -278,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-pp", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=4096, help="planted tokens per MoE layer")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    ap.add_argument("--libs", default="HEAD", help="library commits measured side by side (git archives), e.g. 8ab7dfb,HEAD")
     ap.add_argument("--build-only", action="store_true", help="build the missing checkpoints, measure nothing")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: 5 layers, 32 experts, PP 2, EP 4, once")
     a = ap.parse_args(argv)
@@ -310,16 +326,21 @@ def main(argv=None) -> int:
     plan = {n: tmp / f"plan-{n}.json" for n in depths}
     keep, tep = str(a.keep), str(a.target_ep)
 
+    libs = [pin_library(data, rev) for rev in a.libs.split(",")]
+
     def jobs(n):
         out = tmp / f"out-{n}"
         select = [mcore, "select", "--ckpt", str(src[n]), "--stats", str(stats[n]), "--num-experts", keep,
                   "--target-ep", tep, "-o", str(plan[n]), "--force"]
         convert = [mcore, "convert", str(src[n]), "--plan", str(plan[n]), "-o", str(out), "--target-tp", "1",
                    "--target-pp", str(a.target_pp), "--target-ep", tep]
-        return {f"cp -r ({n}L)": (["cp", "-r", str(src[n]), str(out)], out),
-                f"inspect ({n}L)": ([mcore, "inspect", str(src[n])], None),
-                f"select K={a.keep} ({n}L)": (select, None),
-                f"convert K={a.keep} -> TP 1 PP {a.target_pp} EP {a.target_ep} ({n}L)": (convert, out)}
+        j = {f"cp -r ({n}L)": (["cp", "-r", str(src[n]), str(out)], out, {})}
+        for sha, lib in libs:
+            tag, env = (f" @{sha}" if len(libs) > 1 else ""), {"PYTHONPATH": lib}
+            j[f"inspect{tag} ({n}L)"] = ([mcore, "inspect", str(src[n])], None, env)
+            j[f"select K={a.keep}{tag} ({n}L)"] = (select, None, env)
+            j[f"convert K={a.keep} -> TP 1 PP {a.target_pp} EP {a.target_ep}{tag} ({n}L)"] = (convert, out, env)
+        return j
 
     order = {k: v for n in depths for k, v in jobs(n).items()}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
@@ -329,18 +350,20 @@ def main(argv=None) -> int:
     samples: dict[str, list[dict]] = {k: [] for k in order}
     proxy = {}
     for r in range(a.repeat):
-        for label, (cmd, out) in order.items():
+        for label, (cmd, out, env) in order.items():
             if out is not None:
                 rm(out)
-            m = measure(cmd, cold, log)
+            n = int(label.rsplit("(", 1)[1].split("L")[0])
+            m = measure(cmd, cold, log, env)
+            m["source_read"] = cached_bytes(src[n]) if cold else None
             if out is not None and out.exists():
                 m["out_bytes"] = disk_bytes(out)
                 if label.startswith("convert"):
                     proxy[label] = m["out_bytes"]
                     if r == 0:
-                        n = int(label.rsplit("(", 1)[1].split("L")[0])
                         v = subprocess.run([mcore, "verify", "--orig", str(src[n]), "--proxy", str(out), "--plan",
-                                            str(plan[n])], capture_output=True, text=True, check=False)
+                                            str(plan[n])], capture_output=True, text=True, check=False,
+                                           env={**os.environ, **env})
                         m["verify_rc"] = v.returncode
                         if v.returncode:
                             raise SystemExit(f"verify failed ({v.returncode}) on {out}:\n{v.stdout[-2000:]}{v.stderr[-2000:]}")
@@ -348,6 +371,7 @@ def main(argv=None) -> int:
             samples[label].append(m)
             print(f"[{r + 1}/{a.repeat}] {label}: wall {m['wall']:.1f} s, max RSS {m['rss_max'] / MIB:.0f} MiB, "
                   f"tree PSS {m['pss_tree'] / MIB:.0f} MiB, disk read {m['read_bytes'] / MIB:.0f} MiB"
+                  + (f" (of the source {m['source_read'] / MIB:.0f} MiB)" if m["source_read"] is not None else "")
                   + (f", out {m['out_bytes'] / MIB:.0f} MiB" if "out_bytes" in m else "")
                   + (", verify ok" if m.get("verify_rc") == 0 else ""), flush=True)
     load_after = os.getloadavg()
@@ -357,6 +381,8 @@ def main(argv=None) -> int:
         n = int(k.rsplit("(", 1)[1].split("L")[0])
         cp = samples[f"cp -r ({n}L)"]
         med[k] = {f: statistics.median(x[f] for x in v) for f in ("wall", "rss_max", "pss_tree", "read_bytes")}
+        reads = [x["source_read"] for x in v]
+        med[k]["source_read"] = statistics.median(reads) if None not in reads else None
         # time -v has 10 ms resolution: a smoke-sized cp -r can take "0.00 s"
         med[k]["ratio"] = statistics.median(x["wall"] / max(c["wall"], 0.01) for x, c in zip(v, cp))
     (data / "scale-results.json").write_text(json.dumps(
@@ -371,12 +397,13 @@ def main(argv=None) -> int:
               f"proxy {proxy[conv] / GIB:.3f} GiB ({proxy[conv] / info[n]['bytes']:.1%})")
     print(f"medians of {a.repeat}; / cp -r = median over repetitions of (wall / wall of cp -r in the same repetition)")
     print("| command | wall s | / cp -r | peak RSS MiB (largest process) | peak PSS MiB (process tree) "
-          "| disk read MiB | read / source |")
-    print("|---|---|---|---|---|---|---|")
+          "| disk read MiB (process tree) | of it from the source MiB | / source size |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, m in med.items():
         n = int(k.rsplit("(", 1)[1].split("L")[0])
+        src_read = m["source_read"] if m["source_read"] is not None else float("nan")
         print(f"| {k} | {m['wall']:.2f} | {m['ratio']:.2f} | {m['rss_max'] / MIB:.0f} | {m['pss_tree'] / MIB:.0f} "
-              f"| {m['read_bytes'] / MIB:.0f} | {m['read_bytes'] / info[n]['bytes']:.3f} |")
+              f"| {m['read_bytes'] / MIB:.0f} | {src_read / MIB:.0f} | {src_read / info[n]['bytes']:.3f} |")
     return 0
 
 
