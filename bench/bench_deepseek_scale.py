@@ -1,15 +1,15 @@
 """The pipeline at DeepSeek-V3 scale (issue 10 item 5): inspect, select and convert a synthetic
 checkpoint with DeepSeek-V3's real layer and expert counts, laid out as a large job saves it.
 
-    python bench/bench_deepseek_scale.py [--data /work/benchdata-scale] [--repeat 3] [--depths 16,32,61]
+    python bench/bench_deepseek_scale.py [--data /work/benchdata-scale] [--repeat 3] [--depths 8,16,61]
     python bench/bench_deepseek_scale.py --smoke --data DIR      # tiny sizes, seconds (tests/bench)
 
 The model (`scale_model`): 61 layers, the first 3 dense, 256 routed experts per MoE layer, top-8
 with 8 groups / top-4 groups, sigmoid scores with expert bias, scaling 2.5, one shared expert,
 one MTP layer, multi-latent attention with q_lora and kv_lora and latent norms, rope, untied
 embeddings, bf16: DeepSeek-V3's structure at reduced width (H 256, 8 heads, expert FFN 96,
-vocab 4096; about 3.1 GiB on disk). The layout: legacy `--ckpt-format torch`, TP 1, PP 8 with
-uneven stages (first 7 and last 6 layers, Megatron's `--decoder-first/last-pipeline-num-layers`,
+vocab 4096; 3.47 GiB on disk, 5.2 GiB with the 8- and 16-layer ones). The layout: legacy
+`--ckpt-format torch`, TP 1, PP 8 with uneven stages (first 7 and last 6 layers, Megatron's `--decoder-first/last-pipeline-num-layers`,
 or with `--stages num-layer-list` MindSpeed-LLM's `--num-layer-list 7,8,8,8,8,8,8,6` with its
 `first_k_dense_replace` / int `moe_layer_freq` spelling of the dense layers), EP 32, ETP 1:
 256 rank folders `mp_rank_00_PPP_EEE`, the MTP layer on the last stage beside its copy of the
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="/work/benchdata-scale", help="checkpoints, plans, outputs (rebuilt if missing)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--depths", default="16,32,61", help="decoder layers of the truncated checkpoints")
+    ap.add_argument("--depths", default="8,16,61", help="decoder layers of the truncated checkpoints")
     ap.add_argument("--pp", type=int, default=8)
     ap.add_argument("--ep", type=int, default=32)
     ap.add_argument("--stages", default="first-last", choices=("first-last", "num-layer-list"))
