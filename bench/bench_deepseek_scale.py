@@ -9,9 +9,10 @@ with 8 groups / top-4 groups, sigmoid scores with expert bias, scaling 2.5, one 
 one MTP layer, multi-latent attention with q_lora and kv_lora and latent norms, rope, untied
 embeddings, bf16: DeepSeek-V3's structure at reduced width (H 256, 8 heads, expert FFN 96,
 vocab 4096; 3.47 GiB on disk, 5.2 GiB with the 8- and 16-layer ones). The layout: legacy
-`--ckpt-format torch`, TP 1, PP 8 with uneven stages (first 7 and last 6 layers, Megatron's `--decoder-first/last-pipeline-num-layers`,
-or with `--stages num-layer-list` MindSpeed-LLM's `--num-layer-list 7,8,8,8,8,8,8,6` with its
-`first_k_dense_replace` / int `moe_layer_freq` spelling of the dense layers), EP 32, ETP 1:
+`--ckpt-format torch`, TP 1, PP 8 with uneven stages (first 7 and last 6 layers, Megatron's
+`--decoder-first/last-pipeline-num-layers`, or with `--stages num-layer-list` MindSpeed-LLM's
+`--num-layer-list 7,8,8,8,8,8,8,6` with its `first_k_dense_replace` / int `moe_layer_freq`
+spelling of the dense layers), EP 32, ETP 1:
 256 rank folders `mp_rank_00_PPP_EEE`, the MTP layer on the last stage beside its copy of the
 word embeddings, megatron-core's local-spec (SequentialMLP) names.
 
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-pp", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=4096, help="planted tokens per MoE layer")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache")
-    ap.add_argument("--libs", default="HEAD", help="library commits measured side by side (git archives), e.g. 8ab7dfb,HEAD")
+    ap.add_argument("--libs", default="HEAD",
+                    help="library commits measured side by side (git archives), e.g. 8ab7dfb,HEAD")
     ap.add_argument("--build-only", action="store_true", help="build the missing checkpoints, measure nothing")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: 5 layers, 32 experts, PP 2, EP 4, once")
     a = ap.parse_args(argv)
@@ -366,7 +368,8 @@ def main(argv=None) -> int:
                                            env={**os.environ, **env})
                         m["verify_rc"] = v.returncode
                         if v.returncode:
-                            raise SystemExit(f"verify failed ({v.returncode}) on {out}:\n{v.stdout[-2000:]}{v.stderr[-2000:]}")
+                            raise SystemExit(f"verify failed ({v.returncode}) on {out}:\n"
+                                             f"{v.stdout[-2000:]}{v.stderr[-2000:]}")
                 rm(out)
             samples[label].append(m)
             print(f"[{r + 1}/{a.repeat}] {label}: wall {m['wall']:.1f} s, max RSS {m['rss_max'] / MIB:.0f} MiB, "
