@@ -88,9 +88,9 @@ SPELLINGS: tuple[Spelling, ...] = (
 
 NOT_YET: tuple[NotYet, ...] = (
     NotYet(("--noop-layers",), MINDSPEED,
-           "mcore-proxy does not write noop layers yet (and refuses a source whose args have "
-           "noop_layers); convert a checkpoint saved without them and launch the proxy without "
-           "--noop-layers", ("convert",)),
+           "mcore-proxy does not write noop layers yet other than the source's: a legacy source "
+           "saved with --noop-layers keeps them (same ids, same args), so leave the flag out and "
+           "launch the proxy with the source's --noop-layers", ("convert",)),
     NotYet(("--num-layers-per-virtual-pipeline-stage", "--vpp-stage"), MINDSPEED,
            "mcore-proxy does not write virtual stages from a layer count per virtual stage; give "
            "--target-vpp N (N = layers per pipeline rank / layers per virtual stage) or a "

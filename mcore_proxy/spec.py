@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.layer_pattern import MAX_LAYERS, parse_layer_pattern
 from mcore_proxy.megatron_args import DEFAULTS, arg, arg_bool, arg_int, arg_str
+from mcore_proxy.pipeline_layout import noop_layer_ids
 
 
 MAX_EXPERTS = 1 << 16   # routed experts per layer: far above any real model, bounds per-expert tables
@@ -67,6 +68,9 @@ class ModelSpec:
     group_topk: int | None = None
     expert_bias: bool = False
     gated_linear_unit: bool = True
+    # MindSpeed --noop-layers: 0-based global layers counted in num_layers that hold no tensors
+    # (pipeline_layout.py point 3); never in moe_layers
+    noop_layers: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -92,6 +96,11 @@ class ModelSpec:
         first_dense = arg_int(args, "first_k_dense_replace", where)  # MindSpeed-LLM DeepSeek argument
         if num_experts and first_dense:
             pattern = [i >= first_dense and p for i, p in enumerate(pattern)]
+        try:
+            noop = noop_layer_ids(arg(args, "noop_layers", where), num_layers)
+        except ProxyError as err:
+            raise CheckpointError(f"args{' of ' + where if where else ''}: {err}") from None
+        pattern = [p and i not in noop for i, p in enumerate(pattern)]
         ffn = arg_int(args, "ffn_hidden_size", where, minimum=1)
         topk = arg_int(args, "moe_router_topk", where)
         return cls(
@@ -109,4 +118,5 @@ class ModelSpec:
             group_topk=arg_int(args, "moe_router_group_topk", where) or None,
             expert_bias=arg_bool(args, "moe_router_enable_expert_bias", where),
             gated_linear_unit=arg_bool(args, "swiglu", where) or arg_bool(args, "gated_linear_unit", where),
+            noop_layers=tuple(sorted(noop)),
         )

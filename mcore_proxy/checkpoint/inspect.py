@@ -61,6 +61,7 @@ def describe(view: ModelView) -> dict:
         "expert_layout": None if layout is None else layout.expert_layout,
         "num_layers": spec.num_layers,
         "dense_layers": [L for L in layers if L not in moe],
+        "noop_layers": list(spec.noop_layers),
         "moe_layers": moe,
         "mtp_layers": mtp,
         "hidden_size": spec.hidden_size,
@@ -95,6 +96,7 @@ def format_description(d: dict) -> str:
          + (" tp-extend-ep (experts over EP x TP)" if d.get("moe_tp_extend_ep") else "")
          if p else "none: safetensors shards by file, not by parallel rank"),
         ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
+         + (f", noop {_compact(d['noop_layers'])} (no tensors)" if d.get("noop_layers") else "")
          + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else "")),
         ("experts", f"{d['num_experts']} routed x F={d['moe_ffn_hidden_size']}"
          + (f", layout {d['expert_layout']}" if d["expert_layout"] else "")

@@ -143,31 +143,10 @@ def rank_dir_name(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
 def layout_from_args(args, folder) -> ParallelLayout:
     """The saving run's layout from its args (absent fields: Megatron's defaults); `folder` names
     the checkpoint in messages. MindSpeed-LLM's `moe_tp_extend_ep` makes experts whole (ETP 1)."""
-    _refuse_noop_layers(args, folder)
     layout = _layout_from_args(args, folder)
     if arg_bool(args, "moe_tp_extend_ep", str(folder)):
         return dataclasses.replace(layout, etp=1, tp_extend_ep=True)
     return layout
-
-
-def _refuse_noop_layers(args, folder) -> None:
-    """MindSpeed `--noop-layers` (pipeline_layout.py point 3) are refused: without this, an all-MoE
-    model fails later as "incomplete" and a model whose noop ids fall on dense positions is read as
-    if its noop layers were real ones that lost their tensors, and written with the gaps unchecked."""
-    from mcore_proxy.pipeline_layout import noop_layer_ids
-
-    where = str(folder)
-    value = arg(args, "noop_layers", where)
-    if not value:
-        return
-    try:
-        ids = noop_layer_ids(value, arg_int(args, "num_layers", where, minimum=1))
-    except ProxyError as err:
-        raise CheckpointError(f"{folder}: args {err}") from None
-    raise CheckpointError(f"{folder}: args say noop_layers {sorted(ids)} (MindSpeed --noop-layers, layers "
-                          "without tensors that leave gaps in the rank files' layer numbers), which mcore-proxy "
-                          "does not read yet; the nearest supported kind is the same model saved without "
-                          "--noop-layers")
 
 
 def _layout_from_args(args, folder) -> ParallelLayout:

@@ -19,6 +19,21 @@ from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.sharding import TE_SPEC, rule_for
 
 
+def refuse_noop_layers(view, fmt: str, target: ParallelLayout | None = None) -> None:
+    """Noop layers (MindSpeed --noop-layers) are written to legacy files without virtual stages only:
+    their gaps in the local layer numbers are what MindSpeed loads; the rest is not tested with them."""
+    noop = list(view.spec.noop_layers)
+    if not noop:
+        return
+    where = view.info.path or "the checkpoint"
+    if fmt != "legacy":
+        raise CheckpointError(f"{where}: has noop layers {noop} (MindSpeed --noop-layers), which mcore-proxy writes "
+                              f"to legacy checkpoints only, not {fmt}; choose --format legacy")
+    if target is not None and (target.vpp > 1 or target.pipeline_layout):
+        raise CheckpointError(f"{where}: has noop layers {noop} (MindSpeed --noop-layers), which mcore-proxy writes "
+                              "with a plain stage split only; leave out --target-vpp and --target-pipeline-layout")
+
+
 def check_fits(view, target: ParallelLayout) -> None:
     """Whether megatron can hold `view` at `target`: stage sizes, EP dividing the expert count,
     heads and every sharded dimension dividing over TP/ETP. Checked before a byte is written."""

@@ -57,7 +57,7 @@ def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
         m = _FOLDER.match(folder.name)
         if not m:
             continue
-        p = int(m.group(1) or 0)
+        p = int(m.group(1)) if pp > 1 else 0   # the first suffix is EP's at PP 1
         f = folder / "model_optim_rng.pt"
         obj = torch.load(f, map_location="cpu", weights_only=False)
         new_args = argparse.Namespace(**vars(obj["args"]))
@@ -76,3 +76,47 @@ def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
         obj["model"] = renamed
         torch.save(obj, f)
     return out
+
+
+def remove_noop_layers(source: Path, out: Path) -> tuple[Path, list[int]]:
+    """The inverse of `derive_noop_checkpoint` for a legacy checkpoint with noop layers (VPP 1, a
+    plain stage split): copy to `out` with the noop layers taken out of args and the real layers
+    renumbered 0.. within each stage, so megatron-core (which has no noop layer) builds and loads
+    it; each stage keeps its real layers. Returns (out, real layers per stage)."""
+    from mcore_proxy.checkpoint.layout import layout_from_args
+    from mcore_proxy.pipeline_layout import noop_layer_ids
+
+    src_it = iteration_dir(source)
+    shutil.copytree(source, out)
+    out_it = out / src_it.relative_to(source)
+    first = next(p for p in sorted(out_it.iterdir()) if _FOLDER.match(p.name))
+    args = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)["args"]
+    layout = layout_from_args(args, first)
+    pp = layout.pp
+    if layout.vpp != 1 or layout.pipeline_layout:
+        raise ValueError("remove_noop_layers handles plain stage splits only")
+    noop = noop_layer_ids(getattr(args, "noop_layers", None), args.num_layers)
+    offsets = _stage_offsets(layout.stage_layers)
+    real = [[g for g in range(o, o + n) if g not in noop] for o, n in zip(offsets, layout.stage_layers)]
+    counts = [len(r) for r in real]
+    for folder in sorted(out_it.iterdir()):
+        m = _FOLDER.match(folder.name)
+        if not m:
+            continue
+        p = int(m.group(1)) if pp > 1 else 0   # the first suffix is EP's at PP 1
+        f = folder / "model_optim_rng.pt"
+        obj = torch.load(f, map_location="cpu", weights_only=False)
+        new_args = argparse.Namespace(**vars(obj["args"]))
+        new_args.num_layers, new_args.noop_layers = sum(counts), None
+        new_args.decoder_first_pipeline_num_layers = counts[0] if len(set(counts)) > 1 else None
+        if isinstance(new_args.moe_layer_freq, (list, tuple)):
+            new_args.moe_layer_freq = [x for g, x in enumerate(new_args.moe_layer_freq) if g not in noop]
+        obj["args"] = new_args
+        renamed = {}
+        for key, value in obj["model"].items():
+            if lm := _LAYER.match(key):
+                key = f"decoder.layers.{real[p].index(offsets[p] + int(lm.group(1)))}.{lm.group(2)}"
+            renamed[key] = value
+        obj["model"] = renamed
+        torch.save(obj, f)
+    return out, counts

@@ -1,11 +1,12 @@
-"""MindSpeed `--noop-layers` checkpoints are refused with one sentence (issue 10, step 1).
+"""MindSpeed `--noop-layers` in legacy checkpoints (issue 10): read with their gaps, shown by
+inspect; args that contradict the files, and torch_dist, refused with one sentence (exit 2).
 
 The checkpoints are derived: MindSpeed cannot be installed. `testing/noop_layers.py` inserts noop
 layers into a megatron-core-saved legacy checkpoint as MindSpeed saves them (args num_layers counts
 them, args noop_layers holds their ids, rank files have gaps in `decoder.layers.{local}`). Before
-the refusal, the all-MoE derivation failed as "MoE layer 1 holds 0 experts ... incomplete" and the
-one whose noop ids sit on dense positions was read silently (inspect listed 6 layers, convert wrote
-a proxy nobody checked)."""
+this, the all-MoE derivation failed as "MoE layer 1 holds 0 experts ... incomplete" and the one
+whose noop ids sit on dense positions was read as if they were dense layers without tensors.
+tests/convert/test_convert_noop_layers.py converts them and runs the proxies."""
 from __future__ import annotations
 
 import argparse
@@ -69,53 +70,77 @@ def test_derivation_renames_only(all_moe):
             assert torch.equal(v, back[k]) if isinstance(v, torch.Tensor) else v == back[k]
 
 
-@pytest.mark.parametrize("case", ["all_moe", "dense_gaps"])
-def test_inspect_refuses(case, request, capsys):
+@pytest.mark.parametrize("case,line", [("all_moe", "6 decoder: dense -, MoE 0,2-4, noop 1,5 (no tensors)"),
+                                       ("dense_gaps", "6 decoder: dense 0, MoE 3-5, noop 1-2 (no tensors)")])
+def test_inspect_shows_noop_layers(case, line, request, capsys):
     _, derived = request.getfixturevalue(case)
-    assert main(["inspect", str(derived)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    ids = {"all_moe": "[1, 5]", "dense_gaps": "[1, 2]"}[case]
-    assert str(iteration_dir(derived)) in err and f"noop_layers {ids}" in err, err
-    assert "does not read yet" in err and "without --noop-layers" in err, err
+    assert main(["inspect", str(derived)]) == 0
+    assert line in capsys.readouterr().out
 
 
-def test_convert_refuses_and_writes_nothing(dense_gaps, tmp_path, capsys):
-    """The case that used to be converted silently: exit 2, no output folder."""
-    _, derived = dense_gaps
-    out = tmp_path / "proxy"
-    assert main(["convert", str(derived), "-o", str(out), "--target-pp", "1", "--target-ep", "1"]) == 2
-    assert "noop_layers [1, 2]" in capsys.readouterr().err
-    assert not out.exists()
-
-
-def test_raw_string_and_bad_ids(all_moe, tmp_path, capsys):
-    """args may hold the raw "1,5" string (before MindSpeed's validation); a bad id is named."""
+def _with_args(ckpt, tmp_path, name, **changes):
     import shutil
 
-    _, derived = all_moe
-    for value, expect in (("1,5", "noop_layers [1, 5]"), ("1,9", "every id must be in 0..5")):
-        copy = tmp_path / value.replace(",", "_")
-        shutil.copytree(derived, copy)
-        for f in _rank_files(copy).values():
-            obj = _load(f)
-            obj["args"] = argparse.Namespace(**{**vars(obj["args"]), "noop_layers": value})
-            torch.save(obj, f)
-        assert main(["inspect", str(copy)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and expect in err and str(iteration_dir(copy)) in err, err
-
-
-def test_empty_noop_layers_still_read(megatron_ckpt, tmp_path, capsys):
-    """An empty set (MindSpeed without --noop-layers after validation) is no noop layer at all."""
-    import shutil
-
-    source, _ = megatron_ckpt("seq_tp2_pp2_ep2")
-    copy = tmp_path / "ckpt"
-    shutil.copytree(source, copy)
+    copy = tmp_path / name
+    shutil.copytree(ckpt, copy)
     for f in _rank_files(copy).values():
         obj = _load(f)
-        obj["args"].noop_layers = set()
+        obj["args"] = argparse.Namespace(**{**vars(obj["args"]), **changes})
         torch.save(obj, f)
+    return copy
+
+
+def _one_sentence(capsys, *fragments):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_raw_string_reads_the_same(all_moe, tmp_path, capsys):
+    """args may hold the raw "1,5" string (before MindSpeed's validation)."""
+    _, derived = all_moe
+    copy = _with_args(derived, tmp_path, "raw", noop_layers="1,5")
     assert main(["inspect", str(copy)]) == 0
-    assert "4 decoder" in capsys.readouterr().out
+    assert "noop 1,5 (no tensors)" in capsys.readouterr().out
+
+
+def test_args_that_contradict_the_files(megatron_ckpt, all_moe, tmp_path, capsys):
+    source, derived = all_moe
+    # a noop id beyond num_layers
+    bad = _with_args(derived, tmp_path, "bad-id", noop_layers="1,9")
+    assert main(["inspect", str(bad)]) == 2
+    _one_sentence(capsys, "noop_layers '1,9'", "every id must be in 0..5")
+    # args name a layer noop that has tensors
+    holds = _with_args(source, tmp_path, "holds", noop_layers={1})
+    assert main(["inspect", str(holds)]) == 2
+    _one_sentence(capsys, "decoder.layers.1.", "layer 1, which args noop_layers [1] say has none")
+    # the gaps without noop_layers in args: a layer without tensors
+    gaps = _with_args(derived, tmp_path, "gaps", noop_layers=None)
+    assert main(["inspect", str(gaps)]) == 2
+    _one_sentence(capsys, str(iteration_dir(gaps)), "no rank file holds a tensor of decoder layer 1")
+
+
+def test_torch_dist_with_noop_layers_refused(family_ckpt, tmp_path, capsys):
+    """Not read from torch_dist (untested there): one sentence naming the checkpoint and the ids."""
+    import shutil
+
+    from mcore_proxy.checkpoint.torch_dist.reader import COMMON_FILE, resolve_dist_dir
+
+    copy = tmp_path / "dist"
+    shutil.copytree(family_ckpt["qwen3_moe"].torch_dist, copy)
+    folder, _ = resolve_dist_dir(copy)
+    common = _load(folder / COMMON_FILE)
+    common["args"] = argparse.Namespace(**{**vars(common["args"]), "noop_layers": {0}})
+    torch.save(common, folder / COMMON_FILE)
+    assert main(["inspect", str(copy)]) == 2
+    _one_sentence(capsys, str(folder), "noop_layers [0]", "legacy checkpoints only", "--ckpt-format torch")
+
+
+def test_empty_noop_layers_is_none(megatron_ckpt, tmp_path, capsys):
+    """An empty set (MindSpeed without --noop-layers after validation) is no noop layer at all."""
+    source, _ = megatron_ckpt("seq_tp2_pp2_ep2")
+    copy = _with_args(source, tmp_path, "empty", noop_layers=set())
+    assert main(["inspect", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "4 decoder: dense -, MoE 0-3\n" in out and "(no tensors)" not in out

@@ -178,6 +178,9 @@ class HFWriter(Writer):
     def check(self, view: ModelView, target=None) -> None:
         """Everything that can fail before a byte is written: a family for every tensor, a
         config.json for the view, routing groups that transformers can run."""
+        from mcore_proxy.checkpoint.target import refuse_noop_layers
+
+        refuse_noop_layers(view, "Hugging Face")
         family = family_for(view)
         output_groups(view, family)
         self.config(view, family)

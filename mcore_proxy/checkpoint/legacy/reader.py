@@ -208,6 +208,10 @@ class LegacyCheckpoint(ModelView):
                                   "saves (was the checkpoint written with --no-save-args?)")
         self._spec = ModelSpec.from_args(args, where=str(first.path))
         layout = layout_from_args(args, dirs[0])
+        if self._spec.noop_layers and layout.vpp > 1:
+            raise CheckpointError(f"{self.path}: args say noop_layers {list(self._spec.noop_layers)} (MindSpeed "
+                                  f"--noop-layers) with {layout.vpp} virtual pipeline stages, which mcore-proxy does "
+                                  "not read; the nearest supported kind is noop layers without virtual stages")
         coords = {_parse_rank_dir(d.name, layout): d for d in dirs}
         _check_rank_dirs(self.path, coords, layout)
         if layout.etp not in (1, layout.tp):
@@ -322,6 +326,9 @@ class LegacyCheckpoint(ModelView):
         if layer is not None and not offset <= layer < offset + count:
             raise CheckpointError(f"{tf.path}: key {key} lies outside this stage's {count} layers; the "
                                   "args' pipeline split does not match the files")
+        if layer in self._spec.noop_layers:
+            raise CheckpointError(f"{tf.path}: key {key} is a tensor of layer {layer}, which args noop_layers "
+                                  f"{list(self._spec.noop_layers)} say has none; the args do not match the files")
 
     def _pieces(self, lk: LocalKey, value, local_experts: int, chunk: int, tf: TorchFile):
         """(canonical name, shard piece) pairs one local key contributes; `chunk`: which chunk of
@@ -374,6 +381,13 @@ class LegacyCheckpoint(ModelView):
         entry.where[shard] = path
 
     def _check_complete(self) -> None:
+        held = {layer_number(n) for n in self._entries} - {None}
+        lacking = sorted(set(range(self._spec.num_layers)) - held - set(self._spec.noop_layers))
+        if lacking:
+            extra = f" and noop_layers {list(self._spec.noop_layers)}" if self._spec.noop_layers else ""
+            raise CheckpointError(f"{self.path}: no rank file holds a tensor of decoder layer {lacking[0]}, "
+                                  f"though args say num_layers={self._spec.num_layers}{extra}; the checkpoint is "
+                                  "incomplete or its args are wrong")
         for name, entry in self._entries.items():
             missing = [r for r in range(entry.parts) if r not in entry.shards]
             if missing:

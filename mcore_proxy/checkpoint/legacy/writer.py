@@ -27,7 +27,7 @@ from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_
                                           embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
                                           split_expert_name, to_local_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, target_args
+from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, refuse_noop_layers, target_args
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
@@ -217,6 +217,7 @@ class LegacyWriter(Writer):
         """`check_fits`, the one limit of legacy folders (ETP is 1 or TP), and the args and header
         it will store."""
         view = _named(view, target)
+        refuse_noop_layers(view, "legacy", target)
         check_fits(view, target)
         if target.etp not in (1, target.tp):
             raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "

@@ -335,6 +335,10 @@ class TorchDistCheckpoint(ModelView):
             raise CheckpointError(f"{self.path}: saved with singleton_local_shards (one key per expert and "
                                   "GLU half), which is not supported yet; re-save without it")
         self._spec = ModelSpec.from_args(args, where=str(self.path / COMMON_FILE))
+        if self._spec.noop_layers:
+            raise CheckpointError(f"{self.path}: args say noop_layers {list(self._spec.noop_layers)} (MindSpeed "
+                                  "--noop-layers), which mcore-proxy reads from legacy checkpoints only; the nearest "
+                                  "supported kind is the same model saved with --ckpt-format torch")
         self.local_spec = uses_local_spec(args)
         sd_md, storage = read_dcp_metadata(self.path / DCP_METADATA)
         self._layer_spec = infer_layer_spec(args, dict.fromkeys(sd_md), 1, str(self.path / COMMON_FILE))
