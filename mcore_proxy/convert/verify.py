@@ -97,6 +97,11 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
             raise ProxyError(f"--functional runs both models in one framework, but {orig} is "
                              f"{source.info.format} and {proxy} is {proxy_view.info.format}; the tensors were "
                              "compared bit for bit, convert one side to the other's format to run both")
+        if source.spec.noop_layers:
+            from mcore_proxy.errors import ProxyError
+            raise ProxyError(f"--functional builds the models in megatron-core, which has no noop layer, but {orig} "
+                             f"has noop layers {list(source.spec.noop_layers)} (MindSpeed --noop-layers); the tensors "
+                             "were compared bit for bit, leave out --functional")
         check = {"megatron-core": functional_check, "transformers": hf_functional_check}[frameworks.pop()]
         report.functional = check(source, proxy_view, plan)
         if not report.functional["match"]:

@@ -83,7 +83,7 @@ def test_reader_sees_the_noop_layers(noop_source, capsys):
 
 
 @pytest.mark.parametrize("options,stage_locals,run_layout", CASES, ids=["pp1-ep2", "pp3"])
-def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, restricted_original, tmp_path,
+def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, restricted_original, tmp_path, capsys,
                                                                 digest, options, stage_locals, run_layout):
     _, derived, plan_path, plan, full_logits = noop_source
     before = digest(derived)
@@ -101,6 +101,13 @@ def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, res
         seen.setdefault(stage, set()).update(int(m.group(1)) for k in obj["model"] if (m := LAYER.match(k)))
     assert seen == stage_locals
     assert open_checkpoint(proxy).spec.noop_layers == (2, 5)
+    # verify compares bit for bit; --functional (megatron-core has no noop layer) is refused
+    assert main(["verify", "--orig", str(derived), "--proxy", str(proxy), "--plan", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--orig", str(derived), "--proxy", str(proxy), "--plan", str(plan_path), "--functional"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]   # after the bit-for-bit progress bar
+    assert err.startswith("mcore-proxy verify: error:") and "noop layers [2, 5]" in err, err
+    assert "leave out --functional" in err, err
 
     back, counts = remove_noop_layers(proxy, tmp_path / "back")
     assert counts[0] == (run_layout.first_stage_layers or 4)
