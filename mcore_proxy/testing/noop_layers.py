@@ -41,7 +41,8 @@ def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
     first = next(p for p in sorted(out_it.iterdir()) if _FOLDER.match(p.name))
     args = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)["args"]
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(args, "pipeline_model_parallel_layout", None):
+    if (getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+            or getattr(args, "pipeline_model_parallel_layout", None)):
         raise ValueError("derive_noop_checkpoint handles plain stage splits only")
     old_counts = stage_layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
                                     args.decoder_last_pipeline_num_layers)

@@ -102,9 +102,10 @@ def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, res
     assert seen == stage_locals
     assert open_checkpoint(proxy).spec.noop_layers == (2, 5)
     # verify compares bit for bit; --functional (megatron-core has no noop layer) is refused
-    assert main(["verify", "--orig", str(derived), "--proxy", str(proxy), "--plan", str(plan_path)]) == 0
+    verify = ["verify", "--orig", str(derived), "--proxy", str(proxy), "--plan", str(plan_path)]
+    assert main(verify) == 0
     capsys.readouterr()
-    assert main(["verify", "--orig", str(derived), "--proxy", str(proxy), "--plan", str(plan_path), "--functional"]) == 2
+    assert main([*verify, "--functional"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]   # after the bit-for-bit progress bar
     assert err.startswith("mcore-proxy verify: error:") and "noop layers [2, 5]" in err, err
     assert "leave out --functional" in err, err
