@@ -32,14 +32,39 @@ def _stage_offsets(counts) -> list[int]:
     return [sum(counts[:p]) for p in range(len(counts))]
 
 
+def _copy(source: Path, out: Path):
+    """Copy checkpoint `source` to `out`: (its iteration folder, first rank folder, that file's args)."""
+    shutil.copytree(source, out)
+    out_it = out / iteration_dir(source).relative_to(source)
+    first = next(p for p in sorted(out_it.iterdir()) if _FOLDER.match(p.name))
+    return out_it, first, torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)["args"]
+
+
+def _rewrite(it_dir: Path, pp: int, edit_args, new_local) -> None:
+    """Rewrite every rank file of `it_dir` in place: `edit_args(args)` on a copy of its args, and
+    `decoder.layers.{local}` renamed to `new_local(pipeline stage, local)`."""
+    for folder in sorted(it_dir.iterdir()):
+        m = _FOLDER.match(folder.name)
+        if not m:
+            continue
+        p = int(m.group(1)) if pp > 1 else 0   # the first suffix is EP's at PP 1
+        f = folder / "model_optim_rng.pt"
+        obj = torch.load(f, map_location="cpu", weights_only=False)
+        obj["args"] = argparse.Namespace(**vars(obj["args"]))
+        edit_args(obj["args"])
+        renamed = {}
+        for key, value in obj["model"].items():
+            if lm := _LAYER.match(key):
+                key = f"decoder.layers.{new_local(p, int(lm.group(1)))}.{lm.group(2)}"
+            renamed[key] = value
+        obj["model"] = renamed
+        torch.save(obj, f)
+
+
 def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
     """Copy legacy checkpoint `source` to `out` with noop layers at new global ids `noop`; returns
     `out`. Refuses (ValueError) noop ids that would move a real layer to another stage."""
-    src_it = iteration_dir(source)
-    shutil.copytree(source, out)
-    out_it = out / src_it.relative_to(source)
-    first = next(p for p in sorted(out_it.iterdir()) if _FOLDER.match(p.name))
-    args = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)["args"]
+    out_it, _, args = _copy(source, out)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if (getattr(args, "num_layers_per_virtual_pipeline_stage", None)
             or getattr(args, "pipeline_model_parallel_layout", None)):
@@ -54,28 +79,15 @@ def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
         for i in range(old_off[p], old_off[p] + old_counts[p]):
             if not new_off[p] <= real[i] < new_off[p] + new_counts[p]:
                 raise ValueError(f"noop layers {sorted(noop)} move layer {i} off pipeline stage {p}")
-    for folder in sorted(out_it.iterdir()):
-        m = _FOLDER.match(folder.name)
-        if not m:
-            continue
-        p = int(m.group(1)) if pp > 1 else 0   # the first suffix is EP's at PP 1
-        f = folder / "model_optim_rng.pt"
-        obj = torch.load(f, map_location="cpu", weights_only=False)
-        new_args = argparse.Namespace(**vars(obj["args"]))
-        new_args.num_layers, new_args.noop_layers = total, set(noop)
-        new_args.decoder_first_pipeline_num_layers = new_args.decoder_last_pipeline_num_layers = None
-        if isinstance(new_args.moe_layer_freq, (list, tuple)):   # a per-layer pattern: noop layers dense
-            pattern = iter(new_args.moe_layer_freq)
-            new_args.moe_layer_freq = [0 if g in noop else next(pattern) for g in range(total)]
-        obj["args"] = new_args
-        renamed = {}
-        for key, value in obj["model"].items():
-            if lm := _LAYER.match(key):
-                new_local = real[old_off[p] + int(lm.group(1))] - new_off[p]
-                key = f"decoder.layers.{new_local}.{lm.group(2)}"
-            renamed[key] = value
-        obj["model"] = renamed
-        torch.save(obj, f)
+
+    def edit(args):
+        args.num_layers, args.noop_layers = total, set(noop)
+        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+        if isinstance(args.moe_layer_freq, (list, tuple)):   # a per-layer pattern: noop layers dense
+            pattern = iter(args.moe_layer_freq)
+            args.moe_layer_freq = [0 if g in noop else next(pattern) for g in range(total)]
+
+    _rewrite(out_it, pp, edit, lambda p, local: real[old_off[p] + local] - new_off[p])
     return out
 
 
@@ -87,11 +99,7 @@ def remove_noop_layers(source: Path, out: Path) -> tuple[Path, list[int]]:
     from mcore_proxy.checkpoint.layout import layout_from_args
     from mcore_proxy.pipeline_layout import noop_layer_ids
 
-    src_it = iteration_dir(source)
-    shutil.copytree(source, out)
-    out_it = out / src_it.relative_to(source)
-    first = next(p for p in sorted(out_it.iterdir()) if _FOLDER.match(p.name))
-    args = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)["args"]
+    out_it, first, args = _copy(source, out)
     layout = layout_from_args(args, first)
     pp = layout.pp
     if layout.vpp != 1 or layout.pipeline_layout:
@@ -100,24 +108,12 @@ def remove_noop_layers(source: Path, out: Path) -> tuple[Path, list[int]]:
     offsets = _stage_offsets(layout.stage_layers)
     real = [[g for g in range(o, o + n) if g not in noop] for o, n in zip(offsets, layout.stage_layers)]
     counts = [len(r) for r in real]
-    for folder in sorted(out_it.iterdir()):
-        m = _FOLDER.match(folder.name)
-        if not m:
-            continue
-        p = int(m.group(1)) if pp > 1 else 0   # the first suffix is EP's at PP 1
-        f = folder / "model_optim_rng.pt"
-        obj = torch.load(f, map_location="cpu", weights_only=False)
-        new_args = argparse.Namespace(**vars(obj["args"]))
-        new_args.num_layers, new_args.noop_layers = sum(counts), None
-        new_args.decoder_first_pipeline_num_layers = counts[0] if len(set(counts)) > 1 else None
-        if isinstance(new_args.moe_layer_freq, (list, tuple)):
-            new_args.moe_layer_freq = [x for g, x in enumerate(new_args.moe_layer_freq) if g not in noop]
-        obj["args"] = new_args
-        renamed = {}
-        for key, value in obj["model"].items():
-            if lm := _LAYER.match(key):
-                key = f"decoder.layers.{real[p].index(offsets[p] + int(lm.group(1)))}.{lm.group(2)}"
-            renamed[key] = value
-        obj["model"] = renamed
-        torch.save(obj, f)
+
+    def edit(args):
+        args.num_layers, args.noop_layers = sum(counts), None
+        args.decoder_first_pipeline_num_layers = counts[0] if len(set(counts)) > 1 else None
+        if isinstance(args.moe_layer_freq, (list, tuple)):
+            args.moe_layer_freq = [x for g, x in enumerate(args.moe_layer_freq) if g not in noop]
+
+    _rewrite(out_it, pp, edit, lambda p, local: real[p].index(offsets[p] + local))
     return out, counts
