@@ -103,8 +103,7 @@ def from_megatron_args(args, names: list[str], source: str) -> dict:
     heads, hidden = _int(get("num_attention_heads")), spec.hidden_size
     # MindSpeed-LLM pads the layer count with --noop-layers (placeholders that hold no
     # parameters, for even pipeline stages): count the real layers only
-    noop = _noop_layers(get("noop_layers"))
-    real = [L for L in range(spec.num_layers) if L not in noop]
+    real = [L for L in range(spec.num_layers) if L not in spec.noop_layers]
     groups = get("num_query_groups") if get("group_query_attention") else heads
     has = lambda text: any(text in n for n in names)  # noqa: E731
     out = dict(
@@ -156,14 +155,6 @@ def _n_shared(args) -> int:
     n = getattr(args, "n_shared_experts", None)
     width = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "moe_intermediate_size", None)
     return int(n) * int(width) if n and width else 0
-
-
-def _noop_layers(value) -> frozenset[int]:
-    """MindSpeed-LLM's --noop-layers "61,62,63" (also a set or list), as 0-based layer ids."""
-    if not value:
-        return frozenset()
-    items = value.split(",") if isinstance(value, str) else value
-    return frozenset(int(x) for x in items)
 
 
 def merge(*parts: dict) -> Architecture:
