@@ -130,14 +130,14 @@ def convert_text(d: dict) -> str:
 
 
 def run_convert(args) -> int:
+    from mcore_proxy.checkpoint.interface import TargetOptions
     from mcore_proxy.convert.pipeline import ConvertRequest, convert
 
-    req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, tp=args.tp, pp=args.pp, ep=args.ep,
-                         etp=args.etp, expert_layout=args.expert_layout, stage_layers=args.target_stage_layers,
-                         naming=args.naming, tp_extend_ep=args.tp_extend_ep,
-                         pipeline_layout=args.target_pipeline_layout, vpp=args.vpp,
-                         format=args.format, workers=args.workers, force=args.force,
-                         dequantize_fp8=args.dequantize_fp8)
+    target = TargetOptions(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, expert_layout=args.expert_layout,
+                           stage_layers=args.target_stage_layers, pipeline_layout=args.target_pipeline_layout,
+                           vpp=args.vpp, naming=args.naming, tp_extend_ep=args.tp_extend_ep)
+    req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, target=target, format=args.format,
+                         workers=args.workers, force=args.force, dequantize_fp8=args.dequantize_fp8)
     result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
     doc = convert_dict(result, args.dry_run)
     emit(args, "convert", doc, convert_text(doc))

@@ -45,21 +45,13 @@ PLANNED_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-router-num-groups"
 
 @dataclass(frozen=True)
 class ConvertRequest:
-    """What the user asked for; None means "keep the source's" (EP: the plan's EP degree)."""
+    """What the user asked for. target: the output's layout and names (None fields: keep the
+    source's; EP: the plan's EP degree; naming None: the source's for legacy output)."""
 
     ckpt: Path
     out: Path
     plan: Path | None = None
-    tp: int | None = None
-    pp: int | None = None
-    ep: int | None = None
-    etp: int | None = None
-    expert_layout: str | None = None
-    stage_layers: tuple[int, ...] | None = None
-    naming: str | None = None          # "megatron" / "mindspeed-llm"; None: the source's (legacy output)
-    tp_extend_ep: bool | None = None   # MindSpeed-LLM --moe-tp-extend-ep; None: the source's with its names
-    pipeline_layout: str | None = None  # Megatron's --pipeline-model-parallel-layout syntax
-    vpp: int | None = None             # virtual stages per pipeline rank (the even interleaved split)
+    target: TargetOptions = TargetOptions()
     format: str | None = None          # None: the source's format
     workers: int = 1
     dequantize_fp8: bool = False       # a source with FP8 block-quantised weights: read them as bf16
@@ -75,8 +67,8 @@ class ConvertRequest:
             raise ProxyError(f"--format {self.format!r} is not one of {', '.join(format_names(writable=True))}")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
-        if self.vpp is not None and self.vpp < 1:
-            raise ProxyError(f"--target-vpp {self.vpp} must be at least 1 (1: no virtual pipeline stages)")
+        if self.target.vpp is not None and self.target.vpp < 1:
+            raise ProxyError(f"--target-vpp {self.target.vpp} must be at least 1 (1: no virtual pipeline stages)")
 
 
 @dataclass
@@ -114,10 +106,7 @@ def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False)
 
 def target_options(req: ConvertRequest, plan) -> TargetOptions:
     """The layout options of a request; the writer turns them into its target (`Writer.target`)."""
-    return TargetOptions(tp=req.tp, pp=req.pp, ep=req.ep, etp=req.etp, expert_layout=req.expert_layout,
-                         stage_layers=req.stage_layers, pipeline_layout=req.pipeline_layout, vpp=req.vpp,
-                         plan_ep=plan.expert_parallel_size if plan else None,
-                         naming=req.naming, tp_extend_ep=req.tp_extend_ep)
+    return dataclasses.replace(req.target, plan_ep=plan.expert_parallel_size if plan else None)
 
 
 def output_format(req: ConvertRequest, source: ModelView) -> str:
@@ -234,8 +223,8 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
 
     source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8)
     fmt = output_format(req, source)
-    written_naming(view, req.naming, fmt)   # MindSpeed-LLM names: legacy output of MLA models only
-    if req.tp_extend_ep and fmt != "legacy":
+    written_naming(view, req.target.naming, fmt)   # MindSpeed-LLM names: legacy output of MLA models only
+    if req.target.tp_extend_ep and fmt != "legacy":
         raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
     writer = writer_of(fmt)
     target = writer.target(view, target_options(req, plan))

@@ -257,7 +257,7 @@ class HFWriter(Writer):
         return Finished(tuple(files), {INDEX: (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()})
 
 
-# ConvertRequest/TargetOptions fields -> the convert flags that set them (for the refusal above)
+# TargetOptions fields -> the convert flags that set them (for the refusal above)
 _FLAGS = {"tp": "--target-tp", "pp": "--target-pp", "ep": "--target-ep", "etp": "--target-etp",
           "expert_layout": "--expert-layout", "stage_layers": "--target-stage-layers",
           "pipeline_layout": "--target-pipeline-layout", "vpp": "--target-vpp",

@@ -124,12 +124,15 @@ def test_megatron_with_learned_positions_is_refused_for_hf(family_ckpt, tmp_path
 
 
 def test_deepseek_hf_to_megatron_computes_the_hf_logits(hf_model, tmp_path):
+    from mcore_proxy.checkpoint.interface import TargetOptions
     from mcore_proxy.convert.pipeline import ConvertRequest, convert
 
     src = hf_model("deepseek_v3")
     legacy, dist = tmp_path / "legacy", tmp_path / "dist"
-    convert(ConvertRequest(ckpt=src, out=legacy, format="legacy", tp=2, pp=1, ep=2, etp=1), progress=False)
-    convert(ConvertRequest(ckpt=src, out=dist, format="torch_dist", tp=2, pp=1, ep=2, etp=1), progress=False)
+    convert(ConvertRequest(ckpt=src, out=legacy, format="legacy",
+                           target=TargetOptions(tp=2, pp=1, ep=2, etp=1)), progress=False)
+    convert(ConvertRequest(ckpt=src, out=dist, format="torch_dist",
+                           target=TargetOptions(tp=2, pp=1, ep=2, etp=1)), progress=False)
     model = family_from_args(open_checkpoint(legacy).args)
     assert model.attention == "mla"
     logits = load_and_run([(model, StagedLayout(tp=2, pp=1, ep=2, etp=1), "legacy", legacy, tmp_path / "l.pt"),
