@@ -248,7 +248,8 @@ def main() -> None:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    mcore = shutil.which("mcore-proxy") or "mcore-proxy"
+    # The console script beside this interpreter: CI runs the venv's python without activating it.
+    mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or shutil.which("mcore-proxy") or "mcore-proxy"
     counts = [a.layers] + ([] if a.no_double else [2 * a.layers])
     src, plans, info = {}, {}, {}
     for n in counts:

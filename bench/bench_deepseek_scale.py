@@ -305,7 +305,8 @@ def main(argv=None) -> int:
     data.mkdir(parents=True, exist_ok=True)
     depths = [int(x) for x in a.depths.split(",")]
     make = smoke_model if a.smoke else scale_model
-    mcore = shutil.which("mcore-proxy") or "mcore-proxy"
+    # The console script beside this interpreter: CI runs the venv's python without activating it.
+    mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or shutil.which("mcore-proxy") or "mcore-proxy"
     src, stats, info = {}, {}, {}
     for n in depths:
         tag = f"{'smoke' if a.smoke else 'dsv3'}-{n}L-pp{a.pp}-ep{a.ep}-{a.stages}"

@@ -55,7 +55,8 @@ def main() -> None:
     sizes = layer_bytes(view)
     largest = max(v for k, v in sizes.items() if k != "other")
     total = sum(sizes.values())
-    mcore = shutil.which("mcore-proxy") or "mcore-proxy"
+    # The console script beside this interpreter: CI runs the venv's python without activating it.
+    mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or shutil.which("mcore-proxy") or "mcore-proxy"
     runs = {"inspect": [mcore, "inspect", str(ckpt)], "full read": [sys.executable, "bench/read_all.py", str(ckpt)]}
     print(f"checkpoint {ckpt}: {total / 2**30:.2f} GiB, {a.layers} layers, largest layer {largest / 2**20:.0f} MiB")
     print(f"{'command':<10} {'peak RSS MiB (median)':>22} {'wall s (median)':>16} {'bound MiB':>10}")
