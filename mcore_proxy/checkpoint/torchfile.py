@@ -41,11 +41,12 @@ _STORAGE_DTYPES = {
 }
 _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, slots=True)  # one per tensor a reader keeps
 class _StorageRef:
     member: str          # zip member holding the bytes
     dtype: torch.dtype
     numel: int
+    header_offset: int   # of the member's local header: where its bytes are, once the zip index is gone
 
 
 class LazyTensor:
@@ -143,9 +144,9 @@ class _StorageType:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, file, sizes: dict[str, int]):
+    def __init__(self, data: bytes, file, members: dict[str, tuple[int, int]]):
         super().__init__(io.BytesIO(data))
-        self._file, self._sizes = file, sizes
+        self._file, self._members = file, members
 
     def find_class(self, module: str, name: str):
         module = "builtins" if module == "__builtin__" else module  # protocol 2 spells it so
@@ -169,12 +170,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"storage {str(key)[:40]} declares {str(numel)[:40]} elements")
         dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else torch.uint8
         member = f"{self._file.prefix}/data/{key}" if self._file.prefix else f"data/{key}"
-        size = self._sizes.get(member)
-        if size is None or size < numel * _itemsize(dtype):
+        header_offset, size = self._members.get(member, (0, 0))
+        if size < numel * _itemsize(dtype):
             # checked before anything is allocated: a declared size must fit the bytes in the file
             raise pickle.UnpicklingError(f"storage {key} declares {numel} elements but its member holds "
-                                         f"{size or 0} bytes")
-        return (self._file, _StorageRef(member, dtype, numel))
+                                         f"{size} bytes")
+        return (self._file, _StorageRef(member, dtype, numel, header_offset))
 
 
 MAX_PICKLE_BYTES = 1 << 30  # a torch.save structure pickle; rank files hold ~100 kB of it
@@ -194,9 +195,10 @@ def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
     pos = zf.fp.tell()
     end = zf.fp.seek(0, os.SEEK_END)  # a member's declared size must fit inside the file
     zf.fp.seek(pos)
-    sizes = {i.filename: i.file_size for i in infos
-             if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end}
-    return _RestrictedUnpickler(zf.read(name), owner, sizes).load()
+    # only stored members whose bytes fit in the file can back a storage: torch never compresses
+    members = {i.filename: (i.header_offset, i.file_size) for i in infos
+               if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end}
+    return _RestrictedUnpickler(zf.read(name), owner, members).load()
 
 
 # What parsing a damaged or hostile zip/pickle can raise: zipfile and pickle raise many types
@@ -213,56 +215,60 @@ def brief_error(err: BaseException) -> str:
 
 
 class TorchFile:
-    """One `torch.save` zip file, opened for lazy reading. `obj` is the unpickled structure."""
+    """One `torch.save` zip file, opened for lazy reading. `obj` is the unpickled structure.
+
+    Only `obj` and one descriptor stay in memory: the zip index is dropped once unpickled (every
+    storage carries its member's place), so a reader holding hundreds of rank files keeps just
+    the LazyTensors it took, and `drop_structure` lets it forget the rest of `obj`.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._offsets: dict[str, tuple[int, int]] = {}
+        self._offsets: dict[str, int] = {}
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
-            # the zip index and data.pkl are read through a second descriptor: advised alike
-            self._fh = open(self.path, "rb")
-            if hasattr(os, "posix_fadvise"):
-                # we pread exactly the tensors we need; readahead would pull in dropped experts
-                # (with the kernel's read_ahead_kb of several MiB, a file's metadata reads alone
-                # pulled in about 1 MiB of every rank file: bench/RESULTS.md, DeepSeek-V3 scale)
-                for fd in (self._fd, self._fh.fileno()):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            self._zip = zipfile.ZipFile(self._fh)
-            self.obj = unpickle_torch_zip(self._zip, self)
+            # the zip index and data.pkl: read once through a second descriptor, advised alike
+            with open(self.path, "rb") as fh:
+                if hasattr(os, "posix_fadvise"):
+                    # we pread exactly the tensors we need; readahead would pull in dropped experts
+                    # (with the kernel's read_ahead_kb of several MiB, a file's metadata reads alone
+                    # pulled in about 1 MiB of every rank file: bench/RESULTS.md, DeepSeek-V3 scale)
+                    for fd in (self._fd, fh.fileno()):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                with zipfile.ZipFile(fh) as zf:
+                    self.obj = unpickle_torch_zip(zf, self)
         except UNREADABLE as err:
             self.close()
             raise CheckpointError(
                 f"{self.path}: not a readable torch checkpoint ({brief_error(err)}); the file is truncated or "
                 "damaged, copy it again from the source") from None
 
-    def _data_offset(self, member: str) -> int:
+    def drop_structure(self) -> None:
+        """Forget `obj` (the args, optimizer state and every record of the file): the LazyTensors
+        already taken from it stay readable, the rest is freed."""
+        self.obj = None
+
+    def _data_offset(self, storage: _StorageRef) -> int:
         """Byte offset of a stored member's data: torch writes members uncompressed, so a
-        tensor's bytes are one run of the file, read with pread and no copy through zipfile."""
+        tensor's bytes are one run of the file, read with pread and no copy through zipfile.
+        (The unpickler already checked the member exists, is stored and holds the storage.)"""
+        member = storage.member
         if member not in self._offsets:
-            try:
-                info = self._zip.getinfo(member)
-            except KeyError:
-                raise CheckpointError(f"{self.path}: member {member} is missing; the file is damaged, "
-                                      "copy it again from the source") from None
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointError(f"{self.path}: member {member} is compressed; torch never writes "
-                                      "that, the file was re-packed, copy the original")
-            header = os.pread(self._fd, 30, info.header_offset)
+            header = os.pread(self._fd, 30, storage.header_offset)
             if len(header) != 30 or header[:4] != b"PK\x03\x04":
                 raise CheckpointError(f"{self.path}: bad local header of {member}; the file is truncated "
                                       "or damaged, copy it again from the source")
             name_len, extra_len = struct.unpack("<HH", header[26:30])
-            self._offsets[member] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+            self._offsets[member] = storage.header_offset + 30 + name_len + extra_len
         return self._offsets[member]
 
     def read_elements(self, storage: _StorageRef, start: int, count: int) -> torch.Tensor:
         """`count` elements from element `start` of a storage, reading only those bytes."""
         item = _itemsize(storage.dtype)
-        offset, size = self._data_offset(storage.member)
-        if start + count > storage.numel or size < storage.numel * item:
-            raise CheckpointError(f"{self.path}: {storage.member} holds {size} bytes, fewer than its "
-                                  "tensors need; the file is truncated or damaged, copy it again")
+        offset = self._data_offset(storage)
+        if start + count > storage.numel:
+            raise CheckpointError(f"{self.path}: a read of elements {start}..{start + count} lies beyond the "
+                                  f"{storage.numel} of {storage.member}; the file is damaged, copy it again")
         out = torch.empty(count, dtype=storage.dtype)
         buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
         done = 0
@@ -277,7 +283,7 @@ class TorchFile:
     def byte_range(self, storage: _StorageRef, start: int, count: int) -> tuple[int, int]:
         """(file offset, length) of `count` elements from element `start` of a storage."""
         item = _itemsize(storage.dtype)
-        return self._data_offset(storage.member)[0] + start * item, count * item
+        return self._data_offset(storage) + start * item, count * item
 
     def will_need(self, offset: int, length: int) -> None:
         """Start reading bytes [offset, offset+length) in the background (POSIX_FADV_WILLNEED; a
@@ -289,12 +295,6 @@ class TorchFile:
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
             os.close(fd)
-        zf, self._zip = getattr(self, "_zip", None), None
-        if zf is not None:
-            zf.close()
-        fh, self._fh = getattr(self, "_fh", None), None
-        if fh is not None:
-            fh.close()
 
     __del__ = close
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -150,17 +150,27 @@ def _piece_ranges(piece) -> list[tuple[Path, int, int]]:
     return piece.byte_ranges()
 
 
-@dataclass
+@dataclass(slots=True)  # tens of thousands at DeepSeek-V3 scale: slots and lists, not dicts
 class _Entry:
-    """One canonical tensor: its rule and its shards in (E)TP rank order."""
+    """One canonical tensor: its rule, its shards in (E)TP rank order (None: not seen yet) and the
+    rank file each came from."""
 
     rule: object
     parts: int
-    shards: dict[int, object] = field(default_factory=dict)
-    where: dict[int, Path] = field(default_factory=dict)
+    shards: list = None
+    where: list = None
+
+    def __post_init__(self):
+        self.shards = [None] * self.parts if self.shards is None else self.shards
+        self.where = [None] * self.parts if self.where is None else self.where
 
 
 # -- the reader ------------------------------------------------------------------------------
+
+def _stage_representatives(coords) -> list[tuple[int, int, int]]:
+    """The lowest (tp, pp, ep) folder of every pipeline stage."""
+    return sorted({min(c for c in coords if c[1] == pp) for pp in {c[1] for c in coords}})
+
 
 def _parse_rank_dir(name: str, layout: ParallelLayout) -> tuple[int, int, int]:
     m = _RANK_DIR.match(name)
@@ -218,9 +228,14 @@ class LegacyCheckpoint(ModelView):
             raise CheckpointError(f"{self.path}: expert tensor parallel size {layout.etp} differs from "
                                   f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
                                   "they hold, re-save with ETP=1 or ETP=TP")
-        self.files = {c: (first if d == dirs[0] else self._open(d)) for c, d in coords.items()}
-        shapes = self._local_shapes(layout)
-        layout = self._with_tp_extend_ep(args, layout)
+        checkpoint_version = first.obj.get("checkpoint_version")
+        # One file per stage tells the spec (EP and TP ranks hold the same local keys); the others
+        # are opened, indexed and forgotten one at a time, so the reader holds the canonical
+        # entries and not every rank file's records (hundreds of files at scale: bench/RESULTS.md).
+        stage_files = {c: (first if coords[c] == dirs[0] else self._open(coords[c]))
+                       for c in _stage_representatives(coords)}
+        shapes = self._local_shapes(stage_files.values(), layout)
+        layout = self._with_tp_extend_ep(args, layout, stage_files.values())
         self._naming = detect_naming(args, shapes, str(first.path))
         if self._naming is not None:
             # MindSpeed-LLM's local MLA: its rows first, then megatron-core local-spec names
@@ -233,8 +248,10 @@ class LegacyCheckpoint(ModelView):
         self._variants: set[str] = set()
         self._linear_extra_state = False
         self._reset_states = 0
-        for c in sorted(self.files):
-            self._index_file(c, self.files[c], layout)
+        for c in sorted(coords):
+            tf = stage_files.pop(c, None) or self._open(coords[c])
+            self._index_file(c, tf, layout)
+            tf.drop_structure()
         if self._reset_states:
             log.warning("%s: %d TEGroupedMLP extra states hold FP8 metadata for all local experts; they are "
                         "reset to TE's empty state (never unpickled, see checkpoint/te_extra_state.py)",
@@ -247,20 +264,20 @@ class LegacyCheckpoint(ModelView):
         self._names = sorted(self._entries, key=canonical_sort_key)
         super().__init__(ViewInfo(
             spec=self._spec, format="legacy", path=self.path, iteration=iteration, args=args,
-            checkpoint_version=first.obj.get("checkpoint_version"),
+            checkpoint_version=checkpoint_version,
             layout=dataclasses.replace(layout, expert_layout=self._expert_layout),
             variants=frozenset(self._variants), linear_extra_state=self._linear_extra_state,
             layer_spec=self._layer_spec, naming=self._naming))
 
-    def _with_tp_extend_ep(self, args, layout: ParallelLayout) -> ParallelLayout:
+    def _with_tp_extend_ep(self, args, layout: ParallelLayout, files) -> ParallelLayout:
         """MindSpeed-LLM's --moe-tp-extend-ep when the args do not say either way: every file holds
-        E / (EP x TP) local experts (the most any file numbers) instead of E / EP."""
+        E / (EP x TP) local experts (the most `files` number) instead of E / EP."""
         num_experts = self._spec.num_experts
         if hasattr(args, "moe_tp_extend_ep") or layout.tp == 1 or not num_experts or num_experts % (layout.ep * layout.tp):
             return layout
         local = re.compile(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.weight(\d+)$)")
         most = 0
-        for tf in self.files.values():
+        for tf in files:
             for chunk in self._model_chunks(tf, layout):
                 for key in chunk:
                     if m := local.search(key):
@@ -295,10 +312,10 @@ class LegacyCheckpoint(ModelView):
                                   f"{layout.describe()}; the file is not a Megatron model checkpoint")
         return chunks
 
-    def _local_shapes(self, layout: ParallelLayout) -> dict[str, tuple[int, ...] | None]:
-        """Rank-local key -> shape over every file (pickle metadata only: no tensor bytes)."""
+    def _local_shapes(self, files, layout: ParallelLayout) -> dict[str, tuple[int, ...] | None]:
+        """Rank-local key -> shape over `files` (pickle metadata only: no tensor bytes)."""
         out = {}
-        for tf in self.files.values():
+        for tf in files:
             for chunk in self._model_chunks(tf, layout):
                 for key, value in chunk.items():
                     out.setdefault(key, tuple(value.shape) if isinstance(value, LazyTensor) else None)
@@ -364,16 +381,16 @@ class LegacyCheckpoint(ModelView):
         yield lk.canonical, value if isinstance(value, LazyTensor) else _Constant(value)
 
     def _add(self, name, rule, parts, shard, piece, path) -> None:
-        entry = self._entries.setdefault(name, _Entry(rule, parts))
-        if shard in entry.shards:
+        entry = self._entries.get(name) or self._entries.setdefault(name, _Entry(rule, parts))
+        if entry.shards[shard] is not None:
             old = entry.shards[shard]
             if old.shape is not None and tuple(old.shape) != tuple(piece.shape):
                 raise CheckpointError(
                     f"{path}: {name} has shape {list(piece.shape)} but {entry.where[shard]} has "
                     f"{list(old.shape)}; the rank folders come from different runs, re-copy them")
             return
-        for other, old in entry.shards.items():
-            if old.shape is not None and tuple(old.shape) != tuple(piece.shape):
+        for other, old in enumerate(entry.shards):
+            if old is not None and old.shape is not None and tuple(old.shape) != tuple(piece.shape):
                 raise CheckpointError(
                     f"{path}: shard of {name} has shape {list(piece.shape)} but {entry.where[other]} has "
                     f"{list(old.shape)}; the rank folders come from different runs, re-copy them")
@@ -389,7 +406,7 @@ class LegacyCheckpoint(ModelView):
                                   f"though args say num_layers={self._spec.num_layers}{extra}; the checkpoint is "
                                   "incomplete or its args are wrong")
         for name, entry in self._entries.items():
-            missing = [r for r in range(entry.parts) if r not in entry.shards]
+            missing = [r for r, piece in enumerate(entry.shards) if piece is None]
             if missing:
                 raise CheckpointError(f"{self.path}: tensor {name} lacks shard(s) {missing}; a rank "
                                       "folder is missing or incomplete, copy it from the source")
@@ -431,13 +448,13 @@ class LegacyCheckpoint(ModelView):
 
     def byte_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         """(rank file, offset, length) of every run of bytes `get(name)` reads."""
-        return [r for piece in self._entries[name].shards.values() for r in _piece_ranges(piece)]
+        return [r for piece in self._entries[name].shards for r in _piece_ranges(piece)]
 
     def prefetch(self, names: list[str]) -> None:
         """Start reading the bytes of `names`' shards (only theirs: a dropped expert next to a
         kept one stays unread) while the caller works on the current tensor."""
         for name in names:
-            for piece in self._entries[name].shards.values():
+            for piece in self._entries[name].shards:
                 piece.will_need()
 
     def shape(self, name: str):
@@ -457,25 +474,25 @@ def _canonical_entries(entries: dict[str, _Entry], dims: MLADims) -> dict[str, _
     out: dict[str, _Entry] = {}
     for name, entry in entries.items():
         if name.endswith(".self_attention.linear_qkv.bias"):
-            raise CheckpointError(f"{next(iter(entry.where.values()))}: tensor {name} is a bias of MindSpeed-LLM's "
+            raise CheckpointError(f"{entry.where[0]}: tensor {name} is a bias of MindSpeed-LLM's "
                                   "fused MLA down projection (add_qkv_bias), which mcore-proxy does not map; the "
                                   "nearest supported kind is multi-latent attention without linear biases (DeepSeek-V3)")
         canon = megatron_keys(name)
         if len(canon) == 2:                                   # fused down projection
             q_rows = (0, dims.q_lora), (dims.q_lora, dims.kv_lora + dims.rope)
             for target, (start, count) in zip(canon, q_rows):
-                out[target] = _Entry(entry.rule, 1, {0: _Rows(entry.shards[0], start, count)}, dict(entry.where))
+                out[target] = _Entry(entry.rule, 1, [_Rows(entry.shards[0], start, count)], entry.where[:1])
         elif canon[0] != name:                                # an --mla-mm-split part
             parts = split_parts(canon[0])
             if name != parts[0]:
                 continue
             other = entries.get(parts[1])
             if other is None or other.parts != entry.parts:
-                raise CheckpointError(f"{next(iter(entry.where.values()))}: {name} has no matching {parts[1]}; "
+                raise CheckpointError(f"{entry.where[0]}: {name} has no matching {parts[1]}; "
                                       "the checkpoint is incomplete")
             which = "q" if ".linear_qk_nope." in name else "kv"
-            shards = {t: _JoinedHeads(entry.shards[t], other.shards[t], which, dims) for t in entry.shards}
-            out[canon[0]] = _Entry(rule_for(canon[0], LOCAL_SPEC), entry.parts, shards, dict(entry.where))
+            shards = [_JoinedHeads(a, b, which, dims) for a, b in zip(entry.shards, other.shards)]
+            out[canon[0]] = _Entry(rule_for(canon[0], LOCAL_SPEC), entry.parts, shards, list(entry.where))
         else:
             out[name] = entry
     return out
