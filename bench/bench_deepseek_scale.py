@@ -16,6 +16,28 @@ spelling of the dense layers), EP 32, ETP 1:
 256 rank folders `mp_rank_00_PPP_EEE`, the MTP layer on the last stage beside its copy of the
 word embeddings, megatron-core's local-spec (SequentialMLP) names.
 
+`--naming mindspeed-llm` writes the same model as MindSpeed-LLM's DeepSeek-V3 recipe saves it
+(`mindspeed_llm_state`, applied to each rank's megatron-named state in `write_checkpoint`; the
+data folder's tag ends in `-mindspeed-llm`). The recipe is what MindSpeed-LLM's two 671B pretrain
+scripts have in common (Ascend/MindSpeed-LLM `examples/mcore/deepseek3/pretrain_deepseek3_671b_4k_ptd.sh`
+and `..._A3_ptd.sh`; the hf2mcore `ckpt_convert_deepseek3_hf2mcore.sh` likewise passes
+`--moe-grouped-gemm`): `--multi-head-latent-attention --qk-layernorm` without `--mla-mm-split`
+(only the A3 script splits), `--moe-grouped-gemm`, `--moe-tp-extend-ep`, `--first-k-dense-replace 3
+--moe-layer-freq 1`, `--n-shared-experts 1`, `--mtp-num-layers 1`, legacy `--ckpt-format torch` with
+the local transformer implementation. So each rank file holds MindSpeed-LLM's keys by the library's
+own mapping (`checkpoint.mindspeed_llm.megatron_to_mindspeed`): the fused down projection
+`self_attention.linear_qkv.weight` = [q_a; kv_a] [q_lora + kv_lora + rope, H] (a `LinearNoTP`, no
+`_extra_state`), `linear_q_up_proj` / `linear_kv_up_proj`, `mtp.final_layernorms.0.weight` and the
+top-level `final_layernorm.weight`; GroupedMLP experts `mlp.experts.weight1` [H, E_local * 2F] /
+`weight2` [E_local * F, H] (memory [E_local][H][2F] / [E_local][F][H], no extra state); args with
+MindSpeed-LLM's flags (`multi_head_latent_attention`, `qk_nope_head_dim` / `qk_rope_head_dim`,
+`moe_grouped_gemm`, `moe_tp_extend_ep`, `mla_mm_split` False, `n_shared_experts`) beside the
+megatron ones the reader reads. At TP 1 `--moe-tp-extend-ep` places experts as plain EP does
+(E / (EP x TP) per folder). Stages: the scripts pad 61 layers to `--num-layers 64 --noop-layers
+61,62,63` (8 per stage); the bench instead spells the same uneven split as the megatron-named
+variant with MindSpeed-LLM's `--num-layer-list 7,8,8,8,8,8,8,6` (the hf2mcore script's documented
+alternative), so the two variants differ in naming only and the truncated depths need no padding.
+
 megatron-core cannot build a 256-expert 61-layer model on a 2-core box, so `write_checkpoint`
 writes the rank files itself, as Megatron-LM's `save_checkpoint` would: `torch.save` of
 {args (argparse.Namespace, from the same `Family.megatron_args` the megatron-core fixtures use),
@@ -48,6 +70,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -58,6 +81,8 @@ from pathlib import Path
 
 import torch
 
+from mcore_proxy.checkpoint.mindspeed_llm import MEGATRON, MINDSPEED_LLM, NAMINGS, MindSpeedNaming, MLADims, \
+    megatron_to_mindspeed
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.testing.families import DEEPSEEK_V3, Family
 
@@ -113,6 +138,50 @@ def megatron_args(model: Family, counts: list[int], ep: int, stages: str = "firs
     elif stages != "first-last":
         raise SystemExit(f"--stages {stages!r}: expected first-last or num-layer-list")
     return args
+
+
+def mindspeed_llm_args(args: argparse.Namespace, model: Family) -> argparse.Namespace:
+    """`args` as MindSpeed-LLM's DeepSeek-V3 recipe leaves them (module docstring): its own flag
+    spellings added beside megatron's (which its argument validation also fills)."""
+    vars(args).update(multi_head_latent_attention=True, qk_nope_head_dim=model.qk_head_dim,
+                      qk_rope_head_dim=model.qk_pos_emb_head_dim, mla_mm_split=False,
+                      moe_grouped_gemm=True, moe_tp_extend_ep=True, n_shared_experts=1, transformer_impl="local")
+    return args
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.linear_fc([12])\.(weight|_extra_state)$")
+
+
+def grouped_experts(state: dict) -> dict:
+    """SequentialMLP local experts -> GroupedMLP's `weight1` [H, E_local * 2F] / `weight2`
+    [E_local * F, H], as Megatron's GroupedMLP stores them (it views them as [E_local, H, 2F] /
+    [E_local, F, H]: expert j's transposed fc1 [2F, H] / fc2 [H, F] is block j); GroupedMLP has no
+    `_extra_state`. Other keys stay in order; each grouped weight takes its first expert's place."""
+    out, blocks = {}, {}
+    for key, value in state.items():
+        m = _LOCAL_EXPERT.match(key)
+        if m is None:
+            out[key] = value
+        elif m[4] == "weight":
+            grouped = f"{m[1]}.weight{m[3]}"
+            parts = blocks.setdefault(grouped, [])
+            assert int(m[2]) == len(parts), f"{key}: local experts out of order"
+            out.setdefault(grouped, None)
+            parts.append(value.t())
+    for grouped, parts in blocks.items():
+        stacked = torch.stack(parts)                   # [E_local, H, 2F] or [E_local, F, H]
+        out[grouped] = stacked.reshape(stacked.shape[1], -1) if grouped.endswith("1") else stacked.flatten(0, 1)
+    return out
+
+
+def mindspeed_llm_state(state: dict, args: argparse.Namespace) -> dict:
+    """One rank's megatron-named `model` state (TP 1: attention tensors full) -> the same tensors as
+    MindSpeed-LLM's DeepSeek-V3 recipe saves them: grouped GEMM experts, then the library's
+    MindSpeed-LLM mapping (fused `linear_qkv`, MTP / final norm names). The fused projection is a
+    `LinearNoTP` without extra state, so the down projections' `_extra_state` entries go."""
+    naming = MindSpeedNaming(mtp=bool(args.mtp_num_layers))
+    state = {k: v for k, v in grouped_experts(state).items() if not re.search(r"_down_proj\._extra_state$", k)}
+    return megatron_to_mindspeed(state, naming, MLADims.from_args(args))
 
 
 def _randn(shape, name: str, dtype=torch.bfloat16, std: float = 0.02, memo: dict | None = None) -> torch.Tensor:
@@ -226,16 +295,21 @@ def moe_layer_ids(model: Family) -> list[str]:
 
 
 def write_checkpoint(root: Path, model: Family, pp: int, ep: int, stages: str = "first-last",
-                     tokens: int = 4096, stats_path: Path | None = None) -> None:
+                     tokens: int = 4096, stats_path: Path | None = None, naming: str = MEGATRON) -> None:
     """Write the legacy checkpoint (and its planted routing statistics) under `root`, complete or
-    not at all: built in a sibling folder, renamed into place last."""
+    not at all: built in a sibling folder, renamed into place last. `naming`: megatron-core's
+    local-spec names or MindSpeed-LLM's (`mindspeed_llm_state`)."""
     from mcore_proxy.stats import RoutingStats, save_stats
     from mcore_proxy.testing.build import training_extras
 
     if root.exists():
         return
     counts = stage_counts(model.num_layers, pp)
+    if naming not in NAMINGS:
+        raise SystemExit(f"--naming {naming!r}: expected one of {', '.join(NAMINGS)}")
     args = megatron_args(model, counts, ep, stages)
+    if naming == MINDSPEED_LLM:
+        args = mindspeed_llm_args(args, model)
     layers = {lid: planted(model, lid, tokens) for lid in moe_layer_ids(model)}
     routers = {lid: torch.from_numpy(p.router) for lid, p in layers.items()}
     tmp = root.with_name(f".{root.name}.partial")
@@ -245,6 +319,8 @@ def write_checkpoint(root: Path, model: Family, pp: int, ep: int, stages: str = 
         memo: dict = {}
         for ep_rank in range(ep):
             state = rank_state(model, counts, pp_rank, ep_rank, ep, routers, memo)
+            if naming == MINDSPEED_LLM:
+                state = mindspeed_llm_state(state, args)
             name = (f"mp_rank_00_{pp_rank:03d}" if pp > 1 else "mp_rank_00") + (f"_{ep_rank:03d}" if ep > 1 else "")
             folder = it_dir / name
             folder.mkdir(parents=True)
@@ -288,7 +364,10 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="8,16,61", help="decoder layers of the truncated checkpoints")
     ap.add_argument("--pp", type=int, default=8)
     ap.add_argument("--ep", type=int, default=32)
-    ap.add_argument("--stages", default="first-last", choices=("first-last", "num-layer-list"))
+    ap.add_argument("--naming", default=MEGATRON, choices=NAMINGS,
+                    help="megatron-core's names or MindSpeed-LLM's DeepSeek-V3 recipe (module docstring)")
+    ap.add_argument("--stages", choices=("first-last", "num-layer-list"),
+                    help="uneven stages' spelling (default: first-last, num-layer-list with --naming mindspeed-llm)")
     ap.add_argument("--keep", type=int, default=16)
     ap.add_argument("--target-ep", type=int, default=2)
     ap.add_argument("--target-pp", type=int, default=1)
@@ -299,6 +378,7 @@ def main(argv=None) -> int:
     ap.add_argument("--build-only", action="store_true", help="build the missing checkpoints, measure nothing")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: 5 layers, 32 experts, PP 2, EP 4, once")
     a = ap.parse_args(argv)
+    a.stages = a.stages or ("num-layer-list" if a.naming == MINDSPEED_LLM else "first-last")
     if a.smoke:
         a.depths, a.pp, a.ep, a.keep, a.repeat, a.tokens = "5", 2, 4, 16, 1, 256
     data = Path(a.data)
@@ -309,12 +389,14 @@ def main(argv=None) -> int:
     mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or shutil.which("mcore-proxy") or "mcore-proxy"
     src, stats, info = {}, {}, {}
     for n in depths:
-        tag = f"{'smoke' if a.smoke else 'dsv3'}-{n}L-pp{a.pp}-ep{a.ep}-{a.stages}"
+        # megatron-named folders keep their tag (data built before --naming stays valid)
+        tag = f"{'smoke' if a.smoke else 'dsv3'}-{n}L-pp{a.pp}-ep{a.ep}-{a.stages}" + (
+            f"-{a.naming}" if a.naming != MEGATRON else "")
         src[n], stats[n] = data / tag, data / f"{tag}.stats.safetensors"
         t = time.perf_counter()
         if not src[n].exists():
             print(f"building {src[n]} ...", flush=True)
-            write_checkpoint(src[n], make(n), a.pp, a.ep, a.stages, a.tokens, stats[n])
+            write_checkpoint(src[n], make(n), a.pp, a.ep, a.stages, a.tokens, stats[n], a.naming)
             print(f"  built in {time.perf_counter() - t:.0f} s", flush=True)
         info[n] = {"bytes": disk_bytes(src[n]), "rank_files": len(list(src[n].rglob("model_optim_rng.pt")))}
         print(f"{src[n].name}: {info[n]['bytes'] / GIB:.2f} GiB in {info[n]['rank_files']} rank files", flush=True)

@@ -80,17 +80,43 @@ def test_mindspeed_stage_spelling_reads_as_the_same_model(tmp_path):
     assert all(torch.equal(va.get(n), vb.get(n)) for n in va.names())
 
 
+def test_mindspeed_llm_naming_reads_as_the_same_model(tmp_path):
+    """--naming mindspeed-llm: the rank files hold MindSpeed-LLM's DeepSeek-V3 recipe keys (fused
+    down projection, grouped GEMM experts, MTP / final norm names) and the reader yields the
+    megatron-named checkpoint's model, tensor for tensor."""
+    model = smoke_model(7)
+    write_checkpoint(tmp_path / "a", model, pp=2, ep=2, tokens=64)
+    write_checkpoint(tmp_path / "b", model, pp=2, ep=2, stages="num-layer-list", tokens=64, naming="mindspeed-llm")
+    files = _rank_files(tmp_path / "b")
+    last, args = files["mp_rank_00_001_001"]["model"], files["mp_rank_00_000_000"]["args"]
+    assert (args.num_layer_list, args.moe_grouped_gemm, args.moe_tp_extend_ep, args.mla_mm_split) == \
+        ("4,3", True, True, False)
+    assert tuple(last["decoder.layers.0.self_attention.linear_qkv.weight"].shape) == (20 + 12 + 4, 32)
+    assert tuple(last["decoder.layers.0.mlp.experts.weight1"].shape) == (32, 16 * 16)     # [H, E_local * 2F]
+    assert tuple(last["mtp.layers.0.transformer_layer.mlp.experts.weight2"].shape) == (16 * 8, 32)
+    assert {"mtp.final_layernorms.0.weight", "final_layernorm.weight"} <= set(last)
+    assert not any(re.search(r"down_proj|local_experts|^decoder\.final_layernorm|mtp\.layers\.0\.final_layernorm", k)
+                   for f in files.values() for k in f["model"])
+    va, vb = open_checkpoint(tmp_path / "a"), open_checkpoint(tmp_path / "b")
+    assert vb.info.naming is not None and vb.layout.expert_layout == "grouped" and vb.layout.tp_extend_ep
+    assert (va.spec, va.layer_spec) == (vb.spec, vb.layer_spec) and va.names() == vb.names()
+    assert all(tuple(va.shape(n)) == tuple(vb.shape(n)) and torch.equal(va.get(n), vb.get(n)) for n in va.names())
+
+
 def test_stage_counts():
     assert stage_counts(61, 8) == [7, 8, 8, 8, 8, 8, 8, 6]
     assert stage_counts(32, 8) == [4] * 8 and stage_counts(5, 2) == [3, 2]
 
 
-def test_smoke_runs_the_pipeline(tmp_path):
+@pytest.mark.parametrize("naming", ["megatron", "mindspeed-llm"])
+def test_smoke_runs_the_pipeline(tmp_path, naming):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "bench/bench_deepseek_scale.py", "--smoke", "--warm", "--data",
-                        str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "bench/bench_deepseek_scale.py", "--smoke", "--warm", "--naming", naming,
+                        "--data", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "verify ok" in r.stdout
     rows = [ln.split(" | ")[0][2:] for ln in r.stdout.splitlines() if ln.startswith("| ") and "(5L)" in ln]
     assert rows == ["cp -r (5L)", "inspect (5L)", "select K=16 (5L)", "convert K=16 -> TP 1 PP 1 EP 2 (5L)"]
     assert (tmp_path / "scale-results.json").is_file() and not (tmp_path / "scale-tmp").exists()
+    tag = "smoke-5L-pp2-ep4-" + ("first-last" if naming == "megatron" else "num-layer-list-mindspeed-llm")
+    assert (tmp_path / tag).is_dir()
