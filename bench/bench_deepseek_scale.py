@@ -141,8 +141,9 @@ def megatron_args(model: Family, counts: list[int], ep: int, stages: str = "firs
 
 
 def mindspeed_llm_args(args: argparse.Namespace, model: Family) -> argparse.Namespace:
-    """`args` as MindSpeed-LLM's DeepSeek-V3 recipe leaves them (module docstring): its own flag
-    spellings added beside megatron's (which its argument validation also fills)."""
+    """`args` as MindSpeed-LLM's DeepSeek-V3 recipe leaves them (module docstring): its flags'
+    spellings added beside the megatron-core ones the reader reads (`multi_latent_attention`,
+    `qk_head_dim`, `qk_pos_emb_head_dim`, `mtp_num_layers`)."""
     vars(args).update(multi_head_latent_attention=True, qk_nope_head_dim=model.qk_head_dim,
                       qk_rope_head_dim=model.qk_pos_emb_head_dim, mla_mm_split=False,
                       moe_grouped_gemm=True, moe_tp_extend_ep=True, n_shared_experts=1, transformer_impl="local")
