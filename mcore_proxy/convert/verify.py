@@ -13,7 +13,7 @@ from mcore_proxy.checkpoint.formats import get_format
 from mcore_proxy.checkpoint.view import ModelView, holds_fp8, tensor_nbytes
 from mcore_proxy.convert.manifest import check_manifest
 from mcore_proxy.convert.prune import PrunedView
-from mcore_proxy.errors import InternalError
+from mcore_proxy.errors import InternalError, ProxyError
 from mcore_proxy.units import BYTES_PROGRESS
 
 
@@ -93,12 +93,10 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     if functional and report.ok:
         frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
         if len(frameworks) > 1:
-            from mcore_proxy.errors import ProxyError
             raise ProxyError(f"--functional runs both models in one framework, but {orig} is "
                              f"{source.info.format} and {proxy} is {proxy_view.info.format}; the tensors were "
                              "compared bit for bit, convert one side to the other's format to run both")
         if source.spec.noop_layers:
-            from mcore_proxy.errors import ProxyError
             raise ProxyError(f"--functional builds the models in megatron-core, which has no noop layer, but {orig} "
                              f"has noop layers {list(source.spec.noop_layers)} (MindSpeed --noop-layers); the tensors "
                              "were compared bit for bit, leave out --functional")

@@ -119,21 +119,15 @@ def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, res
     assert (torch.load(full_logits) - restricted_original).abs().max() > 1e-3
 
 
-def test_other_formats_refuse_noop_layers(noop_source, tmp_path, capsys):
+@pytest.mark.parametrize("target,named", [
+    (["--format", "torch_dist", "--target-pp", "1"], "--format legacy"),
+    (["--target-pp", "3", "--target-vpp", "2"], "--target-vpp"),
+], ids=["other-format", "virtual-stages"])
+def test_noop_layers_refused_where_not_written(noop_source, tmp_path, capsys, target, named):
     _, derived, plan_path, _, _ = noop_source
     out = tmp_path / "proxy"
-    assert main(["convert", str(derived), "--plan", str(plan_path), "-o", str(out), "--format", "torch_dist",
-                 "--target-pp", "1", "--target-tp", "1", "--target-ep", "1"]) == 2
+    assert main(["convert", str(derived), "--plan", str(plan_path), "-o", str(out), *target,
+                 "--target-tp", "1", "--target-ep", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "noop layers [2, 5]" in err and "--format legacy" in err, err
-    assert not out.exists()
-
-
-def test_virtual_stages_with_noop_layers_refused(noop_source, tmp_path, capsys):
-    _, derived, plan_path, _, _ = noop_source
-    out = tmp_path / "proxy"
-    assert main(["convert", str(derived), "--plan", str(plan_path), "-o", str(out), "--target-pp", "3",
-                 "--target-vpp", "2", "--target-tp", "1", "--target-ep", "1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "noop layers [2, 5]" in err and "--target-vpp" in err, err
+    assert len(err.splitlines()) == 1 and "noop layers [2, 5]" in err and named in err, err
     assert not out.exists()
