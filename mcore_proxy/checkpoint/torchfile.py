@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import enum
+import functools
 import hashlib
 import io
 import os
@@ -26,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.checkpoint.safe_globals import (READ_GLOBALS, Unresolved, is_emittable, torch_load_globals,
-                                                 unresolved_class)
+from mcore_proxy.checkpoint.safe_globals import (READ_GLOBALS, Unresolved, enum_by_name, global_enum_member,
+                                                 is_emittable, torch_load_allowing, unresolved_class)
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
 from mcore_proxy.errors import CheckpointError
 
@@ -160,7 +162,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
             return lambda text, encoding="latin1": text.encode(encoding)
-        return unresolved_class(module, name)
+        if (module, name) == ("builtins", "getattr"):  # enums pickled by name; nothing else (safe_globals)
+            return functools.partial(enum_by_name, where=str(self._file.path))
+        member = global_enum_member(module, name)  # `signal.SIGTERM`, as Python 3.11.2 pickles it
+        return unresolved_class(module, name) if member is None else member
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -341,6 +346,9 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
             stride = torch.empty(obj.shape, device="meta").stride()
             return (torch._utils._rebuild_tensor_v2,
                     (_StoragePid(obj), 0, obj.shape, stride, False, collections.OrderedDict()))
+        if isinstance(obj, enum.Enum):
+            # by value, whatever this Python's own form (3.11.2: by name): docs/safe-loading.md
+            return type(obj), (obj.value,)
         return NotImplemented
 
     def save_global(self, obj, name=None):
@@ -451,8 +459,7 @@ def save_object(obj, path: str | Path | None = None, sink: HashingSink | None = 
 def load_weights_only(path):
     """`torch.load(path, weights_only=True)` with the allowed classes as its safe globals (torch
     >= 2.4; earlier torch has no way to add them, so the restricted reader stands in)."""
-    serialization = torch.serialization
-    if hasattr(serialization, "safe_globals"):
-        with serialization.safe_globals(torch_load_globals()):
+    if hasattr(torch.serialization, "safe_globals"):
+        with torch_load_allowing():
             return torch.load(path, map_location="cpu", weights_only=True)
     return materialize(TorchFile(path).obj)
