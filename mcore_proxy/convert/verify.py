@@ -2,6 +2,8 @@
 and optionally the same outputs as the source restricted to the kept experts."""
 from __future__ import annotations
 
+import argparse
+import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,8 +12,9 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import get_format
+from mcore_proxy.checkpoint.safe_globals import enum_member_name
 from mcore_proxy.checkpoint.view import ModelView, holds_fp8, tensor_nbytes
-from mcore_proxy.convert.manifest import check_manifest
+from mcore_proxy.convert.manifest import MANIFEST, check_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import InternalError, ProxyError
 from mcore_proxy.units import BYTES_PROGRESS
@@ -70,6 +73,31 @@ def compare_args(plan, proxy: ModelView, source: ModelView, report: VerifyReport
     report.problems += [f"args {what} is {have!r}, expected {want!r}" for what, have, want in checks if have != want]
 
 
+def compare_arg_fields(source: ModelView, proxy: ModelView, dropped, report: VerifyReport) -> None:
+    """Every enum in the source's args is the same member in the proxy's (whichever form the source
+    pickled it in), and every field the proxy lacks is one the manifest records as dropped."""
+    if not isinstance(source.args, argparse.Namespace) or not isinstance(proxy.args, argparse.Namespace):
+        return
+    have, recorded = vars(proxy.args), set(dropped)
+    for name, value in sorted(vars(source.args).items()):
+        if name not in have:
+            if name not in recorded:
+                report.problems.append(f"args {name}: missing from the proxy and not recorded as dropped in its "
+                                       "manifest")
+        elif enum_member_name(value) is not None and have[name] != value:
+            report.problems.append(f"args {name} is {have[name]!r}, expected the source's {value!r}")
+
+
+def recorded_dropped_args(proxy: Path) -> list[str]:
+    """The args fields the proxy's manifest says convert dropped (none without a readable manifest:
+    `check_manifest` reports that)."""
+    try:
+        dropped = json.loads((Path(proxy) / MANIFEST).read_bytes()).get("dropped_args", {})
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return []
+    return [str(k) for k in dropped] if isinstance(dropped, dict) else []
+
+
 def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, progress: bool = True) -> VerifyReport:
     """Every check; problems are collected, not raised (the CLI turns them into exit code 1)."""
     from tqdm import tqdm
@@ -86,6 +114,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     expected = PrunedView(source, plan)
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
+    compare_arg_fields(source, proxy_view, recorded_dropped_args(proxy), report)
     total = sum(tensor_nbytes(expected, n) for n in expected.names())
     with tqdm(total=total, **BYTES_PROGRESS, mininterval=2, desc="verify", disable=not progress) as bar:
         compare_tensors(expected, proxy_view, report, bar)
