@@ -7,6 +7,7 @@ stage of the model (call `functional.cpu.init_distributed` first).
 from __future__ import annotations
 
 import argparse
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,9 @@ class ToyMoE:
         )
 
     def megatron_args(self, layout: "Layout") -> argparse.Namespace:
-        """`args` as Megatron training pickles them: argparse names, plus a megatron enum."""
+        """`args` as Megatron training pickles them: argparse names, a megatron enum, and the
+        `signal.Signals` member Megatron-LM keeps as `exit_signal` (both pickled by name by early
+        Python 3.11 releases: testing/enum_forms.py)."""
         from megatron.core.transformer.enums import AttnBackend
 
         freq = list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
@@ -96,7 +99,7 @@ class ToyMoE:
             decoder_first_pipeline_num_layers=layout.first_stage_layers,
             decoder_last_pipeline_num_layers=None, num_layers_per_virtual_pipeline_stage=None,
             use_distributed_optimizer=False, bf16=False, fp16=False, params_dtype=torch.float32,
-            attention_backend=AttnBackend.auto, transformer_impl="local",
+            attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, transformer_impl="local",
             world_size=layout.world_size, data_parallel_size=layout.world_size // (layout.tp * layout.pp),
             ckpt_format="torch", iteration=0,
         )

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.iteration import TRACKER, folder_name
+from mcore_proxy.checkpoint.safe_globals import torch_load_allowing
 from mcore_proxy.functional.cpu import destroy_distributed, free_port
 from mcore_proxy.functional.family import (Family, StagedLayout, build_chunks, enter_layout, family_from_args,
                                            run_chunks, state_keys)
@@ -117,10 +118,13 @@ def _load(job: Job, chunks: list, coords) -> None:
         from megatron.core import dist_checkpointing
 
         it_dir = str(iteration_dir(job.load_dist))
-        metadata = dist_checkpointing.load_content_metadata(it_dir) or {}
         keys = state_keys(chunks)
-        loaded = dist_checkpointing.load({k: c.sharded_state_dict(metadata=metadata) for k, c in zip(keys, chunks)},
-                                         it_dir)
+        # megatron-core loads common.pt with torch.load(weights_only=True), which refuses the enums
+        # that Python 3.11.2 pickles by name: the fixtures saved under it hold them (docs/safe-loading.md)
+        with torch_load_allowing():
+            metadata = dist_checkpointing.load_content_metadata(it_dir) or {}
+            loaded = dist_checkpointing.load({k: c.sharded_state_dict(metadata=metadata)
+                                              for k, c in zip(keys, chunks)}, it_dir)
         for chunk, key in zip(chunks, keys):
             chunk.load_state_dict(loaded[key], strict=True)
 
