@@ -6,14 +6,17 @@ also one saved by megatron-core's dist_checkpointing), routing statistics writte
 `stats.save_stats`, a plan made by `select`, and a proxy made by `convert`. Each case copies one
 input, damages it one way (truncation at an offset, byte flips in zip headers / pickles /
 safetensors headers / anywhere, swapped, duplicated or missing files, wrong trackers, hostile
-pickles calling os.system, eval, exec, subprocess or builtins.open, deep nesting, huge declared
+pickles calling os.system, eval, exec, subprocess or builtins.open, getattr shapes other than an
+enum member by name (a chain from an allowed enum class to os.system among them), args enums
+re-pickled by name or by value (benign: both must read alike), deep nesting, huge declared
 sizes, traversal paths in torch_dist metadata, hostile plan and sidecar JSON), then runs one
 command (inspect, convert, verify, stats show, select) through the CLI's `main()` in a forked
 child with a 30 s limit. A case passes when:
   - it ends within the limit with exit code 0, 1 or 2 (0 where the damage does not matter);
   - stderr holds no traceback;
   - the marker file every payload would create does not exist (for a successful convert, also
-    after loading every output file the way Megatron does, `torch.load(weights_only=False)`);
+    after loading every output file the ways Megatron does: `torch.load(weights_only=False)` of
+    older Megatron-LM, and torch's default, weights_only with megatron-core's safe globals);
   - the input is byte-for-byte unchanged;
   - a failed convert left no output and no staging folder.
 
@@ -279,6 +282,19 @@ def mutate(kind: str, root: Path, rng: random.Random, marker: Path) -> str:
         field = rng.choice(["post_hook", "data_path", "transformer_impl", "num_layers", "attention_backend"])
         _edit_args(root, lambda a: setattr(a, field, payload))
         return f"args.{field} = {name} call"
+    if kind == "hostile_getattr":
+        from mcore_proxy.testing.enum_forms import hostile_getattrs
+
+        name, payload = rng.choice(sorted(hostile_getattrs(marker).items()))
+        field = rng.choice(["post_hook", "transformer_impl", "num_layers", "attention_backend", "exit_signal"])
+        _edit_args(root, lambda a: setattr(a, field, payload))
+        return f"args.{field} = getattr shape: {name}"
+    if kind == "enum_form":
+        from mcore_proxy.testing.enum_forms import FORMS, rewrite_enums
+
+        form = rng.choice(FORMS)
+        rewrite_enums(root, form)
+        return f"args enums pickled {form}"
     if kind == "hostile_pattern":
         _edit_args(root, lambda a: setattr(a, "moe_layer_freq", eval_escape(marker)))
         return "moe_layer_freq eval escape"
@@ -350,10 +366,12 @@ class Case:
 
 KINDS = {
     "legacy": ["truncate", "zip_header", "zip_central", "pickle", "flip_any", "swap", "duplicate", "delete",
-               "tracker", "hostile_args", "hostile_pattern", "hostile_model", "deep_nesting", "huge_size"],
+               "tracker", "hostile_args", "hostile_getattr", "enum_form", "hostile_pattern", "hostile_model",
+               "deep_nesting", "huge_size"],
     "dist": ["truncate", "zip_header", "pickle", "flip_any", "duplicate", "delete", "tracker", "hostile_args",
-             "hostile_pattern", "deep_nesting", "huge_size", "dcp_metadata"],
-    "proxy": ["truncate", "pickle", "flip_any", "swap", "delete", "tracker", "hostile_args"],
+             "hostile_getattr", "enum_form", "hostile_pattern", "deep_nesting", "huge_size", "dcp_metadata"],
+    "proxy": ["truncate", "pickle", "flip_any", "swap", "delete", "tracker", "hostile_args", "hostile_getattr",
+              "enum_form"],
     "plan": ["json"],
     "stats": ["truncate", "safetensors_header", "flip_any", "sidecar"],
 }
@@ -452,8 +470,11 @@ def _child(case: Case, corpus: Path, case_dir: Path, result_path: Path) -> None:
         code = stop.code if isinstance(stop.code, int) else 2
     loaded = 0
     if code == 0 and case.command.startswith("convert") and out.is_dir():
-        for f in _files(out, "*.pt"):   # load the proxy the way Megatron does
+        import megatron.core  # noqa: F401  (registers megatron-core's safe globals, as Megatron-LM has them)
+
+        for f in _files(out, "*.pt"):   # load the proxy the ways Megatron does
             torch.load(f, weights_only=False)
+            torch.load(f, map_location="cpu")
             loaded += 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -609,6 +630,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="write every record here")
     p.add_argument("--only", nargs="+", metavar="INPUT",
                    help="run only the cases (same numbers and seeds) that damage these inputs, e.g. stats")
+    p.add_argument("--kinds", nargs="+", metavar="KIND",
+                   help="run only the cases (same numbers and seeds) of these damage kinds, e.g. hostile_getattr")
     args = p.parse_args(argv)
 
     from mcore_proxy.testing.fixtures import build_fixture
@@ -623,6 +646,8 @@ def main(argv=None) -> int:
     cases = make_cases(args.cases, args.seed, targets)
     if args.only:
         cases = [c for c in cases if c.target in args.only]
+    if args.kinds:
+        cases = [c for c in cases if c.kind in args.kinds]
     start = time.perf_counter()
     records = campaign(cases, corpus, args.workdir / "cases", jobs=args.jobs)
     wall = time.perf_counter() - start
