@@ -94,33 +94,21 @@ def megatron_torch_dist(work: Path) -> Path:
 
 # -- mutations ----------------------------------------------------------------------------------
 
-class Payload:
-    """Pickles as a call `fn(*args)`: what a hostile pickle holds."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return (self.fn, self.args)
-
-
 def payloads(marker: Path) -> dict:
+    """name -> an object pickling as a call that would create `marker`."""
     import builtins
     import subprocess
 
+    from mcore_proxy.testing.hostile import Call
+
     m = str(marker)
     return {
-        "os.system": Payload(os.system, (f"touch {m}",)),
-        "eval": Payload(builtins.eval, (f"open({m!r}, 'w')",)),
-        "exec": Payload(builtins.exec, (f"open({m!r}, 'w').write('x')",)),
-        "subprocess": Payload(subprocess.call, (["touch", m],)),
-        "open": Payload(builtins.open, (m, "w")),
+        "os.system": Call(os.system, f"touch {m}"),
+        "eval": Call(builtins.eval, f"open({m!r}, 'w')"),
+        "exec": Call(builtins.exec, f"open({m!r}, 'w').write('x')"),
+        "subprocess": Call(subprocess.call, ["touch", m]),
+        "open": Call(builtins.open, m, "w"),
     }
-
-
-def eval_escape(marker: Path) -> str:
-    return ("[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
-            f".__init__.__globals__['system']('touch {marker}') or [1]*4")
 
 
 def _files(root: Path, pattern: str = "*") -> list[Path]:
@@ -283,7 +271,7 @@ def mutate(kind: str, root: Path, rng: random.Random, marker: Path) -> str:
         _edit_args(root, lambda a: setattr(a, field, payload))
         return f"args.{field} = {name} call"
     if kind == "hostile_getattr":
-        from mcore_proxy.testing.enum_forms import hostile_getattrs
+        from mcore_proxy.testing.hostile import hostile_getattrs
 
         name, payload = rng.choice(sorted(hostile_getattrs(marker).items()))
         field = rng.choice(["post_hook", "transformer_impl", "num_layers", "attention_backend", "exit_signal"])
@@ -296,6 +284,8 @@ def mutate(kind: str, root: Path, rng: random.Random, marker: Path) -> str:
         rewrite_enums(root, form)
         return f"args enums pickled {form}"
     if kind == "hostile_pattern":
+        from mcore_proxy.testing.hostile import eval_escape
+
         _edit_args(root, lambda a: setattr(a, "moe_layer_freq", eval_escape(marker)))
         return "moe_layer_freq eval escape"
     if kind == "hostile_model":

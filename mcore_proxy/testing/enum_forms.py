@@ -9,7 +9,6 @@ for, so each form is tested under either interpreter.
 """
 from __future__ import annotations
 
-import argparse
 import enum
 import pickle
 import sys
@@ -75,52 +74,3 @@ def enum_form_of(path: str | Path) -> str | None:
     enum_modules = ("megatron.core.transformer.enums ", "megatron.core.enums ", "signal Signals")
     return BY_VALUE if any(g.startswith(enum_modules) for g in globals_) else None
 
-
-# -- hostile shapes of getattr ------------------------------------------------------------------
-
-class Get:
-    """Pickles as `getattr(obj, name)`."""
-
-    def __init__(self, obj, name):
-        self.obj, self.name = obj, name
-
-    def __reduce__(self):
-        return getattr, (self.obj, self.name)
-
-    def __call__(self):   # pickle checks that a reduce's function is callable; it is never called
-        raise AssertionError("a pickling placeholder")
-
-
-class Call:
-    """Pickles as `fn(*args)`: a call of what earlier opcodes built."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
-def os_system_through_enum(marker: str | Path):
-    """`AttnBackend.__init__.__globals__.get('sys').modules.get('os').system('touch <marker>')`:
-    from an allowed enum class to a shell command, by getattr and calls only."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    sys_module = Call(Get(Get(Get(AttnBackend, "__init__"), "__globals__"), "get"), "sys")
-    os_module = Call(Get(Get(sys_module, "modules"), "get"), "os")
-    return Call(Get(os_module, "system"), f"touch {marker}")
-
-
-def hostile_getattrs(marker: str | Path) -> dict:
-    """name -> an object pickling as one shape of getattr a restricted reader must refuse."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    return {
-        "chain to os.system": os_system_through_enum(marker),
-        "a dunder of an allowed enum": Get(AttnBackend, "__class__"),
-        "not a member": Get(AttnBackend, "mro"),
-        "another class": Get(argparse.Namespace, "__init__"),
-        "a getattr of a getattr": Get(Get(AttnBackend, "__init__"), "__globals__"),
-        "getattr of a member": Get(AttnBackend.auto, "_value_"),
-        "a called member": Call(Get(AttnBackend, "auto")),
-    }

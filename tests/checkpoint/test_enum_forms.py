@@ -22,8 +22,8 @@ from mcore_proxy.checkpoint.safe_globals import (ENUM_MEMBERS, WRITE_ALLOWED, Re
                                                  enum_member_name, unresolved_class, unsafe_args)
 from mcore_proxy.checkpoint.torchfile import TorchFile, load_weights_only, save_object
 from mcore_proxy.errors import CheckpointError
-from mcore_proxy.testing.enum_forms import (BY_NAME, BY_VALUE, FORMS, enum_form_of, hostile_getattrs,
-                                            os_system_through_enum, save_with_enums)
+from mcore_proxy.testing.enum_forms import BY_NAME, BY_VALUE, FORMS, enum_form_of, save_with_enums
+from mcore_proxy.testing.hostile import hostile_getattrs, os_system_through_enum
 
 ATTN = ("megatron.core.transformer.enums", "AttnBackend")
 

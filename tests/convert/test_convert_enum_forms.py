@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mcore_proxy.cli import main
-from mcore_proxy.testing.enum_forms import (BY_NAME, BY_VALUE, FORMS, enum_form_of, os_system_through_enum,
-                                            rewrite_enums, torch_files)
+from mcore_proxy.testing.enum_forms import BY_NAME, BY_VALUE, FORMS, enum_form_of, rewrite_enums, torch_files
+from mcore_proxy.testing.hostile import os_system_through_enum
 
 NAME = "qwen3_moe"
 KEEP = 8

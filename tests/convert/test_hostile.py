@@ -13,24 +13,14 @@ import pytest
 import torch
 
 from mcore_proxy.cli import main
+from mcore_proxy.testing.hostile import Call, eval_escape
 
 FIXTURE = "seq_tp2_pp2_ep2"
 
 
-def eval_escape(marker) -> str:
-    """A moe_layer_freq string that runs a shell command under eval with empty __builtins__."""
-    return ("[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
-            f".__init__.__globals__['system']('touch {marker}') or [1]*4")
-
-
-class SystemCall:
+def system_call(marker) -> Call:
     """Pickles as a call of os.system: what a hostile `args` entry looks like on disk."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+    return Call(os.system, f"touch {marker}")
 
 
 def rank_files(ckpt):
@@ -83,7 +73,7 @@ def test_layer_pattern_string_is_never_evaluated(copy_of, proxy_plan, tmp_path, 
 def test_pickled_call_in_args_is_dropped_and_the_proxy_runs_nothing(copy_of, proxy_plan, tmp_path, capsys):
     ckpt = copy_of()
     marker = tmp_path / "ran"
-    edit_rank_files(ckpt, lambda s: setattr(s["args"], "post_load_hook", SystemCall(marker)))
+    edit_rank_files(ckpt, lambda s: setattr(s["args"], "post_load_hook", system_call(marker)))
     plan_path, _ = proxy_plan(FIXTURE)
     code, _, err = run(capsys, "inspect", ckpt)
     assert code == 0, err
@@ -106,7 +96,7 @@ def test_pickled_call_in_args_is_dropped_and_the_proxy_runs_nothing(copy_of, pro
 def test_a_needed_args_field_holding_a_call_is_refused(copy_of, tmp_path, capsys):
     ckpt = copy_of()
     marker = tmp_path / "ran"
-    edit_rank_files(ckpt, lambda s: setattr(s["args"], "transformer_impl", SystemCall(marker)))
+    edit_rank_files(ckpt, lambda s: setattr(s["args"], "transformer_impl", system_call(marker)))
     out = tmp_path / "out"
     code, _, err = run(capsys, "convert", ckpt, "-o", out)
     assert code == 2
@@ -119,7 +109,7 @@ def test_a_model_entry_holding_a_call_is_refused(copy_of, tmp_path, capsys):
     ckpt = copy_of()
     marker = tmp_path / "ran"
     key = "decoder.layers.0.self_attention.linear_proj._extra_state"
-    edit_rank_files(ckpt, lambda s: s["model"].__setitem__(key, SystemCall(marker)))
+    edit_rank_files(ckpt, lambda s: s["model"].__setitem__(key, system_call(marker)))
     out = tmp_path / "out"
     code, _, err = run(capsys, "convert", ckpt, "-o", out, "--format", "torch_dist")
     assert code == 2 and "holds posix.system" in err and "linear_proj._extra_state" in err, err
