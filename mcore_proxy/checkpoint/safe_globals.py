@@ -3,13 +3,15 @@
 Reading: the restricted unpickler (torchfile) constructs only `READ_GLOBALS` (data types whose
 construction runs no foreign code); every other class path becomes an inert `Unresolved`.
 
-Writing: a proxy is loaded by Megatron with `torch.load(weights_only=False)`, so every global
-written into it runs there. A class path is re-emitted only if it is on `WRITE_ALLOWED`: the
-types megatron-core itself registers as safe globals (`megatron/core/safe_globals.py`), argparse
-`Namespace`, pathlib paths, the megatron-core enums `args` carry, torch dtypes and sizes, numpy
-scalars and dtypes. Anything else (a function such as `os.system`, any other callable) is never
-written: `unsafe_args` finds such `args` entries so the writer drops them (and the manifest
-records them), and `check_writable` refuses model entries and needed args fields that hold one.
+Writing: older Megatron-LM loads a proxy with `torch.load(weights_only=False)`, so every global
+written into it runs there (current Megatron-LM uses torch's default, `weights_only=True` with
+megatron-core's safe globals, which refuses anything else). A class path is re-emitted only if
+it is on `WRITE_ALLOWED`: the types megatron-core itself registers as safe globals
+(`megatron/core/safe_globals.py`), argparse `Namespace`, pathlib paths, the megatron-core enums
+`args` carry, torch dtypes and sizes, numpy scalars and dtypes. Anything else (a function such
+as `os.system`, any other callable) is never written: `unsafe_args` finds such `args` entries so
+the writer drops them (and the manifest records them), and `check_writable` refuses model
+entries and needed args fields that hold one.
 The pickler's own guard (`is_emittable`) refuses any other global as a last line.
 
 Enums come in three pickled forms, depending on the Python that saved the file: by value

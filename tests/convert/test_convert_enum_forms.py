@@ -60,6 +60,16 @@ def megatron_loads(path):
     return torch.load(path, map_location="cpu")
 
 
+def select_and_convert(ckpt, stats, tmp_path, target_ep: int = 1):
+    """`select` K experts, then `convert` to TP 1 / PP 1 / EP `target_ep` -> (plan, proxy)."""
+    plan, out = tmp_path / "plan.json", tmp_path / "proxy"
+    assert main(["select", "--ckpt", str(ckpt), "--stats", str(stats), "--num-experts", str(KEEP),
+                 "-o", str(plan)]) == 0
+    assert main(["convert", str(ckpt), "--plan", str(plan), "-o", str(out), "--target-tp", "1", "--target-pp", "1",
+                 "--target-ep", str(target_ep)]) == 0
+    return plan, out
+
+
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 @pytest.mark.parametrize("form", FORMS)
 def test_inspect_select_convert_verify_functional(enum_form_ckpt, enum_stats, tmp_path, capsys, digest, form, fmt):
@@ -68,13 +78,9 @@ def test_inspect_select_convert_verify_functional(enum_form_ckpt, enum_stats, tm
     ckpt = enum_form_ckpt(form) / fmt
     assert {enum_form_of(f) for f in torch_files(ckpt)} == {form}
     before = digest(ckpt)
-    plan, out = tmp_path / "plan.json", tmp_path / "proxy"
     assert main(["inspect", str(ckpt)]) == 0
-    assert main(["select", "--ckpt", str(ckpt), "--stats", str(enum_stats), "--num-experts", str(KEEP),
-                 "-o", str(plan)]) == 0
     capsys.readouterr()
-    assert main(["convert", str(ckpt), "--plan", str(plan), "-o", str(out), "--target-tp", "1", "--target-pp", "1",
-                 "--target-ep", "2"]) == 0
+    plan, out = select_and_convert(ckpt, enum_stats, tmp_path, target_ep=2)
     assert "dropped" not in capsys.readouterr().out   # no args field is lost
     assert json.loads((out / "manifest.json").read_text())["dropped_args"] == {}
     for f in torch_files(out):
@@ -93,11 +99,7 @@ def test_verify_compares_args_enum_for_enum(enum_form_ckpt, enum_stats, tmp_path
     from megatron.core.transformer.enums import AttnBackend
 
     ckpt = enum_form_ckpt(BY_NAME) / "legacy"
-    plan, out = tmp_path / "plan.json", tmp_path / "proxy"
-    assert main(["select", "--ckpt", str(ckpt), "--stats", str(enum_stats), "--num-experts", str(KEEP),
-                 "-o", str(plan)]) == 0
-    assert main(["convert", str(ckpt), "--plan", str(plan), "-o", str(out), "--target-tp", "1", "--target-pp", "1",
-                 "--target-ep", "1"]) == 0
+    plan, out = select_and_convert(ckpt, enum_stats, tmp_path)
     (rank_file,) = torch_files(out)
     manifest = json.loads((out / "manifest.json").read_text())
 
@@ -125,13 +127,9 @@ def test_a_getattr_chain_to_os_system_runs_nothing_and_is_dropped(family_ckpt, e
         state["args"].attention_backend = os_system_through_enum(marker)
         torch.save(state, f)
     before = digest(ckpt)
-    plan, out = tmp_path / "plan.json", tmp_path / "proxy"
     assert main(["inspect", str(ckpt)]) == 0
-    assert main(["select", "--ckpt", str(ckpt), "--stats", str(enum_stats), "--num-experts", str(KEEP),
-                 "-o", str(plan)]) == 0
     capsys.readouterr()
-    assert main(["convert", str(ckpt), "--plan", str(plan), "-o", str(out), "--target-tp", "1", "--target-pp", "1",
-                 "--target-ep", "1"]) == 0
+    plan, out = select_and_convert(ckpt, enum_stats, tmp_path)
     text = capsys.readouterr().out
     assert ("args attention_backend was dropped: it holds getattr(megatron.core.transformer.enums.AttnBackend, "
             "'__init__').__globals__.get(...).modules.get(...).system(...), read from") in text
