@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import enum
 import pickle
+import pickletools
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import torch
@@ -63,9 +65,6 @@ def rewrite_enums(folder: str | Path, form: str) -> list[Path]:
 def enum_form_of(path: str | Path) -> str | None:
     """The form the enums of one torch file are pickled in, read from its opcodes (nothing is
     unpickled): BY_NAME if any is by name, else BY_VALUE if it names an enum class, else None."""
-    import pickletools
-    import zipfile
-
     with zipfile.ZipFile(path) as zf:
         data = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
     globals_ = {arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
@@ -73,4 +72,3 @@ def enum_form_of(path: str | Path) -> str | None:
         return BY_NAME
     enum_modules = ("megatron.core.transformer.enums ", "megatron.core.enums ", "signal Signals")
     return BY_VALUE if any(g.startswith(enum_modules) for g in globals_) else None
-
