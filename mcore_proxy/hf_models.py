@@ -1,8 +1,10 @@
-"""Running Hugging Face checkpoints in transformers: loading safely, the MoE gates, restriction.
+"""Running Hugging Face checkpoints in transformers: loading safely, the MoE routers, restriction.
 
-Used by `collect` (hooks on the gates), `verify --functional` and `fidelity`. transformers is
+Used by `collect` (hooks on the routers), `verify --functional` and `fidelity`. transformers is
 imported inside the functions: it is an optional dependency (the `hf` extra), and trace-only
-training hosts need not have it.
+training hosts need not have it. What differs between families (the router's module, what it
+returns, its selection bias, hash tables, the Auto class) comes from the family's descriptor
+(`checkpoint/hf/families.py`).
 
 Loading is always `local_files_only=True`, `trust_remote_code=False`, `use_safetensors=True`,
 after mcore-proxy's own reader has accepted the folder (a supported architecture, safetensors
@@ -20,8 +22,6 @@ import torch
 from mcore_proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
-
-_GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
 
 
 def require_transformers():
@@ -50,70 +50,152 @@ def device_of(name: str) -> torch.device:
     raise ProxyError(f"--device {name!r} is not one of cpu, cuda, npu")
 
 
-def load_model(folder: str | Path, device: str = "cpu"):
-    """The checkpoint in `folder` as a transformers causal LM in eval mode (its own dtype)."""
-    from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
+def family_of_model(model):
+    """The descriptor of a loaded transformers model (by its class name)."""
+    from mcore_proxy.checkpoint.hf.families import FAMILIES
 
-    view = HFCheckpoint(folder)          # refuses what transformers would load unsafely or wrongly
-    if view.hf.fp8_block:
-        raise ProxyError(f"{folder}: FP8 block-quantised weights run in transformers only with GPU FP8 kernels; "
-                         "convert a copy with --dequantize-fp8 and run that")
+    arch = type(model).__name__
+    for family in FAMILIES:
+        if arch in family.architectures:
+            return family
+    raise ProxyError(f"{arch} is not a Mixture-of-Experts family mcore-proxy knows")
+
+
+def load_model(folder: str | Path, device: str = "cpu"):
+    """The checkpoint in `folder` as a transformers model in eval mode (its own dtype), built by
+    its family's Auto class."""
+    from mcore_proxy.checkpoint.formats import open_checkpoint
+    from mcore_proxy.checkpoint.view import holds_fp8
+
+    view = open_checkpoint(folder)      # refuses what transformers would load unsafely or wrongly
+    family = view.info.format_info.descriptor
+    if holds_fp8(view) or any(view.dtype(n) in (torch.uint8, torch.int8) and "experts" in n for n in view.names()):
+        raise ProxyError(f"{folder}: quantized weights run in transformers only with GPU kernels (or accelerate's "
+                         "dequantization); convert a copy with --dequantize and run that")
     transformers = require_transformers()
     level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()   # its load report lists DeepSeek's MTP layer as unexpected
+    transformers.logging.set_verbosity_error()   # its load report lists MTP layers it does not build as unexpected
     transformers.utils.logging.disable_progress_bar()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype="auto")
+        options = dict(local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype="auto")
+        alias = dict(family.runtime.model_type_alias).get(view.info.format_info.config.get("model_type"))
+        if alias:   # a model type transformers builds under another name (Kimi-K2 as deepseek_v3)
+            data = {k: v for k, v in view.info.format_info.config.items() if k != "model_type"}
+            options["config"] = transformers.AutoConfig.for_model(alias, **data)
+        model = getattr(transformers, family.runtime.auto_class).from_pretrained(str(folder), **options)
     finally:
         transformers.logging.set_verbosity(level)
         transformers.utils.logging.enable_progress_bar()
     return model.to(device_of(device)).eval()
 
 
-def gates(model) -> dict[str, torch.nn.Module]:
-    """Layer id ("3") -> the MoE router of that decoder layer (`model.layers.3.mlp.gate`)."""
+def text_config_of(model):
+    """The config of the text model (a vision-language wrapper's `text_config`)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _decoder_layers(model) -> dict[str, torch.nn.Module]:
+    """Decoder layer index -> module, wherever the text model keeps them (`model.layers`,
+    `model.language_model.layers`)."""
     out = {}
     for name, module in model.named_modules():
-        m = _GATE.match(name)
-        if m and hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), torch.Tensor):
+        m = re.match(r"^(?:.*\.)?layers\.(\d+)$", name)
+        if m and not name.startswith(("model.visual", "model.vision", "vision", "mtp")):
             out[m.group(1)] = module
-    if not out:
-        raise ProxyError(f"{type(model).__name__} has no MoE router under model.layers.*.mlp.gate")
     return out
 
 
-@contextlib.contextmanager
-def restrict_gates(model, keep: dict[str, list[int]]):
-    """Within the block every gate may choose only its layer's kept experts: the reference a
-    correct proxy reproduces exactly (DESIGN.md 7). Logits of dropped experts are -inf (softmax:
-    probability 0; sigmoid: score 0), and an expert-score correction bias is -inf for them so
-    that neither the group scores nor the top-k see them. Restored on exit.
+def routers(model) -> dict[str, torch.nn.Module]:
+    """Layer id ("3") -> the MoE router module of that decoder layer (the family's
+    `runtime.router_module`, e.g. `mlp.gate`, `mlp.router`, `feed_forward.router`)."""
+    path = family_of_model(model).runtime.router_module
+    out = {}
+    for layer_id, layer in _decoder_layers(model).items():
+        module = _child(layer, path)
+        if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
+            out[layer_id] = module
+    if not out:
+        raise ProxyError(f"{type(model).__name__} has no MoE router at layers.*.{path}")
+    return out
 
-    The logits are masked by wrapping `torch.nn.functional.linear` for the duration of the gate's
-    own call (its one projection), so the gate's code runs unchanged."""
+
+def _child(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def routing(router, output) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) from a router's output, as its family returns it."""
+    kind = _output_kind(router)
+    if kind == "scores_logits":   # Llama-4: sigmoid of the top-k logits, 0 elsewhere
+        scores, logits = output
+        experts = logits.topk(router.top_k, dim=-1).indices
+        return scores.gather(-1, experts), experts
+    _, weights, experts = output
+    return weights, experts
+
+
+def _output_kind(router) -> str:
+    return getattr(router, "_mcore_proxy_output", "logits_weights_indices")
+
+
+def mark_routers(model) -> dict[str, torch.nn.Module]:
+    """`routers(model)`, each told how its family's router returns its choice (for `routing`)."""
+    family = family_of_model(model)
+    found = routers(model)
+    for module in found.values():
+        module._mcore_proxy_output = family.runtime.output
+    return found
+
+
+@contextlib.contextmanager
+def restrict_gates(model, keep: dict[str, list[int]], substitutes: dict[str, dict[int, int]] | None = None):
+    """Within the block every router may choose only its layer's kept experts: the reference a
+    correct proxy reproduces exactly (DESIGN.md 7). Logits of dropped experts are -inf (softmax:
+    probability 0; sigmoid, sqrtsoftplus: score 0), a selection bias (the family's
+    `runtime.score_bias`) is -inf for them so that neither group scores nor the top-k see them,
+    and a hash-routed layer's table sends a dropped expert's tokens to its substitute (the plan's
+    `substitutes`, as the proxy's table does). Restored on exit.
+
+    The logits are masked by wrapping `torch.nn.functional.linear` for the duration of the
+    router's own call (its one projection), so the router's code runs unchanged."""
     import torch.nn.functional as F
 
+    family = family_of_model(model)
+    layers = _decoder_layers(model)
     saved = []
-    for layer_id, gate in gates(model).items():
-        dropped = torch.ones(gate.weight.shape[0], dtype=torch.bool, device=gate.weight.device)
+    for layer_id, router in routers(model).items():
+        dropped = torch.ones(router.weight.shape[0], dtype=torch.bool, device=router.weight.device)
         dropped[keep[layer_id]] = False
-        bias = getattr(gate, "e_score_correction_bias", None)
-        saved.append((gate, None if bias is None else bias.detach().clone()))
-        if bias is not None:
-            bias.data.masked_fill_(dropped, float("-inf"))
-        gate.forward = _masked_forward(gate.forward, dropped, F)
+        edits = []
+        bias = _child(layers[layer_id], family.runtime.score_bias) if family.runtime.score_bias else None
+        if isinstance(bias, torch.Tensor):
+            edits.append((bias, bias.detach().clone()))
+            bias.data[..., dropped] = float("-inf")
+        table = _child(layers[layer_id], family.runtime.hash_table) if family.runtime.hash_table else None
+        if isinstance(table, torch.Tensor):
+            edits.append((table, table.detach().clone()))
+            subs = (substitutes or {}).get(layer_id, {})
+            lut = torch.tensor([e if not dropped[e] else subs[e] for e in range(dropped.numel())],
+                               dtype=table.dtype, device=table.device)
+            table.data.copy_(lut[table.long()])
+        saved.append((router, edits))
+        router.forward = _masked_forward(router.forward, dropped, F)
     try:
         yield
     finally:
-        for gate, bias in saved:
-            del gate.forward          # back to the class's method
-            if bias is not None:
-                gate.e_score_correction_bias.data.copy_(bias)
+        for router, edits in saved:
+            del router.forward          # back to the class's method
+            for tensor, value in edits:
+                tensor.data.copy_(value)
 
 
 def _masked_forward(forward, dropped: torch.Tensor, F):
-    def masked(hidden_states):
+    def masked(*args, **kwargs):
         linear, calls = F.linear, []
 
         def masked_linear(x, w, b=None):
@@ -122,11 +204,11 @@ def _masked_forward(forward, dropped: torch.Tensor, F):
 
         F.linear = masked_linear
         try:
-            out = forward(hidden_states)
+            out = forward(*args, **kwargs)
         finally:
             F.linear = linear
         if len(calls) != 1:
-            raise RuntimeError(f"the gate made {len(calls)} linear calls, expected its one router projection; "
+            raise RuntimeError(f"the router made {len(calls)} linear calls, expected its one projection; "
                                "this transformers version routes differently than mcore-proxy expects")
         return out
 
@@ -142,9 +224,9 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
     device = next(model.parameters()).device
     outputs, handles = [], []
     if hidden:
-        handles = [layer.register_forward_hook(lambda mod, args, out: outputs.append(out[0] if isinstance(out, tuple)
-                                                                                     else out))
-                   for layer in model.model.layers]
+        layers = _decoder_layers(model)
+        handles = [layers[i].register_forward_hook(lambda mod, args, out: outputs.append(
+                   out[0] if isinstance(out, tuple) else out)) for i in sorted(layers, key=int)]
     try:
         logits = model(input_ids=input_ids.to(device),
                        attention_mask=None if attention_mask is None else attention_mask.to(device),
@@ -203,15 +285,20 @@ def _fused_experts(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.
 
 
 def mtp_layers(model, folder: str | Path) -> list[MTPLayer]:
-    """The MTP layers the checkpoint in `folder` holds (none for Qwen3-MoE)."""
-    from mcore_proxy.checkpoint.hf.reader import HFCheckpoint, weight_map
+    """The MTP layers of the checkpoint in `folder` that can run here: DeepSeek-style ones (layer
+    `num_hidden_layers + k`: DeepSeek-V3/V3.2, GLM-4.5), none for other families (their MTP
+    layers are not run: `unobserved_layers`)."""
+    from mcore_proxy.checkpoint.formats import open_checkpoint
+    from mcore_proxy.checkpoint.hf.reader import weight_map
     from mcore_proxy.checkpoint.hf.safetensors_io import read_tensor
 
-    view = HFCheckpoint(folder)
+    view = open_checkpoint(folder)
+    if not view.info.format_info.descriptor.mtp_after_decoder:
+        return []
     wmap, n = weight_map(Path(folder)), view.num_layers
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     layers = []
-    for depth in range(view.mtp_layers):
+    for depth in range(view.spec.mtp_layers):
         prefix = f"model.layers.{n + depth}."
         tensors = {k[len(prefix):]: read_tensor(Path(folder) / f, k) for k, f in wmap.items() if k.startswith(prefix)}
         layers.append(MTPLayer(model, depth, tensors).to(device=device, dtype=dtype).eval())
@@ -223,6 +310,9 @@ def run_mtp(model, layers: list[MTPLayer], input_ids: torch.Tensor, attention_ma
     """The main model's decoder, then every MTP depth on its output (for their gates' hooks)."""
     device = next(model.parameters()).device
     ids, mask = input_ids.to(device), attention_mask.to(device)
+    if not layers:
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        return
     hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     for layer in layers:
         mask = mtp_mask(mask)

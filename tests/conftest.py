@@ -59,7 +59,8 @@ def hf_model(fixture_root):
 @pytest.fixture(scope="session")
 def hf_proxy(hf_model, tmp_path_factory):
     """`hf_proxy(name)` -> (original, statistics, plan path, plan, HF proxy): the pipeline a user runs
-    (collect on calibration text, select K = 8 of 16, convert), once per session."""
+    (collect on calibration text, select K = E/2, convert), once per session."""
+    from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.cli import main
     from mcore_proxy.select.plan import load_plan
     from mcore_proxy.testing.hf_fixtures import calibration_jsonl
@@ -73,7 +74,8 @@ def hf_proxy(hf_model, tmp_path_factory):
             assert main(["collect", "--hf", str(orig), "--data", str(data), "-o", str(base / "stats"),
                          "--batch-size", "8"]) == 0
             stats, plan_path, proxy = base / "stats" / "routing_stats.safetensors", base / "plan.json", base / "proxy"
-            assert main(["select", "--ckpt", str(orig), "--stats", str(stats), "--num-experts", "8",
+            half = open_checkpoint(orig).spec.num_experts // 2
+            assert main(["select", "--ckpt", str(orig), "--stats", str(stats), "--num-experts", str(half),
                          "-o", str(plan_path)]) == 0
             assert main(["convert", str(orig), "--plan", str(plan_path), "-o", str(proxy)]) == 0
             made[name] = (orig, stats, plan_path, load_plan(plan_path), proxy)

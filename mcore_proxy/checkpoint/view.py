@@ -117,6 +117,12 @@ class ModelView(ABC):
     def prefetch(self, names: list[str]) -> None:
         """Hint that `names` are read next (readers start reading their bytes); default: nothing."""
 
+    def named_for(self, framework: str) -> "ModelView":
+        """The view under the names a writer of `framework` ("megatron-core", "transformers")
+        reads: itself, except for views that name tensors in their own format's terms (a
+        Hugging Face view read as megatron-core names: `HFNativeView.named_for`)."""
+        return self
+
     def dequantized(self) -> "ModelView":
         """The same checkpoint with block-quantised (FP8) weights read as bf16 and no scale tensors
         (`convert --dequantize-fp8`); a view that holds none refuses."""

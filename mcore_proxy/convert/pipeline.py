@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.checkpoint.formats import format_names, writer_of
+from mcore_proxy.checkpoint.formats import detect_format, format_names, get_format, writer_of
 from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.mindspeed_llm import written_naming
@@ -86,12 +86,17 @@ class ConvertResult:
     format: str = "legacy"
 
 
-def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False) -> tuple[ModelView, ModelView, object]:
+def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False,
+               fmt: str | None = None) -> tuple[ModelView, ModelView, object]:
     """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file.
-    With `dequantize_fp8` the source is read with its FP8 weights as bf16 (`ModelView.dequantized`)."""
+    With `dequantize_fp8` the source is read with its FP8 weights as bf16 (`ModelView.dequantized`);
+    with an output format `fmt`, under the names its framework's writer reads (`ModelView.named_for`:
+    a Hugging Face source written as a Megatron checkpoint is read under megatron-core names)."""
     source = open_checkpoint(ckpt)
     if dequantize_fp8:
         source = source.dequantized()
+    if fmt is not None:
+        source = source.named_for(get_format(fmt).framework)
     if plan_path is None:
         return source, source, None
     from mcore_proxy.errors import PlanError
@@ -109,14 +114,15 @@ def target_options(req: ConvertRequest, plan) -> TargetOptions:
     return dataclasses.replace(req.target, plan_ep=plan.expert_parallel_size if plan else None)
 
 
-def output_format(req: ConvertRequest, source: ModelView) -> str:
+def output_format(req: ConvertRequest) -> str:
     """--format, or the source's format when it can be written."""
     if req.format is not None:
         return req.format
-    if source.info.format not in format_names(writable=True):
-        raise ProxyError(f"{req.ckpt}: its format {source.info.format!r} cannot be written; pass --format "
+    source = detect_format(req.ckpt)
+    if source not in format_names(writable=True):
+        raise ProxyError(f"{req.ckpt}: its format {source!r} cannot be written; pass --format "
                          f"{' or '.join(format_names(writable=True))}")
-    return source.info.format
+    return source
 
 
 def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
@@ -221,8 +227,8 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     free space."""
     from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock, write_failure
 
-    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8)
-    fmt = output_format(req, source)
+    fmt = output_format(req)
+    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8, fmt)
     written_naming(view, req.target.naming, fmt)   # MindSpeed-LLM names: legacy output of MLA models only
     if req.target.tp_extend_ep and fmt != "legacy":
         raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
@@ -301,7 +307,7 @@ def _unit_worker(ckpt: str, plan: str | None, dequantize: bool, fmt: str, target
                  units: list[Unit], progress=None) -> list[list[dict]]:
     """One worker process: reopen the views (cheap: metadata only) and write its units."""
     return_freed_buffers_to_os()
-    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize)
+    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize, fmt)
     results = _write_here(view, writer_of(fmt), Path(root), target, units, progress)
     hold("write")
     return [[dataclasses.asdict(f) for f in files] for files in results]

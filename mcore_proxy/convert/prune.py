@@ -1,18 +1,23 @@
 """The proxy as a lazy ModelView: a source ModelView seen through a selection plan.
 
-Kept experts are renumbered in plan order (new expert j is original `kept[j]`), router rows and
-`expert_bias` entries are taken in the same order, and every other tensor is the source's, bit
-for bit. Dropped experts are never read.
+Kept experts are renumbered in plan order (new expert j is original `kept[j]`), router rows
+(`weight` [E, H]: axis 0) and bias entries (`bias`, `expert_bias` [E] or [1, E]: the last axis)
+are taken in the same order, a hash-routed layer's table [V, k] of expert ids is rewritten to the
+new ids, a dropped expert's entries to its substitute's (`LayerPlan.substitutes`), and every
+other tensor is the source's, bit for bit. Dropped experts are never read.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 
-from mcore_proxy.checkpoint.names import canonical_sort_key, group_of, split_expert_name
+import torch
+
+from mcore_proxy.checkpoint.names import group_of, split_expert_name
 from mcore_proxy.checkpoint.view import ModelView
 
 _ROUTER_ROWS = re.compile(r"^(.*)\.mlp\.router\.(weight|bias|expert_bias)$")
+_HASH_TABLE = re.compile(r"^(.*)\.mlp\.router\.hash_table$")
 
 
 def _layer_id_of_prefix(module_prefix: str) -> str:
@@ -30,8 +35,9 @@ class PrunedView(ModelView):
             source.spec, num_experts=plan.num_experts, topk=plan.router.topk,
             num_groups=plan.router.num_groups, group_topk=plan.router.group_topk)))
         self._kept = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
-        self._origin: dict[str, str] = {}      # proxy name -> source name
-        self._rows: dict[str, list[int]] = {}  # router tensors -> rows to take
+        self._origin: dict[str, str] = {}      # proxy name -> source name, in the source's order
+        self._rows: dict[str, list[int]] = {}  # router tensors -> rows (entries) to take
+        self._tables: dict[str, torch.Tensor] = {}   # hash tables -> [E] original id -> new id
         for name in source.names():
             self._map(name)
 
@@ -39,6 +45,10 @@ class PrunedView(ModelView):
         if _ROUTER_ROWS.match(name) and group_of(name) in self._kept:
             self._origin[name] = name
             self._rows[name] = self._kept[group_of(name)]
+            return
+        if _HASH_TABLE.match(name) and group_of(name) in self._kept:
+            self._origin[name] = name
+            self._tables[name] = new_ids(self.plan, group_of(name), self.source.spec.num_experts)
             return
         parts = split_expert_name(name)
         if parts is None:
@@ -54,17 +64,25 @@ class PrunedView(ModelView):
         return self._origin[name]
 
     def names(self) -> list[str]:
-        return sorted(self._origin, key=canonical_sort_key)
+        """In the source's order, each kept expert where it stood (experts renumbered in order)."""
+        return list(self._origin)
 
     def get(self, name: str):
         value = self.source.get(self._origin[name])
         rows = self._rows.get(name)
-        return value[rows].clone() if rows is not None else value
+        if rows is not None:
+            return value[rows].clone() if name.endswith(".weight") else value[..., rows].clone()
+        table = self._tables.get(name)
+        if table is not None:
+            return remap_hash_table(value, table, name)
+        return value
 
     def shape(self, name: str):
         shape = self.source.shape(self._origin[name])
         if name in self._rows and shape is not None:
-            return (len(self._rows[name]),) + tuple(shape[1:])
+            shape = tuple(shape)
+            return ((len(self._rows[name]),) + shape[1:] if name.endswith(".weight")
+                    else shape[:-1] + (len(self._rows[name]),))
         return shape
 
     def dtype(self, name: str):
@@ -72,3 +90,29 @@ class PrunedView(ModelView):
 
     def prefetch(self, names: list[str]) -> None:
         self.source.prefetch([self._origin[n] for n in names])
+
+
+def new_ids(plan, layer_id: str, num_experts: int) -> torch.Tensor:
+    """[E] int64: the proxy's id of each original expert of a hash-routed layer: kept experts
+    their new ids, dropped ones their substitute's (the plan's `substitutes`)."""
+    from mcore_proxy.errors import PlanError
+
+    kept, subs = plan.kept(layer_id), plan.layers[layer_id].substitutes
+    out = torch.empty(num_experts, dtype=torch.int64)
+    for e in range(num_experts):
+        rep = e if e in kept else subs.get(e)
+        if rep is None:
+            raise PlanError(f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
+                            f"dropped expert {e}; make the plan again with this version of select")
+        out[e] = kept.index(rep)
+    return out
+
+
+def remap_hash_table(table: torch.Tensor, ids: torch.Tensor, name: str) -> torch.Tensor:
+    """A hash table [V, k] of original expert ids -> the same table in proxy ids (its dtype kept)."""
+    from mcore_proxy.errors import CheckpointError
+
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= ids.numel()):
+        raise CheckpointError(f"{name}: holds expert ids {int(table.min())}..{int(table.max())}, but the layer has "
+                              f"{ids.numel()} experts; the checkpoint is damaged, copy it again")
+    return ids[table.long()].to(table.dtype)

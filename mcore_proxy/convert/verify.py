@@ -109,6 +109,9 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     plan = load_plan(plan_path)
     source = open_checkpoint(orig)
     proxy_view = open_checkpoint(proxy)
+    frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
+    if len(frameworks) > 1:   # compared under the one naming both have: megatron-core's
+        source, proxy_view = source.named_for("megatron-core"), proxy_view.named_for("megatron-core")
     if holds_fp8(source) and not holds_fp8(proxy_view):
         source = source.dequantized()   # the proxy was written with --dequantize-fp8
     expected = PrunedView(source, plan)
@@ -141,12 +144,13 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
 def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     """Both Hugging Face checkpoints run in transformers on CPU on fixed tokens; the proxy's
     logits must equal the source's when its gates may only choose the kept experts."""
-    from mcore_proxy.hf_models import load_model, restrict_gates, run
+    from mcore_proxy.hf_models import load_model, restrict_gates, run, text_config_of
 
     orig_model, proxy_model = load_model(source.info.path), load_model(proxy.info.path)
-    vocab = int(orig_model.config.vocab_size)
+    vocab = int(text_config_of(orig_model).vocab_size)
     tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
-    with restrict_gates(orig_model, {lid: plan.kept(lid) for lid in plan.layer_ids}):
+    with restrict_gates(orig_model, {lid: plan.kept(lid) for lid in plan.layer_ids},
+                        {lid: plan.layers[lid].substitutes for lid in plan.layer_ids}):
         ref = run(orig_model, tokens)
     got = run(proxy_model, tokens)
     atol = 1e-5 if next(orig_model.parameters()).dtype == torch.float32 else 2e-2

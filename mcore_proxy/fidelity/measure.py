@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.errors import ProxyError
+from mcore_proxy.hf_models import load_model, mark_routers, routing, run, text_config_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -59,15 +60,15 @@ def next_token_kl(orig: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:
 
 
 class _Routes:
-    """Forward hooks on a model's gates: layer id -> (weights, experts) [T, k] of the last pass."""
+    """Forward hooks on a model's routers: layer id -> (weights, experts) [T, k] of the last pass."""
 
-    def __init__(self, gates: dict[str, torch.nn.Module]):
+    def __init__(self, routers: dict[str, torch.nn.Module]):
         self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.handles = [g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, out))
-                        for lid, g in gates.items()]
+        self.handles = [g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
+                        for lid, g in routers.items()]
 
-    def _keep(self, lid: str, out) -> None:
-        _, weights, experts = out
+    def _keep(self, lid: str, router, out) -> None:
+        weights, experts = routing(router, out)
         self.seen[lid] = (weights.detach().reshape(-1, weights.shape[-1]).float(),
                           experts.detach().reshape(-1, experts.shape[-1]))
 
@@ -97,16 +98,15 @@ def as_hf(path: Path, what: str):
 
 def _check_pair(orig, proxy, plan, paths) -> dict[str, torch.Tensor]:
     """The plan's kept-expert masks per MoE layer, after checking the two models fit it."""
-    from mcore_proxy.hf_models import gates
-
-    og, pg = gates(orig), gates(proxy)
+    og, pg = mark_routers(orig), mark_routers(proxy)
     decoder = sorted((lid for lid in plan.layer_ids if not lid.startswith("mtp.")), key=int)   # MTP: not run
     if sorted(og, key=int) != decoder or sorted(pg, key=int) != decoder:
         raise ProxyError(f"{paths[2]}: plan layers {decoder} do not match the MoE layers of "
                          f"{paths[0]} ({sorted(og, key=int)}) and {paths[1]} ({sorted(pg, key=int)})")
-    if orig.config.vocab_size != proxy.config.vocab_size:
-        raise ProxyError(f"{paths[1]}: vocabulary of {proxy.config.vocab_size} differs from the original's "
-                         f"{orig.config.vocab_size} ({paths[0]}); compare a proxy with its own original")
+    vocab = text_config_of(orig).vocab_size, text_config_of(proxy).vocab_size
+    if vocab[0] != vocab[1]:
+        raise ProxyError(f"{paths[1]}: vocabulary of {vocab[1]} differs from the original's {vocab[0]} ({paths[0]}); "
+                         "compare a proxy with its own original")
     masks = {}
     for lid in og:
         kept = plan.kept(lid)
@@ -124,16 +124,16 @@ def measure(orig_path: Path, proxy_path: Path, plan_path: Path, data: Path, *, m
     """Load both models (converting Megatron checkpoints to HF) and measure them over `data`;
     returns the report (JSON-ready, see the module docstring)."""
     from mcore_proxy.calibration import data_batches
-    from mcore_proxy.hf_models import load_model
     from mcore_proxy.select.plan import load_plan
 
     plan = load_plan(plan_path)
     with as_hf(Path(orig_path), "--orig") as o_dir, as_hf(Path(proxy_path), "--proxy") as p_dir:
         orig, proxy = load_model(o_dir, device), load_model(p_dir, device)
-        length = max_length or int(getattr(orig.config, "max_position_embeddings", 2048))
+        config = text_config_of(orig)
+        length = max_length or int(getattr(config, "max_position_embeddings", 2048))
         # a Megatron checkpoint carries no tokenizer: text is tokenised by whichever side has one
         words = next((d for d in (o_dir, p_dir) if any((d / n).is_file() for n in TOKENIZER_FILES)), o_dir)
-        batches = data_batches(data, words, int(orig.config.vocab_size), batch_size, length, max_tokens)
+        batches = data_batches(data, words, int(config.vocab_size), batch_size, length, max_tokens)
         report = compare_models(orig, proxy, plan, batches, (orig_path, proxy_path, plan_path),
                                 max_tokens=max_tokens, progress=progress)
     if not report["tokens"]:
@@ -149,11 +149,9 @@ def compare_models(orig, proxy, plan, batches, paths=("original", "proxy", "plan
     measurements; `paths` (original, proxy, plan) name the inputs in errors."""
     from tqdm import tqdm
 
-    from mcore_proxy.hf_models import gates, run
-
     masks = _check_pair(orig, proxy, plan, paths)
     kept_ids = {lid: torch.tensor(plan.kept(lid)) for lid in masks}
-    o_routes, p_routes = _Routes(gates(orig)), _Routes(gates(proxy))
+    o_routes, p_routes = _Routes(mark_routers(orig)), _Routes(mark_routers(proxy))
     sums, tokens = Sums(), 0
     try:
         with tqdm(total=max_tokens, unit="tok", desc="fidelity", disable=not progress) as bar:
@@ -162,7 +160,8 @@ def compare_models(orig, proxy, plan, batches, paths=("original", "proxy", "plan
                 lo, ho = run(orig, batch.input_ids, batch.attention_mask, hidden=True)
                 lp, hp = run(proxy, batch.input_ids, batch.attention_mask, hidden=True)
                 for i, (a, b) in enumerate(zip(ho, hp)):
-                    a, b = a.reshape(-1, a.shape[-1]).float().cpu()[real], b.reshape(-1, b.shape[-1]).float().cpu()[real]
+                    # per token: [H], or every stream of a hyper-connected layer ([hc, H], DeepSeek-V4) as one vector
+                    a, b = a.reshape(real.numel(), -1).float().cpu()[real], b.reshape(real.numel(), -1).float().cpu()[real]
                     sums.add(f"cos.{i}", torch.nn.functional.cosine_similarity(a, b, dim=-1))
                 for lid, mask in masks.items():
                     (wo, eo), (wp, ep) = o_routes.seen[lid], p_routes.seen[lid]
@@ -184,6 +183,6 @@ def compare_models(orig, proxy, plan, batches, paths=("original", "proxy", "plan
         "moe_layers": [{"layer": lid, "kept": int(masks[lid].sum()), "experts": int(masks[lid].numel()),
                         "gate_mass_share": sums.mean(f"mass.{lid}"), "top1_routing_agreement": sums.mean(f"top1.{lid}")}
                        for lid in sorted(masks, key=int)],
-        "hidden_cosine": [sums.mean(f"cos.{i}") for i in range(len(orig.model.layers))],
+        "hidden_cosine": [sums.mean(f"cos.{i}") for i in range(text_config_of(orig).num_hidden_layers)],
         "next_token_kl": sums.mean("kl"), "next_token_top1_agreement": sums.mean("next_top1"),
     }

@@ -55,7 +55,9 @@ class LayerPlan:
     the layer's routed selections (freq) and of its gate mass that the kept experts received;
     never_selected: experts with freq 0 in the statistics (no co-activation or prototype signal);
     dead_kept: the never-selected experts that are kept anyway (only when fewer than K were
-    selected), with `dead_note` saying why (plans older than this field read as none).
+    selected), with `dead_note` saying why (plans older than this field read as none);
+    substitutes: for a hash-routed layer (DeepSeek-V4), dropped expert -> the kept expert its
+    tokens go to (`selector.hash_substitutes`); empty for other layers.
     """
 
     kept: tuple[int, ...]
@@ -65,6 +67,7 @@ class LayerPlan:
     never_selected: tuple[int, ...] = ()
     dead_kept: tuple[int, ...] = ()
     dead_note: str = ""
+    substitutes: dict = field(default_factory=dict)
 
     def __post_init__(self):
         kept = _ids(self.kept, "kept")
@@ -84,6 +87,11 @@ class LayerPlan:
             members = [m for c in clusters for m in c.members]
             if len(members) != len(set(members)):
                 raise PlanError("an expert appears in more than one cluster")
+        subs = {int(e): int(r) for e, r in dict(self.substitutes).items()}
+        for e, r in subs.items():
+            if e in kept or r not in kept:
+                raise PlanError(f"substitute {r} for expert {e}: the expert must be dropped and its substitute kept")
+        object.__setattr__(self, "substitutes", subs)
         for name in ("token_coverage", "gate_mass_coverage"):
             value = float(getattr(self, name))
             if not 0.0 <= value <= 1.0 + 1e-9:
@@ -98,6 +106,7 @@ class LayerPlan:
             "never_selected": list(self.never_selected),
             "dead_kept": {"count": len(self.dead_kept), "experts": list(self.dead_kept),
                           "why": self.dead_note},
+            **({"substitutes": {str(e): r for e, r in sorted(self.substitutes.items())}} if self.substitutes else {}),
         }
 
     @classmethod
@@ -108,7 +117,8 @@ class LayerPlan:
                    gate_mass_coverage=cov.get("gate_mass", 0.0),
                    never_selected=d.get("never_selected", []),
                    dead_kept=d.get("dead_kept", {}).get("experts", []),
-                   dead_note=d.get("dead_kept", {}).get("why", ""))
+                   dead_note=d.get("dead_kept", {}).get("why", ""),
+                   substitutes={int(e): r for e, r in d.get("substitutes", {}).items()})
 
 
 @dataclass(frozen=True)

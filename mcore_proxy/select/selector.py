@@ -261,6 +261,27 @@ def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup:
                              None if fn is None else fn.error(sorted(kept)))
 
 
+SUBSTITUTE_RULE = ("in a hash-routed layer a dropped expert's tokens go to the kept expert of its cluster (for an "
+                   "expert in no cluster, and for ranking methods: the kept expert whose router row is nearest by "
+                   "cosine); the proxy's table and verify's reference follow it")
+
+
+def hash_substitutes(plan: LayerPlan, weight: np.ndarray) -> dict[int, int]:
+    """Dropped expert -> the kept expert its hash-routed tokens go to (SUBSTITUTE_RULE).
+
+    A token's hashed experts are fixed by its id, so dropping one would leave the token without
+    it; the expert that stands for it in the proxy (its cluster's representative) receives its
+    tokens and its gate mass, as the paper's proxy gives it the dropped expert's routed tokens."""
+    kept = list(plan.kept)
+    subs = {m: c.representative for c in plan.clusters for m in c.members if m != c.representative}
+    unit = weight / np.linalg.norm(weight, axis=1, keepdims=True).clip(1e-12)
+    nearest = (unit @ unit[kept].T).argmax(1)
+    for e in range(weight.shape[0]):
+        if e not in kept and e not in subs:
+            subs[e] = kept[int(nearest[e])]
+    return subs
+
+
 def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_function):
     """(spec or None, routing facts, router-weight getter, iteration, fingerprint thunk) for a
     ModelView or a {layer id: [E, H]} mapping. Reads no tensor: the fingerprint is deferred
@@ -338,6 +359,7 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         raise PlanError(f"--method {opts.method} with reconstruction reads expert weights: "
                         "select from a checkpoint (a ModelView), not bare router weights")
     layer_ids = stats.layer_ids
+    hashed = set(spec.extra.get("hash_layers", ())) if spec is not None else set()
     layers, details = {}, {}
     for lid in (progress(layer_ids) if progress else layer_ids):
         weight = None
@@ -349,6 +371,9 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         fn = (reconstruct.layer_function(source, lid, stats.layers[lid], weight)
               if opts.reconstructs else None)
         layers[lid], details[lid] = select_layer(lid, stats.layers[lid], weight, setup, opts, fn)
+        if lid in hashed:
+            weight = reconstruct.as_float64(get_weight(lid)) if weight is None else weight
+            layers[lid] = dataclasses.replace(layers[lid], substitutes=hash_substitutes(layers[lid], weight))
     source_info = SourceInfo(E, facts["topk"], facts["num_groups"], facts["group_topk"],
                              iteration, fingerprint())
     params = opts.params(setup.policy, stats)
@@ -358,6 +383,8 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         params["reconstruction"]["error"] = {lid: details[lid].recon_error for lid in layer_ids}
     if fallback:
         params["refinement_fallback"] = fallback
+    if hashed:
+        params["hash_routing"] = {"layers": sorted(hashed, key=layer_sort_key), "rule": SUBSTITUTE_RULE}
     plan = SelectionPlan(source_info, num_experts, target_ep, opts.method, params, setup.router,
                          layers)
     return plan, details

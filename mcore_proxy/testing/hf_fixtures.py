@@ -34,6 +34,9 @@ FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, moe_intermediate_size=8,
                num_experts_per_tok=4, norm_topk_prob=True, pad_token_id=1, bos_token_id=None, eos_token_id=2)
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=1,
+              bos_token_id=None, eos_token_id=2)
 _DEEPSEEK = dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=16,
                  n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=20,
                  kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_nextn_predict_layers=1,
@@ -52,7 +55,94 @@ MODELS = {
     # the same with the DSA indexer (2 heads of 8, top-4 tokens)
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                      dict(_DEEPSEEK, index_n_heads=2, index_head_dim=8, index_topk=4), 1),
+    # -- one tiny model per further family (8 experts, top-2; K = E/2 = 4 keeps top-k feasible) ----
+    # shared expert with its sigmoid gate, q/k/v biases, layer 0 dense
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_SMALL, num_hidden_layers=3, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       num_experts=8, mlp_only_layers=[0], norm_topk_prob=True), 0),
+    # gated delta net (linear attention) beside gated full attention, layer 0 dense
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_SMALL, num_hidden_layers=4, head_dim=8, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=24, num_experts=8, mlp_only_layers=[0],
+                        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                        linear_conv_kernel_dim=4), 0),
+    # the text model of Qwen3.5-MoE (every layer MoE, always renormalised)
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(_SMALL, num_hidden_layers=4, head_dim=8, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=24, num_experts=8,
+                         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_conv_kernel_dim=4), 0),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_SMALL, num_hidden_layers=2, intermediate_size=16,
+                                                      num_experts=8, norm_topk_prob=True), 0),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SMALL, num_hidden_layers=2, intermediate_size=16,
+                                                            num_local_experts=8), 0),
+    # sigmoid scores with a selection bias on the MoE block
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(_SMALL, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8), 0),
+    # DeepSeek's router (2 groups, top-1 group), q/k norms, q/k/v biases, partial rotary, MTP layer
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(_SMALL, num_hidden_layers=3, head_dim=8, moe_intermediate_size=16, n_routed_experts=8,
+                      n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+                      partial_rotary_factor=0.5, num_nextn_predict_layers=1), 1),
+    # hash-routed layer 0 (tid2eid), sqrtsoftplus scores with a selection bias, hyper-connections,
+    # sliding / compressed sparse / heavily compressed attention with sinks
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=16,
+                         num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, scoring_func="sqrtsoftplus",
+                         routed_scaling_factor=1.5,
+                         layer_types=["sliding_attention", "compressed_sparse_attention",
+                                      "heavily_compressed_attention", "compressed_sparse_attention"],
+                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                         mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20,
+                         sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+                         index_topk=4, num_nextn_predict_layers=1, partial_rotary_factor=0.25,
+                         max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=1, eos_token_id=2), 0),
+    # Kimi-K2.5: a DeepSeek-V3 text model (sigmoid, bias, 2 groups) in a vision-language wrapper
+    "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration",
+                 dict(text_config=dict(model_type="kimi_k2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                       moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                       n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                       norm_topk_prob=True, routed_scaling_factor=2.827, num_nextn_predict_layers=0,
+                                       q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                       v_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=False, pad_token_id=1, eos_token_id=2),
+                      vision_config=dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4,
+                                         num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                                         intermediate_size=64, merge_kernel_size=[2, 2]),
+                      projection_hidden_size=32, tie_word_embeddings=False, image_token_id=120, video_token_id=121,
+                      vision_start_token_id=122, vision_end_token_id=123), 0),
+    # Kimi-Linear: KDA linear attention and MLA, DeepSeek's router under block_sparse_moe
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+                         num_experts_per_token=2, num_shared_experts=1, moe_renormalize=True, num_expert_group=2,
+                         topk_group=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
+                         moe_router_activation_func="sigmoid", moe_layer_freq=1,
+                         linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 16,
+                                             "num_heads": 4, "short_conv_kernel_size": 4},
+                         pad_token_id=1, bos_token_id=0, eos_token_id=2, tie_word_embeddings=False,
+                         model_max_length=256), 0),
+    # a router with a logit bias, transposed fused experts with biases (gate/up interleaved), sinks
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_SMALL, head_dim=8, intermediate_size=16, num_hidden_layers=2, num_local_experts=8,
+                     sliding_window=4, max_position_embeddings=131072), 0),
+    # softmax scores with a [1, E] selection bias (moe_statics), two shared experts, tied embeddings
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(_SMALL, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                          moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=1,
+                          moe_layer_end_index=-1, moe_layer_interval=1, tie_word_embeddings=True), 0),
+    # sigmoid top-k router scaling the experts' input, MoE every second layer, a shared expert
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(_SMALL, head_dim=8, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=4,
+                    num_local_experts=8, interleave_moe_layer_step=2, attention_chunk_size=8), 0),
 }
+FAMILY_FIXTURES = tuple(MODELS)
 
 
 def _generator(name: str, seed: int) -> torch.Generator:
@@ -68,18 +158,30 @@ def decisive_value(name: str, shape, seed: int) -> torch.Tensor:
         return 1.0 + 0.1 * x if param == "weight" else 0.1 * x
     if name.endswith("e_score_correction_bias"):
         return 0.1 * x
-    if name.endswith("mlp.gate.weight"):
+    if name.endswith(ROUTER_WEIGHTS):
         return x
+    if name.endswith("router.bias"):
+        return 0.5 * x
     return x / shape[-1] ** 0.5
 
 
+# routers of unit scale (routing far from uniform), whatever the family calls them
+ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight")
+
+
 def fill(model, seed: int = 0) -> None:
+    """Decisive weights everywhere, nonzero selection biases, and hash tables that send every
+    token to distinct experts (transformers zero-fills them: every token to expert 0)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(decisive_value(name, p.shape, seed))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(decisive_value(name, b.shape, seed))
+            elif name.endswith("tid2eid"):
+                g = _generator(name, seed)
+                experts = model.config.get_text_config().num_local_experts
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def _mtp_tensors(model, config, seed: int) -> dict[str, torch.Tensor]:

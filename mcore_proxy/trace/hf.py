@@ -1,11 +1,12 @@
 """Routing statistics of a Hugging Face model run in transformers (`mcore-proxy collect`).
 
-Forward hooks on every MoE gate (`model.layers.{L}.mlp.gate`, and the gates of DeepSeek's MTP
-layers) feed the same `Tracer` and `LayerAccumulator` the Megatron trace uses, so the file
-follows DESIGN.md 4.1: the gate's input is the router input (hidden [T, H] after the pre-MLP
-norm), its outputs are the final top-k weights and expert ids (renormalised, and for DeepSeek
-scaled by `routed_scaling_factor`, as megatron's `probs` are). Layer ids are the 0-based decoder
-layers (`decoder.layers.{L}`) and `mtp.{k}`.
+Forward hooks on every MoE router (the family's `runtime.router_module`: `mlp.gate`,
+`mlp.router`, `feed_forward.router`, ..., and the gates of DeepSeek-style MTP layers) feed the
+same `Tracer` and `LayerAccumulator` the Megatron trace uses, so the file follows DESIGN.md 4.1:
+the router's input is the router input (hidden [T, H] after the pre-MLP norm), its outputs give
+the final top-k weights and expert ids (`hf_models.routing`: renormalised, and for DeepSeek
+scaled by `routed_scaling_factor`, as megatron's `probs` are; a hash-routed layer's ids are its
+table's). Layer ids are the 0-based decoder layers (`decoder.layers.{L}`) and `mtp.{k}`.
 
 Padding positions of each batch are excluded; in MTP layers also each sequence's last real
 position, which has no next token to predict (megatron feeds it a rolled-in token whose loss it
@@ -42,7 +43,8 @@ class GateHooks:
         self.tracer, self.padding = tracer, {}
         for layer_id, gate in gates.items():
             info = RouterInfo(layer_id, int(gate.weight.shape[0]), int(gate.top_k))
-            tracer.attach(gate.register_forward_hook(lambda mod, args, out, info=info: self._record(info, args, out)))
+            tracer.attach(gate.register_forward_hook(
+                lambda mod, args, out, info=info: self._record(info, mod, args, out)))
 
     def set_batch(self, batch) -> None:
         from mcore_proxy.hf_models import mtp_mask
@@ -53,9 +55,11 @@ class GateHooks:
             mask = mtp_mask(mask)
             self.padding[f"mtp.{depth}"] = mask.reshape(-1) == 0
 
-    def _record(self, info: RouterInfo, args, out) -> None:
+    def _record(self, info: RouterInfo, router, args, out) -> None:
+        from mcore_proxy.hf_models import routing
+
         hidden = args[0].reshape(-1, args[0].shape[-1])
-        _, weights, experts = out
+        weights, experts = routing(router, out)
         key = info.layer_id if info.layer_id.startswith("mtp.") else "decoder"
         self.tracer.record(info, hidden, weights, experts, self.padding[key].to(hidden.device))
 
@@ -74,7 +78,7 @@ def collect(model_dir: Path, data: Path, out_dir: Path, *, max_tokens: int | Non
 
     from mcore_proxy.calibration import data_batches
     from mcore_proxy.errors import OutputError, ProxyError
-    from mcore_proxy.hf_models import gates, load_model, mtp_layers, run_mtp
+    from mcore_proxy.hf_models import load_model, mark_routers, mtp_layers, run_mtp, text_config_of
     from mcore_proxy.stats import save_stats
 
     out = Path(out_dir) / STATS_NAME
@@ -82,16 +86,17 @@ def collect(model_dir: Path, data: Path, out_dir: Path, *, max_tokens: int | Non
         raise OutputError(f"{out}: already exists; choose another -o folder or remove it first")
     model = load_model(model_dir, device)
     mtp = mtp_layers(model, model_dir)
-    hooked = dict(gates(model))
+    hooked = dict(mark_routers(model))
     hooked.update({f"mtp.{layer.depth}": layer.layer.mlp.gate for layer in mtp})
-    length = max_length or int(getattr(model.config, "max_position_embeddings", 2048))
+    config = text_config_of(model)
+    length = max_length or int(getattr(config, "max_position_embeddings", 2048))
     meta = {"source": source_info(), "model": str(Path(model_dir).absolute()), "data": str(Path(data).absolute()),
             "model_layers": list(hooked), "max_length": length, "collect_dedupe": DEDUPE}
     tracer = Tracer(out_dir, rank=0, meta=meta)
     tokens = 0
     with GateHooks(tracer, hooked) as hooks, tqdm(total=max_tokens, unit="tok", desc="collect",
                                                   disable=not progress) as bar:
-        for batch in data_batches(data, model_dir, int(model.config.vocab_size), batch_size, length, max_tokens):
+        for batch in data_batches(data, model_dir, int(config.vocab_size), batch_size, length, max_tokens):
             hooks.set_batch(batch)
             run_mtp(model, mtp, batch.input_ids, batch.attention_mask)
             tokens += batch.tokens

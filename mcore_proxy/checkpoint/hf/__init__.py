@@ -1,19 +1,22 @@
-"""The Hugging Face format: sharded safetensors + config.json, for Qwen3-MoE, DeepSeek-V3 and
-DeepSeek-V3.2 (transformers 5 model classes, no remote code).
+"""The Hugging Face format: sharded safetensors + config.json of the Mixture-of-Experts families
+transformers 5 builds (no remote code).
 
-- `reader.HFCheckpoint`: the folder as a lazy canonical ModelView (DESIGN.md 4.3);
-- `writer.HFWriter`: any canonical ModelView as an HF folder (the format interface's Writer);
-- `mapping`: the row types and pure transforms; `qwen3_moe`, `deepseek`: one table per family
-  and the config.json <-> Megatron args translations; `checks`: config.json against the tensors;
-  `fp8`: DeepSeek's block scales.
+- `descriptor`, `families`: one declaration per family (router, routed experts, config keys);
+- `native.HFNativeView`: a folder as its family sees it (what `open_checkpoint` returns), and
+  `native_writer`: writing it back, pruned, in the source's spelling: the HF -> HF path;
+- `reader.HFCheckpoint`: the folder under megatron-core names, for families with a Megatron
+  mapping (`qwen3_moe`, `deepseek`: one table per family and the config.json <-> Megatron args
+  translations; `mapping`: the row types and pure transforms; `checks`: config.json against the
+  tensors; `fp8`: DeepSeek's block scales);
+- `writer.HFWriter`: either kind of view as an HF folder (the format interface's Writer).
 """
 from __future__ import annotations
 
-from mcore_proxy.checkpoint.hf.reader import HFCheckpoint, is_hf_checkpoint
+from mcore_proxy.checkpoint.hf.reader import HFCheckpoint, is_hf_checkpoint, open_hf
 from mcore_proxy.checkpoint.hf.writer import HFWriter
 from mcore_proxy.checkpoint.interface import Format
 
 FORMAT = Format(name="hf", summary="Hugging Face: config.json + sharded safetensors (save_pretrained)",
-                detect=is_hf_checkpoint, open=HFCheckpoint, writer=HFWriter(), framework="transformers")
+                detect=is_hf_checkpoint, open=open_hf, writer=HFWriter(), framework="transformers")
 
 __all__ = ["FORMAT", "HFCheckpoint", "is_hf_checkpoint"]

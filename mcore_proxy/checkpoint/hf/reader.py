@@ -119,6 +119,35 @@ def weight_map(folder: Path) -> dict[str, str]:
                           "from the model's source" if shards else "; copy the weights from the model's source"))
 
 
+def read_headers(folder: Path, wmap: dict[str, str]) -> dict[str, TensorInfo]:
+    """Shape and dtype of every tensor the index lists, from the shards' headers (no tensor data);
+    a shard that disagrees with the index is one sentence naming it."""
+    infos: dict[str, TensorInfo] = {}
+    for file in sorted(set(wmap.values())):
+        header = read_header(folder / file)
+        listed = {k for k, f in wmap.items() if f == file}
+        absent, unlisted = sorted(listed - set(header)), sorted(set(header) - listed)
+        if absent or unlisted:
+            what = f"lacks {absent[0]}" if absent else f"holds {unlisted[0]}, which"
+            raise CheckpointError(f"{folder / file}: {what} {INDEX} {'lists in it' if absent else 'does not list'}; "
+                                  "the index and the shards are from different copies, copy both again")
+        infos.update({k: header[k] for k in listed})
+    return infos
+
+
+def open_hf(path) -> "ModelView":
+    """A Hugging Face folder as its family's descriptor sees it (`native.HFNativeView`)."""
+    from mcore_proxy.checkpoint.hf.native import HFNativeView
+
+    path = Path(path)
+    config = HFConfig.load(path)
+    from mcore_proxy.checkpoint.hf.native import family_of as native_family
+
+    native_family(config)   # an unknown architecture is refused before any shard is read
+    wmap = weight_map(path)
+    return HFNativeView(path, wmap, read_headers(path, wmap), config)
+
+
 class HFCheckpoint(ModelView):
     """A Hugging Face checkpoint folder under canonical names (DESIGN.md 4.3).
 
@@ -133,16 +162,7 @@ class HFCheckpoint(ModelView):
         self.family = family_of(self.config)
         self.dequantize_fp8 = dequantize_fp8
         wmap = weight_map(self.path)
-        infos: dict[str, TensorInfo] = {}
-        for file in sorted(set(wmap.values())):
-            header = read_header(self.path / file)
-            listed = {k for k, f in wmap.items() if f == file}
-            absent, unlisted = sorted(listed - set(header)), sorted(set(header) - listed)
-            if absent or unlisted:
-                what = f"lacks {absent[0]}" if absent else f"holds {unlisted[0]}, which"
-                raise CheckpointError(f"{self.path / file}: {what} {INDEX} {'lists in it' if absent else 'does not list'}; "
-                                      "the index and the shards are from different copies, copy both again")
-            infos.update({k: header[k] for k in listed})
+        infos = read_headers(self.path, wmap)
         self.num_layers = self.config.int("num_hidden_layers", minimum=1)
         self._entries: dict[str, _Entry] = {}
         self._fp8_block = self._block_size(infos)

@@ -27,7 +27,11 @@ DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
     "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+    # DeepSeek-V4's FP4 expert scales (torch >= 2.7 names the dtype)
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
 }
+DTYPES = {k: v for k, v in DTYPES.items() if v is not None}
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -103,6 +107,20 @@ class StreamingWriter:
                                f"header declares {want_key} {tuple(shape)} {dtype}")
         if tensor.numel():
             self._sink.write(tensor.detach().cpu().contiguous())
+        self._next += 1
+
+    def write_rows(self, key: str, rows: list[torch.Tensor]) -> None:
+        """One tensor given as its rows along axis 0 (`torch.stack(rows)`), written row after row:
+        the same bytes as the stacked tensor, without making it."""
+        want_key, shape, dtype = self._layout[self._next]
+        got = (len(rows), *rows[0].shape) if rows else (0,)
+        if key != want_key or tuple(got) != tuple(shape) or any(r.dtype != dtype or r.shape != rows[0].shape
+                                                                for r in rows):
+            raise RuntimeError(f"{self.path}: rows of {key} {tuple(got)} written where the header declares "
+                               f"{want_key} {tuple(shape)} {dtype}")
+        for row in rows:
+            if row.numel():
+                self._sink.write(row.detach().cpu().contiguous())
         self._next += 1
 
     def close(self) -> tuple[int, str]:

@@ -23,6 +23,8 @@ import torch
 from mcore_proxy.checkpoint.hf.family import Family
 from mcore_proxy.checkpoint.hf.mapping import (GLU, MTP, QKV, SCALE_SUFFIX, Row, glu_split, hf_name, qkv_split,
                                                split_canonical)
+from mcore_proxy.checkpoint.hf.native_writer import native_outputs, native_source
+from mcore_proxy.checkpoint.hf.native_writer import proxy_config as native_proxy_config
 from mcore_proxy.checkpoint.hf.reader import INDEX, families, hf_source
 from mcore_proxy.checkpoint.hf.safetensors_io import StreamingWriter
 from mcore_proxy.checkpoint.interface import Finished, TargetOptions, Unit, WrittenFile, Writer
@@ -57,10 +59,10 @@ class Out:
 
 @dataclass(frozen=True)
 class Shard:
-    """One output file and the tensors in it, in writing order."""
+    """One output file and the tensors in it, in writing order (`Out`s, or `NativeOut`s of a native view)."""
 
     file: str
-    tensors: tuple[Out, ...]
+    tensors: tuple
 
 
 def family_for(view: ModelView) -> Family:
@@ -181,9 +183,12 @@ class HFWriter(Writer):
         from mcore_proxy.checkpoint.target import refuse_noop_layers
 
         refuse_noop_layers(view, "Hugging Face")
-        family = family_for(view)
-        output_groups(view, family)
-        self.config(view, family)
+        if native_source(view) is not None:
+            native_outputs(view)
+        else:
+            family = family_for(view)
+            output_groups(view, family)
+        self.config(view)
         spec = view.spec
         if spec.num_groups and spec.num_groups > 1 and spec.num_experts // spec.num_groups < 2:
             raise ProxyError(f"{spec.num_experts} experts in {spec.num_groups} routing groups leave "
@@ -193,40 +198,44 @@ class HFWriter(Writer):
     def shard_bytes(self, view: ModelView) -> int:
         if self.max_shard_bytes:
             return self.max_shard_bytes
-        source = hf_source(view)
+        source = hf_source(view) or native_source(view)
         if source is None:
             return DEFAULT_SHARD_BYTES
         sizes = [p.stat().st_size for p in Path(source.folder).glob("*.safetensors")]
         return max(sizes) if sizes else DEFAULT_SHARD_BYTES
 
     def shards(self, view: ModelView) -> list[Shard]:
-        return plan_shards(output_groups(view, family_for(view)), self.shard_bytes(view))
+        if native_source(view) is not None:
+            groups = [[out] for out in native_outputs(view)]
+        else:
+            groups = output_groups(view, family_for(view))
+        return plan_shards(groups, self.shard_bytes(view))
 
     def units(self, view: ModelView, target=None) -> list[Unit]:
         return [Unit((i,), sum(o.nbytes for o in shard.tensors)) for i, shard in enumerate(self.shards(view))]
 
     def write_unit(self, view: ModelView, root: Path, target, unit: Unit, progress=None) -> list[WrittenFile]:
         """Stream one shard: each canonical tensor read once (the next ones read ahead), cut into
-        its HF pieces; hashed while written, synced before returning."""
-        family = family_for(view)
+        its HF pieces (Megatron-named views) or, for a fused tensor of a native view, its rows
+        written one after another; hashed while written, synced before returning."""
         shard = self.shards(view)[unit.key[0]]
         writer = StreamingWriter(Path(root) / shard.file, [(o.key, o.shape, o.dtype) for o in shard.tensors])
         try:
-            firsts = [i for i, o in enumerate(shard.tensors) if o.piece == 0]
-            for i, (_, tensor) in zip(firsts, stream(view, [shard.tensors[i].source for i in firsts])):
-                count = _count(shard.tensors, i)
-                for out, piece in zip(shard.tensors[i:i + count], _pieces(view, family, tensor, count)):
-                    writer.write(out.key, piece)
-                if progress is not None:
-                    progress(tensor.numel() * tensor.element_size())
-                del tensor
+            if native_source(view) is not None:
+                _write_native(view, writer, shard, progress)
+            else:
+                _write_megatron_named(view, family_for(view), writer, shard, progress)
             size, digest = writer.close()
         except BaseException:
             writer.abort()
             raise
         return [WrittenFile(shard.file, size, digest)]
 
-    def config(self, view: ModelView, family: Family) -> dict:
+    def config(self, view: ModelView) -> dict:
+        native = native_source(view)
+        if native is not None:
+            return native_proxy_config(native.config, view.spec, native.descriptor)
+        family = family_for(view)
         source = hf_source(view)
         if source is None:
             return family.config_from_args(view.args, view.spec)
@@ -244,8 +253,8 @@ class HFWriter(Writer):
         completeness marker) for the caller to write last."""
         root = Path(root)
         files = [_write_small(root, "config.json",
-                              (json.dumps(self.config(view, family_for(view)), indent=2, sort_keys=True) + "\n").encode())]
-        source = hf_source(view)
+                              (json.dumps(self.config(view), indent=2, sort_keys=True) + "\n").encode())]
+        source = hf_source(view) or native_source(view)
         if source is not None:
             for name in CONFIG_FILES + TOKENIZER_FILES:
                 src = Path(source.folder) / name
@@ -262,6 +271,28 @@ _FLAGS = {"tp": "--target-tp", "pp": "--target-pp", "ep": "--target-ep", "etp": 
           "expert_layout": "--expert-layout", "stage_layers": "--target-stage-layers",
           "pipeline_layout": "--target-pipeline-layout", "vpp": "--target-vpp",
           "tp_extend_ep": "--moe-tp-extend-ep"}
+
+
+def _write_megatron_named(view: ModelView, family: Family, writer: StreamingWriter, shard: Shard, progress) -> None:
+    firsts = [i for i, o in enumerate(shard.tensors) if o.piece == 0]
+    for i, (_, tensor) in zip(firsts, stream(view, [shard.tensors[i].source for i in firsts])):
+        count = _count(shard.tensors, i)
+        for out, piece in zip(shard.tensors[i:i + count], _pieces(view, family, tensor, count)):
+            writer.write(out.key, piece)
+        if progress is not None:
+            progress(tensor.numel() * tensor.element_size())
+        del tensor
+
+
+def _write_native(view: ModelView, writer: StreamingWriter, shard: Shard, progress) -> None:
+    """Each output (`native_writer.NativeOut`) from its canonical sources: several are a fused tensor's rows."""
+    tensors = stream(view, [name for out in shard.tensors for name in out.sources])
+    for out in shard.tensors:
+        rows = [next(tensors)[1] for _ in out.sources]
+        writer.write_rows(out.key, rows) if len(rows) > 1 else writer.write(out.key, rows[0])
+        if progress is not None:
+            progress(sum(r.numel() * r.element_size() for r in rows))
+        del rows
 
 
 def _write_small(root: Path, name: str, data: bytes) -> WrittenFile:

@@ -31,9 +31,12 @@ def drop_shard(folder):
 
 
 CASES = {
-    # an architecture mcore-proxy has no mapping table for: the sentence lists the ones it has
-    "architecture": (edit_config(architectures=["MixtralForCausalLM"]),
-                     ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"]),
+    # an architecture that is no MoE family mcore-proxy knows: the sentence lists the ones it knows
+    "architecture": (edit_config(architectures=["LlamaForCausalLM"]),
+                     ["LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV4ForCausalLM",
+                      "GptOssForCausalLM"]),
+    # another family's architecture: its descriptor accounts for none of Qwen3-MoE's expert names
+    "family": (edit_config(architectures=["MixtralForCausalLM"]), ["model.layers.0.mlp.down_proj.weight", "not a part of Mixtral"]),
     "missing shard": (drop_shard, ["model-00002-of-", "is missing"]),
     # config.json disagrees with the tensors: more experts, more layers, another hidden size
     "expert count": (edit_config(num_experts=32, num_local_experts=32), ["config.json", "32"]),

@@ -44,7 +44,10 @@ def test_fixtures_are_sharded_transformers_checkpoints(hf_model, name):
     if name != "qwen3_moe":
         assert view.spec.moe_layer_ids == ["1", "2", "mtp.0"]       # MTP layer = HF layer num_hidden_layers
         assert (view.spec.num_groups, view.spec.group_topk, view.spec.expert_bias) == (4, 2, True)
-        assert "model.layers.3.eh_proj.weight" in keys and "mtp.layers.0.eh_proj.weight" in view.names()
+        # the family's view keeps HF keys beside the canonical router and experts; megatron's names its own
+        assert "model.layers.3.eh_proj.weight" in keys and "model.layers.3.eh_proj.weight" in view.names()
+        assert "mtp.layers.0.transformer_layer.mlp.router.weight" in view.names()
+        assert "mtp.layers.0.eh_proj.weight" in view.megatron().names()
         assert view.dtype("decoder.layers.1.mlp.router.expert_bias") == torch.float32
 
 
@@ -107,12 +110,13 @@ def test_proxy_files_tensors_and_config(hf_proxy, name):
     assert main(["verify", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--functional"]) == 0
 
 
-def test_fused_expert_tensors_read_like_hub_names(hf_model, tmp_path):
+def test_fused_expert_tensors_read_like_hub_names(hf_proxy, tmp_path):
     """A checkpoint holding transformers' in-memory fused experts (`experts.gate_up_proj`
-    [E, 2F, H]) reads to the same canonical tensors, one expert's rows at a time."""
+    [E, 2F, H]) reads to the same megatron-core tensors, one expert's rows at a time, and its
+    proxy keeps the fused spelling: the kept experts' rows, in plan order."""
     from safetensors.torch import save_file
 
-    src = hf_model("qwen3_moe")
+    src, _, plan_path, plan, _ = hf_proxy("qwen3_moe")
     model = load_model(src)
     fused = tmp_path / "fused"
     fused.mkdir()
@@ -120,10 +124,18 @@ def test_fused_expert_tensors_read_like_hub_names(hf_model, tmp_path):
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
     save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
     (fused / "config.json").write_text((src / "config.json").read_text())
-    a, b = open_checkpoint(src), open_checkpoint(fused)
+    a, b = open_checkpoint(src).megatron(), open_checkpoint(fused).megatron()
     assert a.names() == b.names()
     for name in a.names():
         assert a.shape(name) == b.shape(name) and torch.equal(a.get(name), b.get(name)), name
+    out = tmp_path / "proxy"
+    assert main(["convert", str(fused), "--plan", str(plan_path), "-o", str(out)]) == 0
+    got = hf_tensors(out)
+    kept = plan.kept("2")
+    assert "model.layers.2.mlp.experts.0.gate_proj.weight" not in got
+    for key in ("model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+        assert torch.equal(got[key], state[key][kept]), key
+    assert main(["verify", "--orig", str(fused), "--proxy", str(out), "--plan", str(plan_path), "--functional"]) == 0
 
 
 def test_fp8_checkpoint_prunes_bit_exactly_and_dequantises_on_request(hf_proxy, tmp_path):

@@ -1,0 +1,266 @@
+"""Reader: a Hugging Face folder as its family's descriptor sees it (`HFNativeView`).
+
+Every key is classified by the family (`descriptor.MoEFamily.role`). The router's tensors and
+the routed experts get canonical names under the layer's canonical prefix (`decoder.layers.{L}`,
+`mtp.layers.{k}.transformer_layer`):
+
+  router weight [E, H]            ->  P.mlp.router.weight
+  router logit bias [E]           ->  P.mlp.router.bias
+  score-correction bias [E]/[1,E] ->  P.mlp.router.expert_bias
+  hash table [V, k]               ->  P.mlp.router.hash_table
+  expert e's tensor               ->  P.mlp.experts.{e}.<leaf>   (a per-expert key, or row e of a fused one)
+
+so that selection, pruning (`convert/prune.PrunedView`) and verification treat every family
+alike. Every other tensor keeps its Hugging Face key as its name and is copied bit for bit. The
+view carries the spelling of every canonical name (`HFNativeSource.spelling`) for the writer,
+which writes the proxy in the source's own spelling (per expert or fused). No Megatron mapping is
+involved: `megatron()` gives the Megatron-named view for families that have one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.checkpoint.hf.config import HFConfig
+from mcore_proxy.checkpoint.hf.descriptor import (COPY, EXPERT, FUSED, HASH_TABLE, ROUTER, ROUTER_LEAVES, MoEFamily,
+                                                  expert_leaf)
+from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
+from mcore_proxy.checkpoint.view import ModelView, ViewInfo
+from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.spec import MAX_EXPERTS, ModelSpec, layer_module_prefix
+
+
+def text_config(config: HFConfig) -> HFConfig:
+    """The config of the text model: `text_config` of a vision-language checkpoint, else itself."""
+    nested = config.data.get("text_config")
+    return HFConfig(nested, config.path) if isinstance(nested, dict) else config
+
+
+def first_int(config: HFConfig, keys: tuple[str, ...], default=None) -> int:
+    """The first spelling present, at the top level or in `text_config`."""
+    for cfg in (config, text_config(config)):
+        for key in keys:
+            if cfg.has(key):
+                return cfg.int(key)
+    if default is None:
+        raise CheckpointError(f"{config.path}: lacks {' / '.join(keys)}, which the model needs; add it (the model's "
+                              "source config.json has it)")
+    return default
+
+
+def family_of(config: HFConfig) -> MoEFamily:
+    """The descriptor of config.json's architecture; one sentence listing the supported ones else."""
+    from mcore_proxy.checkpoint.hf.families import FAMILIES
+
+    arch = config.architecture()
+    for family in FAMILIES:
+        if arch in family.architectures:
+            return family
+    supported = ", ".join(f"{a} ({f.name})" for f in FAMILIES for a in f.architectures)
+    raise CheckpointError(f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not a Mixture-"
+                          f"of-Experts family mcore-proxy knows; it reads {supported}")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a canonical tensor's bytes are: `key` in `file`, or row `row` of it (fused experts)."""
+
+    key: str
+    file: str
+    info: TensorInfo
+    row: int | None = None
+
+
+@dataclass(frozen=True)
+class HFNativeSource:
+    """What a native view carries for the HF writer (`ViewInfo.format_info`): the folder (its
+    tokenizer and generation config are copied), its config.json, the family, and the spelling
+    of every canonical MoE name: pattern with `{e}` -> (HF key, or key pattern with `{e}`, kind)."""
+
+    folder: Path
+    config: dict
+    family: str
+    spelling: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def descriptor(self) -> MoEFamily:
+        from mcore_proxy.checkpoint.hf.families import family_named
+
+        return family_named(self.family)
+
+
+def _canonical(layer_id: str, kind: str, leaf: str) -> str:
+    prefix = layer_module_prefix(layer_id)
+    return f"{prefix}.{ROUTER_LEAVES[kind]}" if kind in ROUTER_LEAVES else f"{prefix}.mlp.experts.{{e}}.{leaf}"
+
+
+class HFNativeView(ModelView):
+    """A Hugging Face checkpoint under its family's descriptor; `get` reads only that tensor's
+    bytes (one expert's rows of a fused tensor)."""
+
+    def __init__(self, path, wmap: dict[str, str], infos: dict[str, TensorInfo], config: HFConfig):
+        self.path, self.config = Path(path), config
+        self.family = family_of(config)
+        text = text_config(config)
+        self.num_layers = text.int("num_hidden_layers", minimum=1)
+        self._sources: dict[str, _Source] = {}
+        self._order: list[str] = []
+        spelling: dict[str, tuple[str, str]] = {}
+        self._experts: dict[tuple[str, str], dict[int, int]] = {}   # (layer, canonical pattern) -> expert -> E
+        self._layers: set[int] = set()
+        for key in sorted(wmap, key=_key_order):
+            self._index(key, wmap[key], infos[key], spelling)
+        spec = self._spec(text)
+        self.source = HFNativeSource(self.path, dict(config.data), self.family.name, spelling)
+        super().__init__(ViewInfo(spec=spec, format="hf", path=self.path, iteration="release", args=None,
+                                  layout=None, format_info=self.source))
+        self._check(spec)
+
+    # -- indexing -------------------------------------------------------------------------------
+    def _index(self, key: str, file: str, info: TensorInfo, spelling: dict) -> None:
+        layer_id, prefix, rest = self.family.locate(key, self.num_layers)
+        where = self.path / file
+        if layer_id is not None and layer_id.startswith("beyond."):
+            raise CheckpointError(f"{where}: holds {key} of layer {layer_id.split('.')[1]}, but config.json says "
+                                  f"num_hidden_layers={self.num_layers} and {self.family.name} has no MTP layers there; "
+                                  "fix config.json or use the shards that came with it")
+        if layer_id is not None and not layer_id.startswith("mtp."):
+            self._layers.add(int(layer_id))
+        found = self.family.role(layer_id, rest)
+        if found is None:
+            raise CheckpointError(f"{where}: tensor {key} is not a part of {self.family.name} that mcore-proxy "
+                                  "accounts for (router, routed experts, or a tensor it copies); it is not dropped "
+                                  "or copied silently: check the architecture in config.json")
+        kind, pattern, expert = found
+        if kind == COPY:
+            return self._add(key, _Source(key, file, info))
+        leaf = expert_leaf(pattern, kind) if kind in (EXPERT, FUSED) else ""
+        template = _canonical(layer_id, kind, leaf)
+        hf_template = prefix + pattern
+        if spelling.setdefault(template, (hf_template, kind)) != (hf_template, kind):
+            raise CheckpointError(f"{where}: {key} spells {template.replace('{e}', 'e')} a second way (beside "
+                                  f"{spelling[template][0]}); per-expert and fused experts are mixed in one layer, "
+                                  "the checkpoint is inconsistent")
+        if kind == EXPERT:
+            self._note_expert(layer_id, template, expert, where, key)
+            self._add(template.replace("{e}", str(expert)), _Source(key, file, info))
+        elif kind == FUSED:
+            if not info.shape or info.shape[0] > MAX_EXPERTS:
+                raise CheckpointError(f"{where}: fused expert tensor {key} has shape {list(info.shape)}; expected "
+                                      "the experts on its first axis")
+            row = TensorInfo(info.shape[1:], info.dtype)
+            for e in range(info.shape[0]):
+                self._note_expert(layer_id, template, e, where, key)
+                self._add(template.replace("{e}", str(e)), _Source(key, file, row, e))
+        else:
+            self._add(template, _Source(key, file, info))
+
+    def _note_expert(self, layer_id: str, template: str, expert: int, where: Path, key: str) -> None:
+        seen = self._experts.setdefault((layer_id, template), {})
+        if expert in seen:
+            raise CheckpointError(f"{where}: {key} holds expert {expert} of layer {layer_id} a second time; the "
+                                  "checkpoint is inconsistent, copy it again")
+        seen[expert] = 1
+
+    def _add(self, name: str, source: _Source) -> None:
+        if name in self._sources:
+            raise CheckpointError(f"{self.path / source.file}: {source.key} names {name}, which "
+                                  f"{self._sources[name].key} names too; the checkpoint is inconsistent")
+        self._sources[name] = source
+        self._order.append(name)
+
+    # -- the model it describes -------------------------------------------------------------------
+    def _spec(self, text: HFConfig) -> ModelSpec:
+        keys = self.family.config
+        routers = {name.rsplit(".mlp.", 1)[0] for name in self._sources if name.endswith("." + ROUTER_LEAVES[ROUTER])}
+        moe = sorted(int(p.split(".")[2]) for p in routers if p.startswith("decoder."))
+        mtp = sorted(int(p.split(".")[2]) for p in routers if p.startswith("mtp."))
+        if mtp != list(range(len(mtp))):
+            raise CheckpointError(f"{self.path}: holds MTP layers {mtp}; expected 0..{len(mtp) - 1}, copy the missing "
+                                  "shards")
+        experts = first_int(self.config, keys.experts)
+        topk = first_int(self.config, keys.topk)
+        groups = (first_int(self.config, keys.groups[:1], 1), first_int(self.config, keys.groups[1:], 1)) \
+            if keys.groups else (None, None)
+        score = keys.score_function if isinstance(keys.score_function, str) else \
+            str(text.data.get(keys.score_function[0]) or keys.score_function[1])
+        hashed = sorted(n.split(".")[2] for n in self._sources if n.endswith(ROUTER_LEAVES[HASH_TABLE]))
+        return ModelSpec(num_layers=self.num_layers, hidden_size=text.int("hidden_size", minimum=1),
+                         num_experts=experts, topk=topk, moe_layers=tuple(moe), mtp_layers=len(mtp),
+                         score_function=score, num_groups=groups[0], group_topk=groups[1],
+                         expert_bias=any(n.endswith(".mlp.router.expert_bias") for n in self._sources),
+                         extra={"hf_family": self.family.name, "hash_layers": hashed})
+
+    def _check(self, spec: ModelSpec) -> None:
+        """config.json against the tensors: the decoder layers, and the shape of every router, bias,
+        hash table and expert set."""
+        E, H, where = spec.num_experts, spec.hidden_size, self.config.path
+        if self._layers != set(range(self.num_layers)):
+            raise CheckpointError(f"{where} says num_hidden_layers={self.num_layers} but the shards hold decoder "
+                                  f"layers {min(self._layers, default=0)}..{max(self._layers, default=-1)}; copy the "
+                                  "missing shards or fix config.json")
+        if not spec.moe_layers:
+            raise CheckpointError(f"{self.path}: no MoE router found ({self.family.name}: "
+                                  f"{' or '.join(self.family.router.weight)}); this is not a MoE checkpoint")
+        for name, source in self._sources.items():
+            if ".mlp.router." not in name:
+                continue
+            shape = tuple(source.info.shape)
+            want = {"weight": (E, H), "bias": (E,), "expert_bias": shape[:-1] + (E,),
+                    "hash_table": (shape[0] if shape else 0, spec.topk)}[name.rsplit(".", 1)[1]]
+            if shape != want:
+                says = (f"{E} experts, hidden_size={H}, top-k {spec.topk}" if name.endswith(".weight")
+                        or name.endswith("hash_table") else f"{E} experts")
+                raise CheckpointError(f"{where} says {says} but {self.path / source.file} holds {source.key} of shape "
+                                      f"{list(shape)}; fix config.json or use the shards that came with it")
+        for (layer_id, template), seen in self._experts.items():
+            if sorted(seen) != list(range(E)):
+                missing = sorted(set(range(E)) - set(seen)) or sorted(set(seen) - set(range(E)))
+                raise CheckpointError(f"{where} says {E} experts but layer {layer_id} has "
+                                      f"{template.rsplit('.', 1)[0].replace('{e}', str(missing[0]))}... "
+                                      f"{'missing' if missing[0] < E else 'beyond them'} (expert {missing[0]}); "
+                                      "copy the missing shards or fix config.json")
+
+    # -- the ModelView ------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._sources[name].info.shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._sources[name].info.dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        s = self._sources[name]
+        return read_tensor(self.path / s.file, s.key, s.row)
+
+    def hf_key(self, name: str) -> str:
+        """The Hugging Face key a canonical tensor is read from (a fused one: its whole tensor)."""
+        return self._sources[name].key
+
+    def megatron(self) -> ModelView:
+        """The same checkpoint under megatron-core names (HF -> Megatron conversion)."""
+        if self.family.megatron is None:
+            raise ProxyError(f"{self.path}: {self.family.name} has no Megatron mapping in mcore-proxy; convert it to "
+                             "--format hf (Hugging Face to Hugging Face needs none)")
+        from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
+
+        return HFCheckpoint(self.path)
+
+    def named_for(self, framework: str) -> ModelView:
+        return self if framework == "transformers" else self.megatron()
+
+    def dequantized(self) -> ModelView:
+        return self.megatron().dequantized() if self.family.megatron is not None else super().dequantized()
+
+
+def _key_order(key: str):
+    """Keys by layer number, then as written: shards of the proxy follow the model's order."""
+    import re
+
+    parts = re.split(r"(\d+)", key)
+    return [int(p) if p.isdigit() else p for p in parts]

@@ -1,0 +1,136 @@
+"""Every Mixture-of-Experts family transformers 5 builds, through the path a user runs: a tiny
+model built and saved by transformers in several shards, `collect` on calibration text, `select`
+K = E/2, `convert` Hugging Face to Hugging Face by the family's descriptor alone, then in
+transformers: the proxy's logits equal the original's with every router restricted to the kept
+experts (within 1e-5), and the restriction changes them measurably; `verify --functional` and
+`fidelity` run on each. Routers carry nonzero logit biases (gpt-oss) and selection biases
+(DeepSeek, GLM, Kimi, MiniMax, ERNIE); DeepSeek-V4's hash-routed layer sends tokens to kept and
+dropped experts alike."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.checkpoint.hf.families import FAMILIES
+from mcore_proxy.cli import main
+from mcore_proxy.hf_models import load_model, restrict_gates, run
+
+# fixture name -> (family, MoE layer ids, config.json keys that hold the expert count)
+CASES = {
+    "qwen2_moe": ("Qwen2-MoE", ["1", "2"], ["num_experts"]),
+    "qwen3_next": ("Qwen3-Next", ["1", "2", "3"], ["num_experts"]),
+    "qwen3_5_moe": ("Qwen3.5-MoE", ["0", "1", "2", "3"], ["num_experts"]),
+    "olmoe": ("OLMoE", ["0", "1"], ["num_experts"]),
+    "mixtral": ("Mixtral", ["0", "1"], ["num_local_experts"]),
+    "minimax_m2": ("MiniMax-M2", ["0", "1"], ["num_local_experts"]),
+    "glm4_moe": ("GLM-4.5-MoE", ["1", "2", "mtp.0"], ["n_routed_experts"]),
+    "deepseek_v4": ("DeepSeek-V4", ["0", "1", "2", "3"], ["n_routed_experts"]),
+    "kimi_k25": ("Kimi-K2.5", ["1", "2"], ["text_config.n_routed_experts"]),
+    "kimi_linear": ("Kimi-Linear", ["1", "2", "3"], ["num_experts"]),
+    "gpt_oss": ("gpt-oss", ["0", "1"], ["num_local_experts"]),
+    "ernie4_5_moe": ("ERNIE-4.5-MoE", ["1", "2"], ["moe_num_experts"]),
+    "llama4": ("Llama-4", ["1", "3"], ["num_local_experts"]),
+}
+TOKENS = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(11))
+
+
+def hf_tensors(folder) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(folder / file)))
+    return out
+
+
+def lookup(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def test_every_family_has_a_fixture():
+    assert {family for family, _, _ in CASES.values()} | {"Qwen3-MoE", "DeepSeek-V3", "DeepSeek-V3.2"} == \
+        {f.name for f in FAMILIES}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_proxy_equals_the_restricted_original(hf_proxy, name):
+    family, layers, expert_keys = CASES[name]
+    orig, _, plan_path, plan, proxy = hf_proxy(name)
+    assert len(list(orig.glob("*.safetensors"))) >= 3
+    view = open_checkpoint(orig)
+    assert view.info.format_info.family == family and view.spec.moe_layer_ids == layers
+    original, pruned = load_model(orig), load_model(proxy)
+    keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
+    with restrict_gates(original, keep, {lid: plan.layers[lid].substitutes for lid in plan.layer_ids}):
+        reference = run(original, TOKENS)
+    unrestricted, got = run(original, TOKENS), run(pruned, TOKENS)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    assert (unrestricted - reference).abs().max() > 0.1            # the restriction is measurable
+    config = json.loads((proxy / "config.json").read_text())
+    for key in expert_keys:
+        assert lookup(config, key) == view.spec.num_experts // 2, key
+    assert main(["verify", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--functional"]) == 0
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kept_tensors_are_the_sources_and_the_rest_is_copied(hf_proxy, name):
+    """Router rows and biases taken in plan order, kept experts renumbered, every other tensor
+    bit for bit, under the source's own spelling of each key."""
+    orig, _, _, plan, proxy = hf_proxy(name)
+    view, got = open_checkpoint(orig), hf_tensors(proxy)
+    source = hf_tensors(orig)
+    spelling = view.info.format_info.spelling
+    lid = plan.layer_ids[-1]
+    kept = plan.kept(lid)
+    prefix = f"decoder.layers.{lid}" if not lid.startswith("mtp.") else f"mtp.layers.{lid[4:]}.transformer_layer"
+    router_key = spelling[f"{prefix}.mlp.router.weight"][0]
+    assert torch.equal(got[router_key], source[router_key][kept])
+    for leaf in ("bias", "expert_bias"):
+        entry = spelling.get(f"{prefix}.mlp.router.{leaf}")
+        if entry:
+            assert torch.equal(got[entry[0]], source[entry[0]][..., kept]) and source[entry[0]].abs().sum() > 0
+    expert_keys = {hf for template, (hf, kind) in spelling.items() if template.startswith(prefix + ".mlp.experts.")}
+    for hf in expert_keys:
+        if "{e}" in hf:
+            for j, e in enumerate(kept):
+                assert torch.equal(got[hf.replace("{e}", str(j))], source[hf.replace("{e}", str(e))]), hf
+        else:
+            assert torch.equal(got[hf], source[hf][kept]), hf
+    moe = {hf.split("{e}")[0] for hf in spelling.values() for hf in [hf[0]]}
+    copied = [k for k in source if not any(k.startswith(m) for m in moe) and k not in {v[0] for v in spelling.values()}]
+    assert copied and all(torch.equal(got[k], source[k]) for k in copied)
+
+
+def test_hash_routed_tokens_follow_their_substitutes(hf_proxy):
+    """DeepSeek-V4's hash-routed layer 0: the original table sends tokens to kept and dropped
+    experts; the proxy's table holds each kept expert's new id, and each dropped one's
+    substitute's (the kept expert of its cluster), recorded in the plan."""
+    orig, _, plan_path, plan, proxy = hf_proxy("deepseek_v4")
+    key = "model.layers.0.ffn.gate.tid2eid"
+    table, new = hf_tensors(orig)[key], hf_tensors(proxy)[key]
+    kept, subs = plan.kept("0"), plan.layers["0"].substitutes
+    assert set(table.unique().tolist()) & set(kept) and set(table.unique().tolist()) - set(kept)
+    assert sorted(subs) == sorted(set(range(8)) - set(kept)) and set(subs.values()) <= set(kept)
+    expected = torch.tensor([kept.index(e if e in kept else subs[e]) for e in range(8)])[table]
+    assert torch.equal(new, expected.to(new.dtype)) and new.dtype == table.dtype
+    doc = json.loads(plan_path.read_text())
+    assert doc["params"]["hash_routing"]["layers"] == ["0"] and "substitutes" in doc["layers"]["0"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4", "gpt_oss", "llama4"])
+def test_fidelity(hf_proxy, tmp_path, capsys, name):
+    from mcore_proxy.testing.hf_fixtures import calibration_jsonl
+
+    orig, _, plan_path, _, proxy = hf_proxy(name)
+    data = calibration_jsonl(tmp_path / "eval.jsonl", records=8, seed=3)
+    capsys.readouterr()
+    assert main(["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path),
+                 "--data", str(data), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] > 0 and 0 < report["next_token_kl"]
+    assert all(0 < layer["gate_mass_share"] < 1 for layer in report["moe_layers"])
