@@ -92,7 +92,9 @@ def check_stats_match(stats: RoutingStats, spec, stats_name: str = "the statisti
         raise StatsError(f"{stats_name}: traced with top-{stats.topk} but the checkpoint routes "
                          f"top-{spec.topk}; use statistics traced on this model")
     want = set(spec.moe_layer_ids)
-    missing = sorted(want - set(stats.layers), key=layer_sort_key)
+    # layers the collector could not run (e.g. MTP layers transformers does not build) are selected
+    # without statistics (selector.select_unobserved); any other missing layer is an error
+    missing = sorted(want - set(stats.layers) - set(stats.meta.get("unobserved_layers", {})), key=layer_sort_key)
     extra = sorted(set(stats.layers) - want, key=layer_sort_key)
     if missing:
         raise StatsError(f"{stats_name}: no statistics for MoE layers {', '.join(missing)} of the "

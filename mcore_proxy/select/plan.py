@@ -210,11 +210,16 @@ class SelectionPlan:
             raise PlanError(f"the plan has no MoE layer {layer_id!r}; it has "
                             f"{self.layer_ids}") from None
 
+    @property
+    def unobserved(self) -> dict[str, str]:
+        """Layers selected without statistics -> why (`selector.select_unobserved`)."""
+        return dict(self.params.get("unobserved_layers", {}).get("layers", {}))
+
     def mean_coverage(self) -> tuple[float, float]:
-        """(token share, gate-mass share) averaged over layers."""
-        n = len(self.layers)
-        return (sum(lp.token_coverage for lp in self.layers.values()) / n,
-                sum(lp.gate_mass_coverage for lp in self.layers.values()) / n)
+        """(token share, gate-mass share) averaged over the layers with statistics."""
+        observed = [lp for lid, lp in self.layers.items() if lid not in self.unobserved] or list(self.layers.values())
+        n = len(observed)
+        return (sum(lp.token_coverage for lp in observed) / n, sum(lp.gate_mass_coverage for lp in observed) / n)
 
     def check_matches(self, view) -> None:
         """PlanError unless the plan was made for the checkpoint behind `view` (a ModelView):

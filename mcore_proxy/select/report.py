@@ -27,6 +27,9 @@ def summary_table(plan: SelectionPlan) -> str:
              f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10} {'dead':>5} {'dead kept':>10}"]
     for lid in plan.layer_ids:
         lp = plan.layers[lid]
+        if lid in plan.unobserved:
+            lines.append(f"{lid:<8} {len(lp.kept):>5}   no statistics: router-weight medoids ({plan.unobserved[lid]})")
+            continue
         lines.append(f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} "
                      f"{lp.gate_mass_coverage:>10.3f} {len(lp.never_selected):>5} {len(lp.dead_kept):>10}")
     tok, mass = plan.mean_coverage()

@@ -261,6 +261,26 @@ def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup:
                              None if fn is None else fn.error(sorted(kept)))
 
 
+UNOBSERVED_RULE = ("a MoE layer the statistics could not observe keeps, in each routing group, the medoids of "
+                   "K-Medoids on router-weight distance alone (no frequency, co-activation or prototype exists for it)")
+
+
+def select_unobserved(layer_id: str, weight: np.ndarray, setup: GroupSetup, opts: Options) -> LayerPlan:
+    """A MoE layer without routing statistics (an MTP layer transformers does not run): the
+    router view alone, each cluster kept by its medoid (UNOBSERVED_RULE); hash-routed layers get
+    their substitutes from these clusters as any other."""
+    d = views.router_distance(weight, opts.router_metric)
+    seed = layer_seed(opts.seed, layer_id)
+    clusters = []
+    for ids in setup.groups:
+        c = cluster.kmedoids(d[np.ix_(ids, ids)], setup.per_group_k, seed, opts.restarts)
+        for i, medoid in enumerate(c.medoids):
+            members = [int(ids[m]) for m in np.flatnonzero(c.labels == i)]
+            clusters.append(Cluster(tuple(members), int(ids[medoid])))
+    clusters.sort(key=lambda c: c.representative)
+    return LayerPlan(tuple(sorted(c.representative for c in clusters)), tuple(clusters))
+
+
 SUBSTITUTE_RULE = ("in a hash-routed layer a dropped expert's tokens go to the kept expert of its cluster (for an "
                    "expert in no cluster, and for ranking methods: the kept expert whose router row is nearest by "
                    "cosine); the proxy's table and verify's reference follow it")
@@ -358,11 +378,16 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
     if opts.reconstructs and spec is None:
         raise PlanError(f"--method {opts.method} with reconstruction reads expert weights: "
                         "select from a checkpoint (a ModelView), not bare router weights")
-    layer_ids = stats.layer_ids
+    layer_ids = spec.moe_layer_ids if spec is not None else stats.layer_ids
     hashed = set(spec.extra.get("hash_layers", ())) if spec is not None else set()
+    unobserved = {lid: why for lid, why in stats.meta.get("unobserved_layers", {}).items() if lid in layer_ids}
     layers, details = {}, {}
     for lid in (progress(layer_ids) if progress else layer_ids):
         weight = None
+        if lid in unobserved:
+            layers[lid] = select_unobserved(lid, reconstruct.as_float64(get_weight(lid)), setup, opts)
+            details[lid] = LayerDetail(None, None, None, None)
+            continue
         if needs_router:
             weight = reconstruct.as_float64(get_weight(lid))
             if weight.shape != (E, stats.hidden_size):
@@ -385,6 +410,8 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         params["refinement_fallback"] = fallback
     if hashed:
         params["hash_routing"] = {"layers": sorted(hashed, key=layer_sort_key), "rule": SUBSTITUTE_RULE}
+    if unobserved:
+        params["unobserved_layers"] = {"layers": unobserved, "rule": UNOBSERVED_RULE}
     plan = SelectionPlan(source_info, num_experts, target_ep, opts.method, params, setup.router,
                          layers)
     return plan, details

@@ -42,7 +42,12 @@ _DEEPSEEK = dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, first_k_de
                  kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_nextn_predict_layers=1,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
-# name -> (config class, model class, config kwargs, MTP layers to add)
+# the MTP block a family's release carries and transformers neither builds nor saves: DeepSeek's
+# layer num_hidden_layers (1: as its release and GLM's spell it), Qwen3-Next's `mtp.*` (as vLLM
+# reads it), DeepSeek-V4's `mtp.0.*`
+QWEN_NEXT_MTP, DEEPSEEK_V4_MTP = "qwen3_next", "deepseek_v4"
+
+# name -> (config class, model class, config kwargs, MTP block to add: 0/1 DeepSeek-style layers, or a kind)
 MODELS = {
     # GQA 4 heads / 2 groups, head dim 12 != H/heads, q/k norms; 16 experts top-4 softmax
     # (renormalised); layer 0 dense (mlp_only_layers); non-default rope_theta and eps
@@ -66,7 +71,7 @@ MODELS = {
                         shared_expert_intermediate_size=24, num_experts=8, mlp_only_layers=[0],
                         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                        linear_conv_kernel_dim=4), 0),
+                        linear_conv_kernel_dim=4), QWEN_NEXT_MTP),
     # the text model of Qwen3.5-MoE (every layer MoE, always renormalised)
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
                     dict(_SMALL, num_hidden_layers=4, head_dim=8, moe_intermediate_size=16,
@@ -100,7 +105,8 @@ MODELS = {
                          mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20,
                          sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
                          index_topk=4, num_nextn_predict_layers=1, partial_rotary_factor=0.25,
-                         max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=1, eos_token_id=2), 0),
+                         max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=1, eos_token_id=2),
+                    DEEPSEEK_V4_MTP),
     # Kimi-K2.5: a DeepSeek-V3 text model (sigmoid, bias, 2 groups) in a vision-language wrapper
     "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration",
                  dict(text_config=dict(model_type="kimi_k2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -211,6 +217,30 @@ def _mtp_tensors(model, config, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _mtp_block(folder: Path, config, kind: str, seed: int) -> dict[str, torch.Tensor]:
+    """An MTP block as the family's release spells it, made of a copy of the last (MoE) decoder
+    layer as save_pretrained wrote it (its own router and experts) and the block's own tensors."""
+    from safetensors.torch import load_file
+
+    h, last = config.hidden_size, f"model.layers.{config.num_hidden_layers - 1}."
+    saved = {}
+    for shard in folder.glob("*.safetensors"):
+        saved.update({k: v for k, v in load_file(str(shard)).items() if k.startswith(last)})
+    if kind == QWEN_NEXT_MTP:   # vLLM's names: mtp.fc, its norms, one decoder layer mtp.layers.0
+        extra = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_hidden.weight": (h,),
+                 "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.norm.weight": (h,)}
+        prefix = "mtp.layers.0."
+    else:                       # DeepSeek-V4's release: mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*}
+        hc = config.hc_mult
+        extra = {"mtp.0.e_proj.weight": (h, h), "mtp.0.h_proj.weight": (h, h), "mtp.0.enorm.weight": (h,),
+                 "mtp.0.hnorm.weight": (h,), "mtp.0.norm.weight": (h,), "mtp.0.hc_head_fn": (hc, hc * h),
+                 "mtp.0.hc_head_base": (hc,), "mtp.0.hc_head_scale": (1,)}
+        prefix = "mtp.0."
+    out = {prefix + k[len(last):]: v.clone() for k, v in saved.items()}
+    out.update({k: decisive_value(k, shape, seed + 1) for k, shape in extra.items()})
+    return out
+
+
 def add_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> None:
     """Write one more shard and list its tensors in the index."""
     from safetensors.torch import save_file
@@ -246,7 +276,9 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
     fill(model, seed)
     folder.mkdir(parents=True)
     model.save_pretrained(str(folder), max_shard_size=SHARD)
-    if mtp:
+    if mtp in (QWEN_NEXT_MTP, DEEPSEEK_V4_MTP):
+        add_shard(folder, "model-mtp.safetensors", _mtp_block(folder, config, mtp, seed))
+    elif mtp:
         add_shard(folder, "model-mtp.safetensors", _mtp_tensors(model, config, seed))
     save_tokenizer(folder)
     return folder

@@ -25,6 +25,8 @@ from mcore_proxy.trace.tracer import RouterInfo, Tracer
 log = logging.getLogger(__name__)
 
 STATS_NAME = "routing_stats.safetensors"
+UNOBSERVED = ("an MTP layer transformers does not build (only DeepSeek-style MTP layers are run here): no tokens "
+              "reach it, select chooses its experts by router weights alone")
 DEDUPE = ("one process runs the whole model: every token is counted once; padding positions are excluded, "
           "in MTP layers also each sequence's last position (no next token)")
 
@@ -77,6 +79,7 @@ def collect(model_dir: Path, data: Path, out_dir: Path, *, max_tokens: int | Non
     from tqdm import tqdm
 
     from mcore_proxy.calibration import data_batches
+    from mcore_proxy.checkpoint.formats import open_checkpoint
     from mcore_proxy.errors import OutputError, ProxyError
     from mcore_proxy.hf_models import load_model, mark_routers, mtp_layers, run_mtp, text_config_of
     from mcore_proxy.stats import save_stats
@@ -90,8 +93,10 @@ def collect(model_dir: Path, data: Path, out_dir: Path, *, max_tokens: int | Non
     hooked.update({f"mtp.{layer.depth}": layer.layer.mlp.gate for layer in mtp})
     config = text_config_of(model)
     length = max_length or int(getattr(config, "max_position_embeddings", 2048))
+    unobserved = {lid: UNOBSERVED for lid in open_checkpoint(model_dir).spec.moe_layer_ids if lid not in hooked}
     meta = {"source": source_info(), "model": str(Path(model_dir).absolute()), "data": str(Path(data).absolute()),
-            "model_layers": list(hooked), "max_length": length, "collect_dedupe": DEDUPE}
+            "model_layers": list(hooked), "max_length": length, "collect_dedupe": DEDUPE,
+            **({"unobserved_layers": unobserved} if unobserved else {})}
     tracer = Tracer(out_dir, rank=0, meta=meta)
     tokens = 0
     with GateHooks(tracer, hooked) as hooks, tqdm(total=max_tokens, unit="tok", desc="collect",

@@ -22,13 +22,13 @@ from mcore_proxy.hf_models import load_model, restrict_gates, run
 # fixture name -> (family, MoE layer ids, config.json keys that hold the expert count)
 CASES = {
     "qwen2_moe": ("Qwen2-MoE", ["1", "2"], ["num_experts"]),
-    "qwen3_next": ("Qwen3-Next", ["1", "2", "3"], ["num_experts"]),
+    "qwen3_next": ("Qwen3-Next", ["1", "2", "3", "mtp.0"], ["num_experts"]),
     "qwen3_5_moe": ("Qwen3.5-MoE", ["0", "1", "2", "3"], ["num_experts"]),
     "olmoe": ("OLMoE", ["0", "1"], ["num_experts"]),
     "mixtral": ("Mixtral", ["0", "1"], ["num_local_experts"]),
     "minimax_m2": ("MiniMax-M2", ["0", "1"], ["num_local_experts"]),
     "glm4_moe": ("GLM-4.5-MoE", ["1", "2", "mtp.0"], ["n_routed_experts"]),
-    "deepseek_v4": ("DeepSeek-V4", ["0", "1", "2", "3"], ["n_routed_experts"]),
+    "deepseek_v4": ("DeepSeek-V4", ["0", "1", "2", "3", "mtp.0"], ["n_routed_experts"]),
     "kimi_k25": ("Kimi-K2.5", ["1", "2"], ["text_config.n_routed_experts"]),
     "kimi_linear": ("Kimi-Linear", ["1", "2", "3"], ["num_experts"]),
     "gpt_oss": ("gpt-oss", ["0", "1"], ["num_local_experts"]),
@@ -134,3 +134,21 @@ def test_fidelity(hf_proxy, tmp_path, capsys, name):
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] > 0 and 0 < report["next_token_kl"]
     assert all(0 < layer["gate_mass_share"] < 1 for layer in report["moe_layers"])
+
+
+@pytest.mark.parametrize("name,key", [("qwen3_next", "mtp.layers.0.mlp.experts.{e}.down_proj.weight"),
+                                      ("deepseek_v4", "mtp.0.ffn.experts.{e}.w2.weight")])
+def test_mtp_layers_transformers_does_not_build_are_pruned_by_router_weights(hf_proxy, name, key):
+    """Qwen3-Next's `mtp.*` and DeepSeek-V4's `mtp.0.*` hold a MoE layer of their own, which no
+    token reaches in transformers: collect says so, select keeps the router view's medoids there
+    (recorded in the plan), and the proxy's MTP layer holds those experts."""
+    orig, stats, _, plan, proxy = hf_proxy(name)
+    sidecar = json.loads(stats.with_suffix(".json").read_text())
+    assert list(sidecar["unobserved_layers"]) == ["mtp.0"] and "mtp.0" not in sidecar["layers"]
+    assert plan.unobserved == {"mtp.0": sidecar["unobserved_layers"]["mtp.0"]}
+    kept = plan.kept("mtp.0")
+    assert len(kept) == 4 and all(len(c.members) >= 1 for c in plan.layers["mtp.0"].clusters)
+    source, got = hf_tensors(orig), hf_tensors(proxy)
+    for j, e in enumerate(kept):
+        assert torch.equal(got[key.format(e=j)], source[key.format(e=e)])
+    assert key.format(e=4) not in got
