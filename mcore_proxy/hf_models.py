@@ -289,7 +289,7 @@ def mtp_layers(model, folder: str | Path) -> list[MTPLayer]:
     `num_hidden_layers + k`: DeepSeek-V3/V3.2, GLM-4.5), none for other families (their MTP
     layers are not run: `unobserved_layers`)."""
     from mcore_proxy.checkpoint.formats import open_checkpoint
-    from mcore_proxy.checkpoint.hf.reader import weight_map
+    from mcore_proxy.checkpoint.hf.folder import weight_map
     from mcore_proxy.checkpoint.hf.safetensors_io import read_tensor
 
     view = open_checkpoint(folder)

@@ -40,7 +40,7 @@ def check_fits(view, target: ParallelLayout) -> None:
     spec = view.spec
     if holds_fp8(view):
         raise CheckpointError(f"{view.info.path or 'the checkpoint'}: FP8 weights with block scales have no Megatron "
-                              "layout; pass --dequantize-fp8 to write them as bf16")
+                              "layout; pass --dequantize to write them as bf16")
     # a layout string may leave a pipeline rank without decoder layers (only MTP, or only the loss)
     fewest = 0 if target.pipeline_layout else 1
     if sum(target.stage_layers) != spec.num_layers or min(target.stage_layers) < fewest:

@@ -125,10 +125,10 @@ class ModelView(ABC):
 
     def dequantized(self) -> "ModelView":
         """The same checkpoint with block-quantised (FP8) weights read as bf16 and no scale tensors
-        (`convert --dequantize-fp8`); a view that holds none refuses."""
+        (`convert --dequantize`); a view that holds none refuses."""
         from mcore_proxy.errors import ProxyError
 
-        raise ProxyError(f"--dequantize-fp8: {self.info.path or 'the checkpoint'} holds no FP8 weights with block "
+        raise ProxyError(f"--dequantize: {self.info.path or 'the checkpoint'} holds no FP8 weights with block "
                          "scales; leave the option out")
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

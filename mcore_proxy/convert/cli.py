@@ -54,9 +54,10 @@ def register(sub) -> None:
                     "source's when writing MindSpeed-LLM names")
     p.add_argument("--format", choices=format_names(writable=True), default=None,
                    help="output format (default: the source's)")
-    p.add_argument("--dequantize-fp8", action="store_true",
-                   help="read an FP8 Hugging Face checkpoint's block-quantised weights as bf16 (default: copy "
-                        "them and their scales bit for bit; Megatron output needs this)")
+    p.add_argument("--dequantize", "--dequantize-fp8", dest="dequantize", action="store_true",
+                   help="read a quantized Hugging Face checkpoint's weights as bf16: FP8 with block scales, "
+                        "DeepSeek-V4's FP4 experts, gpt-oss's MXFP4 (default: copy them and their scales bit for "
+                        "bit; Megatron output needs this)")
     p.add_argument("--workers", type=int, default=1, help="writer processes")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check the conversion runs (including the output's lock and free space), "
@@ -137,7 +138,7 @@ def run_convert(args) -> int:
                            stage_layers=args.target_stage_layers, pipeline_layout=args.target_pipeline_layout,
                            vpp=args.vpp, naming=args.naming, tp_extend_ep=args.tp_extend_ep)
     req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, target=target, format=args.format,
-                         workers=args.workers, force=args.force, dequantize_fp8=args.dequantize_fp8)
+                         workers=args.workers, force=args.force, dequantize=args.dequantize)
     result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
     doc = convert_dict(result, args.dry_run)
     emit(args, "convert", doc, convert_text(doc))

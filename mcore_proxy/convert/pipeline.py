@@ -54,7 +54,7 @@ class ConvertRequest:
     target: TargetOptions = TargetOptions()
     format: str | None = None          # None: the source's format
     workers: int = 1
-    dequantize_fp8: bool = False       # a source with FP8 block-quantised weights: read them as bf16
+    dequantize: bool = False           # a quantized source (FP8, FP4, MXFP4): read its weights as bf16
     force: bool = False                # replace an existing earlier output (swapped in when the new one is complete)
 
     @property
@@ -86,14 +86,14 @@ class ConvertResult:
     format: str = "legacy"
 
 
-def open_views(ckpt: Path, plan_path: Path | None, dequantize_fp8: bool = False,
+def open_views(ckpt: Path, plan_path: Path | None, dequantize: bool = False,
                fmt: str | None = None) -> tuple[ModelView, ModelView, object]:
     """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file.
-    With `dequantize_fp8` the source is read with its FP8 weights as bf16 (`ModelView.dequantized`);
+    With `dequantize` the source is read with its quantized weights as bf16 (`ModelView.dequantized`);
     with an output format `fmt`, under the names its framework's writer reads (`ModelView.named_for`:
     a Hugging Face source written as a Megatron checkpoint is read under megatron-core names)."""
     source = open_checkpoint(ckpt)
-    if dequantize_fp8:
+    if dequantize:
         source = source.dequantized()
     if fmt is not None:
         source = source.named_for(get_format(fmt).framework)
@@ -228,7 +228,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock, write_failure
 
     fmt = output_format(req)
-    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize_fp8, fmt)
+    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize, fmt)
     written_naming(view, req.target.naming, fmt)   # MindSpeed-LLM names: legacy output of MLA models only
     if req.target.tp_extend_ep and fmt != "legacy":
         raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
@@ -320,7 +320,7 @@ def _write_units(req: ConvertRequest, prep: Prepared, root: Path, progress) -> l
     from mcore_proxy.convert.workers import run_workers
 
     shares = balance(prep.units, req.workers)
-    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.dequantize_fp8, prep.format, prep.target, str(root),
+    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.dequantize, prep.format, prep.target, str(root),
              [prep.units[i] for i in share]) for share in shares]
     done = run_workers(_unit_worker, jobs, on_progress=progress)
     return _in_unit_order(shares, done)

@@ -13,7 +13,8 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import get_format
 from mcore_proxy.checkpoint.safe_globals import enum_member_name
-from mcore_proxy.checkpoint.view import ModelView, holds_fp8, tensor_nbytes
+from mcore_proxy.checkpoint.hf.quant import holds_quantized
+from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.convert.manifest import MANIFEST, check_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.errors import InternalError, ProxyError
@@ -112,8 +113,8 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
     if len(frameworks) > 1:   # compared under the one naming both have: megatron-core's
         source, proxy_view = source.named_for("megatron-core"), proxy_view.named_for("megatron-core")
-    if holds_fp8(source) and not holds_fp8(proxy_view):
-        source = source.dequantized()   # the proxy was written with --dequantize-fp8
+    if holds_quantized(source) and not holds_quantized(proxy_view):
+        source = source.dequantized()   # the proxy was written with --dequantize
     expected = PrunedView(source, plan)
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)

@@ -80,7 +80,7 @@ class _Routes:
 @contextlib.contextmanager
 def as_hf(path: Path, what: str):
     """`path` if it is a Hugging Face folder, else its HF conversion in a temporary folder."""
-    from mcore_proxy.checkpoint.hf.reader import is_hf_checkpoint
+    from mcore_proxy.checkpoint.hf.folder import is_hf_checkpoint
 
     if is_hf_checkpoint(path):
         yield Path(path)

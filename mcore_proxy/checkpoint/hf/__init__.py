@@ -1,6 +1,7 @@
 """The Hugging Face format: sharded safetensors + config.json of the Mixture-of-Experts families
 transformers 5 builds (no remote code).
 
+- `folder`: the index and the shards' headers (no tensor data);
 - `descriptor`, `families`: one declaration per family (router, routed experts, config keys);
 - `native.HFNativeView`: a folder as its family sees it (what `open_checkpoint` returns), and
   `native_writer`: writing it back, pruned, in the source's spelling: the HF -> HF path;
@@ -12,7 +13,9 @@ transformers 5 builds (no remote code).
 """
 from __future__ import annotations
 
-from mcore_proxy.checkpoint.hf.reader import HFCheckpoint, is_hf_checkpoint, open_hf
+from mcore_proxy.checkpoint.hf.folder import is_hf_checkpoint
+from mcore_proxy.checkpoint.hf.native import open_hf
+from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 from mcore_proxy.checkpoint.hf.writer import HFWriter
 from mcore_proxy.checkpoint.interface import Format
 

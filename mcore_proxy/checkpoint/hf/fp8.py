@@ -4,7 +4,7 @@ fp32 [ceil(R/b0), ceil(C/b1)], one scale per b0 x b1 block (`quantization_config
 dimension may be partial).
 
 Pruning never needs these: kept tensors and their scales are copied bit for bit. They serve
-`--dequantize-fp8` (bf16 output) and the tests, which quantise a tiny model the same way.
+`--dequantize` (bf16 output) and the tests, which quantise a tiny model the same way.
 """
 from __future__ import annotations
 

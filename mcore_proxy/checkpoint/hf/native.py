@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
+from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
 from mcore_proxy.checkpoint.hf.descriptor import (COPY, EXPERT, FUSED, HASH_TABLE, ROUTER, ROUTER_LEAVES, MoEFamily,
                                                   expert_leaf)
+from mcore_proxy.checkpoint.hf.quant import MXFP4, dequantize, find_quantized
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError, ProxyError
@@ -255,7 +257,66 @@ class HFNativeView(ModelView):
         return self if framework == "transformers" else self.megatron()
 
     def dequantized(self) -> ModelView:
-        return self.megatron().dequantized() if self.family.megatron is not None else super().dequantized()
+        """The same checkpoint with its quantized weights read as bf16 and their scales gone
+        (`quant.py`: FP8 block scales, DeepSeek-V4's FP4 experts and E8M0 scales, MXFP4)."""
+        if not find_quantized(self.names()):
+            return super().dequantized()
+        return DequantizedNativeView(self)
+
+
+class DequantizedNativeView(ModelView):
+    """A native view with every quantized weight (`quant.find_quantized`) read as bf16, under the
+    dequantized tensor's name, and no companions; config.json without `quantization_config`."""
+
+    def __init__(self, source: HFNativeView):
+        self.source = source
+        found = find_quantized(source.names())
+        self._quantized = {q.name: q for q in found}
+        by_weight, scales = {q.weight: q.name for q in found}, {q.scale for q in found}
+        self._names = [by_weight.get(n, n) for n in source.names() if n not in scales]
+        quant = source.config.data.get("quantization_config") or {}
+        block = quant.get("weight_block_size")
+        self._block = tuple(block) if isinstance(block, list) and len(block) == 2 else None
+        config = {k: v for k, v in source.source.config.items() if k not in ("quantization_config", "expert_dtype")}
+        config["dtype"] = "bfloat16"
+        spelling = dict(source.source.spelling)
+        for template, (hf, kind) in source.source.spelling.items():   # MXFP4 `X_blocks` -> `X`
+            if template.endswith("_blocks"):
+                spelling[template[:-len("_blocks")]] = (hf[:-len("_blocks")], kind)
+        info = dataclasses.replace(source.info, format_info=dataclasses.replace(source.source, config=config,
+                                                                               spelling=spelling))
+        super().__init__(info)
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        q = self._quantized.get(name)
+        if q is None:
+            return self.source.shape(name)
+        shape = self.source.shape(q.weight)
+        if q.scheme == MXFP4:     # blocks [.., out, in/32, 16] -> weight [.., in, out]
+            return (*shape[:-3], shape[-2] * 32, shape[-3])
+        if self.source.dtype(q.weight) == torch.int8:   # FP4 pairs [R, C/2] -> [R, C]
+            return (*shape[:-1], shape[-1] * 2)
+        return shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.bfloat16 if name in self._quantized else self.source.dtype(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        q = self._quantized.get(name)
+        if q is None:
+            return self.source.get(name)
+        return dequantize(q, self.source.get(q.weight), self.source.get(q.scale), self._block)
+
+    def named_for(self, framework: str) -> ModelView:
+        if framework == "transformers":
+            return self
+        from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
+
+        self.source.megatron()   # refuses a family without a Megatron mapping
+        return HFCheckpoint(self.source.path, dequantize_fp8=True)
 
 
 def _key_order(key: str):
@@ -264,3 +325,12 @@ def _key_order(key: str):
 
     parts = re.split(r"(\d+)", key)
     return [int(p) if p.isdigit() else p for p in parts]
+
+
+def open_hf(path) -> HFNativeView:
+    """A Hugging Face folder as its family's descriptor sees it: what `open_checkpoint` returns."""
+    path = Path(path)
+    config = HFConfig.load(path)
+    family_of(config)   # an unknown architecture is refused before any shard is read
+    wmap = weight_map(path)
+    return HFNativeView(path, wmap, read_headers(path, wmap), config)

@@ -9,31 +9,25 @@ from safetensors only, and a `pytorch_model*.bin` folder is refused.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mcore_proxy.checkpoint.hf import fp8
-from mcore_proxy.checkpoint.hf.config import HFConfig, read_json
+from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.family import Family
+from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
 from mcore_proxy.checkpoint.hf.mapping import (COPY, FUSED, GLU, LAYER, MODEL, MTP, QKV, SCALE_SUFFIX, Row,
                                                canonical_name, glu_join, joined_shape, qkv_join, split_hf_key)
-from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_header, read_tensor
+from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.names import canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-PICKLED = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-_SHARD_NAME = re.compile(r"^[\w.-]+\.safetensors$")
 
 
 def families() -> tuple[Family, ...]:
@@ -50,16 +44,6 @@ def family_of(config: HFConfig) -> Family:
     supported = ", ".join(f"{a} ({f.name})" for f in families() for a in f.architectures)
     raise CheckpointError(f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not supported; "
                           f"mcore-proxy reads {supported}")
-
-
-def is_hf_checkpoint(path) -> bool:
-    """A folder with config.json and weights (safetensors, or pickles that opening refuses)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
-    names = [p.name for p in path.iterdir() if p.is_file()]
-    return any(n.endswith(".safetensors") or n == INDEX or any(fnmatch.fnmatch(n, p) for p in PICKLED)
-               for n in names)
 
 
 @dataclass(frozen=True)
@@ -86,66 +70,6 @@ class _Part:
 class _Entry:
     row: Row
     parts: dict[int, _Part]
-
-
-def weight_map(folder: Path) -> dict[str, str]:
-    """HF key -> shard file name, from the index (or the one model.safetensors)."""
-    index = folder / INDEX
-    if index.is_file():
-        doc = read_json(index, INDEX, limit=256 << 20)
-        wmap = doc.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap or not all(isinstance(k, str) and isinstance(v, str)
-                                                              for k, v in wmap.items()):
-            raise CheckpointError(f"{index}: has no weight_map of tensor names to shard files; copy it again from "
-                                  "the model's source")
-        for name in set(wmap.values()):
-            if not _SHARD_NAME.match(name):
-                raise CheckpointError(f"{index}: shard {name!r} is not a plain *.safetensors file name in the "
-                                      "checkpoint folder; the index is damaged or hostile, copy it again")
-            if not (folder / name).is_file():
-                raise CheckpointError(f"{folder / name}: shard named in {INDEX} is missing; copy it from the "
-                                      "model's source")
-        return dict(wmap)
-    single = folder / SINGLE
-    if single.is_file():
-        return {key: SINGLE for key in read_header(single)}
-    pickled = sorted(p.name for p in folder.iterdir() if any(fnmatch.fnmatch(p.name, pat) for pat in PICKLED))
-    if pickled:
-        raise CheckpointError(f"{folder / pickled[0]}: pickle-based weights, which mcore-proxy never loads (unpickling "
-                              "can run code); save the model as safetensors (save_pretrained with "
-                              "safe_serialization) in a trusted environment first")
-    shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    raise CheckpointError(f"{folder}: no {INDEX} and no {SINGLE}" + (f" beside {len(shards)} shards; copy the index "
-                          "from the model's source" if shards else "; copy the weights from the model's source"))
-
-
-def read_headers(folder: Path, wmap: dict[str, str]) -> dict[str, TensorInfo]:
-    """Shape and dtype of every tensor the index lists, from the shards' headers (no tensor data);
-    a shard that disagrees with the index is one sentence naming it."""
-    infos: dict[str, TensorInfo] = {}
-    for file in sorted(set(wmap.values())):
-        header = read_header(folder / file)
-        listed = {k for k, f in wmap.items() if f == file}
-        absent, unlisted = sorted(listed - set(header)), sorted(set(header) - listed)
-        if absent or unlisted:
-            what = f"lacks {absent[0]}" if absent else f"holds {unlisted[0]}, which"
-            raise CheckpointError(f"{folder / file}: {what} {INDEX} {'lists in it' if absent else 'does not list'}; "
-                                  "the index and the shards are from different copies, copy both again")
-        infos.update({k: header[k] for k in listed})
-    return infos
-
-
-def open_hf(path) -> "ModelView":
-    """A Hugging Face folder as its family's descriptor sees it (`native.HFNativeView`)."""
-    from mcore_proxy.checkpoint.hf.native import HFNativeView
-
-    path = Path(path)
-    config = HFConfig.load(path)
-    from mcore_proxy.checkpoint.hf.native import family_of as native_family
-
-    native_family(config)   # an unknown architecture is refused before any shard is read
-    wmap = weight_map(path)
-    return HFNativeView(path, wmap, read_headers(path, wmap), config)
 
 
 class HFCheckpoint(ModelView):
@@ -324,5 +248,4 @@ def hf_source(view) -> HFSource | None:
     return info if isinstance(info, HFSource) else None
 
 
-__all__ = ["HFCheckpoint", "HFSource", "hf_source", "is_hf_checkpoint", "family_of", "families", "weight_map",
-           "INDEX", "SINGLE", "LAYER", "MODEL", "MTP"]
+__all__ = ["HFCheckpoint", "HFSource", "hf_source", "family_of", "families", "LAYER", "MODEL", "MTP"]

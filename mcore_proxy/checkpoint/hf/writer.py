@@ -25,7 +25,8 @@ from mcore_proxy.checkpoint.hf.mapping import (GLU, MTP, QKV, SCALE_SUFFIX, Row,
                                                split_canonical)
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, native_source
 from mcore_proxy.checkpoint.hf.native_writer import proxy_config as native_proxy_config
-from mcore_proxy.checkpoint.hf.reader import INDEX, families, hf_source
+from mcore_proxy.checkpoint.hf.folder import INDEX
+from mcore_proxy.checkpoint.hf.reader import families, hf_source
 from mcore_proxy.checkpoint.hf.safetensors_io import StreamingWriter
 from mcore_proxy.checkpoint.interface import Finished, TargetOptions, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.view import ModelView, stream
@@ -102,7 +103,7 @@ def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
     row, scope, index, expert = _row_for(family, name[:-len(SCALE_SUFFIX)] if scale else name)
     if scale and row.transform not in ("copy", GLU):
         raise CheckpointError(f"{name}: FP8 block scales cannot follow a {row.transform} transform; convert with "
-                              "--dequantize-fp8")
+                              "--dequantize")
     shapes = _piece_shapes(row, tuple(view.shape(name)), view, family)
     num_layers = view.spec.num_layers
     return [Out(hf_name(pattern, scope, index, expert, num_layers) + (SCALE_SUFFIX if scale else ""), name, i,
