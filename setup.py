@@ -11,11 +11,12 @@ setup(
     install_requires=["torch>=2.1", "numpy", "safetensors", "kmedoids", "tqdm"],
     extras_require={
         "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib",
-                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers"],
+                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers", "accelerate"],
         "report": ["matplotlib"],
         # compare: TensorBoard event reader, change points (ruptures), statistics, PNG report
         "diagnose": ["tensorboard", "ruptures", "scipy", "matplotlib"],
-        "hf": ["transformers>=5", "tokenizers"],
+        # accelerate: transformers dequantizes FP8 releases on CPU only through it
+        "hf": ["transformers>=5", "tokenizers", "accelerate"],
         # torch_npu and mindspeed are not on the package registry in a usable form: install them
         # from the Ascend stack; mcore-proxy imports them behind guards.
         "npu": [],

@@ -65,13 +65,10 @@ def load_model(folder: str | Path, device: str = "cpu"):
     """The checkpoint in `folder` as a transformers model in eval mode (its own dtype), built by
     its family's Auto class."""
     from mcore_proxy.checkpoint.formats import open_checkpoint
-    from mcore_proxy.checkpoint.view import holds_fp8
 
     view = open_checkpoint(folder)      # refuses what transformers would load unsafely or wrongly
     family = view.info.format_info.descriptor
-    if holds_fp8(view) or any(view.dtype(n) in (torch.uint8, torch.int8) and "experts" in n for n in view.names()):
-        raise ProxyError(f"{folder}: quantized weights run in transformers only with GPU kernels (or accelerate's "
-                         "dequantization); convert a copy with --dequantize and run that")
+    _check_quantized_loads(view, folder)
     transformers = require_transformers()
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()   # its load report lists MTP layers it does not build as unexpected
@@ -87,6 +84,23 @@ def load_model(folder: str | Path, device: str = "cpu"):
         transformers.logging.set_verbosity(level)
         transformers.utils.logging.enable_progress_bar()
     return model.to(device_of(device)).eval()
+
+
+def _check_quantized_loads(view, folder) -> None:
+    """Quantized weights load on CPU as transformers dequantizes them (MXFP4 by itself, FP8 and
+    DeepSeek-V4's FP4 through accelerate); compressed-tensors int4 needs its own package."""
+    import importlib.util
+
+    from mcore_proxy.checkpoint.hf.quant import INT4_PACKED, MXFP4, find_quantized
+
+    schemes = {q.scheme for q in find_quantized(view.names())}
+    if INT4_PACKED in schemes:
+        raise ProxyError(f"{folder}: compressed-tensors int4 weights are not run by mcore-proxy; collect statistics "
+                         "on the model's bf16 release (or with the patched Megatron router), then select and convert "
+                         "this folder: its int4 rows are pruned as they are")
+    if schemes - {MXFP4} and importlib.util.find_spec("accelerate") is None:
+        raise ProxyError(f"{folder}: FP8 weights load in transformers on CPU only through accelerate's "
+                         "dequantization; pip install accelerate, or convert a copy with --dequantize and run that")
 
 
 def text_config_of(model):

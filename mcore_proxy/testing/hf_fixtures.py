@@ -8,15 +8,13 @@ eh_proj, shared_head.norm and copies of the embedding and LM head), which transf
 builds nor saves, as an extra shard added to the index. A word-level tokenizer (the `tokenizers`
 package, trained on a fixed word list) is saved beside every model.
 
-`fp8_copy` writes a copy whose linear weights are float8_e4m3fn with `*_scale_inv` block scales,
-as DeepSeek publishes its weights.
+`testing.quantized` makes FP8, MXFP4 and DeepSeek-V4 FP4 copies of them.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
 import shutil
 import zlib
 from pathlib import Path
@@ -27,10 +25,6 @@ WORDS = ("the a one two red blue cat dog sat ran on under big small tree house r
          "light dark fast slow old new sun moon over near far green high low day night").split()
 VOCAB = 128
 SHARD = "20KB"
-# the linear layers DeepSeek's FP8 release quantises (not the router, eh_proj, embeddings, head)
-FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|"
-                        r"kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
-
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, moe_intermediate_size=8,
                num_experts_per_tok=4, norm_topk_prob=True, pad_token_id=1, bos_token_id=None, eos_token_id=2)
@@ -95,7 +89,7 @@ MODELS = {
     # hash-routed layer 0 (tid2eid), sqrtsoftplus scores with a selection bias, hyper-connections,
     # sliding / compressed sparse / heavily compressed attention with sinks
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
-                    dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                    dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=16,
                          num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, scoring_func="sqrtsoftplus",
                          routed_scaling_factor=1.5,
@@ -136,7 +130,7 @@ MODELS = {
                          model_max_length=256), 0),
     # a router with a logit bias, transposed fused experts with biases (gate/up interleaved), sinks
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(_SMALL, head_dim=8, intermediate_size=16, num_hidden_layers=2, num_local_experts=8,
+                dict(_SMALL, head_dim=8, intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
                      sliding_window=4, max_position_embeddings=131072), 0),
     # softmax scores with a [1, E] selection bias (moe_statics), two shared experts, tied embeddings
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
@@ -241,6 +235,17 @@ def _mtp_block(folder: Path, config, kind: str, seed: int) -> dict[str, torch.Te
     return out
 
 
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder, by key (tests compare whole checkpoints of tiny models)."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(folder / file)))
+    return out
+
+
 def add_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> None:
     """Write one more shard and list its tensors in the index."""
     from safetensors.torch import save_file
@@ -317,37 +322,3 @@ def calibration_jsonl(path: Path, records: int = 24, seed: int = 0, as_ids: bool
             lines.append(json.dumps({"text": " ".join(words)}))
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = (8, 8)) -> Path:
-    """Copy HF checkpoint `src` to `dst` with every 2-D linear weight inside the decoder and MTP
-    layers quantised to float8_e4m3fn with `{key}_scale_inv` block scales (DeepSeek's scheme:
-    embeddings, LM head, norms and the router stay as they are). Small blocks so that the tiny
-    tensors hold several, some partial."""
-    from safetensors.torch import load_file, save_file
-
-    from mcore_proxy.checkpoint.hf.fp8 import quantize
-
-    dst.mkdir(parents=True)
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    weight_map = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors = load_file(str(src / file))
-        out = {}
-        for key, value in tensors.items():
-            if FP8_LINEAR.search(key) and value.dim() == 2:
-                out[key], out[key + "_scale_inv"] = quantize(value, block)
-            else:
-                out[key] = value
-        save_file(out, str(dst / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in out})
-    index["weight_map"] = weight_map
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for p in src.iterdir():
-        if p.suffix != ".safetensors" and p.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copyfile(p, dst / p.name)
-    return dst

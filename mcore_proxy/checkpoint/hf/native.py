@@ -28,7 +28,7 @@ from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
 from mcore_proxy.checkpoint.hf.descriptor import (COPY, EXPERT, FUSED, HASH_TABLE, ROUTER, ROUTER_LEAVES, MoEFamily,
                                                   expert_leaf)
-from mcore_proxy.checkpoint.hf.quant import MXFP4, dequantize, find_quantized
+from mcore_proxy.checkpoint.hf.quant import MXFP4, config_dtype, dequantize, find_quantized
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError, ProxyError
@@ -265,8 +265,9 @@ class HFNativeView(ModelView):
 
 
 class DequantizedNativeView(ModelView):
-    """A native view with every quantized weight (`quant.find_quantized`) read as bf16, under the
-    dequantized tensor's name, and no companions; config.json without `quantization_config`."""
+    """A native view with every quantized weight (`quant.find_quantized`) read in config.json's
+    dtype (as transformers dequantizes it), under the dequantized tensor's name, and no
+    companions; config.json without `quantization_config`."""
 
     def __init__(self, source: HFNativeView):
         self.source = source
@@ -277,8 +278,8 @@ class DequantizedNativeView(ModelView):
         quant = source.config.data.get("quantization_config") or {}
         block = quant.get("weight_block_size")
         self._block = tuple(block) if isinstance(block, list) and len(block) == 2 else None
+        self._dtype = config_dtype(source.source.config)
         config = {k: v for k, v in source.source.config.items() if k not in ("quantization_config", "expert_dtype")}
-        config["dtype"] = "bfloat16"
         spelling = dict(source.source.spelling)
         for template, (hf, kind) in source.source.spelling.items():   # MXFP4 `X_blocks` -> `X`
             if template.endswith("_blocks"):
@@ -302,13 +303,13 @@ class DequantizedNativeView(ModelView):
         return shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return torch.bfloat16 if name in self._quantized else self.source.dtype(name)
+        return self._dtype if name in self._quantized else self.source.dtype(name)
 
     def get(self, name: str) -> torch.Tensor:
         q = self._quantized.get(name)
         if q is None:
             return self.source.get(name)
-        return dequantize(q, self.source.get(q.weight), self.source.get(q.scale), self._block)
+        return dequantize(q, self.source.get(q.weight), self.source.get(q.scale), self._block, self._dtype)
 
     def named_for(self, framework: str) -> ModelView:
         if framework == "transformers":

@@ -25,7 +25,9 @@ import torch
 from mcore_proxy.errors import CheckpointError
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0             # largest finite float8_e4m3fn
+DEFAULT_BLOCK = (128, 128)  # DeepSeek's weight_block_size
 FP8_BLOCK, V4_SCALE, MXFP4, INT4_PACKED = "fp8-block", "e8m0-scale", "mxfp4", "int4-packed"
 
 
@@ -86,9 +88,20 @@ def block_of(weight_shape, scale_shape, block: tuple[int, int] | None, where: st
     return block
 
 
+def dequantize_blocks(weight: torch.Tensor, factors: torch.Tensor, block: tuple[int, int] | None, where: str,
+                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 [R, C] x float32 factors [ceil(R/b0), ceil(C/b1)], one per block (the last blocks of a
+    dimension may be partial) -> `dtype` [R, C]."""
+    if weight.dim() != 2:
+        raise CheckpointError(f"{where}: a block-scaled weight of shape {list(weight.shape)}; expected 2 dimensions")
+    block = block_of(tuple(weight.shape), tuple(factors.shape), block, where)
+    return (weight.to(torch.float32) * _expand(factors.to(torch.float32), *weight.shape, block)).to(dtype)
+
+
 def dequantize(q: Quantized, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The real weight of one quantized tensor, in `dtype`."""
+    """The real weight of one quantized tensor, in `dtype` (what transformers loads it as: the
+    checkpoint's own dtype)."""
     if q.scheme == INT4_PACKED:
         raise CheckpointError(f"{q.weight}: compressed-tensors int4 weights are pruned as they are but not "
                               "dequantized by mcore-proxy; leave out --dequantize")
@@ -99,11 +112,17 @@ def dequantize(q: Quantized, weight: torch.Tensor, scale: torch.Tensor, block: t
     if q.scheme == V4_SCALE and weight.dtype == torch.int8:   # FP4 experts: one scale per row and 32 columns
         values = fp4_unpack(weight)
         return (values * e8m0(scale).repeat_interleave(32, dim=-1)[..., :values.shape[-1]]).to(dtype)
-    if weight.dim() != 2:
-        raise CheckpointError(f"{q.weight}: a block-scaled weight of shape {list(weight.shape)}; expected 2 dimensions")
-    factors = e8m0(scale) if q.scheme == V4_SCALE else scale.to(torch.float32)
-    block = block_of(tuple(weight.shape), tuple(scale.shape), block, q.weight)
-    return (weight.to(torch.float32) * _expand(factors, *weight.shape, block)).to(dtype)
+    return dequantize_blocks(weight, e8m0(scale) if q.scheme == V4_SCALE else scale, block, q.weight, dtype)
+
+
+def config_dtype(config: dict) -> torch.dtype:
+    """The dtype config.json declares (`dtype`, older `torch_dtype`, or its text model's), which
+    transformers dequantizes into; bfloat16 when it declares none."""
+    for where in (config, config.get("text_config") or {}):
+        name = where.get("dtype") or where.get("torch_dtype") if isinstance(where, dict) else None
+        if name in ("bfloat16", "float16", "float32"):
+            return getattr(torch, name)
+    return torch.bfloat16
 
 
 def holds_quantized(view) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.checkpoint.hf import fp8
+from mcore_proxy.checkpoint.hf import quant
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.family import Family
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
@@ -108,8 +108,8 @@ class HFCheckpoint(ModelView):
     def _block_size(self, infos: dict[str, TensorInfo]) -> tuple[int, int] | None:
         if not any(k.endswith(SCALE_SUFFIX) for k in infos):
             return None
-        quant = self.config.dict("quantization_config", {})
-        block = quant.get("weight_block_size", list(fp8.DEFAULT_BLOCK))
+        config = self.config.dict("quantization_config", {})
+        block = config.get("weight_block_size", list(quant.DEFAULT_BLOCK))
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
             raise CheckpointError(f"{self.config.path}: quantization_config.weight_block_size is {block!r}, expected "
                                   "two positive integers; fix config.json")
@@ -149,7 +149,7 @@ class HFCheckpoint(ModelView):
     def _check_scaled(self, key: str, file: str, info: TensorInfo, row: Row) -> None:
         """Block scales are copied with their tensor where the row keeps blocks whole (copy,
         glu); q/k/v interleaving would cut them, so those are read dequantised only."""
-        if info.dtype != fp8.FP8 or row.transform == FUSED:
+        if info.dtype != quant.FP8 or row.transform == FUSED:
             raise CheckpointError(f"{self.path / file}: {key} has block scales but is {info.dtype}"
                                   f"{' (fused experts)' if row.transform == FUSED else ''}; only per-tensor "
                                   "float8_e4m3fn weights with *_scale_inv are supported")
@@ -211,7 +211,7 @@ class HFCheckpoint(ModelView):
         tensor = read_tensor(self.path / part.file, part.key, part.index)
         if self.dequantize_fp8 and part.scale is not None:
             scale = read_tensor(self.path / part.scale.file, part.scale.key)
-            tensor = fp8.dequantize(tensor, scale, self._fp8_block)
+            tensor = quant.dequantize_blocks(tensor, scale, self._fp8_block, f"{self.path / part.file}: {part.key}")
         return tensor
 
     def get(self, name: str) -> torch.Tensor:
@@ -230,7 +230,7 @@ class HFCheckpoint(ModelView):
     def dtype(self, name: str) -> torch.dtype:
         _, parts = self._parts(name)
         dtype = parts[0].info.dtype
-        return torch.bfloat16 if self.dequantize_fp8 and dtype == fp8.FP8 else dtype
+        return torch.bfloat16 if self.dequantize_fp8 and dtype == quant.FP8 else dtype
 
     def hf_keys(self, name: str) -> list[str]:
         """The HF keys a canonical tensor is read from (for messages and inspect)."""

@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.hf.families import FAMILIES
 from mcore_proxy.cli import main
 from mcore_proxy.hf_models import load_model, restrict_gates, run
+from mcore_proxy.testing.hf_fixtures import hf_tensors
 
 # fixture name -> (family, MoE layer ids, config.json keys that hold the expert count)
 CASES = {
@@ -36,14 +36,6 @@ CASES = {
     "llama4": ("Llama-4", ["1", "3"], ["num_local_experts"]),
 }
 TOKENS = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(11))
-
-
-def hf_tensors(folder) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for file in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(folder / file)))
-    return out
 
 
 def lookup(config: dict, dotted: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_proxy.checkpoint.hf import deepseek, fp8, qwen3_moe
+from mcore_proxy.checkpoint.hf import deepseek, qwen3_moe
 from mcore_proxy.checkpoint.hf.mapping import (GLU, LAYER, MODEL, MTP, QKV, canonical_name, glu_join, glu_split,
                                                qkv_join, qkv_split, split_canonical, split_hf_key)
 
@@ -72,15 +72,3 @@ def test_tables_know_the_family_tensors():
     assert v3.match_hf(MTP, "shared_experts.gate_proj.weight") is None
     assert v3.match_hf(LAYER, "mlp.shared_experts.gate_proj.weight")[0].transform == GLU
     assert v3.ignored_for(MTP, "shared_head.head.weight").tied_to == "output_layer.weight"
-
-
-def test_fp8_blocks_dequantise_by_definition_including_partial_blocks():
-    w = torch.randn(20, 13)
-    q, scale = fp8.quantize(w, (8, 8))
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
-    back = fp8.dequantize(q, scale, (8, 8), torch.float32)
-    # block (2, 1) is rows 16..19, columns 8..12: a partial block scaled by its own factor
-    torch.testing.assert_close(back[16:, 8:], q[16:, 8:].float() * scale[2, 1], rtol=0, atol=0)
-    assert (back - w).abs().max() <= w.abs().max() * 0.07        # e4m3: 3 mantissa bits
-    with pytest.raises(ValueError, match="do not fit"):
-        fp8.dequantize(q, scale[:2], (8, 8))

@@ -11,23 +11,14 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
 from mcore_proxy.hf_models import load_model, restrict_gates, run
+from mcore_proxy.testing.hf_fixtures import hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32"]
 TOKENS = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(11))
-
-
-def hf_tensors(folder) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for file in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(folder / file)))
-    assert set(out) == set(index["weight_map"])
-    return out
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -136,38 +127,6 @@ def test_fused_expert_tensors_read_like_hub_names(hf_proxy, tmp_path):
     for key in ("model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
         assert torch.equal(got[key], state[key][kept]), key
     assert main(["verify", "--orig", str(fused), "--proxy", str(out), "--plan", str(plan_path), "--functional"]) == 0
-
-
-def test_fp8_checkpoint_prunes_bit_exactly_and_dequantises_on_request(hf_proxy, tmp_path):
-    """DeepSeek's FP8 release shape (float8_e4m3fn linears with `*_scale_inv` block scales, here
-    8x8 blocks so tiny tensors hold several, some partial): the plan prunes it without
-    dequantising, every kept weight and scale copied bit for bit and the quantization_config
-    kept; `--dequantize-fp8` writes bf16 weights equal to weight x block scale, and no scales."""
-    from mcore_proxy.checkpoint.hf import fp8
-    from mcore_proxy.testing.hf_fixtures import fp8_copy
-
-    orig, _, plan_path, plan, _ = hf_proxy("deepseek_v3")
-    src = fp8_copy(orig, tmp_path / "fp8")
-    out, deq = tmp_path / "proxy", tmp_path / "bf16"
-    assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(out)]) == 0
-    a, b = hf_tensors(src), hf_tensors(out)
-    kept = plan.kept("2")
-    expert = "model.layers.2.mlp.experts.{}.down_proj.weight"
-    assert a[expert.format(kept[0])].dtype == fp8.FP8
-    for j, e in enumerate(kept):
-        for suffix in ("", "_scale_inv"):
-            x, y = b[expert.format(j) + suffix], a[expert.format(e) + suffix]
-            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8) if suffix == "" else x,
-                                                      y.view(torch.uint8) if suffix == "" else y)
-    attn = "model.layers.1.self_attn.kv_b_proj.weight"
-    assert torch.equal(b[attn].view(torch.uint8), a[attn].view(torch.uint8))
-    assert torch.equal(b[attn + "_scale_inv"], a[attn + "_scale_inv"])
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [8, 8]
-    assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(deq), "--dequantize-fp8"]) == 0
-    c = hf_tensors(deq)
-    assert not any(k.endswith("_scale_inv") for k in c) and c[attn].dtype == torch.bfloat16
-    assert torch.equal(c[attn], fp8.dequantize(a[attn], a[attn + "_scale_inv"], (8, 8)))
-    assert "quantization_config" not in json.loads((deq / "config.json").read_text())
 
 
 def test_hf_output_is_the_same_from_one_process_and_two_workers(hf_model, tmp_path):
