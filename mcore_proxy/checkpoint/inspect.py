@@ -5,6 +5,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from mcore_proxy.checkpoint.hf.quant import FP8_BLOCK, INT4_PACKED, MXFP4, V4_SCALE, find_quantized
 from mcore_proxy.checkpoint.layer_spec import attention_kind
 from mcore_proxy.checkpoint.names import split_expert_name
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
@@ -12,6 +13,8 @@ from mcore_proxy.units import format_bytes
 
 
 _ATTENTION = {"mla": "multi-latent attention", "gqa": "grouped-query attention"}
+QUANT_NAMES = {FP8_BLOCK: "FP8 with block scales", V4_SCALE: "FP8/FP4 with E8M0 scales (DeepSeek-V4)",
+               MXFP4: "MXFP4 blocks and scales", INT4_PACKED: "compressed-tensors int4"}
 
 
 def _compact(ids: list[int]) -> str:
@@ -42,6 +45,7 @@ def describe(view: ModelView) -> dict:
             expert_bytes += b if split_expert_name(n) is not None else 0
     info = view.info
     layout = info.layout
+    descriptor = getattr(info.format_info, "descriptor", None)   # an HF folder read by its family's descriptor
     files = [p for p in Path(info.path).rglob("*") if p.is_file()] if info.path else []
     return {
         "path": str(info.path or ""),
@@ -80,7 +84,18 @@ def describe(view: ModelView) -> dict:
         "files": len(files),
         "file_bytes": sum(p.stat().st_size for p in files),
         "tensors": len(names),
+        "hash_layers": list(spec.extra.get("hash_layers", [])),
+        "quantization": sorted({q.scheme for q in find_quantized(names)}),
+        "support": None if descriptor is None else family_support(descriptor),
     }
+
+
+def family_support(family) -> dict:
+    """What mcore-proxy does with an HF family (docs/families.md says what proves each)."""
+    megatron = family.megatron.name if family.megatron is not None else None
+    return {"hf_to_hf": "collect, select, convert, verify, fidelity",
+            "megatron": f"HF <-> Megatron as {megatron}" if megatron else "no Megatron mapping (HF -> HF only)",
+            "notes": family.notes or None}
 
 
 def format_description(d: dict) -> str:
@@ -103,15 +118,22 @@ def format_description(d: dict) -> str:
          + (f", shared F={d['shared_expert_size']}" if d["shared_expert_size"] else "")),
         ("router", f"top-{d['topk']} {d['score_function']}"
          + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")
-         + (", expert bias" if d["expert_bias"] else "")),
+         + (", expert bias" if d["expert_bias"] else "")
+         + (f"; hash-routed layers {', '.join(d['hash_layers'])} (token-id table)" if d.get("hash_layers") else "")),
         ("hidden", str(d["hidden_size"])
          + (f", {_ATTENTION[d['attention']]}" if d.get("attention") else "")
          + (f", {d['layer_spec']} layer spec" if d.get("attention") else "")
          + (f", {d['naming']} names" if d.get("attention") else "")
          + (", DSA indexer" if d.get("indexer") else "")),
-        ("dtype", ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())),
+        ("dtype", ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())
+         + (f"; quantized: {', '.join(QUANT_NAMES[q] for q in d['quantization'])}, pruned as stored "
+            "(--dequantize to expand)" if d.get("quantization") else "")),
         ("bytes", f"{format_bytes(d['total_bytes'])} model ({d['tensors']} tensors), "
          f"{format_bytes(d['expert_bytes'])} routed experts; {format_bytes(d['file_bytes'])} in {d['files']} files"),
     ]
+    if d.get("support"):
+        support = d["support"]
+        rows.append(("support", f"HF -> HF: {support['hf_to_hf']}; {support['megatron']}"
+                     + (f"; {support['notes']}" if support["notes"] else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

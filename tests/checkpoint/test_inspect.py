@@ -48,3 +48,20 @@ def test_inspect_cli_json(megatron_ckpt, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     text = capsys.readouterr().out
     assert "TP=1 PP=1 EP=4" in text and "layout grouped" in text
+
+
+def test_inspect_says_what_an_hf_family_holds_and_what_works(hf_model, tmp_path, capsys):
+    """DeepSeek-V4's release: expert F from config.json, the hash-routed layer, the quantization,
+    HF -> HF only (no Megatron mapping) and the MTP note; Qwen3-MoE: its Megatron mapping."""
+    from mcore_proxy.testing.quantized import v4_release_copy
+
+    release = v4_release_copy(hf_model("deepseek_v4"), tmp_path / "v4")
+    info = describe(open_checkpoint(release))
+    assert info["family"] == "DeepSeek-V4" and info["moe_ffn_hidden_size"] == 32 and info["hash_layers"] == ["0"]
+    assert info["quantization"] == ["e8m0-scale"] and info["mtp_layers"] == [0]
+    assert "no Megatron mapping" in info["support"]["megatron"] and "MTP" in info["support"]["notes"]
+    capsys.readouterr()
+    assert main(["inspect", str(release)]) == 0
+    out = capsys.readouterr().out
+    assert "hash-routed layers 0" in out and "FP8/FP4 with E8M0 scales" in out and "support" in out
+    assert describe(open_checkpoint(hf_model("qwen3_moe")))["support"]["megatron"] == "HF <-> Megatron as Qwen3-MoE"
