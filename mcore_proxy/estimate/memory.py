@@ -10,7 +10,9 @@ Activations are the tensors one transformer layer keeps for its backward pass, p
 flash attention (no score matrix), no dropout masks (dropout 0, as in MoE LLM recipes) and
 sequence parallelism when TP > 1 (so every tensor is divided by TP), in the spirit of
 Korthikanti et al. 2022 (Megatron-LM megatron/training/theoretical_memory_usage.py) but counted
-per tensor so that GQA, MLA, SwiGLU, top-k routing and shared experts show. Under the 1F1B
+per tensor so that GQA, MLA, SwiGLU, top-k routing and shared experts show (and, at the same
+grain, Gated DeltaNet layers, gated attention, DeepSeek-V4's attention and its hyper-connection
+streams, whose mappings keep their n x H input per sublayer). Under the 1F1B
 schedule stage s holds PP - s micro-batches in flight; the last stage adds the fp32 logits.
 `recompute="full"` keeps only each layer's input plus one layer's working set.
 """
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mcore_proxy.errors import ProxyError
-from mcore_proxy.estimate.model import (Architecture, Params, embedding_params, final_params, layer_params,
-                                        mtp_params)
+from mcore_proxy.estimate.model import (Architecture, Params, all_mtp_params, embedding_params, final_params,
+                                        layer_params)
 
 # bytes per parameter: (weight, gradient, optimizer state = fp32 main weights and grads + moments)
 _PRECISION = {"bf16": (2, 4, 4), "fp16": (2, 2, 8), "fp32": (4, 4, 0)}
@@ -133,7 +135,7 @@ def stage_params(a: Architecture, stages: tuple[int, ...]) -> tuple[Params, ...]
         if s == 0:
             p += embedding_params(a)
         if s == len(stages) - 1:
-            p += final_params(a) + mtp_params(a).times(a.mtp_layers)
+            p += final_params(a) + all_mtp_params(a)
             if len(stages) > 1 and (a.tied_embeddings or a.mtp_layers):
                 p += embedding_params(a)
         out.append(p)
@@ -145,21 +147,44 @@ def device_params(p: Params, layout: Layout) -> tuple[int, int, int]:
     return p.tp // layout.tp + p.replicated, p.expert // (layout.ep * layout.etp), p.buffers
 
 
-def layer_activations(a: Architecture, moe: bool, tokens: int, tp: int, etp: int) -> tuple[int, int]:
-    """(elements in the training dtype, fp32 elements) one layer keeps per micro-batch on one
-    device (see the module docstring)."""
+def _attention_activations(a: Architecture, layer: int) -> int:
+    """Elements per token the token mixer of `layer` keeps (norm input and output included)."""
     h = a.hidden_size
+    if a.v4_attention is not None:
+        v, nh = a.v4_attention, a.num_attention_heads
+        ratio = a.compress_ratio(layer)
+        # norm in; wq_a in and q_norm in/out; q, the shared kv; core out = wo_a in; wo_a out = wo_b in
+        kept = 2 * h + 2 * v.q_lora_rank + 2 * nh * v.head_dim + 2 * v.head_dim + v.o_groups * v.o_lora_rank
+        if ratio:                    # the compressor's kv and gate series
+            kept += 2 * (2 if ratio == 4 else 1) * v.head_dim
+        if ratio == 4:               # the indexer's queries, its compressor and head weights
+            kept += v.index_n_heads * v.index_head_dim + 4 * v.index_head_dim + v.index_n_heads
+        return kept
+    if layer in a.linear_layers:
+        g = a.linear_attention
+        kd, vd = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
+        # norm in, in_proj in; q k v z b a out; conv out; core out; gated norm out = out_proj in
+        return 2 * h + (2 * kd + vd) + vd + 2 * g.num_value_heads + (2 * kd + vd) + 2 * vd
     if a.mla is not None:
         m, nh = a.mla, a.num_attention_heads
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
         latents = 2 * (m.q_lora_rank or 0) + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
-        attention = 2 * h + latents + 2 * nh * qk + 2 * nh * m.v_head_dim   # q, k; v, proj in
-    else:
-        q, kv = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
-        attention = 2 * h + q + 2 * kv + q          # norm in, qkv in, q k v, proj in
+        return 2 * h + latents + 2 * nh * qk + 2 * nh * m.v_head_dim   # q, k; v, proj in
+    q, kv = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
+    gate = 2 * q if a.attention_output_gate else 0                       # the gate, and the gated output
+    return 2 * h + q + 2 * kv + q + gate          # norm in, qkv in, q k v, proj in
+
+
+def layer_activations(a: Architecture, layer: int, tokens: int, tp: int, etp: int) -> tuple[int, int]:
+    """(elements in the training dtype, fp32 elements) one layer (num_layers + k: MTP layer k)
+    keeps per micro-batch on one device (see the module docstring)."""
+    h = a.hidden_size
+    attention = _attention_activations(a, layer)
     fp32 = a.num_attention_heads                     # flash attention's log-sum-exp
+    if a.hyper_connections:                          # each mHC mapping keeps its n x H input (fp32)
+        fp32 += 2 * a.hyper_connections * h
     glu = 2 if a.gated_linear_unit else 1
-    if moe:
+    if a.is_moe(layer):
         f, k = a.moe_ffn_hidden_size, a.topk
         mlp = 2 * h + k * (etp * 2 * h + (glu + 1) * f) + (glu + 1) * a.shared_expert_size
         fp32 += 2 * a.num_experts                    # router logits and scores
@@ -173,15 +198,16 @@ def stage_activations(a: Architecture, layout: Layout, train: Training) -> list[
     tokens = train.micro_batch * train.seq_len
     item = 4 if train.precision == "fp32" else 2
     out, start = [], 0
+    streams = max(1, a.hyper_connections)            # a layer's input: the residual's streams
     for s, n in enumerate(layout.stages):
-        moe = [L in a.moe_layers for L in range(start, start + n)]
+        layers = list(range(start, start + n))
         start += n
         last = s == len(layout.stages) - 1
-        moe += [a.mtp_is_moe] * (a.mtp_layers if last else 0)
-        per_layer = [layer_activations(a, m, tokens, layout.tp, layout.etp) for m in moe]
+        layers += [a.num_layers + k for k in range(a.mtp_layers)] if last else []
+        per_layer = [layer_activations(a, layer, tokens, layout.tp, layout.etp) for layer in layers]
         per_layer = [item * e + 4 * f for e, f in per_layer]
         if train.recompute == "full":   # each layer's input, plus one layer rebuilt at a time
-            kept = len(per_layer) * item * tokens * a.hidden_size // layout.tp + max(per_layer)
+            kept = len(per_layer) * item * tokens * streams * a.hidden_size // layout.tp + max(per_layer)
         else:
             kept = sum(per_layer)
         total = (len(layout.stages) - s) * kept      # 1F1B: PP - s micro-batches in flight

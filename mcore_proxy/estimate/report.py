@@ -26,7 +26,7 @@ def to_dict(e: Estimate) -> dict:
         "model": {"name": a.name, "source": a.source, "num_layers": a.num_layers, "moe_layers": len(a.moe_layers),
                   "mtp_layers": a.mtp_layers, "hidden_size": a.hidden_size, "num_experts": a.num_experts,
                   "topk": a.topk, "moe_ffn_hidden_size": a.moe_ffn_hidden_size,
-                  "attention": "MLA" if a.mla else "GQA" if a.num_query_groups < a.num_attention_heads else "MHA"},
+                  "attention": a.attention_kind},
         "training": {"micro_batch": t.micro_batch, "seq_len": t.seq_len, "precision": t.precision,
                      "optimizer": t.optimizer, "recompute": t.recompute, "distributed_optimizer": True},
         "device_memory_bytes": r.device_memory,

@@ -42,8 +42,14 @@ def tp_problem(a: Architecture, tp: int) -> str | None:
     """Why Megatron cannot split this model over `tp` tensor-parallel ranks (None: it can)."""
     sizes = {"attention heads": a.num_attention_heads, "vocabulary rows": a.vocab_size,
              "MLP width": a.ffn_hidden_size}
-    if a.mla is None:
+    if a.mla is None and a.v4_attention is None:    # MLA's latent and V4's one shared head are whole
         sizes["key/value groups"] = a.num_query_groups
+    if a.v4_attention is not None:
+        sizes["output-projection groups"] = a.v4_attention.o_groups
+        sizes["indexer heads"] = a.v4_attention.index_n_heads
+    if a.linear_attention is not None:
+        sizes["linear-attention key heads"] = a.linear_attention.num_key_heads
+        sizes["linear-attention value heads"] = a.linear_attention.num_value_heads
     if a.shared_expert_size:
         sizes["shared-expert width"] = a.shared_expert_size
     bad = [f"{n} {what}" for what, n in sizes.items() if n % tp]

@@ -13,6 +13,8 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
+from mcore_proxy.estimate.model import count_parameters
+from mcore_proxy.estimate.sources import from_preset, merge
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -39,6 +41,27 @@ def test_text_and_json_carry_the_same_numbers(capsys):
     assert lay["devices"] == lay["tp"] * lay["pp"] * lay["dp"] == o["devices"]
     assert p["num_experts"] == 48 and p["layout"]["ep"] <= 48 and 48 % p["layout"]["ep"] == 0
     assert d["ratios"]["expert_flops_per_token"] == 1.0
+
+
+GDN = "GQA + linear (Gated DeltaNet)"
+
+
+@pytest.mark.parametrize("preset, k, attention", [
+    ("deepseek-v4-flash", 64, "V4 (CSA/HCA)"), ("deepseek-v4-pro", 96, "V4 (CSA/HCA)"),
+    ("qwen3.5-397b-a17b", 128, GDN), ("qwen3.5-35b-a3b", 64, GDN),
+    ("glm-4.5", 40, "GQA"), ("kimi-k2", 96, "MLA"), ("gpt-oss-120b", 32, "GQA"),
+])
+def test_every_new_preset_plans_its_proxy(capsys, preset, k, attention):
+    """`mcore-proxy estimate --preset NAME` for each new preset: the original's parameters are the
+    preset's, the proxy keeps K experts and fits on no more devices than the original."""
+    code, raw, err = run(capsys, "--preset", preset, "-k", str(k), "--json")
+    assert code == 0, err
+    d = json.loads(raw)
+    o, p = d["original"], d["proxy"]
+    assert o["parameters"]["total"] == count_parameters(merge(from_preset(preset))).total
+    assert p["num_experts"] == k and p["parameters"]["experts"] * 4 == o["parameters"]["experts"]
+    assert 0 < p["devices"] <= o["devices"] and d["model"]["attention"] == attention
+    assert max(o["memory_bytes"]["total"], p["memory_bytes"]["total"]) <= d["budget_bytes"]
 
 
 def _scramble_tensor_bytes(path) -> int:

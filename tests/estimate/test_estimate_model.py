@@ -16,8 +16,9 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.torchfile import TorchFile
 from mcore_proxy.estimate.memory import Layout, device_params, stage_layers, stage_params
-from mcore_proxy.estimate.model import count_parameters, expert_flops_per_token, mtp_params
-from mcore_proxy.estimate.sources import from_megatron_args, from_preset, merge
+from mcore_proxy.estimate.model import (activated_parameters, all_mtp_params, attention_params, count_parameters,
+                                        expert_flops_per_token, mtp_params)
+from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge
 from mcore_proxy.testing.fixtures import FIXTURES
 
 
@@ -148,6 +149,105 @@ def test_presets_reproduce_the_published_sizes():
     per_expert = count.experts // (ds.num_experts * (len(ds.moe_layers) + 1))
     active = count.non_expert - (mtp_layer.total - mtp_layer.expert) + ds.topk * per_expert * len(ds.moe_layers)
     assert round(active / 1e9, 1) == 37.6
+
+
+# Total and activated parameters as each publisher states them (billions), and where. Totals are
+# of the main model, MTP layers left out (DeepSeek-V3's 671 B is counted so, and DeepSeek-V4-Flash's
+# 284 B matches only so); activated as `activated_parameters` counts them, without the embedding
+# table (gpt-oss's 5.1 B and DeepSeek-V3's 37 B leave it out too).
+PUBLISHED = {
+    # DeepSeek-V4 model card (huggingface.co/deepseek-ai/DeepSeek-V4-Flash, -Pro): "DeepSeek-V4-Pro
+    # with 1.6T parameters (49B activated) and DeepSeek-V4-Flash with 284B parameters (13B activated)"
+    "deepseek-v4-flash": (284, 13),
+    "deepseek-v4-pro": (1600, 49),
+    # Qwen3.5-397B-A17B model card (huggingface.co/Qwen/Qwen3.5-397B-A17B): 397B total, 17B
+    # activated; Qwen3.5-35B-A3B by its name (35 B total, 3 B activated)
+    "qwen3.5-397b-a17b": (397, 17),
+    "qwen3.5-35b-a3b": (35, 3),
+    # zai-org/GLM-4.5 README.md: "355 billion total parameters with 32 billion active parameters"
+    "glm-4.5": (355, 32),
+    # MoonshotAI/Kimi-K2 README.md, Model Summary: Total Parameters 1T, Activated Parameters 32B
+    "kimi-k2": (1000, 32),
+    # openai/gpt-oss README.md: "117B parameters with 5.1B active parameters"
+    "gpt-oss-120b": (117, 5.1),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_presets_match_the_published_total_and_activated_parameters(preset):
+    """Within 3 % of the published total and 5 % of the published activated count (both rounded
+    by their publishers: "1.6T", "17B")."""
+    a = merge(from_preset(preset))
+    total = count_parameters(a).total - all_mtp_params(a).total
+    activated = activated_parameters(a)
+    published_total, published_activated = PUBLISHED[preset]
+    assert abs(total / 1e9 / published_total - 1) < 0.03, f"{total / 1e9:.2f} B"
+    assert abs(activated / 1e9 / published_activated - 1) < 0.05, f"{activated / 1e9:.2f} B"
+
+
+# A tiny config.json of each new family and the size of the model transformers 5.24 builds from it
+# (its state dict summed, persistent buffers included: DeepSeek-V4's tid2eid and expert bias);
+# transformers builds no MTP layer, so MTP layers are left out. Measured with
+# getattr(transformers, Config)(**cfg) and the family's ...ForCausalLM (kimi_k2 as DeepseekV3).
+_TINY = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             tie_word_embeddings=False)
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24)
+TRANSFORMERS_SIZES = {
+    # hash-routed layer 0, sliding / compressed sparse (indexer) / heavily compressed attention, mHC
+    "deepseek_v4": (dict(_TINY, model_type="deepseek_v4", hidden_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=4, num_key_value_heads=1, head_dim=32, q_lora_rank=16, o_groups=2,
+                         o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+                         layer_types=["sliding_attention", "compressed_sparse_attention",
+                                      "heavily_compressed_attention", "compressed_sparse_attention"],
+                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                         mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, n_routed_experts=8,
+                         n_shared_experts=1, num_experts_per_tok=2, num_nextn_predict_layers=1), 359045),
+    # Gated DeltaNet beside gated attention, a gated shared expert, every layer MoE
+    "qwen3_5_moe_text": (dict(_TINY, **_GDN, model_type="qwen3_5_moe_text", num_hidden_layers=4,
+                              layer_types=["linear_attention", "full_attention"] * 2), 85472),
+    # the same through full_attention_interval, with a dense first layer
+    "qwen3_next": (dict(_TINY, **_GDN, model_type="qwen3_next", intermediate_size=64, num_hidden_layers=4,
+                        mlp_only_layers=[0], full_attention_interval=2), 76736),
+    # q/k/v biases, q/k norms, a dense first layer, shared expert, MTP
+    "glm4_moe": (dict(_TINY, model_type="glm4_moe", intermediate_size=64, num_hidden_layers=3, attention_bias=True,
+                      use_qk_norm=True, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                      num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
+                      num_nextn_predict_layers=1), 52192),
+    # MLA, one dense layer, sigmoid routing in one group
+    "kimi_k2": (dict(_TINY, model_type="kimi_k2", intermediate_size=64, num_key_value_heads=4, num_hidden_layers=3,
+                     q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                     first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                     moe_intermediate_size=16, n_group=1, topk_group=1), 54736),
+    # biased q/k/v/o, router and experts, sinks
+    "gpt_oss": (dict(_TINY, model_type="gpt_oss", intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
+                     num_experts_per_tok=2), 65912),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRANSFORMERS_SIZES))
+def test_counts_equal_what_transformers_builds(family):
+    cfg, size = TRANSFORMERS_SIZES[family]
+    a = merge(from_hf_config(cfg, family))
+    assert count_parameters(a).total - all_mtp_params(a).total == size
+
+
+def test_deepseek_v4_mtp_layer_is_the_release_s():
+    """DeepSeek-V4-Pro's MTP layer as DeepSeek's inference/model.py builds it (MTPBlock: a Block of
+    layer id 61, whose compress ratio, the release's 62nd, is 0: sliding window only, no compressor;
+    e_proj, h_proj, enorm, hnorm, norm, its own hc_head) with the release's shapes."""
+    pro = merge(from_preset("deepseek-v4-pro"))
+    h, heads, hd, q, og, ol, e, f, hc = 7168, 128, 512, 1536, 16, 1024, 384, 3072, 4
+    # attn_sink, kv_norm, q_norm, wkv, wo_a, wo_b, wq_a, wq_b
+    attention = heads + hd + q + hd * h + og * ol * (heads * hd // og) + h * og * ol + q * h + heads * hd * q
+    moe = e * 3 * f * h + e + e * h + 3 * f * h      # routed experts, gate.bias, gate.weight, shared expert
+    mhc = 2 * ((2 + hc) * hc * hc * h + (2 + hc) * hc + 3) + (hc * hc * h + hc + 1)   # hc_attn, hc_ffn, hc_head
+    expected = attention + moe + mhc + 2 * h * h + 5 * h    # e_proj, h_proj; attn/ffn norms, enorm, hnorm, norm
+    assert pro.compress_ratio(pro.num_layers) == 0 and pro.hash_layers == (0, 1, 2)
+    assert mtp_params(pro).total == expected
+    flash = merge(from_preset("deepseek-v4-flash"))
+    assert attention_params(flash, flash.num_layers) == attention_params(flash, 0)   # both sliding only
 
 
 def _megatron_theoretical(a) -> int:

@@ -8,8 +8,9 @@ import pytest
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.errors import ProxyError
-from mcore_proxy.estimate.model import count_parameters
-from mcore_proxy.estimate.presets import DEEPSEEK_V3, QWEN3_30B_A3B
+from mcore_proxy.estimate.model import all_mtp_params, count_parameters
+from mcore_proxy.estimate.presets import (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, GLM4_5, GPT_OSS_120B, PRESETS,
+                                          QWEN3_5_397B_A17B, QWEN3_30B_A3B)
 from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge, read_hf_config
 
 # what a real config.json carries besides the architecture (transformers writes these too)
@@ -23,7 +24,7 @@ def write_config(tmp_path, cfg: dict):
     return path
 
 
-@pytest.mark.parametrize("preset, cfg", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("deepseek-v3", DEEPSEEK_V3)])
+@pytest.mark.parametrize("preset, cfg", sorted(PRESETS.items()))
 def test_a_config_json_reads_like_its_preset(tmp_path, preset, cfg):
     path = write_config(tmp_path, cfg)
     from_file = merge(from_hf_config(read_hf_config(tmp_path), str(path)))   # the folder works too
@@ -47,6 +48,61 @@ def test_dense_layers_follow_each_family_s_fields():
     ds = merge(from_hf_config({**DEEPSEEK_V3, "first_k_dense_replace": 5, "moe_layer_freq": 2}, "d"))
     assert ds.moe_layers == tuple(i for i in range(61) if i >= 5 and i % 2 == 0)
     assert ds.shared_expert_size == 2048 and ds.expert_bias and ds.num_groups == 8 and ds.mla.q_lora_rank == 1536
+
+
+def _without(cfg: dict, *keys: str) -> dict:
+    return {k: v for k, v in cfg.items() if k not in keys and k != "name"}
+
+
+def test_a_vision_language_config_json_is_read_through_its_text_config(tmp_path):
+    """Qwen3.5's release is a vision-language config: the language model sits in text_config."""
+    text = {**_without(QWEN3_5_397B_A17B, "tie_word_embeddings"), "model_type": "qwen3_5_moe_text"}
+    path = write_config(tmp_path, {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                   "text_config": text, "vision_config": {"depth": 27, "hidden_size": 1152},
+                                   "tie_word_embeddings": False})
+    a = merge(from_hf_config(read_hf_config(path), str(path)))
+    assert count_parameters(a) == count_parameters(merge(from_preset("qwen3.5-397b-a17b")))
+    assert a.linear_layers == tuple(i for i in range(60) if (i + 1) % 4) and a.attention_output_gate
+    assert a.shared_expert_gate and a.qk_layernorm and a.mtp_layers == 1 and not a.tied_embeddings
+
+
+def test_qwen3_5_layer_types_and_the_full_attention_interval_agree():
+    types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(60)]
+    cfg = {**_without(QWEN3_5_397B_A17B, "full_attention_interval"), "layer_types": types}
+    spelled = merge(from_hf_config(cfg, "q"))
+    assert count_parameters(spelled) == count_parameters(merge(from_preset("qwen3.5-397b-a17b")))
+
+
+def test_gpt_oss_reads_its_own_top_k_spelling_and_its_biases():
+    """openai/gpt-oss's own config spells top-k experts_per_token; its o_proj, router and experts
+    carry biases (Megatron's add_bias_linear) and each head a sink."""
+    own = merge(from_hf_config(_without(GPT_OSS_120B, "num_experts_per_tok"), "gpt-oss"))
+    assert own.topk == 4 and own.num_experts == 128 and own.attention_sinks and own.add_bias_linear
+    assert not own.linear_layers and count_parameters(own) == count_parameters(merge(from_preset("gpt-oss-120b")))
+
+
+def test_deepseek_v4_reads_transformers_5_spellings_like_the_release_s():
+    """transformers 5 writes layer_types (with compress_rates) and mlp_layer_types where the release
+    writes compress_ratios and num_hash_layers: the decoder layers come out the same (the MTP layer,
+    which layer_types does not cover, takes the last decoder layer's ratio then)."""
+    kind = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    ratios = DEEPSEEK_V4_FLASH["compress_ratios"][:43]
+    cfg = {**_without(DEEPSEEK_V4_FLASH, "compress_ratios", "num_hash_layers"),
+           "layer_types": [kind[r] for r in ratios], "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 40}
+    spelled, release = merge(from_hf_config(cfg, "v4")), merge(from_preset("deepseek-v4-flash"))
+    assert spelled.v4_attention.compress_ratios == tuple(ratios) and spelled.hash_layers == (0, 1, 2)
+    main = lambda a: count_parameters(a).total - all_mtp_params(a).total  # noqa: E731
+    assert main(spelled) == main(release) and spelled.compress_ratio(43) == 4 and release.compress_ratio(43) == 0
+    default = merge(from_hf_config(_without(DEEPSEEK_V4_FLASH, "compress_ratios", "num_hash_layers"), "v4"))
+    assert default.v4_attention.compress_ratios[:4] == (128, 128, 128, 4) and default.hash_layers == (0, 1, 2)
+
+
+def test_glm_reads_its_dense_layers_norms_and_biases():
+    glm = merge(from_preset("glm-4.5"))
+    assert glm.moe_layers == tuple(range(3, 92)) and glm.shared_expert_size == 1536 and glm.mtp_layers == 1
+    assert glm.qk_layernorm and glm.add_qkv_bias and not glm.add_bias_linear and glm.expert_bias and glm.mla is None
+    bare = merge(from_hf_config(_without(GLM4_5, "use_qk_norm", "attention_bias", "first_k_dense_replace"), "glm"))
+    assert not bare.qk_layernorm and not bare.add_qkv_bias and bare.moe_layers == tuple(range(1, 92))  # Glm4MoeConfig
 
 
 def test_bad_config_files_name_the_file_and_the_fix(tmp_path):
