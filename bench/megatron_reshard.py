@@ -68,7 +68,7 @@ def _phase_a(rank, world, port, model, layout, src_iter_dir, dist_dir, stamps_pa
         _mark(stamps, "init", t0)
         gpt = build_gpt(model, layout).bfloat16()  # as Float16Module does in bf16 training
         _mark(stamps, "build", t0)
-        path = Path(src_iter_dir) / legacy_rank_dir(*_rank_coords(layout), layout) / "model_optim_rng.pt"
+        path = Path(src_iter_dir) / rank_dir_name(*rank_coords(layout), layout) / "model_optim_rng.pt"
         state = torch.load(path, map_location="cpu", weights_only=False)
         _mark(stamps, "torch.load", t0)
         gpt.load_state_dict(state["model"], strict=True)
