@@ -167,24 +167,26 @@ def mark_routers(model) -> dict[str, torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def restrict_gates(model, keep: dict[str, list[int]], substitutes: dict[str, dict[int, int]] | None = None):
+def restrict_gates(model, plan):
     """Within the block every router may choose only its layer's kept experts: the reference a
     correct proxy reproduces exactly (DESIGN.md 7). Logits of dropped experts are -inf (softmax:
     probability 0; sigmoid, sqrtsoftplus: score 0), a selection bias (the family's
     `runtime.score_bias`) is -inf for them so that neither group scores nor the top-k see them,
-    and a hash-routed layer's table sends a dropped expert's tokens to its substitute (the plan's
-    `substitutes`, as the proxy's table does). Restored on exit.
+    and a hash-routed layer's table is rewritten by the plan's substitute rule, as the proxy's is
+    (`convert.prune.substitute_rows`). `plan`: a `select.plan.Plan`. Restored on exit.
 
     The logits are masked by wrapping `torch.nn.functional.linear` for the duration of the
     router's own call (its one projection), so the router's code runs unchanged."""
     import torch.nn.functional as F
+
+    from mcore_proxy.convert.prune import substitute_rows
 
     family = family_of_model(model)
     layers = _decoder_layers(model)
     saved = []
     for layer_id, router in routers(model).items():
         dropped = torch.ones(router.weight.shape[0], dtype=torch.bool, device=router.weight.device)
-        dropped[keep[layer_id]] = False
+        dropped[list(plan.kept(layer_id))] = False
         edits = []
         bias = _child(layers[layer_id], family.runtime.score_bias) if family.runtime.score_bias else None
         if isinstance(bias, torch.Tensor):
@@ -193,10 +195,8 @@ def restrict_gates(model, keep: dict[str, list[int]], substitutes: dict[str, dic
         table = _child(layers[layer_id], family.runtime.hash_table) if family.runtime.hash_table else None
         if isinstance(table, torch.Tensor):
             edits.append((table, table.detach().clone()))
-            subs = (substitutes or {}).get(layer_id, {})
-            lut = torch.tensor([e if not dropped[e] else subs[e] for e in range(dropped.numel())],
-                               dtype=table.dtype, device=table.device)
-            table.data.copy_(lut[table.long()])
+            table.data.copy_(substitute_rows(table.cpu(), plan, layer_id, dropped.numel(), f"the model's {layer_id}")
+                             .to(table.device))
         saved.append((router, edits))
         router.forward = _masked_forward(router.forward, dropped, F)
     try:

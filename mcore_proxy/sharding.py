@@ -229,6 +229,22 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("mtp.layers.{k}.hnorm.weight", REPLICATED),
     ShardRule("mtp.layers.{k}.final_layernorm.weight", REPLICATED),
     ShardRule("mtp.layers.{k}.eh_proj.weight", COLUMN),
+    # DeepSeek-V4, Megatron-LM dev (checkpoint/hf/deepseek_v4.py): its hybrid attention runs at TP=1
+    # only, so these splits are never taken (the writers refuse TP > 1 for it); compressor, indexer,
+    # hyper-connections and the hash table are replicated ShardedTensors there
+    ShardRule("{layer}.self_attention.linear_kv_proj.weight", COLUMN),
+    ShardRule("{layer}.self_attention.linear_o_group_proj", REPLICATED),
+    ShardRule("{layer}.self_attention.core_attention.attn_sink", REPLICATED),
+    *(ShardRule(f"{{layer}}.self_attention.core_attention.{c}.{t}", REPLICATED)
+      for c in ("compressor", "indexer.compressor") for t in ("linear_wkv.weight", "linear_wgate.weight", "ape",
+                                                               "norm.weight")),
+    *(ShardRule(f"{{layer}}.{m}_hyper_connection.{t}", REPLICATED)
+      for m in ("self_attention", "mlp") for t in ("mapping_proj.weight", "bias", "alpha_pre", "alpha_post",
+                                                   "alpha_res")),
+    ShardRule("{layer}.mlp.router.tid2eid", REPLICATED),
+    *(ShardRule(f"{p}hc_head_{t}", REPLICATED) for p in ("decoder.", "mtp.layers.{k}.") for t in ("fn", "base", "scale")),
+    ShardRule("mtp.layers.{k}.e_proj.weight", COLUMN),
+    ShardRule("mtp.layers.{k}.h_proj.weight", COLUMN),
     ShardRule(_EXTRA_STATE, REPLICATED),   # TE/fp8 metadata: opaque, copied as is
 )
 

@@ -103,6 +103,10 @@ class ModelSpec:
         pattern = [p and i not in noop for i, p in enumerate(pattern)]
         ffn = arg_int(args, "ffn_hidden_size", where, minimum=1)
         topk = arg_int(args, "moe_router_topk", where)
+        # Megatron-LM's DeepSeek-V4 (`moe_n_hash_layers`; MindSpeed-LLM `n_hash_layers`): the first n
+        # decoder layers route by a token-id table (`mlp.router.tid2eid`), MTP layers never
+        hashed = arg_int(args, "moe_n_hash_layers", where, maximum=num_layers) or \
+            arg_int(args, "n_hash_layers", where, maximum=num_layers) or 0
         return cls(
             num_layers=num_layers,
             hidden_size=arg_int(args, "hidden_size", where, minimum=1),
@@ -119,4 +123,5 @@ class ModelSpec:
             expert_bias=arg_bool(args, "moe_router_enable_expert_bias", where),
             gated_linear_unit=arg_bool(args, "swiglu", where) or arg_bool(args, "gated_linear_unit", where),
             noop_layers=tuple(sorted(noop)),
+            extra={"hash_layers": [str(i) for i in range(min(hashed, len(pattern))) if pattern[i]]} if hashed else {},
         )

@@ -86,15 +86,17 @@ def describe(view: ModelView) -> dict:
         "tensors": len(names),
         "hash_layers": list(spec.extra.get("hash_layers", [])),
         "quantization": sorted({q.scheme for q in find_quantized(names)}),
-        "support": None if descriptor is None else family_support(descriptor),
+        "support": None if descriptor is None else family_support(descriptor, info.format_info.config),
     }
 
 
-def family_support(family) -> dict:
-    """What mcore-proxy does with an HF family (docs/families.md says what proves each)."""
-    megatron = family.megatron.name if family.megatron is not None else None
+def family_support(family, config: dict) -> dict:
+    """What mcore-proxy does with an HF family's folder (docs/families.md says what proves each);
+    the Megatron mapping may cover only some of the family's architectures."""
+    archs = config.get("architectures") or [None]
+    megatron = family.megatron if family.megatron is not None and archs[0] in family.megatron.architectures else None
     return {"hf_to_hf": "collect, select, convert, verify, fidelity",
-            "megatron": f"HF <-> Megatron as {megatron}" if megatron else "no Megatron mapping (HF -> HF only)",
+            "megatron": f"HF <-> Megatron as {megatron.name}" if megatron else "no Megatron mapping (HF -> HF only)",
             "notes": family.notes or None}
 
 

@@ -14,7 +14,8 @@ How the spec is decided, first match wins:
   1. a fused MLA norm key (`...linear_q_up_proj.layer_norm_weight`) -> Transformer Engine;
   2. a rank-local down projection whose dim 0 is the full `q_lora_rank` (or `kv_lora_rank +
      qk_pos_emb_head_dim`) at TP > 1 -> Transformer Engine (duplicated); the size / TP -> local;
-  3. a separate `q_layernorm.weight` / `kv_layernorm.weight` of an MLA layer -> local;
+  3. a separate `q_layernorm.weight` / `kv_layernorm.weight` of an MLA layer -> local (not for
+     DeepSeek-V4's hybrid attention, whose Transformer Engine spec keeps them separate);
   4. `args.transformer_impl` ("local" or "transformer_engine"; absent: Megatron's default,
      transformer_engine, `megatron_args.DEFAULTS`).
 MindSpeed-LLM's MLA names (`checkpoint/mindspeed_llm.py`) are a third layout, "mindspeed_llm": the
@@ -63,6 +64,8 @@ def _from_tensors(args, shapes: dict[str, tuple[int, ...] | None], tp: int) -> t
                 return TE_SPEC, key
             if full and shape[0] * tp == full:
                 return LOCAL_SPEC, key
+    if arg(args, "experimental_attention_variant") == "dsv4_hybrid":
+        return None
     for key in shapes:
         if _MLA_NORM.search(key):
             return LOCAL_SPEC, key

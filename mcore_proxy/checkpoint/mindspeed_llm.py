@@ -274,6 +274,10 @@ def written_naming(view, naming: str | None, fmt: str):
     if fmt != "legacy":
         raise ProxyError(f"--naming {MINDSPEED_LLM} is written in the legacy format only (MindSpeed-LLM saves "
                          "--ckpt-format torch); pass --format legacy")
+    if view.args is not None and arg(view.args, "experimental_attention_variant") == "dsv4_hybrid":
+        raise ProxyError(f"--naming {MINDSPEED_LLM}: mcore-proxy writes DeepSeek-V4 under Megatron-LM's names only; "
+                         "MindSpeed-LLM names and shards its tensors differently (docs/families.md), which is not "
+                         "mapped: drop --naming")
     if view.args is None or attention_kind(view.args) != "mla":
         raise ProxyError(f"--naming {MINDSPEED_LLM} maps multi-latent attention names; this checkpoint has "
                          "grouped-query attention, whose names MindSpeed-LLM shares with megatron-core: drop --naming")

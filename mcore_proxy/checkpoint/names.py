@@ -25,8 +25,9 @@ from mcore_proxy.megatron_args import arg
 _LAYER_RE = re.compile(r"^(decoder\.layers\.(\d+)|mtp\.layers\.(\d+))\.")
 _DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # Weights of megatron-core linear modules (the local ones save `_extra_state: None` beside them):
-# `linear_*` layers, the output layer and MTP's `eh_proj` (a ColumnParallelLinear).
-LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|.*\.eh_proj|output_layer)\.weight$")
+# `linear_*` layers, the output layer and MTP's `eh_proj` (a ColumnParallelLinear; with DeepSeek-V4's
+# hyper-connections Megatron-LM keeps it as `e_proj` and `h_proj`).
+LINEAR_WEIGHT = re.compile(r"^(.*\.linear_[a-z0-9_]+|.*\.eh_proj|.*\.[eh]_proj|output_layer)\.weight$")
 
 
 def group_of(name: str) -> str:
@@ -134,6 +135,25 @@ def to_local_layer(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) - layer_offset}.{m.group(2)}" if m else name
 
 
+# Megatron-LM's dev branch (DeepSeek-V4) names an MTP layer's decoder layer `mtp_model_layer` in module
+# state dicts, which legacy files hold (torch_dist keys keep `transformer_layer`,
+# multi_token_prediction.py `sharded_state_dict`): a prefix of any key, expert keys too.
+MTP_MODEL_LAYER = "mtp_model_layer"
+_MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+_MTP_TRANSFORMER_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)transformer_layer\.")
+
+
+def from_mtp_model_layer(key: str) -> tuple[str, str | None]:
+    """`mtp.layers.{k}.mtp_model_layer.X` -> (`mtp.layers.{k}.transformer_layer.X`, MTP_MODEL_LAYER)."""
+    renamed = _MTP_MODEL_LAYER.sub(r"\1transformer_layer.", key)
+    return renamed, (MTP_MODEL_LAYER if renamed != key else None)
+
+
+def to_mtp_model_layer(name: str, variants: frozenset[str]) -> str:
+    """The inverse of `from_mtp_model_layer`, for a source that used that spelling."""
+    return _MTP_TRANSFORMER_LAYER.sub(r"\1mtp_model_layer.", name) if MTP_MODEL_LAYER in variants else name
+
+
 def apply_variants(key: str) -> tuple[str, str | None]:
     """Source spelling -> (canonical spelling, variant id or None)."""
     for variant, src, canon, _, _ in NAME_VARIANTS:
@@ -144,6 +164,7 @@ def apply_variants(key: str) -> tuple[str, str | None]:
 
 def restore_variant(name: str, variants: frozenset[str]) -> str:
     """Canonical spelling -> the source's spelling, for the variants the source used."""
+    name = to_mtp_model_layer(name, variants)
     for variant, _, _, canon, src in NAME_VARIANTS:
         if variant in variants and re.match(canon, name):
             return re.sub(canon, src, name)
@@ -152,19 +173,19 @@ def restore_variant(name: str, variants: frozenset[str]) -> str:
 
 def parse_local_key(key: str, layer_offset: int, expert_offset: int) -> LocalKey:
     """Classify one rank-local key (layer numbers local to the stage, experts local to EP)."""
-    key = to_global_layer(key, layer_offset)
+    key, mtp_variant = from_mtp_model_layer(to_global_layer(key, layer_offset))
     if m := _SEQ_EXPERT.match(key):
         j = int(m.group(2))
         return LocalKey(f"{m.group(1)}.{expert_offset + j}.{m.group(3)}", "expert", j,
-                        expert_layout=SEQUENTIAL)
+                        expert_layout=SEQUENTIAL, variant=mtp_variant)
     if m := _TE_EXPERT.match(key):
         j = int(m.group(4))
         return LocalKey(f"{m.group(1)}.{expert_offset + j}.{m.group(2)}.{m.group(3)}", "expert", j,
-                        expert_layout=TE_GROUPED)
+                        expert_layout=TE_GROUPED, variant=mtp_variant)
     if m := _GROUPED.match(key):
-        return LocalKey(m.group(1), "grouped", fc=int(m.group(2)), expert_layout=GROUPED)
+        return LocalKey(m.group(1), "grouped", fc=int(m.group(2)), expert_layout=GROUPED, variant=mtp_variant)
     canonical, variant = apply_variants(key)
-    return LocalKey(canonical, variant=variant)
+    return LocalKey(canonical, variant=variant or mtp_variant)
 
 
 def split_expert_name(name: str) -> tuple[str, int, str] | None:
@@ -303,7 +324,10 @@ class KeyStyle:
 
 def homogeneous_layers(args) -> bool:
     """Whether megatron's TransformerBlock stacks layers on one axis (its `non_homogeneous_layers`
-    test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs."""
+    test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs,
+    not DeepSeek-V4's hybrid attention (Megatron-LM dev sets `hetereogenous_dist_checkpoint` for it)."""
+    if arg(args, "experimental_attention_variant") == "dsv4_hybrid" or arg(args, "hetereogenous_dist_checkpoint"):
+        return False
     for attr in ("moe_layer_freq", "linear_attention_freq"):
         # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings: the safe parser, never eval
         value = parse_layer_pattern(arg(args, attr), f"args {attr}")

@@ -49,6 +49,10 @@ def check_fits(view, target: ParallelLayout) -> None:
     if spec.num_experts and spec.num_experts % target.ep:
         raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
                               "choose an expert-parallel size that divides the expert count")
+    if target.tp > 1 and getattr(view.args, "experimental_attention_variant", None) == "dsv4_hybrid":
+        raise CheckpointError(f"target TP={target.tp}: Megatron-LM runs DeepSeek-V4's hybrid attention at tensor-parallel "
+                              "size 1 only (deepseek_v4_hybrid_attention.py); give --target-tp 1 and spread the "
+                              "experts with --target-ep")
     for attr in ("num_attention_heads", "num_query_groups"):
         n = getattr(view.args, attr, None) if view.args is not None else None
         if n and int(n) % target.tp:
@@ -230,9 +234,9 @@ def chunks_of(name: str, stages) -> tuple:
     """The model chunks (`pipeline_layout.Stage`, from `ParallelLayout.stages`) that hold canonical
     `name`, as megatron-core builds them: a decoder layer's chunk, an MTP layer's chunk; the
     embeddings on the first chunk and again on the MTP chunk (its own copy: `GPTModel` builds them
-    where `mtp_process`); `decoder.final_layernorm` beside the last decoder layer with MTP, else on
-    the last chunk (`PipelineLayout.final_norm_stage`); everything else (the output layer) on the
-    last chunk."""
+    where `mtp_process`); `decoder.final_layernorm` (and DeepSeek-V4's `decoder.hc_head_*`, which
+    the block holds beside it) beside the last decoder layer with MTP, else on the last chunk
+    (`PipelineLayout.final_norm_stage`); everything else (the output layer) on the last chunk."""
     layer = layer_number(name)
     if layer is not None:
         try:
@@ -247,6 +251,6 @@ def chunks_of(name: str, stages) -> tuple:
         return held
     if name.startswith("embedding."):
         return tuple(s for s in stages.stages if s.embedding or s.mtp)
-    if name.startswith("decoder.final_layernorm."):
+    if name.startswith(("decoder.final_layernorm.", "decoder.hc_head_")):
         return (stages.final_norm_stage,)
     return (stages.stages[-1],)

@@ -3,8 +3,10 @@
 Kept experts are renumbered in plan order (new expert j is original `kept[j]`), router rows
 (`weight` [E, H]: axis 0) and bias entries (`bias`, `expert_bias` [E] or [1, E]: the last axis)
 are taken in the same order, a hash-routed layer's table [V, k] of expert ids is rewritten to the
-new ids, a dropped expert's entries to its substitute's (`LayerPlan.substitutes`), and every
-other tensor is the source's, bit for bit. Dropped experts are never read.
+new ids, a dropped expert's slots to its substitutes by the plan's rule (`substitute_rows`), and every
+other tensor is the source's, bit for bit. Dropped experts are never read. The hash table is
+`mlp.router.hash_table` in a Hugging Face view (checkpoint/hf/native.py) and `mlp.router.tid2eid`
+under Megatron-LM's names (HF -> Megatron, and Megatron checkpoints): one rule for both.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from mcore_proxy.checkpoint.names import group_of, split_expert_name
 from mcore_proxy.checkpoint.view import ModelView
 
 _ROUTER_ROWS = re.compile(r"^(.*)\.mlp\.router\.(weight|bias|expert_bias)$")
-_HASH_TABLE = re.compile(r"^(.*)\.mlp\.router\.hash_table$")
+_HASH_TABLE = re.compile(r"^(.*)\.mlp\.router\.(hash_table|tid2eid)$")
 
 
 def _layer_id_of_prefix(module_prefix: str) -> str:
@@ -37,7 +39,7 @@ class PrunedView(ModelView):
         self._kept = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
         self._origin: dict[str, str] = {}      # proxy name -> source name, in the source's order
         self._rows: dict[str, list[int]] = {}  # router tensors -> rows (entries) to take
-        self._tables: dict[str, torch.Tensor] = {}   # hash tables -> [E] original id -> new id
+        self._tables: dict[str, str] = {}      # hash tables -> their layer id
         for name in source.names():
             self._map(name)
 
@@ -48,7 +50,7 @@ class PrunedView(ModelView):
             return
         if _HASH_TABLE.match(name) and group_of(name) in self._kept:
             self._origin[name] = name
-            self._tables[name] = new_ids(self.plan, group_of(name), self.source.spec.num_experts)
+            self._tables[name] = group_of(name)
             return
         parts = split_expert_name(name)
         if parts is None:
@@ -72,9 +74,11 @@ class PrunedView(ModelView):
         rows = self._rows.get(name)
         if rows is not None:
             return value[rows].clone() if name.endswith(".weight") else value[..., rows].clone()
-        table = self._tables.get(name)
-        if table is not None:
-            return remap_hash_table(value, table, name)
+        layer_id = self._tables.get(name)
+        if layer_id is not None:
+            where = f"{self.source.info.path}: {name}"      # names the checkpoint
+            rows = substitute_rows(value, self.plan, layer_id, self.source.spec.num_experts, where)
+            return new_ids(self.plan.kept(layer_id), self.source.spec.num_experts)[rows.long()].to(value.dtype)
         return value
 
     def shape(self, name: str):
@@ -92,27 +96,44 @@ class PrunedView(ModelView):
         self.source.prefetch([self._origin[n] for n in names])
 
 
-def new_ids(plan, layer_id: str, num_experts: int) -> torch.Tensor:
-    """[E] int64: the proxy's id of each original expert of a hash-routed layer: kept experts
-    their new ids, dropped ones their substitute's (the plan's `substitutes`)."""
-    from mcore_proxy.errors import PlanError
-
-    kept, subs = plan.kept(layer_id), plan.layers[layer_id].substitutes
-    out = torch.empty(num_experts, dtype=torch.int64)
-    for e in range(num_experts):
-        rep = e if e in kept else subs.get(e)
-        if rep is None:
-            raise PlanError(f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
-                            f"dropped expert {e}; make the plan again with this version of select")
-        out[e] = kept.index(rep)
+def new_ids(kept: list[int], num_experts: int) -> torch.Tensor:
+    """[E] int64: each kept expert's id in the proxy (-1 for dropped ones)."""
+    out = torch.full((num_experts,), -1, dtype=torch.int64)
+    out[list(kept)] = torch.arange(len(kept))
     return out
 
 
-def remap_hash_table(table: torch.Tensor, ids: torch.Tensor, name: str) -> torch.Tensor:
-    """A hash table [V, k] of original expert ids -> the same table in proxy ids (its dtype kept)."""
-    from mcore_proxy.errors import CheckpointError
+def substitute_rows(table: torch.Tensor, plan, layer_id: str, num_experts: int, where: str) -> torch.Tensor:
+    """A hash-routed layer's table [V, k] of original expert ids with every slot that names a dropped
+    expert given the first of its ranked substitutes (`LayerPlan.substitutes`) that the row does not
+    already name, slots in order: a row of k distinct experts keeps k distinct kept experts. Still
+    original ids, in the table's dtype; the proxy's table and the reference of a restricted original
+    both come from here."""
+    from mcore_proxy.errors import CheckpointError, PlanError
 
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= ids.numel()):
-        raise CheckpointError(f"{name}: holds expert ids {int(table.min())}..{int(table.max())}, but the layer has "
-                              f"{ids.numel()} experts; the checkpoint is damaged, copy it again")
-    return ids[table.long()].to(table.dtype)
+    ids = table.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        raise CheckpointError(f"{where}: holds expert ids {int(ids.min())}..{int(ids.max())}, but the layer has "
+                              f"{num_experts} experts; the checkpoint is damaged, copy it again")
+    kept, subs = plan.kept(layer_id), plan.layers[layer_id].substitutes
+    is_kept = torch.zeros(num_experts, dtype=torch.bool)
+    is_kept[list(kept)] = True
+    missing = sorted(set(ids[~is_kept[ids]].unique().tolist()) - set(subs))
+    if missing:
+        raise PlanError(f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
+                        f"dropped expert {missing[0]}; make the plan again with this version of select")
+    ranking = torch.zeros((num_experts, len(kept)), dtype=torch.int64)
+    for e, ranked in subs.items():
+        ranking[e] = torch.tensor(ranked)
+    used = torch.zeros((ids.shape[0], num_experts), dtype=torch.bool)
+    used.scatter_(1, ids, is_kept[ids])
+    out = ids.clone()
+    for slot in range(ids.shape[1]):
+        rows = (~is_kept[ids[:, slot]]).nonzero().squeeze(1)
+        if rows.numel():
+            candidates = ranking[ids[rows, slot]]                              # [n, K], preferred first
+            free = ~used[rows.unsqueeze(1), candidates]
+            pick = candidates[torch.arange(rows.numel()), free.int().argmax(1)]   # the first free one
+            out[rows, slot] = pick
+            used[rows, pick] = True
+    return out.to(table.dtype)

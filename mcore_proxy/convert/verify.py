@@ -17,7 +17,7 @@ from mcore_proxy.checkpoint.hf.quant import holds_quantized
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.convert.manifest import MANIFEST, check_manifest
 from mcore_proxy.convert.prune import PrunedView
-from mcore_proxy.errors import InternalError, ProxyError
+from mcore_proxy.errors import InternalError, PlanError, ProxyError
 from mcore_proxy.units import BYTES_PROGRESS
 
 
@@ -115,7 +115,10 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
         source, proxy_view = source.named_for("megatron-core"), proxy_view.named_for("megatron-core")
     if holds_quantized(source) and not holds_quantized(proxy_view):
         source = source.dequantized()   # the proxy was written with --dequantize
-    expected = PrunedView(source, plan)
+    try:
+        expected = PrunedView(source, plan)
+    except PlanError as err:   # as convert says it: the plan file and the checkpoint
+        raise PlanError(f"{plan_path}: {err} (checkpoint {orig})") from None
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
     compare_arg_fields(source, proxy_view, recorded_dropped_args(proxy), report)
@@ -150,8 +153,7 @@ def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     orig_model, proxy_model = load_model(source.info.path), load_model(proxy.info.path)
     vocab = int(text_config_of(orig_model).vocab_size)
     tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
-    with restrict_gates(orig_model, {lid: plan.kept(lid) for lid in plan.layer_ids},
-                        {lid: plan.layers[lid].substitutes for lid in plan.layer_ids}):
+    with restrict_gates(orig_model, plan):
         ref = run(orig_model, tokens)
     got = run(proxy_model, tokens)
     atol = 1e-5 if next(orig_model.parameters()).dtype == torch.float32 else 2e-2

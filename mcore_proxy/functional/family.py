@@ -1,8 +1,9 @@
 """megatron-core models of the families mcore-proxy supports, built from a checkpoint's args, on CPU.
 
 `Family` extends `functional.model.ToyMoE` with what DeepSeek-V3- and Qwen3-MoE-shaped models add:
-multi-latent attention (`q_lora_rank`, `kv_lora_rank`, head dims), GQA with qk norms and an
-explicit head dim, learned absolute positions, MTP layers, the top-k scaling factor.
+multi-latent attention (`q_lora_rank`, `kv_lora_rank`, head dims), GQA with qk norms, q/k/v biases
+and an explicit head dim, learned absolute positions, partial RoPE, MTP layers, the top-k scaling
+factor.
 `StagedLayout` adds Megatron's `--pipeline-model-parallel-layout` string (which may imply virtual
 stages) to a Layout. `family_from_args` reads a Family from Megatron args; `build_chunks` builds a
 rank's model chunks with megatron-core's local spec (`functional.cpu.local_mla_spec` for MLA),
@@ -51,8 +52,11 @@ class Family(ToyMoE):
     position_embedding_type: str = "rope"
     mtp_layers: int = 0
     topk_scaling_factor: float | None = None
+    pre_softmax: bool = False            # softmax over all experts, then top-k (no renormalisation)
     norm_epsilon: float = 1e-5           # megatron's default layernorm_epsilon
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0          # RoPE on this share of each head's channels (GLM-4.5: 0.5)
+    add_qkv_bias: bool = False           # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
     tied_embeddings: bool = False        # megatron's default: the output layer is the word embeddings
 
     def __post_init__(self):
@@ -71,6 +75,7 @@ class Family(ToyMoE):
         # activation is gelu, which with gated_linear_unit would be GeGLU
         values.update(pipeline_model_parallel_size=layout.pp, qk_layernorm=self.qk_layernorm, mtp_num_layers=self.mtp_layers or None,
                       layernorm_epsilon=self.norm_epsilon, activation_func=torch.nn.functional.silu,
+                      add_qkv_bias=self.add_qkv_bias, moe_router_pre_softmax=self.pre_softmax,
                       moe_router_topk_scaling_factor=self.topk_scaling_factor,
                       pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
                       num_layers_in_first_pipeline_stage=layout.first_stage_layers)
@@ -97,11 +102,12 @@ class Family(ToyMoE):
             q_lora_rank=self.q_lora_rank if mla else None, kv_lora_rank=self.kv_lora_rank,
             qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim,
             rope_type="rope" if mla else None, rotary_scaling_factor=1.0, rotary_base=self.rotary_base,
+            rotary_percent=self.rotary_percent, add_qkv_bias=self.add_qkv_bias,
             norm_epsilon=self.norm_epsilon,
             position_embedding_type=self.position_embedding_type, max_position_embeddings=self.seq_length,
             untie_embeddings_and_output_weights=not self.tied_embeddings,
             mtp_num_layers=self.mtp_layers or None, mtp_loss_scaling_factor=0.1,
-            moe_router_topk_scaling_factor=self.topk_scaling_factor,
+            moe_router_topk_scaling_factor=self.topk_scaling_factor, moe_router_pre_softmax=self.pre_softmax,
             pipeline_model_parallel_layout=text, virtual_pipeline_model_parallel_size=vpp,
             num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
             overlap_p2p_comm=vpp is not None)
@@ -153,6 +159,7 @@ def build_chunks(model: Family, layout: Layout) -> list:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             parallel_output=False, share_embeddings_and_output_weights=model.tied_embeddings,
             position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
+            rotary_percent=model.rotary_percent,
             mtp_block_spec=mtp, vp_stage=vp).eval())
     return chunks
 
@@ -311,8 +318,11 @@ def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Fa
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)), mtp_layers=spec.mtp_layers,
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         position_embedding_type=getattr(args, "position_embedding_type", "rope"),
         norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)),
+        rotary_percent=float(getattr(args, "rotary_percent", None) or 1.0),
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
         tied_embeddings=(getattr(args, "untie_embeddings_and_output_weights", True) is False) if tied is None else tied)
     if mla:
         fields.update(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,

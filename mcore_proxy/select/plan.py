@@ -56,8 +56,10 @@ class LayerPlan:
     never_selected: experts with freq 0 in the statistics (no co-activation or prototype signal);
     dead_kept: the never-selected experts that are kept anyway (only when fewer than K were
     selected), with `dead_note` saying why (plans older than this field read as none);
-    substitutes: for a hash-routed layer (DeepSeek-V4), dropped expert -> the kept expert its
-    tokens go to (`selector.hash_substitutes`); empty for other layers.
+    substitutes: for a hash-routed layer (DeepSeek-V4), dropped expert -> every kept expert in the
+    order its tokens' slots take them (`selector.hash_substitutes`; `convert.prune.substitute_rows`
+    applies the rule); empty for other layers. A single kept expert (an older plan) reads as that
+    expert, then the other kept ones by id.
     """
 
     kept: tuple[int, ...]
@@ -87,10 +89,13 @@ class LayerPlan:
             members = [m for c in clusters for m in c.members]
             if len(members) != len(set(members)):
                 raise PlanError("an expert appears in more than one cluster")
-        subs = {int(e): int(r) for e, r in dict(self.substitutes).items()}
-        for e, r in subs.items():
-            if e in kept or r not in kept:
-                raise PlanError(f"substitute {r} for expert {e}: the expert must be dropped and its substitute kept")
+        subs = {}
+        for e, ranked in dict(self.substitutes).items():
+            ranked = _ids([ranked] if isinstance(ranked, int) else ranked, f"substitutes of expert {e}")
+            if int(e) in kept or not set(ranked) <= set(kept) or len(set(ranked)) != len(ranked):
+                raise PlanError(f"substitutes {list(ranked)} for expert {e}: the expert must be dropped and its "
+                                "substitutes distinct kept experts")
+            subs[int(e)] = ranked + tuple(k for k in kept if k not in ranked)
         object.__setattr__(self, "substitutes", subs)
         for name in ("token_coverage", "gate_mass_coverage"):
             value = float(getattr(self, name))
@@ -106,7 +111,8 @@ class LayerPlan:
             "never_selected": list(self.never_selected),
             "dead_kept": {"count": len(self.dead_kept), "experts": list(self.dead_kept),
                           "why": self.dead_note},
-            **({"substitutes": {str(e): r for e, r in sorted(self.substitutes.items())}} if self.substitutes else {}),
+            **({"substitutes": {str(e): list(r) for e, r in sorted(self.substitutes.items())}}
+               if self.substitutes else {}),
         }
 
     @classmethod
@@ -223,13 +229,17 @@ class SelectionPlan:
 
     def check_matches(self, view) -> None:
         """PlanError unless the plan was made for the checkpoint behind `view` (a ModelView):
-        same expert count, the same MoE layers, and the same router tensors (when recorded)."""
+        same expert count, the same top-k and router tensors (when recorded), the same MoE layers."""
         from mcore_proxy.checkpoint.view import router_fingerprint
 
         spec = view.spec
         if spec.num_experts != self.source.num_experts:
             raise PlanError(f"the plan is for {self.source.num_experts} experts per layer but the "
                             f"checkpoint has {spec.num_experts}; select again for this checkpoint")
+        # a plan made from a checkpoint records its top-k; another one would silently become the plan's
+        if self.source.router_fingerprint is not None and spec.topk != self.source.topk:
+            raise PlanError(f"the plan is for a router choosing the top {self.source.topk} experts but the "
+                            f"checkpoint's chooses the top {spec.topk}; select again for this checkpoint")
         missing = [lid for lid in spec.moe_layer_ids if lid not in self.layers]
         extra = [lid for lid in self.layer_ids if lid not in spec.moe_layer_ids]
         if missing or extra:

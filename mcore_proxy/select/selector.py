@@ -281,25 +281,35 @@ def select_unobserved(layer_id: str, weight: np.ndarray, setup: GroupSetup, opts
     return LayerPlan(tuple(sorted(c.representative for c in clusters)), tuple(clusters))
 
 
-SUBSTITUTE_RULE = ("in a hash-routed layer a dropped expert's tokens go to the kept expert of its cluster (for an "
-                   "expert in no cluster, and for ranking methods: the kept expert whose router row is nearest by "
-                   "cosine); the proxy's table and verify's reference follow it")
+SUBSTITUTE_RULE = ("in a hash-routed layer each slot of a token that names a dropped expert goes to the first of "
+                   "that expert's ranked kept experts which the token's row does not already name: its cluster's "
+                   "kept expert, then the other kept experts by router-row cosine (for ranking methods: by cosine "
+                   "alone), so every token keeps k distinct experts; the proxy's table and verify's reference "
+                   "follow it")
 
 
-def hash_substitutes(plan: LayerPlan, weight: np.ndarray) -> dict[int, int]:
-    """Dropped expert -> the kept expert its hash-routed tokens go to (SUBSTITUTE_RULE).
+def hash_substitutes(plan: LayerPlan, weight: np.ndarray) -> dict[int, tuple[int, ...]]:
+    """Dropped expert -> all kept experts, in the order its hash-routed tokens' slots take them
+    (SUBSTITUTE_RULE); `weight` [E, H] is the layer's router.
 
     A token's hashed experts are fixed by its id, so dropping one would leave the token without
     it; the expert that stands for it in the proxy (its cluster's representative) receives its
-    tokens and its gate mass, as the paper's proxy gives it the dropped expert's routed tokens."""
+    tokens and its gate mass, as the paper's proxy gives it the dropped expert's routed tokens.
+    When the token already has that expert, the next nearest kept one takes the slot: a repeated
+    expert would be summed by transformers but counted once by Megatron-LM's hash router, so the
+    two frameworks would compute different proxies."""
     kept = list(plan.kept)
-    subs = {m: c.representative for c in plan.clusters for m in c.members if m != c.representative}
+    rep = {m: c.representative for c in plan.clusters for m in c.members if m != c.representative}
     unit = weight / np.linalg.norm(weight, axis=1, keepdims=True).clip(1e-12)
-    nearest = (unit @ unit[kept].T).argmax(1)
+    similarity = unit @ unit[kept].T                                  # [E, K]
+    out = {}
     for e in range(weight.shape[0]):
-        if e not in kept and e not in subs:
-            subs[e] = kept[int(nearest[e])]
-    return subs
+        if e in kept:
+            continue
+        by_cosine = [kept[int(j)] for j in np.argsort(-similarity[e], kind="stable")]
+        first = [rep[e]] if e in rep else []
+        out[e] = tuple(first + [k for k in by_cosine if k not in first])
+    return out
 
 
 def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_function):

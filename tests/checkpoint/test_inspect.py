@@ -52,14 +52,14 @@ def test_inspect_cli_json(megatron_ckpt, capsys):
 
 def test_inspect_says_what_an_hf_family_holds_and_what_works(hf_model, tmp_path, capsys):
     """DeepSeek-V4's release: expert F from config.json, the hash-routed layer, the quantization,
-    HF -> HF only (no Megatron mapping) and the MTP note; Qwen3-MoE: its Megatron mapping."""
+    its Megatron mapping (Megatron-LM dev's names) and the MTP note; Qwen3-MoE: its Megatron mapping."""
     from mcore_proxy.testing.quantized import v4_release_copy
 
     release = v4_release_copy(hf_model("deepseek_v4"), tmp_path / "v4")
     info = describe(open_checkpoint(release))
     assert info["family"] == "DeepSeek-V4" and info["moe_ffn_hidden_size"] == 32 and info["hash_layers"] == ["0"]
     assert info["quantization"] == ["e8m0-scale"] and info["mtp_layers"] == [0]
-    assert "no Megatron mapping" in info["support"]["megatron"] and "MTP" in info["support"]["notes"]
+    assert info["support"]["megatron"] == "HF <-> Megatron as DeepSeek-V4" and "MTP" in info["support"]["notes"]
     capsys.readouterr()
     assert main(["inspect", str(release)]) == 0
     out = capsys.readouterr().out

@@ -38,7 +38,7 @@ def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_a
     orig, _, plan_path, plan, proxy = hf_proxy(name)
     # the reference a correct proxy reproduces: the original with its gates restricted to the kept experts
     original, pruned = load_model(orig), load_model(proxy)
-    with restrict_gates(original, {lid: plan.kept(lid) for lid in plan.layer_ids}):
+    with restrict_gates(original, plan):
         batches = data_batches(data, orig, 128, 8, 64)
         perfect = compare_models(original, pruned, plan, batches, progress=False)
     assert perfect["next_token_kl"] < 1e-9 and perfect["next_token_top1_agreement"] == 1.0

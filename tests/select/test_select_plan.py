@@ -135,3 +135,17 @@ def test_check_matches(planted_model):
     fewer, _, _ = planted_model(moe_layers=(1,))
     with pytest.raises(PlanError, match=r"missing \[\], not MoE \['2'\]"):
         plan.check_matches(fewer)
+
+
+def test_check_matches_refuses_another_top_k(planted_model):
+    """A checkpoint whose config.json routes to another top-k than the plan was made for (fuzz: an
+    HF config with num_experts_per_tok changed converted with exit 0, the proxy silently taking the
+    plan's top-k)."""
+    from mcore_proxy.select import select_experts
+
+    view, stats, _ = planted_model()
+    plan = select_experts(view, stats, 8, method="frequency")
+    other = dataclasses.replace(plan, source=dataclasses.replace(plan.source, topk=plan.source.topk + 1))
+    with pytest.raises(PlanError, match=rf"top {plan.source.topk + 1} experts but the checkpoint's chooses the top "
+                                        rf"{plan.source.topk}; select again"):
+        other.check_matches(view)

@@ -14,6 +14,13 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _ROUTER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.router\.weight$")
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.(\d+)\.linear_fc([12])\.weight$")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# (tensor, the Megatron arg that says it exists, the tensor whose layers it belongs to): where the
+# anchor exists, the tensor exists exactly when the arg (made from config.json) is true; a mismatch
+# would write a Megatron checkpoint that megatron-core refuses to load, or that lacks a tensor
+_OPTIONAL = (("self_attention.linear_qkv.bias", "add_qkv_bias", "self_attention.linear_qkv.weight"),
+             ("self_attention.q_layernorm.weight", "qk_layernorm", "self_attention.linear_qkv.weight"),
+             ("mlp.shared_experts.gate_weight", "moe_shared_expert_gate", "mlp.shared_experts.linear_fc2.weight"))
+_PREFIX = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 
 
 def _where(view, name: str) -> str:
@@ -30,8 +37,28 @@ def _expert_key(view) -> str:
     return next((k for k in EXPERT_KEYS if view.config.has(k)), EXPERT_KEYS[0])
 
 
+def check_optional_tensors(view) -> None:
+    """q/k/v biases, q/k norms and the shared-expert gate are where config.json says they are."""
+    names = set(view._entries)
+    for name in sorted(names):
+        m = _PREFIX.match(name)
+        for leaf, arg, anchor in _OPTIONAL:
+            if not m or m.group(2) != anchor:
+                continue
+            said, held = bool(getattr(view.args, arg, False)), f"{m.group(1)}.{leaf}" in names
+            if said and not held:
+                raise CheckpointError(f"{view.config.path} makes Megatron args {arg}=True but no shard holds "
+                                      f"{m.group(1)}.{leaf} (beside {_where(view, name)}); fix config.json or copy "
+                                      "the missing shards")
+            if held and not said:
+                raise CheckpointError(f"{view.config.path} makes Megatron args {arg}=False but "
+                                      f"{_where(view, f'{m.group(1)}.{leaf}')}; fix config.json or use the config.json "
+                                      "that came with these weights")
+
+
 def check_config_matches(view) -> None:
     """Layers, MoE layers, expert count and every shape the config determines."""
+    check_optional_tensors(view)
     spec, names = view.spec, sorted(view._entries)
     present = sorted({int(m.group(1)) for n in names if (m := _LAYER.match(n))})
     if present != list(range(spec.num_layers)):

@@ -35,7 +35,20 @@ V3, V32 = "DeepSeek-V3", "DeepSeek-V3.2"
 _ARCH = {V3: "DeepseekV3ForCausalLM", V32: "DeepseekV32ForCausalLM"}
 _MODEL_TYPE = {V3: "deepseek_v3", V32: "deepseek_v32"}
 
-_MLA = SHARED_ROWS + (
+# DeepSeek's MTP layer k (HF layer num_hidden_layers + k) beside its decoder layer; GLM's is the same
+MTP_ROWS = (
+    Row("enorm.weight", "enorm.weight", scope=MTP),
+    Row("hnorm.weight", "hnorm.weight", scope=MTP),
+    Row("eh_proj.weight", "eh_proj.weight", scope=MTP),
+    Row("final_layernorm.weight", "shared_head.norm.weight", scope=MTP),
+)
+MTP_COPIES = (
+    Ignored("embed_tokens.weight", MTP, "megatron's MTP shares the main word embedding",
+            tied_to="embedding.word_embeddings.weight"),
+    Ignored("shared_head.head.weight", MTP, "megatron's MTP shares the main output layer",
+            tied_to="output_layer.weight"),
+)
+_MLA = SHARED_ROWS + MTP_ROWS + (
     Row("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
     Row("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
     Row("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
@@ -47,10 +60,6 @@ _MLA = SHARED_ROWS + (
     Row("mlp.shared_experts.linear_fc1.weight",
         ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), GLU),
     Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
-    Row("enorm.weight", "enorm.weight", scope=MTP),
-    Row("hnorm.weight", "hnorm.weight", scope=MTP),
-    Row("eh_proj.weight", "eh_proj.weight", scope=MTP),
-    Row("final_layernorm.weight", "shared_head.norm.weight", scope=MTP),
 )
 _INDEXER = (
     Row("self_attention.core_attention.indexer.linear_wq_b.weight", "self_attn.indexer.wq_b.weight"),
@@ -59,11 +68,7 @@ _INDEXER = (
     Row("self_attention.core_attention.indexer.k_norm.bias", "self_attn.indexer.k_norm.bias"),
     Row("self_attention.core_attention.indexer.linear_weights_proj.weight", "self_attn.indexer.weights_proj.weight"),
 )
-_IGNORED = (
-    Ignored("embed_tokens.weight", MTP, "megatron's MTP shares the main word embedding",
-            tied_to="embedding.word_embeddings.weight"),
-    Ignored("shared_head.head.weight", MTP, "megatron's MTP shares the main output layer",
-            tied_to="output_layer.weight"),
+_IGNORED = MTP_COPIES + (
     Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),
 )
 TABLES = {V3: Table(_MLA, _IGNORED), V32: Table(_MLA + _INDEXER, _IGNORED)}
@@ -98,23 +103,37 @@ def _rope_args(config) -> dict:
             "original_max_position_embeddings": int(rope.get("original_max_position_embeddings", 4096))}
 
 
+def sigmoid_router_args(config) -> dict:
+    """Megatron args of DeepSeek's router (GLM-4.5 has the same): sigmoid scores, the score-correction
+    bias for selection, `topk_group` of `n_group` groups, top-k, renormalised, scaled. Refuses what
+    megatron-core 0.16.1's `topk_routing_with_score_function` computes differently."""
+    topk = config.int("num_experts_per_tok", minimum=1)
+    groups, group_topk = config.int("n_group", 1, minimum=1), config.int("topk_group", 1, minimum=1)
+    renormalised = config.bool("norm_topk_prob", True)
+    if renormalised != (topk > 1):
+        raise CheckpointError(f"{config.path}: norm_topk_prob is {str(renormalised).lower()} with top-{topk}; "
+                              "megatron-core's sigmoid router renormalises the top-k weights exactly when k > 1, so "
+                              "this router has no megatron equivalent")
+    if groups > 1 and topk // group_topk != HF_GROUP_SCORE_EXPERTS:
+        raise CheckpointError(f"{config.path}: top-{topk} over {group_topk} of {groups} groups scores a group by its "
+                              f"best {topk // group_topk} experts in megatron but by its best {HF_GROUP_SCORE_EXPERTS} "
+                              "in transformers; the two would route differently")
+    return dict(moe_router_topk=topk, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_pre_softmax=False,
+                # kept also when 1: a flattened proxy says so explicitly (MindSpeed-LLM falls back to the EP size)
+                moe_router_num_groups=groups, moe_router_group_topk=group_topk,
+                moe_router_topk_scaling_factor=config.float("routed_scaling_factor", 1.0),
+                moe_router_load_balancing_type="seq_aux_loss", moe_router_dtype="fp32")
+
+
 def _args_from_config(config, mtp_layers: int = 0, *, family: str):
     layers = config.int("num_hidden_layers", minimum=1)
     hidden = config.int("hidden_size", minimum=1)
     heads = config.int("num_attention_heads", minimum=1)
     experts = config.first_int("n_routed_experts", "num_local_experts")
-    topk = config.int("num_experts_per_tok", minimum=1)
-    groups, group_topk = config.int("n_group", 1, minimum=1), config.int("topk_group", 1, minimum=1)
     if config.data.get("rope_interleave", True) is not True and family == V3:
         raise CheckpointError(f"{config.path}: rope_interleave is false; megatron-core's multi-latent attention "
                               "rotates interleaved pairs, as DeepSeek's published weights need")
-    if not config.bool("norm_topk_prob", True):
-        raise CheckpointError(f"{config.path}: norm_topk_prob is false; megatron-core's sigmoid router always "
-                              "renormalises the top-k weights, so this router has no megatron equivalent")
-    if groups > 1 and topk // group_topk != HF_GROUP_SCORE_EXPERTS:
-        raise CheckpointError(f"{config.path}: top-{topk} over {group_topk} of {groups} groups scores a group by its "
-                              f"best {topk // group_topk} experts in megatron but by its best {HF_GROUP_SCORE_EXPERTS} "
-                              "in transformers; the two would route differently")
     vocab = config.int("vocab_size", minimum=1)
     positions = config.int("max_position_embeddings", 4096, minimum=1)
     q_lora = config.data.get("q_lora_rank")
@@ -126,13 +145,9 @@ def _args_from_config(config, mtp_layers: int = 0, *, family: str):
         qk_pos_emb_head_dim=config.int("qk_rope_head_dim", minimum=1), v_head_dim=config.int("v_head_dim", minimum=1),
         qk_layernorm=True, ffn_hidden_size=config.int("intermediate_size", minimum=1),
         num_experts=experts, moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
-        moe_router_topk=topk, moe_layer_freq=moe_pattern(config, layers),
+        moe_layer_freq=moe_pattern(config, layers),
         moe_shared_expert_intermediate_size=(config.int("moe_intermediate_size") * config.int("n_shared_experts", 0)) or None,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
-        # kept also when 1: a flattened proxy says so explicitly (MindSpeed-LLM falls back to the EP size)
-        moe_router_num_groups=groups, moe_router_group_topk=group_topk,
-        moe_router_topk_scaling_factor=config.float("routed_scaling_factor", 1.0),
-        moe_router_load_balancing_type="seq_aux_loss", moe_router_dtype="fp32",
+        **sigmoid_router_args(config),
         norm_epsilon=config.float("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not config.bool("tie_word_embeddings", False),
         padded_vocab_size=vocab, vocab_size=vocab, seq_length=positions, max_position_embeddings=positions,
@@ -171,7 +186,7 @@ def _config_from_args(args, spec, *, family: str) -> dict:
         "n_shared_experts": shared // int(spec.moe_ffn_hidden_size), "first_k_dense_replace": first_dense,
         "q_lora_rank": getattr(args, "q_lora_rank", None), "kv_lora_rank": int(args.kv_lora_rank),
         "qk_nope_head_dim": int(args.qk_head_dim), "qk_rope_head_dim": int(args.qk_pos_emb_head_dim),
-        "v_head_dim": int(args.v_head_dim), "hidden_act": "silu", "norm_topk_prob": True,
+        "v_head_dim": int(args.v_head_dim), "hidden_act": "silu", "norm_topk_prob": spec.topk > 1,
         "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
         "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
         "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)), "rope_parameters": rope,

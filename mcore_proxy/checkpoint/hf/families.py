@@ -8,7 +8,7 @@ mapping of a family (`megatron=`) is optional: only HF <-> Megatron conversion n
 """
 from __future__ import annotations
 
-from mcore_proxy.checkpoint.hf import deepseek, qwen3_moe
+from mcore_proxy.checkpoint.hf import deepseek, deepseek_v4, glm4_moe, mixtral, qwen2_moe, qwen3_moe
 from mcore_proxy.checkpoint.hf.descriptor import ConfigKeys, Experts, MoEFamily, Router, Runtime
 
 # -- pieces many families share --------------------------------------------------------------------
@@ -34,7 +34,8 @@ QWEN3_MOE = MoEFamily(
 
 QWEN2_MOE = MoEFamily(
     "Qwen2-MoE", ("Qwen2MoeForCausalLM",), GATE, HUB_EXPERTS, ConfigKeys(E_QWEN),
-    copied=ATTENTION + NORMS + DENSE_MLP + ("mlp.shared_expert.*", "mlp.shared_expert_gate.*"), model_copied=MODEL)
+    copied=ATTENTION + NORMS + DENSE_MLP + ("mlp.shared_expert.*", "mlp.shared_expert_gate.*"), model_copied=MODEL,
+    megatron=qwen2_moe.FAMILY)
 
 # linear attention (gated delta net) beside full attention; the MTP block (`mtp.*`, which
 # transformers neither builds nor saves) holds one MoE layer of its own
@@ -66,7 +67,8 @@ _W123 = Experts(per_expert=("block_sparse_moe.experts.{e}.w1.weight", "block_spa
                 fused=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
 MIXTRAL = MoEFamily(
     "Mixtral", ("MixtralForCausalLM",), Router(weight=("block_sparse_moe.gate.weight", "mlp.gate.weight")), _W123,
-    ConfigKeys(("num_local_experts", "num_experts")), copied=ATTENTION + NORMS, model_copied=MODEL)
+    ConfigKeys(("num_local_experts", "num_experts")), copied=ATTENTION + NORMS, model_copied=MODEL,
+    megatron=mixtral.FAMILY)
 
 # sigmoid scores; the selection bias sits on the MoE block, not on the gate
 MINIMAX_M2 = MoEFamily(
@@ -122,7 +124,7 @@ GLM4_MOE = MoEFamily(
     "GLM-4.5-MoE", ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM"), BIASED_GATE,
     HUB_EXPERTS, _DEEPSEEK_KEYS, runtime=BIASED_RUNTIME,
     copied=ATTENTION + NORMS + DENSE_MLP + ("mlp.shared_experts.*",), model_copied=MODEL,
-    mtp_after_decoder=True, mtp_copied=DEEPSEEK_MTP)
+    mtp_after_decoder=True, mtp_copied=DEEPSEEK_MTP, megatron=glm4_moe.FAMILY)
 
 # DeepSeek-V4: hash-routed first layers (tid2eid), sqrtsoftplus scores; the release spells keys
 # without `model.` (`layers.{L}.ffn.*`, FP4 experts with `.scale`), save_pretrained with it
@@ -142,7 +144,9 @@ DEEPSEEK_V4 = MoEFamily(
     model_copied=("embed.*", "head.*", "norm.*", "hc_head_*", "model.embed_tokens.*", "model.norm.*", "model.hc_head.*",
                   "lm_head.*"),
     mtp=("mtp.{k}.",), mtp_copied=("e_proj.*", "h_proj.*", "enorm.*", "hnorm.*", "norm.*", "hc_head_*"),
-    notes="transformers does not build the MTP layer: it is pruned by router weights only (no statistics)")
+    megatron=deepseek_v4.FAMILY,
+    notes="transformers does not build the MTP layer: it is pruned by router weights only (no statistics); "
+          "Megatron mapping: Megatron-LM's dev branch names at TP 1 (a quantized release: --dequantize to HF first)")
 
 # gpt-oss: a router with a logit bias; fused experts transposed ([E, H, 2F], gate/up interleaved)
 # with biases, MXFP4 on the Hub (`_blocks`, `_scales`, expert on axis 0)

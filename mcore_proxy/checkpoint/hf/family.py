@@ -25,6 +25,14 @@ class Family:
     config_from_args: Callable       # (args, ModelSpec) -> dict (a new config.json)
     proxy_config: Callable           # (dict, ModelSpec) -> dict (a source config.json for the view's experts)
     qkv_groups: Callable | None = None   # (args) -> (heads, groups, head_dim) for the qkv transform
+    # (args, ModelSpec) -> bool: Megatron args of this family's shape. Megatron -> HF writes the first
+    # family of `reader.families()` that claims the args (Qwen3-MoE when none does: its checks then
+    # say what the model lacks); claims are only what tells the families apart, `config_from_args`
+    # refuses the rest
+    claims: Callable | None = None
+    # the `names.py` spellings the Megatron version that runs this family saves in legacy files
+    # (DeepSeek-V4, Megatron-LM dev: "mtp_model_layer"); HF -> Megatron writes them
+    variants: frozenset = frozenset()
 
 
 def local_spec_args(**fields) -> argparse.Namespace:

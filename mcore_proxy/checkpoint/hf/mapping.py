@@ -1,7 +1,7 @@
 """Name mapping between Hugging Face keys and canonical megatron-core names, as data rows.
 
-A family (`qwen3_moe.py`, `deepseek.py`) is a table of `Row`s. A row pairs a canonical name
-pattern with one or more HF key patterns and a transform:
+A family (`qwen3_moe.py`, `deepseek.py`, `mixtral.py`, `qwen2_moe.py`, `glm4_moe.py`) is a table of
+`Row`s. A row pairs a canonical name pattern with one or more HF key patterns and a transform:
 
   copy   one HF tensor is the canonical tensor
   glu    canonical `linear_fc1` [2F, H] = cat(gate_proj [F, H], up_proj [F, H])
@@ -10,12 +10,17 @@ pattern with one or more HF key patterns and a transform:
   fused  transformers' in-memory expert tensors (`experts.gate_up_proj` [E, 2F, H],
          `experts.down_proj` [E, H, F]): canonical expert e is slice e (read only; written per
          expert under the Hub names that `save_pretrained` writes)
+  pick   canonical [1] = element `index` of one HF tensor [n] (DeepSeek-V4's `hc_attn_scale` [3] is
+         megatron's `alpha_pre`, `alpha_post`, `alpha_res`); the rows of one HF pattern ("siblings")
+         are written back as its elements in `index` order
+A row's `dtypes` (HF dtype, canonical dtype) casts a tensor whose two frameworks store it
+differently (DeepSeek-V4's hash table: int64 in transformers, int32 in Megatron-LM).
 
 Scopes: "model" rows name whole keys (`model.embed_tokens.weight`); "layer" rows name what
 follows `model.layers.{i}.` in HF and the layer prefix in megatron (`decoder.layers.{L}` or, for
-HF layers past `num_hidden_layers`, the MTP layer `mtp.layers.{k}.transformer_layer`); "mtp" rows
-exist only in MTP layers and map to `mtp.layers.{k}.X` (DeepSeek's enorm, hnorm, eh_proj,
-shared_head.norm). `{e}` is an expert id.
+HF layers past `num_hidden_layers`, or HF keys under `mtp.{k}.` (DeepSeek-V4, `Table.mtp_prefix`), the
+MTP layer `mtp.layers.{k}.transformer_layer`); "mtp" rows exist only in MTP layers and map to
+`mtp.layers.{k}.X` (DeepSeek's enorm, hnorm, eh_proj, shared_head.norm). `{e}` is an expert id.
 
 A key that matches no row must match an `Ignored` pattern (with the reason it is not a
 canonical tensor), otherwise reading stops with its name: a dropped tensor is never silent.
@@ -31,12 +36,13 @@ import torch
 
 from mcore_proxy.errors import CheckpointError
 
-COPY, GLU, QKV, FUSED = "copy", "glu", "qkv", "fused"
+COPY, GLU, QKV, FUSED, PICK = "copy", "glu", "qkv", "fused", "pick"
 MODEL, LAYER, MTP = "model", "layer", "mtp"
 SCALE_SUFFIX = "_scale_inv"
-_PARTS = {COPY: 1, GLU: 2, QKV: 3, FUSED: 1}
+_PARTS = {COPY: 1, GLU: 2, QKV: 3, FUSED: 1, PICK: 1}
 
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")   # DeepSeek-V4's release: `layers.{i}.`
+_HF_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")     # DeepSeek-V4's MTP block `mtp.{k}.`
 _CANON_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _CANON_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
 _CANON_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
@@ -51,6 +57,8 @@ class Row:
     transform: str = COPY
     scope: str = LAYER
     read_only: bool = False   # an alternative spelling accepted when reading, never written
+    index: int | None = None  # pick: the element of the HF tensor
+    dtypes: tuple | None = None   # (HF dtype, canonical dtype) when they differ
 
     def __post_init__(self):
         hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
@@ -59,6 +67,8 @@ class Row:
             raise ValueError(f"bad mapping row {self}")
         if self.transform == FUSED and not self.read_only:
             raise ValueError(f"fused rows are read only: {self}")
+        if (self.transform == PICK) != (self.index is not None):
+            raise ValueError(f"pick rows, and only they, name an element index: {self}")
 
 
 @dataclass(frozen=True)
@@ -91,13 +101,16 @@ DENSE_SWIGLU_ROWS = (
     Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
     Row("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
+# transformers' in-memory experts (gate rows, then up rows, in `gate_up_proj`), in every family here
+FUSED_EXPERT_ROWS = (
+    Row("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj", FUSED, read_only=True),
+    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.down_proj", FUSED, read_only=True),
+)
 ROUTED_SWIGLU_ROWS = (
     Row("mlp.router.weight", "mlp.gate.weight"),
     Row("mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU),
     Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight"),
-    Row("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj", FUSED, read_only=True),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.down_proj", FUSED, read_only=True),
-)
+) + FUSED_EXPERT_ROWS
 SHARED_ROWS = WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW,) + DENSE_SWIGLU_ROWS + ROUTED_SWIGLU_ROWS
 
 
@@ -107,10 +120,12 @@ def _compile(pattern: str) -> re.Pattern:
 
 @dataclass(frozen=True)
 class Table:
-    """One family's rows, compiled once."""
+    """One family's rows, compiled once. `mtp_prefix`: where HF keeps MTP layer k when not at
+    `model.layers.{N + k}.` (DeepSeek-V4: "mtp.{k}.")."""
 
     rows: tuple[Row, ...]
     ignored: tuple[Ignored, ...] = ()
+    mtp_prefix: str | None = None
     _hf: tuple = field(init=False, repr=False, compare=False)
     _canon: tuple = field(init=False, repr=False, compare=False)
     _ign: tuple = field(init=False, repr=False, compare=False)
@@ -142,14 +157,24 @@ class Table:
                 return row, int(m.group("e")) if "e" in regex.groupindex else None
         return None
 
+    def siblings(self, row: Row) -> tuple[Row, ...]:
+        """The pick rows reading the same HF tensor as `row`, in element order (`row` alone otherwise)."""
+        if row.transform != PICK:
+            return (row,)
+        return tuple(sorted((r for r in self.rows if r.transform == PICK and r.hf == row.hf and r.scope == row.scope),
+                            key=lambda r: r.index))
+
 
 # -- where a key lives -------------------------------------------------------------------------
 
 def split_hf_key(key: str, num_layers: int) -> tuple[str, int | None, str]:
     """HF key -> (scope, layer index or MTP depth, remainder). Layers at or past
-    `num_layers` are MTP layers (DeepSeek publishes MTP layer k as `model.layers.{N + k}`)."""
+    `num_layers` are MTP layers (DeepSeek publishes MTP layer k as `model.layers.{N + k}`,
+    DeepSeek-V4 as `mtp.{k}.`)."""
     m = _HF_LAYER.match(key)
     if not m:
+        if v4 := _HF_MTP.match(key):
+            return MTP, int(v4.group(1)), v4.group(2)
         return MODEL, None, key
     i = int(m.group(1))
     return (LAYER, i, m.group(2)) if i < num_layers else (MTP, i - num_layers, m.group(2))
@@ -176,10 +201,13 @@ def split_canonical(name: str) -> tuple[str, int | None, str, str]:
     return MODEL, None, name, MODEL
 
 
-def hf_name(pattern: str, scope: str, index: int | None, expert: int | None, num_layers: int) -> str:
+def hf_name(pattern: str, scope: str, index: int | None, expert: int | None, num_layers: int,
+            mtp_prefix: str | None = None) -> str:
     key = pattern.replace("{e}", str(expert)) if expert is not None else pattern
     if scope == MODEL:
         return key
+    if scope == MTP and mtp_prefix is not None:
+        return mtp_prefix.replace("{k}", str(index)) + key
     return f"model.layers.{index if scope == LAYER else num_layers + index}.{key}"
 
 
@@ -217,6 +245,8 @@ def joined_shape(transform: str, shapes: list[tuple[int, ...]]) -> tuple[int, ..
         return tuple(shapes[0][1:])
     if transform == COPY:
         return tuple(shapes[0])
+    if transform == PICK:
+        return (1,) + tuple(shapes[0][1:])
     if len({s[1:] for s in shapes}) != 1:
         raise CheckpointError(f"parts of one tensor disagree in their trailing dimensions: {shapes}")
     return (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])

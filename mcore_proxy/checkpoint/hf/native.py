@@ -18,6 +18,7 @@ involved: `megatron()` gives the Megatron-named view for families that have one.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,8 @@ from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
 from mcore_proxy.checkpoint.hf.descriptor import (COPY, EXPERT, FUSED, HASH_TABLE, ROUTER, ROUTER_LEAVES, MoEFamily,
                                                   expert_leaf)
-from mcore_proxy.checkpoint.hf.quant import MXFP4, config_dtype, dequantize, find_quantized
+from mcore_proxy.checkpoint.hf.quant import (FP8_BLOCK, MXFP4, check_pair, config_dtype, dequantize,
+                                              find_quantized)
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError, ProxyError
@@ -185,6 +187,9 @@ class HFNativeView(ModelView):
                                   "shards")
         experts = first_int(self.config, keys.experts)
         topk = first_int(self.config, keys.topk)
+        if experts and not 0 < topk <= experts:   # ModelSpec would refuse it without naming the file
+            raise CheckpointError(f"{self.config.path}: {' / '.join(keys.topk)} is {topk}, expected 1..{experts} (the "
+                                  "expert count); fix config.json")
         groups = (first_int(self.config, keys.groups[:1], 1), first_int(self.config, keys.groups[1:], 1)) \
             if keys.groups else (None, None)
         score = keys.score_function if isinstance(keys.score_function, str) else \
@@ -193,6 +198,8 @@ class HFNativeView(ModelView):
         return ModelSpec(num_layers=self.num_layers, hidden_size=text.int("hidden_size", minimum=1),
                          num_experts=experts, topk=topk, moe_layers=tuple(moe), mtp_layers=len(mtp),
                          score_function=score, num_groups=groups[0], group_topk=groups[1],
+                         moe_ffn_hidden_size=first_int(self.config, ("moe_intermediate_size", "intermediate_size"),
+                                                       0) or None,
                          expert_bias=any(n.endswith(".mlp.router.expert_bias") for n in self._sources),
                          extra={"hf_family": self.family.name, "hash_layers": hashed})
 
@@ -210,14 +217,19 @@ class HFNativeView(ModelView):
         for name, source in self._sources.items():
             if ".mlp.router." not in name:
                 continue
-            shape = tuple(source.info.shape)
+            shape, hashed = tuple(source.info.shape), name.endswith("hash_table")
+            vocab = text_config(self.config).int("vocab_size", shape[0] if shape else 0) if hashed else 0
             want = {"weight": (E, H), "bias": (E,), "expert_bias": shape[:-1] + (E,),
-                    "hash_table": (shape[0] if shape else 0, spec.topk)}[name.rsplit(".", 1)[1]]
+                    "hash_table": (vocab, spec.topk)}[name.rsplit(".", 1)[1]]
             if shape != want:
-                says = (f"{E} experts, hidden_size={H}, top-k {spec.topk}" if name.endswith(".weight")
-                        or name.endswith("hash_table") else f"{E} experts")
+                says = (f"{E} experts, hidden_size={H}, top-k {spec.topk}" if name.endswith(".weight") else
+                        f"vocab_size={vocab}, top-k {spec.topk}" if hashed else f"{E} experts")
                 raise CheckpointError(f"{where} says {says} but {self.path / source.file} holds {source.key} of shape "
                                       f"{list(shape)}; fix config.json or use the shards that came with it")
+            if hashed and (source.info.dtype.is_floating_point or source.info.dtype == torch.bool):
+                raise CheckpointError(f"{self.path / source.file}: hash table {source.key} holds {source.info.dtype} "
+                                      "values, not integer expert ids; the shard is damaged, copy it again from the "
+                                      "model's source")
         for (layer_id, template), seen in self._experts.items():
             if sorted(seen) != list(range(E)):
                 missing = sorted(set(range(E)) - set(seen)) or sorted(set(seen) - set(range(E)))
@@ -225,6 +237,14 @@ class HFNativeView(ModelView):
                                       f"{template.rsplit('.', 1)[0].replace('{e}', str(missing[0]))}... "
                                       f"{'missing' if missing[0] < E else 'beyond them'} (expert {missing[0]}); "
                                       "copy the missing shards or fix config.json")
+            names = [template.replace("{e}", str(e)) for e in sorted(seen)]
+            forms = collections.Counter((self.shape(n), self.dtype(n)) for n in names)
+            if len(forms) > 1:   # one expert unlike the others: transformers could not load the proxy
+                usual = forms.most_common(1)[0][0]
+                odd = next(self._sources[n] for n in names if (self.shape(n), self.dtype(n)) != usual)
+                raise CheckpointError(f"{self.path / odd.file}: {odd.key} is {list(odd.info.shape)} {odd.info.dtype}, "
+                                      f"but the other experts of layer {layer_id} are {list(usual[0])} {usual[1]}; "
+                                      "the shard is damaged or from another checkpoint, copy it again")
 
     # -- the ModelView ------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -249,6 +269,11 @@ class HFNativeView(ModelView):
         if self.family.megatron is None:
             raise ProxyError(f"{self.path}: {self.family.name} has no Megatron mapping in mcore-proxy; convert it to "
                              "--format hf (Hugging Face to Hugging Face needs none)")
+        other = next((q for q in find_quantized(self.names()) if q.scheme != FP8_BLOCK), None)
+        if other is not None:   # the Megatron mapping reads FP8 block scales only (`_scale_inv`)
+            raise ProxyError(f"{self.path}: {self.hf_key(other.weight)} is quantized ({other.scheme}), which the "
+                             f"{self.family.name} Megatron mapping does not read; convert the folder to --format hf "
+                             "with --dequantize first, then that folder to Megatron")
         from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 
         return HFCheckpoint(self.path)
@@ -276,8 +301,18 @@ class DequantizedNativeView(ModelView):
         by_weight, scales = {q.weight: q.name for q in found}, {q.scale for q in found}
         self._names = [by_weight.get(n, n) for n in source.names() if n not in scales]
         quant = source.config.data.get("quantization_config") or {}
-        block = quant.get("weight_block_size")
-        self._block = tuple(block) if isinstance(block, list) and len(block) == 2 else None
+        block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):   # else exit 3 mid-write
+            raise CheckpointError(f"{source.config.path}: quantization_config.weight_block_size is {block!r}, expected "
+                                  "two positive integers (a block's rows and columns, e.g. [128, 128]); fix "
+                                  "config.json")
+        self._block = tuple(block) if block is not None else None
+        for q in found:   # from the headers: an inconsistent pair is refused before anything is written
+            try:
+                check_pair(q, source.shape(q.weight), source.dtype(q.weight), source.shape(q.scale), self._block)
+            except CheckpointError as err:
+                raise CheckpointError(f"{source.path / source._sources[q.weight].file}: {err}") from None
         self._dtype = config_dtype(source.source.config)
         config = {k: v for k, v in source.source.config.items() if k not in ("quantization_config", "expert_dtype")}
         spelling = dict(source.source.spelling)
@@ -309,7 +344,10 @@ class DequantizedNativeView(ModelView):
         q = self._quantized.get(name)
         if q is None:
             return self.source.get(name)
-        return dequantize(q, self.source.get(q.weight), self.source.get(q.scale), self._block, self._dtype)
+        try:
+            return dequantize(q, self.source.get(q.weight), self.source.get(q.scale), self._block, self._dtype)
+        except CheckpointError as err:   # quant.py names the tensor: name its shard too
+            raise CheckpointError(f"{self.source.path / self.source._sources[q.weight].file}: {err}") from None
 
     def named_for(self, framework: str) -> ModelView:
         if framework == "transformers":

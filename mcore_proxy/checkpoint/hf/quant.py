@@ -54,7 +54,7 @@ def find_quantized(names: list[str]) -> list[Quantized]:
             found.append(Quantized(n, n, n[:-len("weight")] + "scale", V4_SCALE))
         elif n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in present:
             found.append(Quantized(n[:-len("_blocks")], n, n[:-len("_blocks")] + "_scales", MXFP4))
-        elif n.endswith("weight_packed"):
+        elif n.endswith("weight_packed") and n[:-len("_packed")] + "_scale" in present:   # else a KeyError
             found.append(Quantized(n[:-len("_packed")], n, n[:-len("_packed")] + "_scale", INT4_PACKED))
     return found
 
@@ -78,6 +78,9 @@ def _expand(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -
 
 def block_of(weight_shape, scale_shape, block: tuple[int, int] | None, where: str) -> tuple[int, int]:
     """The block size of FP8 block scales: config.json's, else derived from the grid."""
+    if len(weight_shape) != 2 or len(scale_shape) != 2 or 0 in (*weight_shape, *scale_shape):   # else exit 3
+        raise CheckpointError(f"{where}: block scales of shape {list(scale_shape)} for a weight of shape "
+                              f"{list(weight_shape)}; expected both 2-D and not empty, the checkpoint is inconsistent")
     rows, cols = weight_shape
     if block is None:
         block = (-(-rows // scale_shape[0]), -(-cols // scale_shape[1]))
@@ -86,6 +89,27 @@ def block_of(weight_shape, scale_shape, block: tuple[int, int] | None, where: st
         raise CheckpointError(f"{where}: block scales of shape {list(scale_shape)} do not fit a {rows}x{cols} weight in "
                               f"{block[0]}x{block[1]} blocks (expected {list(grid)}); the checkpoint is inconsistent")
     return block
+
+
+def check_pair(q: Quantized, weight_shape, weight_dtype, scale_shape, block: tuple[int, int] | None) -> None:
+    """CheckpointError unless the shapes of `q`'s weight and scale (from the shard headers) are ones
+    its scheme dequantizes: checked before anything is read or written."""
+    w, s = tuple(weight_shape), tuple(scale_shape)
+    if q.scheme in (FP8_BLOCK, V4_SCALE) and weight_dtype != torch.int8:
+        block_of(w, s, block, q.weight)
+        return
+    if q.scheme == MXFP4:
+        one_byte = weight_dtype in (torch.uint8, torch.int8)   # FP4 pairs: another dtype would unpack to more
+        want = w[:-1] if len(w) >= 3 and w[-1] == 16 and 0 not in w and one_byte else None
+        what = "MXFP4 blocks [.., out, in/32, 16] of bytes with scales [.., out, in/32]"
+    elif q.scheme == V4_SCALE:
+        want = (w[0], -(-2 * w[1] // 32)) if len(w) == 2 and 0 not in w else None
+        what = "FP4 pairs [R, C/2] with one scale per row and 32 columns [R, C/32]"
+    else:
+        return
+    if s != want:
+        raise CheckpointError(f"{q.weight}: {weight_dtype} {list(w)} with {q.scale} of shape {list(s)}; expected "
+                              f"{what}, the checkpoint is inconsistent")
 
 
 def dequantize_blocks(weight: torch.Tensor, factors: torch.Tensor, block: tuple[int, int] | None, where: str,

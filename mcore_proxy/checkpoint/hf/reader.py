@@ -19,7 +19,7 @@ from mcore_proxy.checkpoint.hf import quant
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.family import Family
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
-from mcore_proxy.checkpoint.hf.mapping import (COPY, FUSED, GLU, LAYER, MODEL, MTP, QKV, SCALE_SUFFIX, Row,
+from mcore_proxy.checkpoint.hf.mapping import (COPY, FUSED, GLU, LAYER, MODEL, MTP, PICK, QKV, SCALE_SUFFIX, Row,
                                                canonical_name, glu_join, joined_shape, qkv_join, split_hf_key)
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.names import canonical_sort_key
@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def families() -> tuple[Family, ...]:
-    from mcore_proxy.checkpoint.hf import deepseek, qwen3_moe
+    from mcore_proxy.checkpoint.hf import deepseek, deepseek_v4, glm4_moe, mixtral, qwen2_moe, qwen3_moe
 
-    return (qwen3_moe.FAMILY, *deepseek.FAMILIES)
+    return (qwen3_moe.FAMILY, *deepseek.FAMILIES, mixtral.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY, deepseek_v4.FAMILY)
 
 
 def family_of(config: HFConfig) -> Family:
@@ -94,12 +94,12 @@ class HFCheckpoint(ModelView):
         self._check_complete()
         self.mtp_layers = self._mtp_depths()
         args = self.family.args_from_config(self.config, self.mtp_layers)
-        spec = dataclasses.replace(ModelSpec.from_args(args, str(self.config.path)),
-                                   extra={"hf_family": self.family.name})
+        spec = ModelSpec.from_args(args, str(self.config.path))
+        spec = dataclasses.replace(spec, extra={**spec.extra, "hf_family": self.family.name})
         self.hf = HFSource(self.path, dict(self.config.data), self.family.name,
                            None if dequantize_fp8 else self._fp8_block)
         super().__init__(ViewInfo(spec=spec, format="hf", path=self.path, iteration="release", args=args,
-                                  layout=None, format_info=self.hf))
+                                  layout=None, format_info=self.hf, variants=self.family.variants))
         from mcore_proxy.checkpoint.hf.checks import check_config_matches
 
         check_config_matches(self)
@@ -139,8 +139,9 @@ class HFCheckpoint(ModelView):
                     info = TensorInfo(infos[key].shape[1:], infos[key].dtype)
                     self._add(canonical_name(row, scope, index, e), row, 0, _Part(wmap[key], key, info, e), key)
             else:
-                self._add(canonical_name(row, scope, index, expert), row, part, _Part(wmap[key], key, infos[key],
-                                                                                      scale=scale), key)
+                for each in table.siblings(row):   # a pick row's HF tensor holds several canonical ones
+                    self._add(canonical_name(each, scope, index, expert), each, part,
+                              _Part(wmap[key], key, infos[key], scale=scale), key)
         orphans = sorted(s for s in scales if s[:-len(SCALE_SUFFIX)] not in wmap)
         if orphans:
             raise CheckpointError(f"{self.path / wmap[orphans[0]]}: {orphans[0]} scales a tensor the checkpoint does "
@@ -171,6 +172,10 @@ class HFCheckpoint(ModelView):
                 raise CheckpointError(f"{self.path}: {name} needs {', '.join(missing)} too, which no shard holds; "
                                       "the checkpoint is incomplete, copy it again")
             joined_shape(entry.row.transform, [p.info.shape for p in entry.parts.values()])
+            elements = len(self.family.table.siblings(entry.row))
+            if entry.row.transform == PICK and tuple(entry.parts[0].info.shape) != (elements,):
+                raise CheckpointError(f"{self.path}: {entry.parts[0].key} has shape {list(entry.parts[0].info.shape)}, "
+                                      f"expected [{elements}]; the checkpoint is not a plain {self.family.name}")
             if len({p.info.dtype for p in entry.parts.values()}) != 1:
                 raise CheckpointError(f"{self.path}: the parts of {name} have different dtypes; the checkpoint is "
                                       "inconsistent")
@@ -217,10 +222,14 @@ class HFCheckpoint(ModelView):
     def get(self, name: str) -> torch.Tensor:
         row, parts = self._parts(name)
         tensors = [self._read(p) for p in parts]
+        if row.dtypes is not None:
+            tensors = [t.to(row.dtypes[1]) for t in tensors]
         if row.transform == GLU:
             return glu_join(*tensors)
         if row.transform == QKV:
             return qkv_join(*tensors, groups=self.family.qkv_groups(self.args)[1])
+        if row.transform == PICK:
+            return tensors[0][row.index:row.index + 1].clone()
         return tensors[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -228,8 +237,10 @@ class HFCheckpoint(ModelView):
         return joined_shape(COPY if row.transform == FUSED else row.transform, [p.info.shape for p in parts])
 
     def dtype(self, name: str) -> torch.dtype:
-        _, parts = self._parts(name)
+        row, parts = self._parts(name)
         dtype = parts[0].info.dtype
+        if row.dtypes is not None:
+            return row.dtypes[1]
         return torch.bfloat16 if self.dequantize_fp8 and dtype == quant.FP8 else dtype
 
     def hf_keys(self, name: str) -> list[str]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.hf.family import Family
-from mcore_proxy.checkpoint.hf.mapping import (GLU, MTP, QKV, SCALE_SUFFIX, Row, glu_split, hf_name, qkv_split,
-                                               split_canonical)
+from mcore_proxy.checkpoint.hf.mapping import (GLU, MTP, PICK, QKV, SCALE_SUFFIX, Row, canonical_name, glu_split,
+                                               hf_name, qkv_split, split_canonical)
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, native_source
 from mcore_proxy.checkpoint.hf.native_writer import proxy_config as native_proxy_config
 from mcore_proxy.checkpoint.hf.folder import INDEX
@@ -45,13 +45,15 @@ DROPPED_CONFIG_KEYS = ("auto_map",)
 
 @dataclass(frozen=True)
 class Out:
-    """One output tensor: HF `key`, read from canonical `source`, piece `piece` of its split."""
+    """One output tensor: HF `key`, read from canonical `source`, piece `piece` of its split;
+    `gather`: the canonical tensors concatenated after it (the other elements of a pick row's HF tensor)."""
 
     key: str
     source: str
     piece: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    gather: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +75,9 @@ def family_for(view: ModelView) -> Family:
     if source is not None:
         return by_name[source.family]
     args = view.args
+    claimed = next((f for f in families() if f.claims is not None and f.claims(args, view.spec)), None)
+    if claimed is not None:
+        return claimed
     if getattr(args, "multi_latent_attention", False):
         indexer = any(".core_attention.indexer." in n for n in view.names())
         return by_name["DeepSeek-V3.2" if indexer else "DeepSeek-V3"]
@@ -105,9 +110,17 @@ def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
         raise CheckpointError(f"{name}: FP8 block scales cannot follow a {row.transform} transform; convert with "
                               "--dequantize")
     shapes = _piece_shapes(row, tuple(view.shape(name)), view, family)
-    num_layers = view.spec.num_layers
-    return [Out(hf_name(pattern, scope, index, expert, num_layers) + (SCALE_SUFFIX if scale else ""), name, i,
-                shape, view.dtype(name)) for i, (pattern, shape) in enumerate(zip(row.hf, shapes))]
+    num_layers, mtp_prefix = view.spec.num_layers, family.table.mtp_prefix
+    dtype = row.dtypes[0] if row.dtypes is not None else view.dtype(name)
+    gather = ()
+    if row.transform == PICK:   # the first element's row writes the HF tensor of all its siblings
+        siblings = family.table.siblings(row)
+        if row is not siblings[0]:
+            return []
+        gather = tuple(canonical_name(s, scope, index, None) for s in siblings[1:])
+        shapes = [(len(siblings),) + tuple(shapes[0][1:])]
+    return [Out(hf_name(pattern, scope, index, expert, num_layers, mtp_prefix) + (SCALE_SUFFIX if scale else ""),
+                name, i, shape, dtype, gather) for i, (pattern, shape) in enumerate(zip(row.hf, shapes))]
 
 
 def _tied_copies(view: ModelView, family: Family, depth: int, present: set[str]) -> list[Out]:
@@ -278,8 +291,10 @@ def _write_megatron_named(view: ModelView, family: Family, writer: StreamingWrit
     firsts = [i for i, o in enumerate(shard.tensors) if o.piece == 0]
     for i, (_, tensor) in zip(firsts, stream(view, [shard.tensors[i].source for i in firsts])):
         count = _count(shard.tensors, i)
+        if shard.tensors[i].gather:   # a pick row's HF tensor: its elements from their canonical tensors
+            tensor = torch.cat([tensor] + [view.get(n) for n in shard.tensors[i].gather])
         for out, piece in zip(shard.tensors[i:i + count], _pieces(view, family, tensor, count)):
-            writer.write(out.key, piece)
+            writer.write(out.key, piece.to(out.dtype))
         if progress is not None:
             progress(tensor.numel() * tensor.element_size())
         del tensor

@@ -25,7 +25,7 @@ from mcore_proxy.checkpoint.mindspeed_llm import (MegatronNamedView, MindSpeedNa
                                                   naming_args, written_naming)
 from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
                                           embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
-                                          split_expert_name, to_local_layer)
+                                          split_expert_name, to_local_layer, to_mtp_model_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
 from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, refuse_noop_layers, target_args
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
@@ -155,7 +155,7 @@ def _add(out: _RankOut, chunk: str, name: str, shard: list, offset: int, rule, t
             out.add(chunk, extra, None)
         return
     prefix, e, rest = split_expert_name(name)
-    local_prefix = to_local_layer(prefix, offset)
+    local_prefix = to_mtp_model_layer(to_local_layer(prefix, offset), variants)
     if rest.endswith("._extra_state") and target.expert_layout != SEQUENTIAL:
         return   # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
     if target.expert_layout == GROUPED:

@@ -57,8 +57,7 @@ def test_proxy_equals_the_restricted_original(hf_proxy, name):
     view = open_checkpoint(orig)
     assert view.info.format_info.family == family and view.spec.moe_layer_ids == layers
     original, pruned = load_model(orig), load_model(proxy)
-    keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
-    with restrict_gates(original, keep, {lid: plan.layers[lid].substitutes for lid in plan.layer_ids}):
+    with restrict_gates(original, plan):
         reference = run(original, TOKENS)
     unrestricted, got = run(original, TOKENS), run(pruned, TOKENS)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
@@ -100,18 +99,31 @@ def test_kept_tensors_are_the_sources_and_the_rest_is_copied(hf_proxy, name):
 
 def test_hash_routed_tokens_follow_their_substitutes(hf_proxy):
     """DeepSeek-V4's hash-routed layer 0: the original table sends tokens to kept and dropped
-    experts; the proxy's table holds each kept expert's new id, and each dropped one's
-    substitute's (the kept expert of its cluster), recorded in the plan."""
+    experts. Each slot naming a dropped expert goes to the first of its ranked substitutes (the
+    kept expert of its cluster first) that the row does not already name, so every row keeps
+    distinct experts (transformers would sum a repeated one, Megatron-LM count it once); the
+    proxy's table holds the new ids. Checked against a row-by-row reading of the rule."""
     orig, _, plan_path, plan, proxy = hf_proxy("deepseek_v4")
     key = "model.layers.0.ffn.gate.tid2eid"
     table, new = hf_tensors(orig)[key], hf_tensors(proxy)[key]
     kept, subs = plan.kept("0"), plan.layers["0"].substitutes
     assert set(table.unique().tolist()) & set(kept) and set(table.unique().tolist()) - set(kept)
-    assert sorted(subs) == sorted(set(range(8)) - set(kept)) and set(subs.values()) <= set(kept)
-    expected = torch.tensor([kept.index(e if e in kept else subs[e]) for e in range(8)])[table]
-    assert torch.equal(new, expected.to(new.dtype)) and new.dtype == table.dtype
+    assert sorted(subs) == sorted(set(range(8)) - set(kept)) and all(sorted(r) == kept for r in subs.values())
+    for cluster in plan.layers["0"].clusters:
+        assert all(subs[m][0] == cluster.representative for m in cluster.members if m != cluster.representative)
+    expected, second_choices = [], 0
+    for row in table.tolist():
+        taken, out = {e for e in row if e in kept}, []
+        for e in row:
+            pick = e if e in kept else next(s for s in subs[e] if s not in taken)
+            second_choices += e not in kept and pick != subs[e][0]
+            taken.add(pick)
+            out.append(kept.index(pick))
+        expected.append(out)
+    assert torch.equal(new, torch.tensor(expected, dtype=new.dtype)) and new.dtype == table.dtype
+    assert second_choices > 0 and all(len(set(row)) == len(row) for row in new.tolist())
     doc = json.loads(plan_path.read_text())
-    assert doc["params"]["hash_routing"]["layers"] == ["0"] and "substitutes" in doc["layers"]["0"]
+    assert doc["params"]["hash_routing"]["layers"] == ["0"] and len(doc["layers"]["0"]["substitutes"]) == 4
 
 
 @pytest.mark.parametrize("name", ["deepseek_v4", "gpt_oss", "llama4"])
