@@ -80,6 +80,12 @@ MODELS = {
     # sigmoid scores with a selection bias on the MoE block
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
                    dict(_SMALL, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8), 0),
+    # DeepSeek's biased sigmoid router in 2 groups, sliding and full attention with sinks, v head
+    # dim != q/k head dim, partial rotary per attention kind, layer 0 dense
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",
+                      dict(_SMALL, num_hidden_layers=3, head_dim=12, v_head_dim=8, moe_intermediate_size=16,
+                           n_routed_experts=8, n_group=2, topk_group=1, sliding_window=4,
+                           layer_types=["full_attention", "sliding_attention", "full_attention"]), 0),
     # DeepSeek's router (2 groups, top-1 group), q/k norms, q/k/v biases, partial rotary, MTP layer
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(_SMALL, num_hidden_layers=3, head_dim=8, moe_intermediate_size=16, n_routed_experts=8,

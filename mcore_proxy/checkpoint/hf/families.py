@@ -92,6 +92,12 @@ DEEPSEEK_V32 = MoEFamily(
     copied=ATTENTION + NORMS + DENSE_MLP + ("mlp.shared_experts.*",), model_copied=MODEL,
     mtp_after_decoder=True, mtp_copied=DEEPSEEK_MTP, megatron=deepseek.FAMILIES[1])
 
+# MiMo-V2-Flash: DeepSeek-V3's biased sigmoid gate over sliding and full attention with sinks
+MIMO_V2_FLASH = MoEFamily(
+    "MiMo-V2-Flash", ("MiMoV2FlashForCausalLM",), BIASED_GATE, HUB_EXPERTS,
+    ConfigKeys(E_ROUTED, groups=("n_group", "topk_group"), score_function="sigmoid"),
+    runtime=BIASED_RUNTIME, copied=ATTENTION + NORMS + DENSE_MLP, model_copied=MODEL)
+
 # Kimi-K2.5/K2.6: a DeepSeek-V3 text model inside a vision-language wrapper; the Hub writes
 # `language_model.model.layers`, transformers' save_pretrained `language_model.model.blocks`
 KIMI_K25 = MoEFamily(
@@ -183,7 +189,7 @@ LLAMA4 = MoEFamily(
 
 FAMILIES: tuple[MoEFamily, ...] = (
     QWEN3_MOE, QWEN2_MOE, QWEN3_NEXT, QWEN3_5_MOE, OLMOE, MIXTRAL, MINIMAX_M2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4,
-    KIMI_K25, KIMI_LINEAR, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, LLAMA4)
+    KIMI_K25, KIMI_LINEAR, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, LLAMA4, MIMO_V2_FLASH)
 
 
 def family_named(name: str) -> MoEFamily:

@@ -34,6 +34,7 @@ CASES = {
     "gpt_oss": ("gpt-oss", ["0", "1"], ["num_local_experts"]),
     "ernie4_5_moe": ("ERNIE-4.5-MoE", ["1", "2"], ["moe_num_experts"]),
     "llama4": ("Llama-4", ["1", "3"], ["num_local_experts"]),
+    "mimo_v2_flash": ("MiMo-V2-Flash", ["1", "2"], ["n_routed_experts"]),
 }
 TOKENS = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(11))
 
