@@ -51,7 +51,7 @@ def _records(path: Path) -> Iterator[tuple[int, dict]]:
                 continue
             try:
                 record = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            except (ValueError, RecursionError) as err:   # ValueError: also a number past 4300 digits
                 raise ProxyError(f"{path}:{number}: not a JSON object ({str(err)[:60]}); each line must be "
                                  "{\"text\": ...} or {\"input_ids\": [...]}") from None
             if not isinstance(record, dict):

@@ -37,6 +37,10 @@ def read_json_object(path: str | Path, what: str, fix: str, error: type[ProxyErr
         raise error(f"{path}: {what} cannot be read ({err.strerror or err}); {fix}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:   # RecursionError: absurd nesting
         raise error(f"{path}: {what} is not valid JSON ({str(err)[:80]}); {fix}") from None
+    except ProxyError:   # the size check above (ProxyError is a ValueError)
+        raise
+    except ValueError:   # an integer literal longer than Python's int parsing limit (4300 digits)
+        raise error(f"{path}: {what} holds a number of thousands of digits, which no real one does; {fix}") from None
     if not isinstance(data, dict):
         raise error(f"{path}: {what} holds a JSON {type(data).__name__}, expected an object; {fix}")
     return data

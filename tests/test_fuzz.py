@@ -1,6 +1,7 @@
 """A fixed sample of the fuzz campaign (bench/fuzz.py) in the test suite: ~100 damaged and hostile
-inputs, each through the real CLI in a forked child. The campaign itself (>= 2000 cases) is run by
-hand; its table is in bench/RESULTS.md."""
+Megatron inputs and 30 Hugging Face ones (one per input and damage kind), each through the real CLI
+in a forked child. The campaigns themselves (>= 2000 Megatron cases, >= 500 HF cases with `--hf`)
+are run by hand; their tables are in bench/RESULTS.md."""
 from __future__ import annotations
 
 import collections
@@ -13,6 +14,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "fuzz.py"
 SAMPLE, SEED = 100, 20261201
+HF_SAMPLE = 30
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +43,29 @@ def test_fuzz_sample(fuzz, megatron_ckpt, tmp_path_factory):
     assert outcomes["exit 2"] > SAMPLE // 3        # most damage is found and refused
     assert {r["target"] for r in records} == set(fuzz.WEIGHTS)
     print(f"fuzz sample: {dict(outcomes)} in {seconds:.0f} s")
+
+
+def test_fuzz_hf_sample(fuzz, fixture_root, tmp_path_factory):
+    """The first case of 30 of the 31 (input, damage kind) of the HF campaign: tiny transformers-built
+    checkpoints of three families and an FP8 copy (built once, in a forked child), their statistics,
+    plans and proxies, damaged and run through inspect, convert, verify, stats show and select."""
+    work = tmp_path_factory.mktemp("fuzz-hf")
+    corpus = fuzz.build_corpus(work, None, hf_cache=fixture_root)
+    fuzz.preload(corpus)
+    cases, seen = [], set()
+    for case in fuzz.make_hf_cases(400, SEED):   # damaged quantization under --dequantize
+        if (case.target, case.kind) not in seen and len(cases) < HF_SAMPLE and \
+                (case.kind != "quant" or case.command == "convert_deq"):
+            seen.add((case.target, case.kind))
+            cases.append(case)
+    start = time.perf_counter()
+    records = fuzz.campaign(cases, corpus, work / "cases", jobs=2, progress=False)
+    seconds = time.perf_counter() - start
+    failed = [(r["case"], r["target"], r.get("model"), r["kind"], r["command"], r["problems"], r.get("what"),
+               r.get("stderr", "")[-600:]) for r in records if r["problems"]]
+    assert not failed, failed
+    outcomes = collections.Counter(r["outcome"] for r in records)
+    assert set(outcomes) <= {"exit 0", "exit 1", "exit 2"}, outcomes
+    assert outcomes["exit 2"] > len(records) // 2       # most damage is found and refused
+    assert {r["target"] for r in records} == set(fuzz.HF_TARGETS) and len(records) == HF_SAMPLE
+    print(f"fuzz HF sample: {dict(outcomes)} in {seconds:.0f} s")

@@ -17,6 +17,9 @@ def test_reads_an_object(tmp_path):
     (b"\xff\xfe{}", r"a\.json: plan file is not valid JSON .*; regenerate it$"),
     (b"[" * 100_000 + b"]" * 100_000, r"a\.json: plan file is not valid JSON .*; regenerate it$"),
     (b"[1, 2]", r"a\.json: plan file holds a JSON list, expected an object; regenerate it$"),
+    # past Python's int parsing limit (4300 digits) json raises a bare ValueError (fuzz: exit 3 before)
+    (b'{"num_experts": ' + b"9" * 5000 + b"}",
+     r"a\.json: plan file holds a number of thousands of digits, which no real one does; regenerate it$"),
 ])
 def test_defects_raise_the_callers_error_naming_the_file(tmp_path, content, expected):
     (tmp_path / "a.json").write_bytes(content)

@@ -310,7 +310,8 @@ class DequantizedNativeView(ModelView):
         self._block = tuple(block) if block is not None else None
         for q in found:   # from the headers: an inconsistent pair is refused before anything is written
             try:
-                check_pair(q, source.shape(q.weight), source.dtype(q.weight), source.shape(q.scale), self._block)
+                check_pair(q, source.shape(q.weight), source.dtype(q.weight), source.shape(q.scale),
+                           source.dtype(q.scale), self._block)
             except CheckpointError as err:
                 raise CheckpointError(f"{source.path / source._sources[q.weight].file}: {err}") from None
         self._dtype = config_dtype(source.source.config)

@@ -91,10 +91,14 @@ def block_of(weight_shape, scale_shape, block: tuple[int, int] | None, where: st
     return block
 
 
-def check_pair(q: Quantized, weight_shape, weight_dtype, scale_shape, block: tuple[int, int] | None) -> None:
-    """CheckpointError unless the shapes of `q`'s weight and scale (from the shard headers) are ones
-    its scheme dequantizes: checked before anything is read or written."""
+def check_pair(q: Quantized, weight_shape, weight_dtype, scale_shape, scale_dtype,
+               block: tuple[int, int] | None) -> None:
+    """CheckpointError unless the shapes and dtypes of `q`'s weight and scale (from the shard
+    headers) are ones its scheme dequantizes: checked before anything is read or written."""
     w, s = tuple(weight_shape), tuple(scale_shape)
+    if q.scheme in (MXFP4, V4_SCALE) and scale_dtype.itemsize != 1:   # E8M0 exponents are bytes
+        raise CheckpointError(f"{q.scale}: E8M0 scales of dtype {scale_dtype}; expected one byte each (uint8 or "
+                              "float8_e8m0fnu), the checkpoint is inconsistent")
     if q.scheme in (FP8_BLOCK, V4_SCALE) and weight_dtype != torch.int8:
         block_of(w, s, block, q.weight)
         return
