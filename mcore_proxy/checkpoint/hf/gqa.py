@@ -129,3 +129,16 @@ def softmax_router_requirements(args, spec) -> list[tuple[str, object, object]]:
             ("moe_router_enable_expert_bias", spec.expert_bias, False),
             ("moe_router_num_groups", spec.num_groups or 1, 1),
             ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None) or 1.0, 1.0)]
+
+
+def expert_count_config(expert_keys: tuple[str, ...]):
+    """The `proxy_config` of a family whose config.json spells E as one of `expert_keys`: every
+    spelling present (else the first) set to the proxy's E, and its top-k."""
+    def proxy_config(config: dict, spec) -> dict:
+        out = dict(config)
+        for key in [k for k in expert_keys if k in out] or [expert_keys[0]]:
+            out[key] = spec.num_experts
+        out["num_experts_per_tok"] = spec.topk
+        return out
+
+    return proxy_config

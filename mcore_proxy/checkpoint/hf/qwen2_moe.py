@@ -82,12 +82,7 @@ def config_from_args(args, spec) -> dict:
     }, spec)
 
 
-def proxy_config(config: dict, spec) -> dict:
-    out = dict(config)
-    for key in [k for k in EXPERT_KEYS if k in out] or [EXPERT_KEYS[0]]:
-        out[key] = spec.num_experts
-    out["num_experts_per_tok"] = spec.topk
-    return out
+proxy_config = gqa.expert_count_config(EXPERT_KEYS)
 
 
 def claims(args, spec) -> bool:
