@@ -245,6 +245,21 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     *(ShardRule(f"{p}hc_head_{t}", REPLICATED) for p in ("decoder.", "mtp.layers.{k}.") for t in ("fn", "base", "scale")),
     ShardRule("mtp.layers.{k}.e_proj.weight", COLUMN),
     ShardRule("mtp.layers.{k}.h_proj.weight", COLUMN),
+    # DeepSeek-V4 under MindSpeed-LLM's names (checkpoint/mindspeed_llm_v4.py): its attention is tensor
+    # parallel (heads, output groups and sinks by rows, the output projection by columns)
+    ShardRule("{layer}.self_attention.linear_q.weight", REPLICATED, spec=MINDSPEED_SPEC),
+    ShardRule("{layer}.self_attention.linear_kv.weight", REPLICATED, spec=MINDSPEED_SPEC),
+    ShardRule("{layer}.self_attention.linear_o_down_proj.weight", COLUMN, spec=MINDSPEED_SPEC),
+    ShardRule("{layer}.self_attention.linear_o_up_proj.weight", ROW, spec=MINDSPEED_SPEC),
+    ShardRule("{layer}.self_attention.attn_sink", COLUMN, spec=MINDSPEED_SPEC),
+    *(ShardRule(f"{{layer}}.self_attention.{c}.{t}", REPLICATED, spec=MINDSPEED_SPEC)
+      for c in ("compressor", "indexer.kv_compressor") for t in ("wkv.weight", "wgate.weight", "ape", "norm.weight")),
+    *(ShardRule(f"{{layer}}.self_attention.indexer.{t}.weight", REPLICATED, spec=MINDSPEED_SPEC)
+      for t in ("wq_b", "weights_proj")),
+    *(ShardRule(f"{{layer}}.{m}_mhc.{t}", REPLICATED, spec=MINDSPEED_SPEC)
+      for m in ("attn", "mlp") for t in ("hc_fn.weight", "hc_base", "hc_scale")),
+    *(ShardRule(f"{p}hc_head.{t}", REPLICATED, spec=MINDSPEED_SPEC)
+      for p in ("", "mtp.layers.{k}.") for t in ("hc_fn.weight", "hc_base", "hc_scale")),
     ShardRule(_EXTRA_STATE, REPLICATED),   # TE/fp8 metadata: opaque, copied as is
 )
 

@@ -93,7 +93,8 @@ class ModelSpec:
         num_experts = arg_int(args, "num_experts", where, maximum=MAX_EXPERTS) or 0
         freq = arg(args, "moe_layer_freq", where)
         pattern = moe_layer_pattern(num_layers, 1 if freq is None else freq, where) if num_experts else []
-        first_dense = arg_int(args, "first_k_dense_replace", where)  # MindSpeed-LLM DeepSeek argument
+        # MindSpeed-LLM DeepSeek argument; its DeepSeek-V4 recipe says -1 (no dense layer)
+        first_dense = arg_int(args, "first_k_dense_replace", where, minimum=-1)
         if num_experts and first_dense:
             pattern = [i >= first_dense and p for i, p in enumerate(pattern)]
         try:

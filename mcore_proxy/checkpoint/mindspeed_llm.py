@@ -77,6 +77,10 @@ class MindSpeedNaming:
     old_up_names: bool = False
     mtp: bool = False
 
+    def megatron_info(self, info):
+        """The ViewInfo `info` of a source in this naming as megatron-core names it."""
+        return dataclasses.replace(info, naming=None, variants=info.variants - self.variants())
+
     def variants(self) -> frozenset[str]:
         """The NAME_VARIANTS spellings this naming uses."""
         out = set(_RENAME_VARIANTS)
@@ -275,9 +279,8 @@ def written_naming(view, naming: str | None, fmt: str):
         raise ProxyError(f"--naming {MINDSPEED_LLM} is written in the legacy format only (MindSpeed-LLM saves "
                          "--ckpt-format torch); pass --format legacy")
     if view.args is not None and arg(view.args, "experimental_attention_variant") == "dsv4_hybrid":
-        raise ProxyError(f"--naming {MINDSPEED_LLM}: mcore-proxy writes DeepSeek-V4 under Megatron-LM's names only; "
-                         "MindSpeed-LLM names and shards its tensors differently (docs/families.md), which is not "
-                         "mapped: drop --naming")
+        from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming
+        return MindSpeedV4Naming(mtp=bool(arg_int(view.args, "mtp_num_layers")))
     if view.args is None or attention_kind(view.args) != "mla":
         raise ProxyError(f"--naming {MINDSPEED_LLM} maps multi-latent attention names; this checkpoint has "
                          "grouped-query attention, whose names MindSpeed-LLM shares with megatron-core: drop --naming")
@@ -342,8 +345,7 @@ class MegatronNamedView(ModelView):
     the same tensors without MindSpeed-LLM's one-to-one renames (`info.variants`)."""
 
     def __init__(self, view: ModelView):
-        super().__init__(dataclasses.replace(view.info, naming=None,
-                                             variants=view.info.variants - view.info.naming.variants()))
+        super().__init__(view.info.naming.megatron_info(view.info))
         self.source = view
 
     def names(self) -> list[str]:

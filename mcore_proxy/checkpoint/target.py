@@ -49,10 +49,6 @@ def check_fits(view, target: ParallelLayout) -> None:
     if spec.num_experts and spec.num_experts % target.ep:
         raise CheckpointError(f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
                               "choose an expert-parallel size that divides the expert count")
-    if target.tp > 1 and getattr(view.args, "experimental_attention_variant", None) == "dsv4_hybrid":
-        raise CheckpointError(f"target TP={target.tp}: Megatron-LM runs DeepSeek-V4's hybrid attention at tensor-parallel "
-                              "size 1 only (deepseek_v4_hybrid_attention.py); give --target-tp 1 and spread the "
-                              "experts with --target-ep")
     for attr in ("num_attention_heads", "num_query_groups"):
         n = getattr(view.args, attr, None) if view.args is not None else None
         if n and int(n) % target.tp:
@@ -63,6 +59,16 @@ def check_fits(view, target: ParallelLayout) -> None:
         if shape is not None and not rule.divides(shape, parts):
             raise CheckpointError(f"{name} dimension {rule.dim} ({shape[rule.dim]}) does not divide over "
                                   f"{'ETP' if rule.group == 'etp' else 'TP'}={parts}; choose a size that divides it")
+
+
+def refuse_dsv4_tp(view, target: ParallelLayout) -> None:
+    """Megatron-LM dev's DeepSeek-V4 at TP > 1 (writers, on the view under the names they write:
+    MindSpeed-LLM's DeepSeek-V4 is tensor parallel, checkpoint/mindspeed_llm_v4.py)."""
+    if target.tp > 1 and getattr(view.args, "experimental_attention_variant", None) == "dsv4_hybrid":
+        raise CheckpointError(f"target TP={target.tp}: Megatron-LM runs DeepSeek-V4's hybrid attention at tensor-parallel "
+                              "size 1 only (deepseek_v4_hybrid_attention.py); give --target-tp 1 and spread the "
+                              "experts with --target-ep, or write MindSpeed-LLM's names (--naming mindspeed-llm), "
+                              "whose DeepSeek-V4 is tensor parallel")
 
 
 def pipeline_split(spec, pp: int, stage_layers=None, pipeline_layout: str | None = None,

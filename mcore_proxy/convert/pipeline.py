@@ -26,6 +26,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import detect_format, format_names, get_format, writer_of
 from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
 from mcore_proxy.checkpoint.layout import ParallelLayout
+from mcore_proxy.checkpoint import mindspeed_llm_v4 as mindspeed_v4
 from mcore_proxy.checkpoint.mindspeed_llm import written_naming
 from mcore_proxy.checkpoint.output import staged_output, write_markers
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
@@ -138,7 +139,9 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
             flags += [f"--moe-router-num-groups {r.num_groups}", f"--moe-router-group-topk {r.group_topk}"]
     if view.layout is None and view.args is not None:
         # the source's args hold its expert count and routing; with a plan, the plan's say what the proxy has
-        flags = [f for f in model_flags(view.args) if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
+        shape = mindspeed_v4.launch_flags(mindspeed_v4.mindspeed_args(view.args)) \
+            if isinstance(target.naming, mindspeed_v4.MindSpeedV4Naming) else model_flags(view.args)
+        flags = [f for f in shape if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
     flags += pipeline_flags(view.layout, target)
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
     if target.expert_layout == "grouped" and view.layer_spec == "transformer_engine":

@@ -40,7 +40,7 @@ compress ratio 4, as transformers builds it for `compressed_sparse_attention`. P
 tests/checkpoint/hf/test_hf_deepseek_v4_megatron.py (round trips) and, off CI, by
 bench/deepseek_v4_megatron_dev.py (the dev tree loads the files strictly and computes transformers'
 logits); what is not is in docs/families.md. MindSpeed-LLM saves DeepSeek-V4 under other names and
-shardings (docs/families.md); that naming is not written.
+shardings (tensor-parallel attention): `checkpoint/mindspeed_llm_v4.py` maps them to these.
 """
 from __future__ import annotations
 

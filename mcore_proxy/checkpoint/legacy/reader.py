@@ -15,6 +15,7 @@ import torch
 
 from mcore_proxy.checkpoint.iteration import TRACKER, is_iteration_folder_name, resolve_iteration_dir
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
+from mcore_proxy.checkpoint import mindspeed_llm_v4 as v4
 from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, detect_naming, join_up, megatron_keys,
                                                   split_parts)
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
@@ -216,6 +217,9 @@ class LegacyCheckpoint(ModelView):
         if args is None:
             raise CheckpointError(f"{first.path}: no 'args' entry; mcore-proxy needs the args Megatron "
                                   "saves (was the checkpoint written with --no-save-args?)")
+        mindspeed_v4 = v4.is_mindspeed_v4(args)
+        if mindspeed_v4:   # read under Megatron-LM dev's names and args (checkpoint/mindspeed_llm_v4.py)
+            args = v4.canonical_args(args, str(first.path))
         self._spec = ModelSpec.from_args(args, where=str(first.path))
         layout = layout_from_args(args, dirs[0])
         if self._spec.noop_layers and layout.vpp > 1:
@@ -236,7 +240,8 @@ class LegacyCheckpoint(ModelView):
                        for c in _stage_representatives(coords)}
         shapes = self._local_shapes(stage_files.values(), layout)
         layout = self._with_tp_extend_ep(args, layout, stage_files.values())
-        self._naming = detect_naming(args, shapes, str(first.path))
+        self._naming = v4.MindSpeedV4Naming(mtp=bool(self._spec.mtp_layers)) if mindspeed_v4 else \
+            detect_naming(args, shapes, str(first.path))
         if self._naming is not None:
             # MindSpeed-LLM's local MLA: its rows first, then megatron-core local-spec names
             self._check_mindspeed_spec(args, first.path)
@@ -258,7 +263,10 @@ class LegacyCheckpoint(ModelView):
                         self.path, self._reset_states)
         self._check_complete()
         self._drop_tied_output_copy(args)
-        if self._naming is not None:
+        if mindspeed_v4:
+            self._entries = _v4_canonical_entries(self._entries, self._spec.hidden_size)
+            self._layer_spec = LOCAL_SPEC
+        elif self._naming is not None:
             self._entries = _canonical_entries(self._entries, MLADims.from_args(args, str(first.path)))
             self._layer_spec = LOCAL_SPEC
         self._names = sorted(self._entries, key=canonical_sort_key)
@@ -464,6 +472,69 @@ class LegacyCheckpoint(ModelView):
 
     def dtype(self, name: str):
         return self._entries[name].shards[0].dtype
+
+
+class _Slice:
+    """`count` indices from `start` along `dim` of one rank-local piece (a part of MindSpeed-LLM's
+    fused hc_scale or eh_proj); the piece is read whole (at most an MTP projection's TP shard)."""
+
+    def __init__(self, piece, dim: int, start: int, count: int):
+        self.piece, self.dim, self.start, self.count = piece, dim, start, count
+        shape = list(piece.shape)
+        shape[dim] = count
+        self.shape, self.dtype = tuple(shape), piece.dtype
+
+    def byte_ranges(self) -> list:
+        return _piece_ranges(self.piece)
+
+    def will_need(self) -> None:
+        self.piece.will_need()
+
+    def load(self) -> torch.Tensor:
+        return self.piece.load().narrow(self.dim, self.start, self.count).clone()
+
+
+class _Cast:
+    """One rank-local piece in another dtype (MindSpeed-LLM's int64 hash table as Megatron-LM dev's
+    int32 buffer)."""
+
+    def __init__(self, piece, dtype: torch.dtype):
+        self.piece, self.shape, self.dtype = piece, piece.shape, dtype
+
+    def byte_ranges(self) -> list:
+        return _piece_ranges(self.piece)
+
+    def will_need(self) -> None:
+        self.piece.will_need()
+
+    def load(self) -> torch.Tensor:
+        return self.piece.load().to(self.dtype)
+
+
+def _v4_canonical_entries(entries: dict[str, _Entry], hidden: int) -> dict[str, _Entry]:
+    """Entries under MindSpeed-LLM's DeepSeek-V4 names -> entries under Megatron-LM dev's
+    (checkpoint/mindspeed_llm_v4.py): renames keep their shards; a fused hc_scale or eh_proj
+    becomes its parts as slices of the same shards (eh_proj's TP shards hold whole rows of both);
+    the hash table is read as int32."""
+    out: dict[str, _Entry] = {}
+    for name, entry in entries.items():
+        canon = v4.to_canonical_keys(name)
+        if len(canon) == 1:
+            if name.endswith(v4.HASH_TABLE):
+                entry = _Entry(entry.rule, entry.parts, [_Cast(s, v4.DEV_HASH_DTYPE) for s in entry.shards],
+                               entry.where)
+            out[canon[0]] = entry
+            continue
+        slices = v4.part_slices(name, hidden)
+        dim, _, count = slices[0]
+        for shard, where in zip(entry.shards, entry.where):
+            if len(shard.shape) <= dim or shard.shape[dim] != len(canon) * count:
+                raise CheckpointError(f"{where}: {name} has shape {list(shard.shape)}, expected {len(canon) * count} "
+                                      f"along dim {dim} ({' | '.join(canon)}); the args do not match the files")
+        for target, (dim, start, count) in zip(canon, slices):
+            out[target] = _Entry(rule_for(target, LOCAL_SPEC), entry.parts,
+                                 [_Slice(s, dim, start, count) for s in entry.shards], list(entry.where))
+    return out
 
 
 def _canonical_entries(entries: dict[str, _Entry], dims: MLADims) -> dict[str, _Entry]:

@@ -23,11 +23,13 @@ from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
 from mcore_proxy.checkpoint.mindspeed_llm import (MegatronNamedView, MindSpeedNamedView, has_extra_state,
                                                   naming_args, written_naming)
+from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming, MindSpeedV4NamedView
 from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
                                           embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
                                           split_expert_name, to_local_layer, to_mtp_model_layer)
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, chunks_of, refuse_noop_layers, target_args
+from mcore_proxy.checkpoint.target import (check_fits, checkpoint_version, chunks_of, refuse_dsv4_tp, refuse_noop_layers,
+                                          target_args)
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
@@ -188,6 +190,8 @@ def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shar
 
 def _named(view: ModelView, target: ParallelLayout) -> ModelView:
     """The view under the names the target writes (checkpoint/mindspeed_llm.py)."""
+    if isinstance(target.naming, MindSpeedV4Naming):
+        return MindSpeedV4NamedView(view, target.naming)
     if target.naming is not None:
         return MindSpeedNamedView(view, target.naming)
     return view if view.info.naming is None else MegatronNamedView(view)
@@ -219,6 +223,7 @@ class LegacyWriter(Writer):
         view = _named(view, target)
         refuse_noop_layers(view, "legacy", target)
         check_fits(view, target)
+        refuse_dsv4_tp(view, target)
         if target.etp not in (1, target.tp):
             raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
                                   "rank folders cannot say which other expert shard they hold")

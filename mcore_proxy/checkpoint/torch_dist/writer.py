@@ -31,7 +31,8 @@ from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.mindspeed_llm import naming_args
 from mcore_proxy.checkpoint.names import KeyStyle, linear_extra_state, object_key
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import check_fits, checkpoint_version, refuse_noop_layers, target_args
+from mcore_proxy.checkpoint.target import (check_fits, checkpoint_version, refuse_dsv4_tp, refuse_noop_layers,
+                                          target_args)
 from mcore_proxy.checkpoint.torch_dist.files import BACKEND, COMMON_FILE, CONFIG, CONFIG_FILE, CONTENT_METADATA, DCP_METADATA
 from mcore_proxy.checkpoint.torchfile import save_object
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
@@ -153,6 +154,7 @@ class DistWriter(Writer):
         the layers stacked on one key agree in shape and dtype."""
         refuse_noop_layers(view, "torch_dist")
         check_fits(view, target)
+        refuse_dsv4_tp(view, target)
         args = dist_args(view, target)
         checkpoint_version(view)
         style = KeyStyle.from_args(args, view.spec)

@@ -192,16 +192,18 @@ def test_the_release_converts_once_dequantized(v4, tmp_path, capsys):
 
 
 def test_megatron_lm_limits_are_refused_in_one_sentence(v4, tmp_path, capsys):
-    """TP > 1 (Megatron-LM's V4 attention is TP 1 only), MindSpeed-LLM's naming (not mapped), and a
-    config.json whose layer types disagree with the compressors the shards hold (args made from it
-    would build other layers)."""
+    """TP > 1 (Megatron-LM's V4 attention is TP 1 only; MindSpeed-LLM's names, whose V4 is tensor
+    parallel, are tests/checkpoint/test_mindspeed_llm_v4.py's), MindSpeed-LLM's names in torch_dist
+    (MindSpeed-LLM saves legacy), and a config.json whose layer types disagree with the compressors
+    the shards hold (args made from it would build other layers)."""
     wrong = tmp_path / "wrong"
     shutil.copytree(v4["src"], wrong)
     config = json.loads((wrong / "config.json").read_text())
     config["layer_types"][1] = "heavily_compressed_attention"
     (wrong / "config.json").write_text(json.dumps(config))
     for src, extra, says in ((v4["src"], ["--target-tp", "2"], "tensor-parallel size 1 only"),
-                             (v4["src"], ["--naming", "mindspeed-llm"], "MindSpeed-LLM names and shards"),
+                             (v4["src"], ["--naming", "mindspeed-llm", "--format", "torch_dist"],
+                              "written in the legacy format only"),
                              (wrong, [], "layers.1 has compress ratio 8 (config.json), but its compressor holds 4 rows")):
         out = tmp_path / "out"
         assert main(["convert", str(src), "-o", str(out), "--format", "legacy", *extra]) == 2
