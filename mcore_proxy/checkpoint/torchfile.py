@@ -23,11 +23,13 @@ import pickle
 import struct
 import types
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mcore_proxy.checkpoint.descriptors import POOL
 from mcore_proxy.checkpoint.safe_globals import (READ_GLOBALS, Unresolved, enum_by_name, global_enum_member,
                                                  is_emittable, torch_load_allowing, unresolved_class)
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
@@ -222,28 +224,27 @@ def brief_error(err: BaseException) -> str:
 class TorchFile:
     """One `torch.save` zip file, opened for lazy reading. `obj` is the unpickled structure.
 
-    Only `obj` and one descriptor stay in memory: the zip index is dropped once unpickled (every
-    storage carries its member's place), so a reader holding hundreds of rank files keeps just
-    the LazyTensors it took, and `drop_structure` lets it forget the rest of `obj`.
+    Only `obj` stays in memory: the zip index is dropped once unpickled (every storage carries its
+    member's place), so a reader holding hundreds of rank files keeps just the LazyTensors it took,
+    and `drop_structure` lets it forget the rest of `obj`. Tensor bytes are pread through a
+    descriptor borrowed from `descriptors.POOL`, so thousands of rank files need no more open files
+    than the pool's bound.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._offsets: dict[str, int] = {}
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-            # the zip index and data.pkl: read once through a second descriptor, advised alike
+            # the zip index and data.pkl: read once, then the descriptor is closed
             with open(self.path, "rb") as fh:
                 if hasattr(os, "posix_fadvise"):
                     # we pread exactly the tensors we need; readahead would pull in dropped experts
                     # (with the kernel's read_ahead_kb of several MiB, a file's metadata reads alone
                     # pulled in about 1 MiB of every rank file: bench/RESULTS.md, DeepSeek-V3 scale)
-                    for fd in (self._fd, fh.fileno()):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
                 with zipfile.ZipFile(fh) as zf:
                     self.obj = unpickle_torch_zip(zf, self)
         except UNREADABLE as err:
-            self.close()
             raise CheckpointError(
                 f"{self.path}: not a readable torch checkpoint ({brief_error(err)}); the file is truncated or "
                 "damaged, copy it again from the source") from None
@@ -253,13 +254,24 @@ class TorchFile:
         already taken from it stay readable, the rest is freed."""
         self.obj = None
 
+    @contextmanager
+    def _fd(self):
+        """This file's descriptor from the pool (CheckpointError if it can no longer be opened)."""
+        try:
+            with POOL.borrow(self.path) as fd:
+                yield fd
+        except OSError as err:
+            raise CheckpointError(f"{self.path}: cannot be read any more ({err.strerror}); the checkpoint changed "
+                                  "while it was read, copy it again from the source") from None
+
     def _data_offset(self, storage: _StorageRef) -> int:
         """Byte offset of a stored member's data: torch writes members uncompressed, so a
         tensor's bytes are one run of the file, read with pread and no copy through zipfile.
         (The unpickler already checked the member exists, is stored and holds the storage.)"""
         member = storage.member
         if member not in self._offsets:
-            header = os.pread(self._fd, 30, storage.header_offset)
+            with self._fd() as fd:
+                header = os.pread(fd, 30, storage.header_offset)
             if len(header) != 30 or header[:4] != b"PK\x03\x04":
                 raise CheckpointError(f"{self.path}: bad local header of {member}; the file is truncated "
                                       "or damaged, copy it again from the source")
@@ -277,12 +289,13 @@ class TorchFile:
         out = torch.empty(count, dtype=storage.dtype)
         buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
         done = 0
-        while done < len(buf):  # pread may return short counts on large reads
-            n = os.preadv(self._fd, [buf[done:]], offset + start * item + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: {storage.member} ends early; the file is truncated, "
-                                      "copy it again from the source")
-            done += n
+        with self._fd() as fd:
+            while done < len(buf):  # pread may return short counts on large reads
+                n = os.preadv(fd, [buf[done:]], offset + start * item + done)
+                if n <= 0:
+                    raise CheckpointError(f"{self.path}: {storage.member} ends early; the file is truncated, "
+                                          "copy it again from the source")
+                done += n
         return out
 
     def byte_range(self, storage: _StorageRef, start: int, count: int) -> tuple[int, int]:
@@ -293,15 +306,13 @@ class TorchFile:
     def will_need(self, offset: int, length: int) -> None:
         """Start reading bytes [offset, offset+length) in the background (POSIX_FADV_WILLNEED; a
         hint: nothing happens where unsupported)."""
-        if length > 0 and hasattr(os, "posix_fadvise") and self._fd is not None:
-            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+        if length > 0 and hasattr(os, "posix_fadvise"):
+            with self._fd() as fd:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def close(self):
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            os.close(fd)
-
-    __del__ = close
+        """Close this file's pooled descriptor if open (reads reopen it)."""
+        POOL.forget(self.path)
 
 
 def materialize(obj):

@@ -1,0 +1,90 @@
+"""Read-only file descriptors of many checkpoint files, a bounded number open at once.
+
+A legacy checkpoint of a large job has one rank file per TP x PP x EP rank: 512 to several
+thousand files, more than a process may hold open (`ulimit -n`, 1,024 by default). Readers index
+every file once and then pread the tensors they need, in whatever order the writer asks, so they
+borrow descriptors from one pool instead of holding one per file: a file's descriptor is opened on
+first use and closed again when the pool is full and it is the least recently used one not being
+read (`borrow` is a context manager; threads may share the pool). Each descriptor is opened with
+POSIX_FADV_RANDOM: readers pread exactly the bytes they need, and the kernel's readahead would
+pull in the dropped experts beside them (bench/RESULTS.md, DeepSeek-V3 scale).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+
+try:
+    import resource
+except ImportError:      # not on every platform; the pool then keeps its default bound
+    resource = None
+
+DEFAULT_LIMIT = 128      # far below 1,024; a quarter of a lower soft limit
+
+
+def default_limit() -> int:
+    """How many descriptors the pool keeps open: 128, or a quarter of a lower `ulimit -n` (the
+    rest is left to the interpreter, sockets, output files and libraries), at least 4."""
+    if resource is None:
+        return DEFAULT_LIMIT
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_LIMIT
+    return max(4, min(DEFAULT_LIMIT, soft // 4))
+
+
+class DescriptorPool:
+    """Path -> an open read-only descriptor, at most `limit` idle ones kept (least recently used
+    closed first; one being read is never closed under its reader)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit or default_limit()
+        self._open: OrderedDict[Path, int] = OrderedDict()
+        self._busy: dict[Path, int] = {}          # path -> readers inside `borrow`
+        self._lock = threading.Lock()
+        self.opened = 0                           # descriptors opened so far (tests, benches)
+
+    def _evict(self) -> None:
+        for path in list(self._open):
+            if len(self._open) < self.limit:
+                return
+            if not self._busy.get(path):
+                os.close(self._open.pop(path))
+
+    @contextmanager
+    def borrow(self, path: Path):
+        """The open descriptor of `path` for the duration of the block (OSError if it cannot be
+        opened: the caller names the file)."""
+        with self._lock:
+            fd = self._open.get(path)
+            if fd is None:
+                self._evict()
+                fd = os.open(path, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._open[path] = fd
+                self.opened += 1
+            self._open.move_to_end(path)
+            self._busy[path] = self._busy.get(path, 0) + 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._busy[path] -= 1
+                if not self._busy[path]:
+                    del self._busy[path]
+
+    def forget(self, path: Path) -> None:
+        """Close the descriptor of `path` if it is open and idle (its file is done with)."""
+        with self._lock:
+            if path in self._open and not self._busy.get(path):
+                os.close(self._open.pop(path))
+
+    def open_count(self) -> int:
+        return len(self._open)
+
+
+POOL = DescriptorPool()
