@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,17 +103,19 @@ class RoutingStats:
     def __post_init__(self):
         if not self.layers:
             raise StatsError("routing statistics hold no MoE layer")
-        shapes = {(s.num_experts, s.hidden_size) for s in self.layers.values()}
+        shapes = self.layers.shapes() if isinstance(self.layers, StreamedLayers) else \
+            {(s.num_experts, s.hidden_size) for s in self.layers.values()}
         if len(shapes) != 1:
             raise StatsError(f"routing statistics mix layer shapes (E, H) {sorted(shapes)}")
+        object.__setattr__(self, "_shape", next(iter(shapes)))
 
     @property
     def num_experts(self) -> int:
-        return next(iter(self.layers.values())).num_experts
+        return int(self._shape[0])
 
     @property
     def hidden_size(self) -> int:
-        return next(iter(self.layers.values())).hidden_size
+        return int(self._shape[1])
 
     @property
     def layer_ids(self) -> list[str]:
@@ -188,23 +191,93 @@ def _parse_key(key: str) -> tuple[str, str]:
     raise ValueError(key)
 
 
-def load_stats(path: str | os.PathLike) -> RoutingStats:
-    """Read one statistics file (and its sidecar); StatsError names the file on any defect."""
+class StreamedLayers(Mapping):
+    """Layer id -> LayerStats read from the file when asked for and not kept, so a caller that
+    takes one layer at a time holds one layer's statistics ([E, E] co-activation and [E, H]
+    prototypes: about 15 MiB per layer at E = 256, H = 7168), whatever the depth. The file's
+    header was checked when it was opened (`load_stats(stream=True)`)."""
+
+    def __init__(self, path: Path, keys: dict[str, dict[str, str]], shapes: dict[str, tuple[int, int]]):
+        self.path, self._keys, self._shapes = path, keys, shapes
+
+    def __getitem__(self, layer_id: str) -> LayerStats:
+        from safetensors import safe_open
+
+        keys = self._keys[layer_id]
+        try:
+            with safe_open(str(self.path), framework="numpy") as f:
+                t = {name: f.get_tensor(key) for name, key in keys.items()}
+        except OSError as err:
+            raise StatsError(f"{self.path}: cannot be read any more ({err}); keep the statistics file in place "
+                             "while select runs") from None
+        return LayerStats(int(t["tokens"][0]), t["freq"], t["gate_mass"], t["coact"], t["proto_sum"],
+                          t.get("saliency_sum"))
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def shapes(self) -> set[tuple[int, int]]:
+        """The (E, H) of every layer, from the header."""
+        return set(self._shapes.values())
+
+
+def _streamed_layers(path: Path) -> StreamedLayers:
+    """The layers of a statistics file from its header alone: every field present, shapes that
+    LayerStats accepts, one token count per layer (StatsError names the file otherwise)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
+                         "re-run the trace or remove it from the folder") from None
+    keys: dict[str, dict[str, str]] = {}
+    for key in shapes:
+        try:
+            layer_id, name = _parse_key(key)
+        except ValueError:
+            raise StatsError(f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> "
+                             "or mtp.K.<field>") from None
+        keys.setdefault(layer_id, {})[name] = key
+    sizes = {}
+    for layer_id, fields in keys.items():
+        missing = [n for n in REQUIRED_FIELDS if n not in fields]
+        if missing:
+            raise StatsError(f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is "
+                             "incomplete, re-run the trace")
+        proto = shapes[fields["proto_sum"]]
+        e = shapes[fields["freq"]][0] if shapes[fields["freq"]] else 0
+        want = {"tokens": (1,), "freq": (e,), "gate_mass": (e,), "coact": (e, e), "saliency_sum": (e,)}
+        bad = [n for n, shape in want.items() if n in fields and shapes[fields[n]] != shape]
+        if bad or len(proto) != 2 or proto[0] != e:
+            name = bad[0] if bad else "proto_sum"
+            raise StatsError(f"{path}: layer {layer_id} field {name} has shape {list(shapes[fields[name]])}, "
+                             f"which does not fit {e} experts; the file is damaged, re-run the trace")
+        sizes[layer_id] = (e, proto[1])
+    return StreamedLayers(path, keys, sizes)
+
+
+def load_stats(path: str | os.PathLike, stream: bool = False) -> RoutingStats:
+    """Read one statistics file (and its sidecar); StatsError names the file on any defect.
+    `stream`: read each layer only when asked for (`StreamedLayers`; the file must stay in place)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     path = Path(path)
-    side = sidecar_path(path)
     if not path.is_file():
         raise StatsError(f"{path}: routing-statistics file not found; pass a file written by "
                          "`mcore-proxy stats merge` or a trace rank file")
+    if stream:
+        return _with_meta(path, _streamed_layers(path))
     try:
         raw = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
                          "re-run the trace or remove it from the folder") from None
-    meta = (read_json_object(side, "statistics sidecar", "re-run the trace or remove it", StatsError)
-            if side.is_file() else {})
     fields: dict[str, dict[str, np.ndarray]] = {}
     for key, value in raw.items():
         try:
@@ -221,6 +294,14 @@ def load_stats(path: str | os.PathLike) -> RoutingStats:
                              "incomplete, re-run the trace")
         layers[layer_id] = LayerStats(int(f["tokens"][0]), f["freq"], f["gate_mass"],
                                       f["coact"], f["proto_sum"], f.get("saliency_sum"))
+    return _with_meta(path, layers)
+
+
+def _with_meta(path: Path, layers) -> RoutingStats:
+    """RoutingStats of `layers` with the sidecar beside `path` (its `topk` required)."""
+    side = sidecar_path(path)
+    meta = (read_json_object(side, "statistics sidecar", "re-run the trace or remove it", StatsError)
+            if side.is_file() else {})
     if "topk" not in meta:
         raise StatsError(f"{side}: sidecar missing or without 'topk'; keep the .json written "
                          "beside every statistics file")

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                                                       replace=args.force, inputs=inputs))
         report_dir = args.report and outputs.enter_context(
             staged_files(args.report, "report", REPORT_FILES, replace=args.force, inputs=inputs))
-        stats = load_stats(args.stats)
+        stats = load_stats(args.stats, stream=True)   # one layer's statistics in memory at a time
         view = open_checkpoint(args.ckpt)
         check_stats_match(stats, view.spec, str(args.stats))
         common = dict(target_ep=args.target_ep, group_policy=args.group_policy, seed=args.seed)
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             coact_mode=args.coact_mode, norm=args.norm, router_metric=args.router_metric,
             restarts=args.restarts, representative=args.representative,
             weight_search=args.weight_search, progress=functools.partial(tqdm, desc="select", unit="layer"),
-            **common)
+            keep_matrices=bool(args.report), **common)
         report = []
         if args.report:  # the report first: a plan is written only by a command that succeeds
             baselines = {m: run_selection(view, stats, args.num_experts, method=m, **common)[0]

@@ -369,9 +369,11 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
                   num_groups: int | None = None, group_topk: int | None = None,
                   score_function: str | None = None, representative: str | None = None,
                   weight_search: bool | None = None,
-                  progress: Callable[[Iterable], Iterable] | None = None,
+                  progress: Callable[[Iterable], Iterable] | None = None, keep_matrices: bool = True,
                   ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
-    """`select_experts` (same arguments), also returning per-layer details for the report."""
+    """`select_experts` (same arguments), also returning per-layer details for the report
+    (`keep_matrices` False: without the fused distance matrices and cluster labels, so memory does
+    not grow with depth)."""
     spec, facts, get_weight, iteration, fingerprint = _router_source(
         source, stats, num_groups, group_topk, score_function)
     representative, weight_search, fallback = resolve_refinements(
@@ -406,6 +408,8 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         fn = (reconstruct.layer_function(source, lid, stats.layers[lid], weight)
               if opts.reconstructs else None)
         layers[lid], details[lid] = select_layer(lid, stats.layers[lid], weight, setup, opts, fn)
+        if not keep_matrices:   # [E, E] per layer: only the report draws them
+            details[lid] = dataclasses.replace(details[lid], fused=None, labels=None)
         if lid in hashed:
             weight = reconstruct.as_float64(get_weight(lid)) if weight is None else weight
             layers[lid] = dataclasses.replace(layers[lid], substitutes=hash_substitutes(layers[lid], weight))
