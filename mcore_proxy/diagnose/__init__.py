@@ -1,12 +1,14 @@
 """Metric logs of training runs, anomaly signatures, and the original-vs-proxy comparison.
 
-    read_log(path) -> RunLog                       (readers: TensorBoard, JSONL, CSV, console)
+    read_log(path) -> RunLog                       (readers: TensorBoard, JSONL, CSV, consoles of
+                                                    Megatron/MindSpeed-RL/verl/TRL, TRL trainer state,
+                                                    MLflow, W&B and SwanLab offline runs; docs/logs.md)
     metric_signature(name, base, fault)            (signature: shift, trend, onset)
     compare_runs({role: RunLog}) -> Comparison     (compare: per-metric match, verdict)
     write_report(out, comparison)                  (report: JSON, Markdown, PNG)
 
 Importing this package imports nothing heavy (numpy on use; scipy, ruptures, tensorboard and
-matplotlib inside the functions that need them).
+matplotlib inside the functions that need them; a missing one is `extras.MissingPackage`, exit 2).
 """
 from __future__ import annotations
 

@@ -4,25 +4,38 @@ Names are matched after `normalise` (lower case, spaces and dashes as underscore
 order: the first name a run has wins (verl logs both `critic/score/mean` and
 `critic/rewards/mean`; the score, before KL or length penalties, is the reward of a verifiable task).
 
-Sources: verl (`critic/score/mean`, `actor/kl_loss`, `actor/ppo_kl`, `actor/entropy`,
-`actor/grad_norm`, `training/rollout_probs_diff_mean`, `response_length/mean`), MindSpeed-RL
-(`grpo/score/mean`, `actor/...`, `response_length/mean`), Megatron's console and TensorBoard
-(`grad norm`, `grad-norm`), TRL (`reward`, `kl`, `entropy`, `completions/mean_length`).
+Sources (docs/logs.md has the table):
+- verl (0.9 source: `compute_data_metrics`, the actor's `append_to_dict`, `rollout_corr_helper`):
+  `critic/score/mean`, `critic/rewards/mean`, `actor/kl_loss`, `actor/ppo_kl`, `actor/entropy`,
+  `actor/grad_norm`, `actor/pg_loss`, `actor/pg_clipfrac`, `training/rollout_probs_diff_mean`,
+  `rollout_corr/log_ppl_abs_diff`, `response_length/mean`;
+- MindSpeed-RL (docs/zh/features/log_metrics.md and its trainers): `grpo/score/mean`,
+  `grpo/rewards/mean`, `critic/score/mean`, `actor/kl_loss`, `actor/ppo_kl`, `actor/entropy`,
+  `actor/pg_loss`, `actor/pg_clipfrac`, `grad_norm` (its docs) / `actor/grad_norm` (its code),
+  `response_length/mean`; its `timing/*`, `*_tps`, `actor/lr` are read but not aliased;
+- TRL's GRPOTrainer (1.x `_metrics`): `reward`, `kl`, `entropy`, `completions/mean_length`,
+  `clip_ratio/region_mean`, `policy_loss`, `sampling/sampling_logp_difference/mean`, and the
+  Trainer's `grad_norm`; written to TensorBoard under `train/`;
+- Megatron's console and TensorBoard (`grad norm`, `grad-norm`).
 """
 from __future__ import annotations
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "reward": ("critic/score/mean", "grpo/score/mean", "critic/rewards/mean", "grpo/rewards/mean",
-               "rewards/mean", "reward/mean", "reward", "score/mean", "score", "train/reward"),
-    "kl_loss": ("actor/kl_loss", "kl_loss", "train/kl_loss", "kl"),
+               "rewards/mean", "reward/mean", "reward", "train/reward", "score/mean", "score"),
+    "kl_loss": ("actor/kl_loss", "kl_loss", "train/kl_loss", "kl", "train/kl"),
     "ppo_kl": ("actor/ppo_kl", "ppo_kl", "actor/approx_kl", "approx_kl"),
     "entropy": ("actor/entropy", "actor/entropy_loss", "entropy", "train/entropy"),
     "grad_norm": ("actor/grad_norm", "grad_norm", "train/grad_norm"),
     "logprob_diff": ("training/rollout_probs_diff_mean", "training/rollout_logprob_diff_mean",
-                     "rollout/logprob_diff", "logprob_diff", "rollout_logprob_diff"),
-    "response_length": ("response_length/mean", "completions/mean_length", "response_length"),
-    "clipfrac": ("actor/pg_clipfrac", "pg_clipfrac", "clipfrac"),
-    "pg_loss": ("actor/pg_loss", "pg_loss"),
+                     "rollout/logprob_diff", "logprob_diff", "rollout_logprob_diff",
+                     "sampling/sampling_logp_difference/mean", "train/sampling/sampling_logp_difference/mean",
+                     "rollout_corr/log_ppl_abs_diff"),
+    "response_length": ("response_length/mean", "completions/mean_length", "train/completions/mean_length",
+                        "response_length"),
+    "clipfrac": ("actor/pg_clipfrac", "pg_clipfrac", "clipfrac", "clip_ratio/region_mean",
+                 "train/clip_ratio/region_mean"),
+    "pg_loss": ("actor/pg_loss", "pg_loss", "policy_loss", "train/policy_loss"),
 }
 
 DESCRIPTIONS = {

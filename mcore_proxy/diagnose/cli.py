@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from mcore_proxy.diagnose.extras import missing_packages_are_bad_setup
 from mcore_proxy.errors import CheckFailed, ProxyError
 from mcore_proxy.flags import add_command, emit
 
@@ -26,7 +27,8 @@ def register(subparsers) -> None:
                                 "evidence per metric (it checks nothing: exit 0).")
     for role, what in ROLE_ARGS:
         p.add_argument(f"--{role}", metavar="LOG",
-                       help=f"metric log of the {what} run: TensorBoard folder, .jsonl, .csv or console log")
+                       help=f"metric log of the {what} run: TensorBoard folder, .jsonl, .csv, console log (Megatron, "
+                            "MindSpeed-RL, verl, TRL), trainer_state.json, MLflow run, W&B/SwanLab offline run")
     p.add_argument("--run", metavar="LOG", help="triage: the metric log of the run to diagnose")
     p.add_argument("--baseline", metavar="LOG", help="triage: the log of a healthy run of the same setting")
     p.add_argument("--library", metavar="LIB", help="triage: library.json written by `mcore-proxy campaign`")
@@ -39,6 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", metavar="DIR", help="write report.json, report.md and PNG curves here")
 
 
+@missing_packages_are_bad_setup("compare")
 def run_compare(args) -> int:
     roles = [r for r, _ in ROLE_ARGS if getattr(args, r.replace("-", "_"))]
     triage = [n for n in ("run", "baseline", "library") if getattr(args, n)]
@@ -106,7 +109,8 @@ def register_watch(subparsers) -> None:
     p = add_command(subparsers, "watch", run_watch,
                     help="follow a run's metric log and warn early, with the step each trouble began",
                     checks="an alert of a --fail-on detector; the watch stops at the first",
-                    description="Follow a growing metric log (TensorBoard folder, JSONL, CSV or console log) "
+                    description="Follow a growing metric log (TensorBoard folder, JSONL, CSV, console log of "
+                                "Megatron/MindSpeed-RL/verl/TRL, TRL trainer state, MLflow run, W&B/SwanLab offline run) "
                                 "and report early signs of trouble with the step where each began: reward "
                                 "plateau, log-prob difference or PPO KL rising, entropy collapse, grad-norm "
                                 "spikes, and with --baseline a significant divergence from it in any metric. "
@@ -114,8 +118,8 @@ def register_watch(subparsers) -> None:
                                 "--json one document at the end; a live one-screen view on stderr when it is "
                                 "a terminal. It stops with --once, --idle, at a --fail-on alert, or on a "
                                 "signal.")
-    p.add_argument("log", metavar="LOGDIR", help="the run's log: TensorBoard folder, .jsonl, .csv or console "
-                                                 "log; it may not exist yet")
+    p.add_argument("log", metavar="LOGDIR", help="the run's log (any format compare reads, docs/logs.md); it "
+                                                 "may not exist yet")
     p.add_argument("--baseline", metavar="LOG", help="a healthy run's log to diverge from")
     p.add_argument("--every", default="30s", metavar="DURATION", help="check interval (default 30s)")
     p.add_argument("--once", action="store_true", help="check once and stop")
@@ -162,6 +166,7 @@ def _detectors(text: str, flag: str, allow_any: bool) -> tuple:
     return names
 
 
+@missing_packages_are_bad_setup("watch")
 def run_watch(args) -> int:
     import sys
     import time

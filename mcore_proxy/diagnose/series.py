@@ -53,7 +53,8 @@ class Series:
 @dataclass(frozen=True)
 class RunLog:
     """One run's metrics as its log names them. `source`: the file or folder read; `format`:
-    tensorboard | jsonl | csv | console."""
+    tensorboard | jsonl | csv | console (Megatron/MindSpeed-RL) | verl-console | trl-console | trl-state |
+    mlflow | wandb | swanlab."""
 
     source: str
     format: str

@@ -43,8 +43,24 @@ def write_jsonl(path, data: dict[str, np.ndarray], drop: tuple = ()) -> str:
     return str(path)
 
 
+def write_verl_console(path, data: dict[str, np.ndarray]) -> str:
+    """The curves as a verl console log: each step's record as verl's `concat_dict_to_str` prints it
+    (`step:N - key:pformat(value)`, numpy 2 scalars as `np.float64(x)`; see tests/data/verl_console.log
+    for lines printed by verl itself) behind a Ray prefix, between tqdm bar updates and a warning."""
+    import pprint
+
+    n = len(next(iter(data.values())))
+    with open(path, "w") as f:
+        f.write("(TaskRunner pid=7) TaskRunner hostname: node-1\n(WorkerDict pid=8) UserWarning: something\n")
+        for step in range(n):
+            record = " - ".join([f"step:{step}"] + [f"{k}:{pprint.pformat(np.float64(v[step]))}" for k, v in data.items()])
+            f.write(f"(TaskRunner pid=7) {record}\n")
+            f.write(f"(TaskRunner pid=7) Training Progress: {step}/{n} [00:01<00:02]\rTraining Progress: {step + 1}/{n}\n")
+    return str(path)
+
+
 @pytest.fixture
 def synthetic():
     from types import SimpleNamespace
 
-    return SimpleNamespace(curves=curves, write_jsonl=write_jsonl, DATA=DATA)
+    return SimpleNamespace(curves=curves, write_jsonl=write_jsonl, write_verl_console=write_verl_console, DATA=DATA)

@@ -1,0 +1,46 @@
+"""TensorBoard event files: every `events.out.tfevents.*` under a folder, in name order (a
+restarted run's later file wins on a step logged twice), read with the `tensorboard` package's
+event-file loader (scalars written as `simple_value` or as scalar tensors). The tensorboard package
+comes with the `diagnose` extra."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mcore_proxy.diagnose.extras import MissingPackage, missing_sentence
+from mcore_proxy.diagnose.readers.common import FORMATS_HINT, finish, new_points
+from mcore_proxy.diagnose.series import RunLog
+from mcore_proxy.errors import LogError
+
+TB_PATTERN = "events.out.tfevents.*"
+
+
+def event_files(path: Path) -> list[Path]:
+    return sorted(path.rglob(TB_PATTERN)) if path.is_dir() else [path]
+
+
+def read_tensorboard(path: Path) -> RunLog:
+    files = event_files(path)
+    if not files:
+        raise LogError(f"{path}: folder holds no TensorBoard event file ({TB_PATTERN}) nor another known "
+                       f"log; {FORMATS_HINT}")
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import (
+            EventFileLoader,
+        )
+        from tensorboard.util import tensor_util
+    except ImportError as err:
+        raise MissingPackage(f"{path}: " + missing_sentence("tensorboard", "reading TensorBoard logs", err)) from None
+    points = new_points()
+    for file in files:
+        try:
+            for event in EventFileLoader(str(file)).Load():
+                for value in event.summary.value:
+                    array = tensor_util.make_ndarray(value.tensor) if value.HasField("tensor") else None
+                    if array is not None and array.size == 1 and array.dtype.kind in "fiub":
+                        points[value.tag].append((event.step, float(array.reshape(-1)[0])))
+        except Exception as err:  # the loader raises protobuf/IO errors of many kinds on bad files
+            raise LogError(f"{file}: not a readable TensorBoard event file ({type(err).__name__}: "
+                           f"{err}); pass the folder a SummaryWriter wrote") from None
+    return finish(path, "tensorboard", points, f"{len(files)} event file(s) without scalars")

@@ -1,0 +1,102 @@
+"""Weights & Biases offline (or not yet synced) runs: `wandb/offline-run-<date>-<id>/run-<id>.wandb`.
+
+The `.wandb` file is W&B's transaction log (protobuf records in LevelDB-log framing), a private
+format whose Python reader was removed from the wandb package (wandb-core, in Go, reads it now). It
+is read through wandb's own command line, `python -m wandb leet inspect --json FILE`, which prints
+every record as one JSON line with no network (tested with wandb 0.31); the `history` records hold
+`{"item": {key: value, "_step": N, ...}, "step": {"num": N}}`. Keys starting with `_` (`_step`,
+`_runtime`, `_timestamp`) are W&B's own and skipped; nested dicts are flattened with `.` as W&B
+shows them.
+
+Accepted paths: the `.wandb` file, its run folder, or a `wandb/` folder holding exactly one run
+(with several, the reader refuses and lists them; `wandb/latest-run` names the newest).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mcore_proxy.diagnose.extras import READER_PACKAGES, MissingPackage
+from mcore_proxy.diagnose.readers.common import finish, new_points, number
+from mcore_proxy.diagnose.series import RunLog
+from mcore_proxy.errors import LogError
+
+EXPORT = "or sync it (wandb sync) and export its history to CSV"
+TIMEOUT = 120
+
+
+def run_file(folder: Path) -> Path | None:
+    files = sorted(folder.glob("run-*.wandb"))
+    return files[-1] if files else None
+
+
+def run_folders(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
+                  and p.name.startswith(("offline-run-", "run-")) and run_file(p) is not None)
+
+
+def is_wandb(folder: Path) -> bool:
+    return run_file(folder) is not None or bool(run_folders(folder))
+
+
+def _flatten(item: dict, prefix: str = ""):
+    for key, value in item.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _have_wandb() -> bool:
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def read_wandb(path: Path) -> RunLog:
+    if path.is_dir():
+        file = run_file(path)
+        if file is None:
+            found = run_folders(path)
+            if len(found) > 1:
+                listed = ", ".join(p.name for p in found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+                raise LogError(f"{path}: a W&B folder with {len(found)} runs ({listed}); pass one run's "
+                               f"folder, e.g. {path / 'latest-run'}")
+            file = run_file(found[0])
+    else:
+        file = path
+    if not _have_wandb():
+        raise MissingPackage(f"{file}: reading a W&B run needs the Python package wandb, which is not installed: "
+                       f"{READER_PACKAGES['wandb']} ({EXPORT})")
+    try:
+        done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(file)],
+                              capture_output=True, text=True, timeout=TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise LogError(f"{file}: wandb could not read it ({err}); {EXPORT}") from None
+    if done.returncode != 0 and not done.stdout.strip():
+        why = " ".join((done.stderr.strip().splitlines() or ["no message"])[-1].split())
+        raise LogError(f"{file}: `wandb leet inspect` failed ({why}); it needs wandb >= 0.31 (pip install "
+                       f"-U wandb), {EXPORT}")
+    points = new_points()
+    for line in done.stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        history = record.get("history") if isinstance(record, dict) else None
+        if not isinstance(history, dict) or not isinstance(history.get("item"), dict):
+            continue
+        item = history["item"]
+        step = (history.get("step") or {}).get("num", item.get("_step"))
+        step = number(step) if step is not None else None
+        if step is None:
+            continue
+        for key, value in _flatten(item):
+            value = number(value) if not isinstance(value, str) else None
+            if not key.startswith("_") and value is not None:
+                points[key].append((int(step), value))
+    return finish(file, "wandb", points, "no history record with a number")
