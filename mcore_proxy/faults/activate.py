@@ -5,6 +5,9 @@ Standard library only. When the watched modules are imported, `mcore_proxy.fault
     megatron.core.models.gpt.gpt_model        -> wrap GPTModel.__init__ (output-layer faults)
     torch.optim.optimizer                     -> global optimizer step hooks (update omission, clock)
     transformers.modeling_utils               -> wrap PreTrainedModel.post_init (HF MoE blocks, lm_head)
+    transformers.generation.utils             -> GenerationMixin.generate runs as a rollout phase
+    trl.trainer.utils                         -> TRL's fused LM head (log-prob passes that never
+                                                 call lm_head) sees the output-logit faults
     mindspeed.patch_utils                     -> register the __init__ wrappers with
                                                  MindSpeedPatchesManager
 """
@@ -18,6 +21,8 @@ WATCHED = {
     "megatron.core.models.gpt.gpt_model": "patch_gpt_model_module",
     "torch.optim.optimizer": "patch_torch_optimizer_module",
     "transformers.modeling_utils": "patch_transformers_module",
+    "transformers.generation.utils": "patch_generation_module",
+    "trl.trainer.utils": "patch_trl_module",
     "mindspeed.patch_utils": "patch_mindspeed_module",
 }
 

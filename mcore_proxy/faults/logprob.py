@@ -4,12 +4,16 @@ training computes them in fp32 (the rollout engine/trainer precision mismatch of
 The output layer's logits are rounded to the low precision (and cast back, so shapes and dtypes
 are what the caller expects) in the forward passes the `when` parameter names: `no_grad` (forward
 passes without autograd: generation and log-prob recomputation of a rollout), `rollout` (inside
-`mcore_proxy.faults.rollout()`), or `always`. Training forward passes are left in full precision.
+`mcore_proxy.faults.rollout()`; with environment activation also every transformers `generate`
+call), or `always`. Training forward passes are left in full precision. Log-prob passes that
+read the head's weight without calling the module (TRL's fused LM head) are reached through
+`faults/fused_head.py`.
 """
 from __future__ import annotations
 
 import torch
 
+from mcore_proxy.faults import fused_head
 from mcore_proxy.faults.base import Injector
 from mcore_proxy.faults.clock import in_rollout
 
@@ -39,4 +43,9 @@ class LogprobPrecision(Injector):
                 return (round_to(output[0], dtype), *output[1:])
             return round_to(output, dtype)
 
-        return [site.module.register_forward_hook(hook)]
+        handles = [site.module.register_forward_hook(hook)]
+        # a fused head reading the weight without calling the module (fused_head.py)
+        rounding = lambda logits: round_to(logits, dtype)  # noqa: E731
+        handles.append(fused_head.register(
+            site.module, lambda: rounding if self.applies_now() and self.on() else None))
+        return handles

@@ -12,6 +12,8 @@ others.
 """
 from __future__ import annotations
 
+import weakref
+
 from mcore_proxy.faults.base import Injector
 
 
@@ -32,14 +34,20 @@ class UpdateOmission(Injector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._hidden: dict[int, list] = {}
+        self._expert_modules: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._expert_params: set[int] = set()
 
     def attach_experts(self, site) -> list:
-        """Learn which parameters are experts' (nothing is hooked)."""
-        self._expert_params.update(id(p) for p in site.module.parameters())
+        """Learn which modules are experts (nothing is hooked). Their parameters are looked up at
+        each step: transformers' from_pretrained replaces a model's parameters after post_init,
+        where environment activation attaches."""
+        self._expert_modules[id(site.module)] = site.module
         return []
 
     attach_hf_expert = attach_experts
+
+    def _refresh_experts(self) -> None:
+        self._expert_params = {id(p) for m in list(self._expert_modules.values()) for p in m.parameters()}
 
     def is_expert(self, param, group: dict) -> bool:
         return (id(param) in self._expert_params or bool(group.get("is_expert_parallel", False))
@@ -52,6 +60,8 @@ class UpdateOmission(Injector):
     def pre_step(self, optimizer) -> None:
         if not self.on(self.clock.optimizer_step(optimizer)):
             return
+        if self.spec["group"] != "all":
+            self._refresh_experts()
         hidden = []
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -88,8 +88,9 @@ class RouterWeight(Injector):
         super().__init__(*args, **kwargs)
         self._perturbation: dict[int, torch.Tensor] = {}
 
-    def perturbation(self, weight: torch.Tensor, lid: str | None) -> torch.Tensor:
-        key = id(weight)
+    def perturbation(self, weight: torch.Tensor, lid: str | None, key: int | None = None) -> torch.Tensor:
+        """N for `weight`, drawn once per `key` (default: the weight) on first use."""
+        key = id(weight) if key is None else key
         if key not in self._perturbation:
             g = self.keyed_generator(f"layer{lid}", weight.device)
             noise = torch.randn(weight.shape, generator=g, device=weight.device, dtype=torch.float32)
@@ -98,10 +99,13 @@ class RouterWeight(Injector):
         return self._perturbation[key]
 
     def _attach(self, site):
-        weight = site.module.weight
+        module = site.module
 
         def transform(input, logits, lid):
-            delta = self.perturbation(weight, lid).to(device=logits.device, dtype=logits.dtype)
+            # the weight as it is when the router runs: transformers' from_pretrained replaces the
+            # parameters after post_init (where environment activation attaches), so rms(W) is the
+            # loaded weight's, not the random initialisation's
+            delta = self.perturbation(module.weight, lid, id(module)).to(device=logits.device, dtype=logits.dtype)
             return logits + torch.nn.functional.linear(input.to(logits.dtype), delta)
 
         return _logit_site_handles(self, site, transform)

@@ -14,7 +14,11 @@ its callback runs while `import torch` is still under way.
   `*_wrapper`, which the manager applies on top of any replacement. Wrapping is idempotent and
   each module is attached once.
 - transformers: `PreTrainedModel.post_init` (run at the end of every model's `__init__`) attaches
-  the session to the model's sparse MoE blocks and `lm_head`.
+  the session to the model's sparse MoE blocks and `lm_head`; `GenerationMixin.generate` runs
+  inside `mcore_proxy.faults.rollout()` (generation is the rollout of an RL framework that samples
+  with transformers, e.g. TRL without vLLM), which is what `logprob_precision:when=rollout` acts on.
+- TRL: its trainers compute log-probs through a fused LM head that reads `lm_head.weight` without
+  calling `lm_head`; `faults/fused_head.py` makes the output-logit faults reach those passes.
 - `MCORE_PROXY_FAULTS_REPORT=FILE`: at exit, write what each fault did as JSON (rank-suffixed
   `FILE.rank{R}` when several ranks run).
 """
@@ -119,6 +123,35 @@ def patch_gpt_model_module(module) -> None:
 def patch_transformers_module(module) -> None:
     cls = module.PreTrainedModel
     cls.post_init = _wrap_init(cls.post_init, _attach_hf_model)
+
+
+_ROLLOUT = "__mcore_proxy_faults_rollout__"
+
+
+def patch_generation_module(module) -> None:
+    """`GenerationMixin.generate` as a rollout phase (idempotent; subclasses that override
+    `generate` and call it nest, which the phase counts)."""
+    cls = getattr(module, "GenerationMixin", None)
+    if cls is None or getattr(cls.generate, _ROLLOUT, False):
+        return
+    generate = cls.generate
+
+    @functools.wraps(generate)
+    def rollout_generate(self, *args, **kwargs):
+        from mcore_proxy.faults.clock import rollout
+
+        with rollout():
+            return generate(self, *args, **kwargs)
+
+    setattr(rollout_generate, _ROLLOUT, True)
+    cls.generate = rollout_generate
+
+
+def patch_trl_module(module) -> None:
+    """Called once `trl.trainer.utils` is imported."""
+    from mcore_proxy.faults.fused_head import patch_trl_module as patch
+
+    patch(module)
 
 
 def _pre_step(optimizer, args, kwargs):
