@@ -8,15 +8,25 @@ setup(
     description="Proxy MoE models for low-cost failure reproduction in Megatron/MindSpeed RL post-training",
     python_requires=">=3.10",
     packages=find_packages(include=["mcore_proxy", "mcore_proxy.*"]),
+    # the activation a launch puts on PYTHONPATH (`mcore-proxy patches`; a checkout's patches/
+    # links to it): package data, since mcore_proxy/_patches is a folder, not a package
+    package_data={"mcore_proxy": ["_patches/sitecustomize.py"]},
     install_requires=["torch>=2.1", "numpy", "safetensors", "kmedoids", "tqdm"],
     extras_require={
+        # trl: the fault demonstration inside GRPOTrainer; mlflow-skinny (+ sqlalchemy, alembic for
+        # its SQLite store), wandb and swanlab write the logs their readers are tested on (the
+        # W&B and SwanLab readers go through those packages: versions pinned to the ones read)
         "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib",
-                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers", "accelerate"],
+                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers", "accelerate",
+                 "trl==1.16.0", "mlflow-skinny==3.18.0", "sqlalchemy", "alembic", "wandb==0.31.0",
+                 "swanlab==0.10.3"],
         "report": ["matplotlib"],
         # compare: TensorBoard event reader, change points (ruptures), statistics, PNG report
         "diagnose": ["tensorboard", "ruptures", "scipy", "matplotlib"],
         # accelerate: transformers dequantizes FP8 releases on CPU only through it
         "hf": ["transformers>=5", "tokenizers", "accelerate"],
+        # the RL framework of examples/rl_faults_trl (faults need nothing of it)
+        "rl": ["transformers>=5", "tokenizers", "accelerate", "trl>=1.16"],
         # torch_npu and mindspeed are not on the package registry in a usable form: install them
         # from the Ascend stack; mcore-proxy imports them behind guards.
         "npu": [],

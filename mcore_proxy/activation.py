@@ -1,6 +1,8 @@
 """Activation by environment, shared by the trace and the fault injectors. Standard library only.
 
-`patches/sitecustomize.py` calls `activate_from_env()` at interpreter start. Each *feature*
+The package's `_patches/sitecustomize.py` (the folder `mcore-proxy patches` prints, put on
+`PYTHONPATH` by a launch; a checkout's `patches/sitecustomize.py` links to it) calls
+`activate_from_env()` at interpreter start. Each *feature*
 (`mcore_proxy.trace.activate.FEATURE`, `mcore_proxy.faults.activate.FEATURE`) names the
 environment variable that switches it on, the runtime module that does the work, and the modules
 it watches. For every active feature one finder, first on `sys.meta_path`, lets the watched
@@ -22,6 +24,9 @@ import threading
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
+
+PATCHES_DIR = "_patches"
+SITECUSTOMIZE = "sitecustomize.py"
 
 # The features, in activation order. A new feature is one module with a `FEATURE` and one row.
 FEATURE_MODULES = ("mcore_proxy.trace.activate", "mcore_proxy.faults.activate")
@@ -153,12 +158,18 @@ def activate(feature: Feature) -> bool:
     return True
 
 
+def patches_dir() -> str:
+    """The folder to put on `PYTHONPATH` to activate by environment: the package's `_patches/`,
+    shipped in the wheel as package data (it holds only `sitecustomize.py`)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), PATCHES_DIR)
+
+
 def features() -> list[Feature]:
     return [importlib.import_module(name).FEATURE for name in FEATURE_MODULES]
 
 
 def env_vars() -> tuple[str, ...]:
-    """The variables that switch a feature on (patches/sitecustomize.py mirrors them)."""
+    """The variables that switch a feature on (`_patches/sitecustomize.py` mirrors them)."""
     return tuple(f.env_var for f in features())
 
 

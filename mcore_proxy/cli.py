@@ -3,7 +3,9 @@
 Each command module exposes `register(subparsers)`, which adds its parser through
 `mcore_proxy.flags` (the spelling table, help layout, `--json` and `--force`) and sets `func`.
 Heavy imports (kmedoids, matplotlib, megatron) happen inside the command functions only.
-Exit codes: `mcore_proxy.flags.EXIT_CODES`.
+Exit codes: `mcore_proxy.flags.EXIT_CODES`. An optional package a command needs and the install
+lacks is exit 2 with one sentence naming the extra (`mcore_proxy.optional`), also when the command
+did not check for it first.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import sys
 import traceback
 
 from mcore_proxy.errors import CheckFailed, Interrupted, ProxyError
+from mcore_proxy.optional import from_import_error
 
 # in pipeline order: the order of the top-level help
 COMMAND_MODULES = (
     "mcore_proxy.checkpoint.cli",
     "mcore_proxy.estimate.cli",
+    "mcore_proxy.patches_cli",
     "mcore_proxy.trace.cli",
     "mcore_proxy.trace.collect_cli",
     "mcore_proxy.select.cli",
@@ -43,7 +47,7 @@ EPILOG = """\
 a typical run:
   mcore-proxy inspect CKPT                               what the checkpoint holds
   mcore-proxy estimate --ckpt CKPT --num-experts 8       devices for the original and the proxy
-  PYTHONPATH=patches MCORE_PROXY_TRACE_DIR=trace <your Megatron or MindSpeed launch>
+  PYTHONPATH=$(mcore-proxy patches) MCORE_PROXY_TRACE_DIR=trace <your Megatron or MindSpeed launch>
   mcore-proxy stats merge trace                          -> trace/routing_stats.safetensors
   mcore-proxy select --ckpt CKPT --stats trace/routing_stats.safetensors --num-experts 8 -o plan.json
   mcore-proxy convert CKPT --plan plan.json -o PROXY --target-ep 1
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: error: {where}{err.strerror or err}; check the path and its permissions", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - the one place internal errors become exit code 3
+        missing = from_import_error(err) if isinstance(err, ImportError) else None
+        if missing is not None:   # an optional package no check of the command asked for first
+            print(f"{name}: error: {missing}", file=sys.stderr)
+            return 2
         if debug:
             traceback.print_exc()
         print(f"{name}: internal error: {_one_line(err)} (run with --debug or {DEBUG_ENV}=1 for the "

@@ -6,15 +6,16 @@ is one sentence and exit 2, never a traceback after half the outputs are written
 """
 from __future__ import annotations
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.optional import MissingDependency, install_command
 
 
 def require_matplotlib(option: str) -> None:
-    """Import matplotlib with the file-only Agg backend; ProxyError naming `option` if absent."""
+    """Import matplotlib with the file-only Agg backend; MissingDependency (a ProxyError, exit 2)
+    naming `option` if absent (`mcore_proxy.optional` holds the other optional packages)."""
     try:
         import matplotlib
     except ImportError:
-        raise ProxyError(f"{option} draws PNGs with matplotlib, which is not installed; install it "
-                         "with `pip install 'mcore-proxy[report]'` (or `pip install matplotlib`), "
-                         f"or leave out {option}") from None
+        raise MissingDependency(f"{option} draws PNGs with matplotlib, which is not installed; install it "
+                                f"with {install_command(['report'])} (or `pip install matplotlib`), "
+                                f"or leave out {option}", ("matplotlib",), ("report",)) from None
     matplotlib.use("Agg")

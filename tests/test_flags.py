@@ -40,6 +40,7 @@ APPLIES = {
 BASE = {
     "inspect": {"CKPT": "ck"},
     "estimate": {"-k": "4"},
+    "patches": {},
     "stats merge": {"DIR": "trace"},
     "stats show": {"STATS": "s.safetensors"},
     "select": {"--ckpt": "ck", "--stats": "s.safetensors", "-k": "4", "-o": "plan.json"},
@@ -155,7 +156,7 @@ def test_top_level_help_is_written_for_users(capsys):
     assert stop.value.code == 0
     assert "Mixture-of-Experts" in text and "thin argparse layer" not in text
     listed = re.findall(r"^    (\w+)\s", text.split("commands, in pipeline order:")[1], re.M)
-    assert listed == ["inspect", "estimate", "stats", "collect", "select", "convert", "verify", "fidelity",
+    assert listed == ["inspect", "estimate", "patches", "stats", "collect", "select", "convert", "verify", "fidelity",
                       "campaign", "watch", "compare"]
     for code in ("0", "1", "2", "3", "128+N"):
         assert re.search(rf"^  {re.escape(code)}\s+\w", text, re.M), code

@@ -61,6 +61,19 @@ def draw_library(library, path):
     return path
 
 
+def require_library_packages(config) -> None:
+    """The signature library is built from the runs' logs once the baseline has finished: without
+    the `diagnose` extra that would fail after hours of runs, so it is checked before any starts.
+    (A TensorBoard log is known for sure only once it exists; a `tfevents` name is checked here.)"""
+    from pathlib import Path
+
+    from mcore_proxy.optional import check
+
+    tensorboard = any("tfevents" in Path(entry.log).name for entry in config.entries)
+    modules = ["scipy", "ruptures"] + (["tensorboard"] if tensorboard else [])
+    check(*modules, why="campaign (its signature library of the runs' metrics)")
+
+
 def run_campaign_command(args) -> int:
     import dataclasses
 
@@ -83,6 +96,7 @@ def run_campaign_command(args) -> int:
         from mcore_proxy.plotting import require_matplotlib
 
         require_matplotlib("--png")
+    require_library_packages(config)
     result = run_campaign(config)
     lines = [f"{o.entry.name:<24} {o.status:<16} {o.seconds / 60:6.1f} min  {o.entry.spec or 'no fault'}"
              for o in result.outcomes]

@@ -5,8 +5,9 @@
   duration). A folder without it is a partial run: removed and run again. A finished run whose
   command or spec has changed since is run again too.
 - The run's console output goes to `console.log` in its folder; the fault reaches it through
-  `MCORE_PROXY_FAULTS` (and `MCORE_PROXY_FAULTS_REPORT=run_dir/faults.json`), with the
-  repository's `patches/` on `PYTHONPATH` unless the config says `"patches": false`.
+  `MCORE_PROXY_FAULTS` (and `MCORE_PROXY_FAULTS_REPORT=run_dir/faults.json`), with the installed
+  package's activation folder (`mcore-proxy patches`, the same file as a checkout's `patches/`) on
+  `PYTHONPATH` unless the config says `"patches": false`.
 - Each run is started in its own process group (so a terminal's Ctrl-C reaches the campaign, not
   the runs) and is sent SIGTERM if the campaign itself dies (PR_SET_PDEATHSIG). On SIGINT, SIGTERM
   or SIGHUP the campaign sends SIGTERM to every running group (SIGKILL after `GRACE` seconds),
@@ -60,11 +61,12 @@ class CampaignResult:
 
 
 def patches_dir() -> Path | None:
-    """The repository's `patches/` (fault activation at interpreter start), if this is a checkout."""
-    import mcore_proxy
+    """The activation folder of this mcore-proxy (fault activation at interpreter start): the
+    package's `_patches/`, installed with it (`mcore-proxy patches`); None if the install lacks it."""
+    from mcore_proxy import activation
 
-    folder = Path(mcore_proxy.__file__).resolve().parents[1] / "patches"
-    return folder if (folder / "sitecustomize.py").is_file() else None
+    folder = Path(activation.patches_dir())
+    return folder if (folder / activation.SITECUSTOMIZE).is_file() else None
 
 
 def run_env(config: CampaignConfig, entry: Entry, base: dict | None = None) -> dict:
@@ -73,9 +75,9 @@ def run_env(config: CampaignConfig, entry: Entry, base: dict | None = None) -> d
     if config.patches:
         patches = patches_dir()
         if patches is None:
-            raise ConfigError(f"{config.path}: \"patches\": true, but this mcore-proxy is not a checkout "
-                              "with patches/; put mcore-proxy's patches/ on PYTHONPATH yourself (in "
-                              '"env") and set "patches": false')
+            raise ConfigError(f"{config.path}: \"patches\": true, but this mcore-proxy install lacks its "
+                              "activation folder (mcore_proxy/_patches); reinstall mcore-proxy, or put a "
+                              'checkout\'s patches/ on PYTHONPATH yourself (in "env") and set "patches": false')
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(patches), env.get("PYTHONPATH")]))
     if not entry.is_baseline:
         env["MCORE_PROXY_FAULTS"] = entry.spec

@@ -167,10 +167,24 @@ def verify_text(d: dict) -> str:
     return "\n".join(lines)
 
 
+def require_functional_framework(orig) -> None:
+    """--functional runs the models in their framework (transformers for Hugging Face checkpoints,
+    megatron-core for Megatron ones): checked before the bit-for-bit pass, which may take long."""
+    from mcore_proxy.checkpoint.formats import detect_format, get_format
+    from mcore_proxy.optional import check
+
+    framework = get_format(detect_format(orig)).framework
+    module = {"transformers": "transformers", "megatron-core": "megatron"}.get(framework)
+    if module is not None:
+        check(module, why=f"verify --functional (it runs both models in {framework})")
+
+
 def run_verify(args) -> int:
     from mcore_proxy.convert.verify import verify
     from mcore_proxy.errors import CheckFailed
 
+    if args.functional:
+        require_functional_framework(args.orig)
     report = verify(args.orig, args.proxy, args.plan, functional=args.functional)
     doc = verify_dict(report)
     emit(args, "verify", doc, verify_text(doc))

@@ -69,6 +69,11 @@ def draw(report: dict, path: Path) -> None:
 
 
 def run_fidelity(args) -> int:
+    from mcore_proxy.optional import check
+
+    # both models run in transformers; -o draws with matplotlib: one sentence for all that is missing
+    check("transformers", *(["matplotlib"] if args.out is not None else []),
+          why="fidelity" + (" -o" if args.out is not None else ""))
     from mcore_proxy.checkpoint.output import staged_files
     from mcore_proxy.fidelity.measure import measure
 

@@ -23,6 +23,9 @@ def register(sub) -> None:
 
 
 def run_collect(args) -> int:
+    from mcore_proxy.optional import check
+
+    check("transformers", why="collect --hf (it runs the model in transformers)")   # before DIR is touched
     from mcore_proxy.checkpoint.output import staged_files
     from mcore_proxy.stats import load_stats, sidecar_path
     from mcore_proxy.trace.hf import STATS_NAME, collect

@@ -133,7 +133,7 @@ def test_dry_run_on_a_fresh_machine(tmp_path, local_wheel):
         assert f"would install the local CPU wheel {wheel}" in r.stderr
     elif sys.platform.startswith("linux"):
         assert "would install torch==2.13.0 from PyTorch's CPU index https://download.pytorch.org/whl/cpu" in r.stderr
-        assert f"--index-url https://download.pytorch.org/whl/cpu" in r.stderr
+        assert "--index-url https://download.pytorch.org/whl/cpu" in r.stderr
         mirror = run(["bash", "tools/install.sh", "--dry-run"], {**env, "MCORE_PROXY_TORCH_INDEX": "https://m/whl/cpu"})
         assert "--index-url https://m/whl/cpu" in mirror.stderr
 
