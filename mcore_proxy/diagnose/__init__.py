@@ -8,7 +8,7 @@
     write_report(out, comparison)                  (report: JSON, Markdown, PNG)
 
 Importing this package imports nothing heavy (numpy on use; scipy, ruptures, tensorboard and
-matplotlib inside the functions that need them; a missing one is `extras.MissingPackage`, exit 2).
+matplotlib inside the functions that need them; a missing one is `optional.MissingDependency`, exit 2).
 """
 from __future__ import annotations
 

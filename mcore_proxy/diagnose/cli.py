@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-from mcore_proxy.diagnose.extras import missing_packages_are_bad_setup
 from mcore_proxy.errors import CheckFailed, ProxyError
 from mcore_proxy.flags import add_command, emit
 
@@ -41,7 +40,6 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", metavar="DIR", help="write report.json, report.md and PNG curves here")
 
 
-@missing_packages_are_bad_setup("compare")
 def run_compare(args) -> int:
     roles = [r for r, _ in ROLE_ARGS if getattr(args, r.replace("-", "_"))]
     triage = [n for n in ("run", "baseline", "library") if getattr(args, n)]
@@ -166,7 +164,6 @@ def _detectors(text: str, flag: str, allow_any: bool) -> tuple:
     return names
 
 
-@missing_packages_are_bad_setup("watch")
 def run_watch(args) -> int:
     import sys
     import time

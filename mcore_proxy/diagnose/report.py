@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from mcore_proxy.diagnose.compare import ROLES, Comparison, role_name
-from mcore_proxy.diagnose.extras import require
+from mcore_proxy.optional import require
 
 
 def _fmt(value, spec=".3g") -> str:
@@ -95,7 +95,7 @@ def metric_figure(comparison: Comparison, metric: str):
 def write_report(out, comparison: Comparison, *, inputs: tuple = (), replace: bool = False) -> Path:
     """The report folder `out`; it may neither lie in nor hold one of the `inputs` (the logs), and an
     existing report is replaced only with `replace` (`--force`)."""
-    matplotlib = require("matplotlib", "the compare report's figures (-o)")
+    matplotlib = require("matplotlib", why="compare -o (the report's figures)", extra="diagnose")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,7 +121,7 @@ def library_figure(library):
     """A signature library at a glance: entries x metrics, coloured by the shift's sign and size in
     baseline noise units (|effect| >= 5 saturates; a shift against a noiseless baseline is drawn
     saturated), with the onset step written in each shifted cell; grey: no significant shift."""
-    matplotlib = require("matplotlib", "the signature library's figure")
+    matplotlib = require("matplotlib", why="the signature library's figure", extra="diagnose")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

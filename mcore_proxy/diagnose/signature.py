@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mcore_proxy.diagnose.extras import require
+from mcore_proxy.optional import require
 from mcore_proxy.diagnose.series import Series
 
 FORMAT = "mcore-proxy-signature/1"
@@ -126,7 +126,7 @@ def smooth(x: np.ndarray) -> np.ndarray:
 
 def onset_index(d: np.ndarray, sigma: float) -> int | None:
     """Index where the shift curve departs from zero (see the module docstring)."""
-    ruptures = require("ruptures", "fault signatures (change points)")
+    ruptures = require("ruptures", why="fault signatures (change points)")
 
     n = len(d)
     scale = sigma if sigma > 0 else max(float(np.max(np.abs(d))), 1e-300) * 1e-6
@@ -151,7 +151,7 @@ def _blocks(x: np.ndarray) -> np.ndarray:
 
 def metric_signature(metric: str, base: Series, fault: Series, *, alpha: float = ALPHA) -> MetricSignature:
     """The signature of `fault` against `base` for one metric."""
-    stats = require("scipy.stats", "fault signatures (statistical tests)")
+    stats = require("scipy.stats", why="fault signatures (statistical tests)")
 
     empty = dict(direction=0, shift=0.0, relative_shift=None, effect=None, p_shift=1.0,
                  trend=0, tau=0.0, p_trend=1.0, slope=0.0, onset=None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_proxy.diagnose.extras import READER_PACKAGES, MissingPackage
+from mcore_proxy.optional import MissingDependency, missing_message
 from mcore_proxy.diagnose.readers.common import finish, new_points
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
@@ -43,8 +43,8 @@ def _swanlab_api(file: Path):
         from swanlab.sdk.internal.core_python.store import DataStoreReader
     except ModuleNotFoundError as err:
         if err.name == "swanlab":
-            raise MissingPackage(f"{file}: reading a SwanLab run needs the Python package swanlab, which is not "
-                           f"installed: {READER_PACKAGES['swanlab']} ({EXPORT})") from None
+            raise MissingDependency(f"{missing_message(['swanlab'], f'{file}: reading a SwanLab run')} ({EXPORT})",
+                                    ("swanlab",)) from None
         raise LogError(f"{file}: this swanlab version has no record reader where it was (swanlab 0.10 "
                        f"had one; {err}); {EXPORT}") from None
     except ImportError as err:

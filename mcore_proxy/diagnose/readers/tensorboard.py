@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from mcore_proxy.diagnose.extras import MissingPackage, missing_sentence
+from mcore_proxy.optional import require
 from mcore_proxy.diagnose.readers.common import FORMATS_HINT, finish, new_points
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
@@ -25,13 +25,9 @@ def read_tensorboard(path: Path) -> RunLog:
         raise LogError(f"{path}: folder holds no TensorBoard event file ({TB_PATTERN}) nor another known "
                        f"log; {FORMATS_HINT}")
     logging.getLogger("tensorboard").setLevel(logging.ERROR)
-    try:
-        from tensorboard.backend.event_processing.event_file_loader import (
-            EventFileLoader,
-        )
-        from tensorboard.util import tensor_util
-    except ImportError as err:
-        raise MissingPackage(f"{path}: " + missing_sentence("tensorboard", "reading TensorBoard logs", err)) from None
+    why = f"{path}: reading TensorBoard logs"
+    EventFileLoader = require("tensorboard.backend.event_processing.event_file_loader", why=why).EventFileLoader
+    tensor_util = require("tensorboard.util.tensor_util", why=why)
     points = new_points()
     for file in files:
         try:

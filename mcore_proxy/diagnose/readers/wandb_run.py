@@ -13,13 +13,12 @@ Accepted paths: the `.wandb` file, its run folder, or a `wandb/` folder holding 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from mcore_proxy.diagnose.extras import READER_PACKAGES, MissingPackage
+from mcore_proxy.optional import MissingDependency, available, missing_message
 from mcore_proxy.diagnose.readers.common import finish, new_points, number
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
@@ -50,13 +49,6 @@ def _flatten(item: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def _have_wandb() -> bool:
-    try:
-        return importlib.util.find_spec("wandb") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def read_wandb(path: Path) -> RunLog:
     if path.is_dir():
         file = run_file(path)
@@ -69,9 +61,8 @@ def read_wandb(path: Path) -> RunLog:
             file = run_file(found[0])
     else:
         file = path
-    if not _have_wandb():
-        raise MissingPackage(f"{file}: reading a W&B run needs the Python package wandb, which is not installed: "
-                       f"{READER_PACKAGES['wandb']} ({EXPORT})")
+    if not available("wandb"):
+        raise MissingDependency(f"{missing_message(['wandb'], f'{file}: reading a W&B run')} ({EXPORT})", ("wandb",))
     try:
         done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(file)],
                               capture_output=True, text=True, timeout=TIMEOUT)
