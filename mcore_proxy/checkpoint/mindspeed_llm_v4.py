@@ -184,20 +184,9 @@ def to_canonical_keys(key: str) -> tuple[str, ...]:
 
 def fuse(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts of a fused MindSpeed-LLM tensor (`to_canonical_keys` order) -> the tensor as saved:
-    hc_scale [3] from three [1]; eh_proj [R, 2H] from e [R, H] and h [R, H]."""
+    hc_scale [3] from three [1]; eh_proj [R, 2H] from e [R, H] and h [R, H]. (Readers take the
+    parts back as slices: `part_slices`.)"""
     return torch.cat(parts, dim=1 if _EH_FUSED.match(key) else 0)
-
-
-def split(key: str, fused: torch.Tensor, hidden: int) -> list[torch.Tensor]:
-    """The inverse of `fuse`; `hidden`: H, the width of each half of eh_proj."""
-    if _EH_FUSED.match(key):
-        if fused.dim() != 2 or fused.shape[1] != 2 * hidden:
-            raise CheckpointError(f"{key} has shape {list(fused.shape)}, expected [rows, 2 x hidden = {2 * hidden}] "
-                                  "(MindSpeed-LLM's [e_proj | h_proj]); the args do not match the files")
-        return [fused[:, :hidden], fused[:, hidden:]]
-    if fused.shape != (len(SCALE_PARTS),):
-        raise CheckpointError(f"{key} has shape {list(fused.shape)}, expected [3] (alpha pre, post, res)")
-    return list(fused.split(1))
 
 
 def part_slices(key: str, hidden: int) -> list[tuple[int, int, int]]:
