@@ -7,7 +7,8 @@ parallel-layout flags are added by `convert` for the target layout.
 from __future__ import annotations
 
 # (args field, flag, kind): "value" prints `--flag V` when set, "true" prints `--flag` when true,
-# "list" prints a Python list (Megatron parses `--moe-layer-freq` as one), "int" a whole number;
+# "list" prints a Python list (Megatron parses `--moe-layer-freq` as one), "spaced" a list as
+# space-separated whole numbers (argparse `nargs="+"`), "int" a whole number;
 # "gqa", "mla", "not_mla", "yarn": printed like "value" only for that kind of attention / RoPE;
 # "partial": like "value" only below 1 (Megatron's default).
 FLAGS = (
@@ -59,17 +60,19 @@ def _show(value) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def model_flags(args) -> list[str]:
-    """The model-shape flags of `args` (see FLAGS)."""
+def model_flags(args, table=FLAGS) -> list[str]:
+    """The model-shape flags of `args` by `table` (FLAGS, or a framework's own of the same form)."""
     mla, gqa = bool(getattr(args, "multi_latent_attention", False)), bool(getattr(args, "group_query_attention", False))
     yarn = getattr(args, "rope_type", None) == "yarn"
     flags = ["--disable-bias-linear"] if getattr(args, "add_bias_linear", True) is False else []
-    for field, flag, kind in FLAGS:
+    for field, flag, kind in table:
         value = getattr(args, field, None)
         if value is None or value is False:
             continue
         if kind == "true":
             flags.append(flag)
+        elif kind == "spaced":
+            flags.append(f"{flag} {' '.join(str(int(v)) for v in value)}")
         elif kind == "list":
             flags.append(f'{flag} "{list(value)}"' if isinstance(value, (list, tuple)) else f"{flag} {value}")
         elif kind == "int":

@@ -224,6 +224,11 @@ class StreamedLayers(Mapping):
         return set(self._shapes.values())
 
 
+def _unreadable(path: Path, err: Exception) -> StatsError:
+    return StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
+                      "re-run the trace or remove it from the folder")
+
+
 def _streamed_layers(path: Path) -> StreamedLayers:
     """The layers of a statistics file from its header alone: every field present, shapes that
     LayerStats accepts, one token count per layer (StatsError names the file otherwise)."""
@@ -233,8 +238,7 @@ def _streamed_layers(path: Path) -> StreamedLayers:
         with safe_open(str(path), framework="numpy") as f:
             shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
-        raise StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
-                         "re-run the trace or remove it from the folder") from None
+        raise _unreadable(path, err) from None
     keys: dict[str, dict[str, str]] = {}
     for key in shapes:
         try:
@@ -276,8 +280,7 @@ def load_stats(path: str | os.PathLike, stream: bool = False) -> RoutingStats:
     try:
         raw = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
-        raise StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
-                         "re-run the trace or remove it from the folder") from None
+        raise _unreadable(path, err) from None
     fields: dict[str, dict[str, np.ndarray]] = {}
     for key, value in raw.items():
         try:

@@ -329,21 +329,10 @@ FLAGS = (
 
 def launch_flags(args) -> list[str]:
     """MindSpeed-LLM's model flags for DeepSeek-V4 `args` (MindSpeed-LLM's namespace)."""
-    flags = ["--transformer-impl local", "--spec mindspeed_llm.tasks.models.spec.deepseek4_spec layer_spec",
-             "--mtp-spec mindspeed_llm.tasks.models.spec.deepseek4_spec mtp_spec"]
-    if getattr(args, "add_bias_linear", True) is False:
-        flags.append("--disable-bias-linear")
-    for field, flag, kind in FLAGS:
-        value = getattr(args, field, None)
-        if value is None or value is False:
-            continue
-        if kind == "true":
-            flags.append(flag)
-        elif kind == "spaced":
-            flags.append(f"{flag} {' '.join(str(int(v)) for v in value)}")
-        else:
-            flags.append(f"{flag} {int(value) if isinstance(value, float) and value.is_integer() else value}")
-    return flags
+    from mcore_proxy.launch_flags import model_flags
+
+    return ["--transformer-impl local", "--spec mindspeed_llm.tasks.models.spec.deepseek4_spec layer_spec",
+            "--mtp-spec mindspeed_llm.tasks.models.spec.deepseek4_spec mtp_spec", *model_flags(args, FLAGS)]
 
 
 # -- writing: a canonical view seen under MindSpeed-LLM's names --------------------------------------
