@@ -229,6 +229,25 @@ def _unreadable(path: Path, err: Exception) -> StatsError:
                       "re-run the trace or remove it from the folder")
 
 
+def _fields_by_layer(path: Path, items: dict) -> dict[str, dict]:
+    """{tensor key: value} of a statistics file -> {layer id: {field: value}}, every required field
+    present (StatsError naming the file and the key or layer otherwise)."""
+    out: dict[str, dict] = {}
+    for key, value in items.items():
+        try:
+            layer_id, name = _parse_key(key)
+        except ValueError:
+            raise StatsError(f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> "
+                             "or mtp.K.<field>") from None
+        out.setdefault(layer_id, {})[name] = value
+    for layer_id, fields in out.items():
+        missing = [n for n in REQUIRED_FIELDS if n not in fields]
+        if missing:
+            raise StatsError(f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is "
+                             "incomplete, re-run the trace")
+    return out
+
+
 def _streamed_layers(path: Path) -> StreamedLayers:
     """The layers of a statistics file from its header alone: every field present, shapes that
     LayerStats accepts, one token count per layer (StatsError names the file otherwise)."""
@@ -239,20 +258,9 @@ def _streamed_layers(path: Path) -> StreamedLayers:
             shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
         raise _unreadable(path, err) from None
-    keys: dict[str, dict[str, str]] = {}
-    for key in shapes:
-        try:
-            layer_id, name = _parse_key(key)
-        except ValueError:
-            raise StatsError(f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> "
-                             "or mtp.K.<field>") from None
-        keys.setdefault(layer_id, {})[name] = key
+    keys = _fields_by_layer(path, {key: key for key in shapes})
     sizes = {}
     for layer_id, fields in keys.items():
-        missing = [n for n in REQUIRED_FIELDS if n not in fields]
-        if missing:
-            raise StatsError(f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is "
-                             "incomplete, re-run the trace")
         proto = shapes[fields["proto_sum"]]
         e = shapes[fields["freq"]][0] if shapes[fields["freq"]] else 0
         want = {"tokens": (1,), "freq": (e,), "gate_mass": (e,), "coact": (e, e), "saliency_sum": (e,)}
@@ -281,20 +289,8 @@ def load_stats(path: str | os.PathLike, stream: bool = False) -> RoutingStats:
         raw = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise _unreadable(path, err) from None
-    fields: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in raw.items():
-        try:
-            layer_id, name = _parse_key(key)
-        except ValueError:
-            raise StatsError(f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> "
-                             "or mtp.K.<field>") from None
-        fields.setdefault(layer_id, {})[name] = value
     layers = {}
-    for layer_id, f in fields.items():
-        missing = [n for n in REQUIRED_FIELDS if n not in f]
-        if missing:
-            raise StatsError(f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is "
-                             "incomplete, re-run the trace")
+    for layer_id, f in _fields_by_layer(path, raw).items():
         layers[layer_id] = LayerStats(int(f["tokens"][0]), f["freq"], f["gate_mass"],
                                       f["coact"], f["proto_sum"], f.get("saliency_sum"))
     return _with_meta(path, layers)
