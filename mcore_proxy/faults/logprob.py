@@ -1,5 +1,6 @@
-"""`logprob_precision`: the rollout computes its log-probabilities from logits in bf16 or fp16 while
-training computes them in fp32 (the rollout engine/trainer precision mismatch of RL pipelines).
+"""`logprob_precision`: the rollout computes its log-probabilities from logits in bf16, fp16 or fp8
+(E4M3, as FP8 rollout engines serve) while training computes them in fp32 (the rollout
+engine/trainer precision mismatch of RL pipelines).
 
 The output layer's logits are rounded to the low precision (and cast back, so shapes and dtypes
 are what the caller expects) in the forward passes the `when` parameter names: `no_grad` (forward
@@ -17,10 +18,15 @@ from mcore_proxy.faults import fused_head
 from mcore_proxy.faults.base import Injector
 from mcore_proxy.faults.clock import in_rollout
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 
 def round_to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.itemsize == 1:
+        # E4M3 has no infinity: saturate at its largest finite value, as FP8 engines do, rather than
+        # rely on how a torch version casts what is out of range
+        limit = torch.finfo(dtype).max
+        tensor = tensor.clamp(-limit, limit)
     return tensor.to(dtype).to(tensor.dtype)
 
 

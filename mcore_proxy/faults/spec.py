@@ -103,9 +103,9 @@ KINDS: dict[str, dict] = {
     "topk": {"mode": (_choice("swap", "drop"), "swap", False), "rate": (_rate, 0.1, False), **LAYERS},
     # Relative element-wise noise on the routed experts' output: out * (1 + std * N(0, 1)).
     "expert_noise": {"std": (_float, 0.01, False), **LAYERS},
-    # Output logits rounded to bf16/fp16 in rollout forward passes (training stays fp32):
+    # Output logits rounded to bf16/fp16/fp8 (E4M3) in rollout forward passes (training stays fp32):
     # `when=no_grad` forward passes without autograd, `rollout` inside `faults.rollout()`, `always`.
-    "logprob_precision": {"dtype": (_choice("bf16", "fp16"), "bf16", False),
+    "logprob_precision": {"dtype": (_choice("bf16", "fp16", "fp8"), "bf16", False),
                           "when": (_choice("no_grad", "rollout", "always"), "no_grad", False)},
     # Optimizer steps left out: for every parameter, the expert parameters, or the others.
     "update_omission": {"group": (_choice("all", "experts", "dense"), "all", False)},

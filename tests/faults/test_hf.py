@@ -68,6 +68,14 @@ def test_expert_noise_and_logprob_precision(model):
     with faults.inject("logprob_precision:dtype=bf16", model=model):
         _, rounded = routed(model)
     assert torch.equal(rounded, base_logits.bfloat16().float())
+    with faults.inject("logprob_precision:dtype=fp8", model=model):
+        _, fp8 = routed(model)
+    # E4M3 keeps 3 mantissa bits: a relative error up to 1/16 on normal numbers (|x| >= 2^-6), far
+    # coarser than bf16's 1/256
+    assert torch.equal(fp8, base_logits.to(torch.float8_e4m3fn).float())
+    normal = base_logits.abs() >= 2 ** -6
+    relative = ((fp8 - base_logits).abs() / base_logits.abs())[normal].max()
+    assert 1 / 256 < relative <= 1 / 16
     with faults.inject("expert_noise:std=0.05", model=model) as session:
         _, noisy = routed(model)
     assert not torch.equal(noisy, base_logits) and session.report()[0]["active_calls"] == 2
