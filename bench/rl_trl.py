@@ -157,6 +157,9 @@ def watched_campaign(work: Path) -> dict:
     record = out / "watch.json"
     if record.is_file():
         return json.loads(record.read_text())
+    # watch must follow live runs: a run folder left by an earlier attempt would be removed under a
+    # watch already started on it when the campaign runs that entry again
+    shutil.rmtree(heldout, ignore_errors=True)
     (out / "watch").mkdir(parents=True, exist_ok=True)
     log_out, log_err = open(out / "heldout.stdout", "w+"), open(out / "heldout.stderr", "w+")
     t0 = time.time()
@@ -167,8 +170,8 @@ def watched_campaign(work: Path) -> dict:
         for name, run, base in WATCHES:
             if name in watches or not (heldout / "runs" / run).is_dir():
                 continue
-            if base and not (heldout / "runs" / "baseline" / "trainer_state.json").is_file():
-                continue          # watch refuses a baseline that does not exist yet
+            if base and not (heldout / "runs" / "baseline" / "run.json").is_file():
+                continue          # compare against a finished baseline, not one still being written
             extra = ["--baseline", heldout / "runs" / "baseline" / "trainer_state.json"] if base else []
             alerts = out / "watch" / f"{name}.jsonl"
             alerts.unlink(missing_ok=True)
