@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 # torch_npu; install torch first (see .ci/run) so pip does not pull a multi-GB CUDA wheel.
 setup(
     name="mcore-proxy",
-    version="0.1.0",
+    version="0.2.0",
     description="Proxy MoE models for low-cost failure reproduction in Megatron/MindSpeed RL post-training",
     python_requires=">=3.10",
     packages=find_packages(include=["mcore_proxy", "mcore_proxy.*"]),
