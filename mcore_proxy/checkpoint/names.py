@@ -154,11 +154,14 @@ def to_mtp_model_layer(name: str, variants: frozenset[str]) -> str:
     return _MTP_TRANSFORMER_LAYER.sub(r"\1mtp_model_layer.", name) if MTP_MODEL_LAYER in variants else name
 
 
+_VARIANT_SOURCES = tuple((variant, re.compile(src), canon) for variant, src, canon, _, _ in NAME_VARIANTS)
+
+
 def apply_variants(key: str) -> tuple[str, str | None]:
     """Source spelling -> (canonical spelling, variant id or None)."""
-    for variant, src, canon, _, _ in NAME_VARIANTS:
-        if re.match(src, key):
-            return re.sub(src, canon, key), variant
+    for variant, src, canon in _VARIANT_SOURCES:
+        if src.match(key):
+            return src.sub(canon, key), variant
     return key, None
 
 
@@ -173,19 +176,30 @@ def restore_variant(name: str, variants: frozenset[str]) -> str:
 
 def parse_local_key(key: str, layer_offset: int, expert_offset: int) -> LocalKey:
     """Classify one rank-local key (layer numbers local to the stage, experts local to EP)."""
+    lk, expert = _classify_local_key(key, layer_offset)
+    if expert is None:
+        return lk
+    prefix, j, rest = expert
+    return LocalKey(f"{prefix}.{expert_offset + j}.{rest}", "expert", j, expert_layout=lk.expert_layout,
+                    variant=lk.variant)
+
+
+# Every EP (and TP) rank of a stage holds the same local keys: classified once per stage, not once
+# per rank file (100k keys in the 256-folder DeepSeek-V3 bench, bench/RESULTS.md).
+@lru_cache(maxsize=1 << 16)
+def _classify_local_key(key: str, layer_offset: int) -> tuple[LocalKey, tuple[str, int, str] | None]:
+    """(LocalKey, None), or for one expert's key (LocalKey without its global id, (prefix, local id, rest))."""
     key, mtp_variant = from_mtp_model_layer(to_global_layer(key, layer_offset))
     if m := _SEQ_EXPERT.match(key):
-        j = int(m.group(2))
-        return LocalKey(f"{m.group(1)}.{expert_offset + j}.{m.group(3)}", "expert", j,
-                        expert_layout=SEQUENTIAL, variant=mtp_variant)
+        return (LocalKey("", "expert", expert_layout=SEQUENTIAL, variant=mtp_variant),
+                (m.group(1), int(m.group(2)), m.group(3)))
     if m := _TE_EXPERT.match(key):
-        j = int(m.group(4))
-        return LocalKey(f"{m.group(1)}.{expert_offset + j}.{m.group(2)}.{m.group(3)}", "expert", j,
-                        expert_layout=TE_GROUPED, variant=mtp_variant)
+        return (LocalKey("", "expert", expert_layout=TE_GROUPED, variant=mtp_variant),
+                (m.group(1), int(m.group(4)), f"{m.group(2)}.{m.group(3)}"))
     if m := _GROUPED.match(key):
-        return LocalKey(m.group(1), "grouped", fc=int(m.group(2)), expert_layout=GROUPED, variant=mtp_variant)
+        return LocalKey(m.group(1), "grouped", fc=int(m.group(2)), expert_layout=GROUPED, variant=mtp_variant), None
     canonical, variant = apply_variants(key)
-    return LocalKey(canonical, variant=variant or mtp_variant)
+    return LocalKey(canonical, variant=variant or mtp_variant), None
 
 
 def split_expert_name(name: str) -> tuple[str, int, str] | None:

@@ -107,17 +107,21 @@ class LazyTensor:
         return f"LazyTensor({tuple(self.shape)}, {self.dtype})"
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _sizes(xs) -> bool:
+    """A shape or stride: a tuple or list of non-negative ints (bools are not sizes)."""
+    return isinstance(xs, (tuple, list)) and all(type(x) is int and x >= 0 for x in xs)
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
     """A LazyTensor after checking the declared box against its storage (nothing is allocated)."""
     if not (isinstance(storage, tuple) and len(storage) == 2 and isinstance(storage[1], _StorageRef)):
         raise pickle.UnpicklingError("a tensor without its storage")
-    ints = lambda xs: isinstance(xs, (tuple, list)) and all(  # noqa: E731
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
-    if not (isinstance(offset, int) and offset >= 0 and ints(size) and ints(stride) and len(size) == len(stride)):
+    if not (type(offset) is int and offset >= 0 and _sizes(size) and _sizes(stride) and len(size) == len(stride)):
         raise pickle.UnpicklingError(f"a tensor with offset {offset!r}, shape {size!r}, stride {stride!r}")
     span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
     if offset + span > storage[1].numel:

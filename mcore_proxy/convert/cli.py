@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mcore_proxy.checkpoint.formats import format_names
 from mcore_proxy.flags import add_checkpoint_argument, add_command, add_not_yet, add_option, emit
 from mcore_proxy.units import format_bytes
+
+# checkpoint.formats' writable rows (tests/checkpoint/test_formats.py keeps them equal), spelled out
+# so that building the parser does not import every reader and torch (`--help`, `watch`: issue 23)
+WRITABLE_FORMATS = ("torch_dist", "legacy", "hf")
 
 MAX_PROBLEMS_SHOWN = 20
 
@@ -52,7 +55,7 @@ def register(sub) -> None:
     p.add_argument("--moe-tp-extend-ep", dest="tp_extend_ep", action=argparse.BooleanOptionalAction, default=None,
                help="MindSpeed-LLM --moe-tp-extend-ep: whole experts over EP x TP rank folders; default: the "
                     "source's when writing MindSpeed-LLM names")
-    p.add_argument("--format", choices=format_names(writable=True), default=None,
+    p.add_argument("--format", choices=WRITABLE_FORMATS, default=None,
                    help="output format (default: the source's)")
     p.add_argument("--dequantize", "--dequantize-fp8", dest="dequantize", action="store_true",
                    help="read a quantized Hugging Face checkpoint's weights as bf16: FP8 with block scales, "

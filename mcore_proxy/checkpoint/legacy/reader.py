@@ -21,7 +21,7 @@ from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, detect_naming, join_u
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
 from mcore_proxy.checkpoint.names import (OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS, LocalKey,
                                           canonical_sort_key, embeddings_tied, layer_number, parse_local_key,
-                                          te_grouped_extra_state)
+                                          split_expert_name, te_grouped_extra_state)
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state, holds_state
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
@@ -419,9 +419,12 @@ class LegacyCheckpoint(ModelView):
                 raise CheckpointError(f"{self.path}: tensor {name} lacks shard(s) {missing}; a rank "
                                       "folder is missing or incomplete, copy it from the source")
         if self._spec.num_experts:
+            experts: dict[str, set[int]] = {}     # `P.mlp.experts` -> expert ids held
+            for name in self._entries:
+                if parts := split_expert_name(name):
+                    experts.setdefault(parts[0], set()).add(parts[1])
             for layer_id in self._spec.moe_layer_ids:
-                prefix = f"{layer_module_prefix(layer_id)}.mlp.experts."
-                found = {n[len(prefix):].split(".")[0] for n in self._entries if n.startswith(prefix)}
+                found = experts.get(f"{layer_module_prefix(layer_id)}.mlp.experts", ())
                 if len(found) != self._spec.num_experts:
                     raise CheckpointError(
                         f"{self.path}: MoE layer {layer_id} holds {len(found)} experts but args say "
