@@ -42,11 +42,11 @@ RUNS = [("original", None), ("original", "precision"), ("original", "omission"),
         ("original", "router_noise"), ("proxy", None), ("proxy", "precision"), ("proxy", "omission")]
 # name: (original's fault, proxy's fault, expected consistent, the metrics of the verdict)
 PAIRS = {
-    "precision": ("precision", "precision", True, ("logprob_diff", "kl_loss")),
+    "precision": ("precision", "precision", True, ("logprob_diff", "rollout_kl")),
     "omission": ("omission", "omission", True, ("reward",)),
-    "different": ("router_noise", "omission", False, ("reward", "logprob_diff", "kl_loss")),
+    "different": ("router_noise", "omission", False, ("reward", "logprob_diff", "rollout_kl")),
 }
-ALL_METRICS = ("reward", "kl_loss", "entropy", "grad_norm", "logprob_diff", "response_length")
+ALL_METRICS = ("reward", "kl_loss", "entropy", "grad_norm", "logprob_diff", "rollout_kl", "response_length")
 LAUNCH = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"]
 
 
@@ -219,7 +219,7 @@ def triage(work: Path) -> dict:
 
 
 # -- pictures and the record ----------------------------------------------------------------------
-PICTURES = [("precision", "logprob_diff"), ("precision", "kl_loss"), ("omission", "reward"),
+PICTURES = [("precision", "logprob_diff"), ("precision", "rollout_kl"), ("omission", "reward"),
             ("different", "reward")]
 
 
@@ -230,10 +230,12 @@ def curves_figure(work: Path, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    raw = {"reward": "reward", "kl_loss": "kl", "logprob_diff": "sampling/sampling_logp_difference/mean"}
-    rows = [("precision", "logprob_diff"), ("precision", "kl_loss"), ("omission", "reward"),
+    raw = {"reward": "reward", "kl_loss": "kl", "logprob_diff": "sampling/sampling_logp_difference/mean",
+           "rollout_kl": "rollout_corr/k3_kl"}
+    rows = [("precision", "logprob_diff"), ("precision", "rollout_kl"), ("precision", "kl_loss"),
+            ("omission", "reward"),
             ("router_noise", "reward")]
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 11), sharex=True)
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 13), sharex=True)
     for (fault, metric), row in zip(rows, axes):
         for ax, model in zip(row, ("original", "proxy")):
             for f, color in ((None, "tab:blue"), (fault, "tab:red")):
@@ -245,7 +247,7 @@ def curves_figure(work: Path, path: Path) -> None:
                         label=FAULTS.get(f, "baseline"))
             ax.set_title(f"{model}: {metric}", fontsize=9)
             ax.legend(fontsize=7)
-            if metric == "logprob_diff":
+            if metric in ("logprob_diff", "rollout_kl"):
                 ax.set_yscale("log")
     for ax in axes[-1]:
         ax.set_xlabel("GRPO step (TRL global_step)")
@@ -263,9 +265,9 @@ def watch_figure(work: Path, results: dict, path: Path) -> None:
     runs = work / "campaign" / "heldout" / "runs"
     base = history(runs / "baseline")
     metrics = (("reward", "reward"), ("kl_loss", "kl"), ("logprob_diff", "sampling/sampling_logp_difference/mean"),
-               ("entropy", "entropy"))
+               ("rollout_kl", "rollout_corr/k3_kl"), ("entropy", "entropy"))
     names = ("midrun_precision", "midrun_router_noise")
-    fig, axes = plt.subplots(len(names), len(metrics), figsize=(15, 6))
+    fig, axes = plt.subplots(len(names), len(metrics), figsize=(18, 6))
     for row, name in zip(axes, names):
         h = history(runs / name)
         noticed = results["campaign"]["watch"]["watches"][name].get("first_alert", {}).get("noticed_at_step")
@@ -275,7 +277,7 @@ def watch_figure(work: Path, results: dict, path: Path) -> None:
             ax.axvline(MIDRUN_ONSET + 1, color="gray", ls="--", lw=1, label="fault on")
             if noticed is not None:
                 ax.axvline(noticed, color="black", lw=1, label=f"first alert ({noticed})")
-            if metric == "logprob_diff":
+            if metric in ("logprob_diff", "rollout_kl"):
                 ax.set_yscale("log")
             ax.set_title(f"{name}: {metric}", fontsize=9)
         row[0].legend(fontsize=7)
@@ -310,7 +312,11 @@ def results_section(r: dict) -> str:
              "lr 2e-4, beta 0.05 (TRL's `kl`), one generation and one optimizer step per step. The rollout-vs-training "
              "log-prob difference is TRL's `sampling/sampling_logp_difference/mean`, which TRL logs only with "
              "vLLM: the script keeps the log-probs of `generate`'s own logits and compares them with TRL's "
-             "training pass (a measurement only; the loss is TRL's).", "",
+             "training pass (a measurement only; the loss is TRL's). The same tokens give the KL between the "
+             "rollout and the training policy, logged under verl's rollout-correction name `rollout_corr/k3_kl` "
+             "(compare's `rollout_kl`): the KL a rollout precision fault raises. TRL's `kl` (`kl_loss`, to the "
+             "reference model) is shown for information: the fault moves it only at second order, under the "
+             "policy's own drift.", "",
              "| run | fault | run s | median s/step | peak RSS MiB | reward steps 1-5 | reward last 5 | injector report |",
              "|---|---|---|---|---|---|---|---|"]
     for name, row in r["per_step"].items():

@@ -18,7 +18,12 @@ them), hands them to TRL as the rollout log-probs (`sampling_per_token_logps`, w
 through its batch), and when TRL computes the training log-probs (with autograd, in
 `_compute_loss`) logs per step the mean and max absolute difference of the two over the
 completion tokens, under TRL's own names for it, `sampling/sampling_logp_difference/mean|max`
-(`mcore-proxy compare` reads the mean as `logprob_diff`).
+(`mcore-proxy compare` reads the mean as `logprob_diff`), and the KL between the rollout and the
+training policy on the rollout's tokens under verl's names (its rollout-correction metrics):
+`rollout_corr/kl` = mean(log pi_rollout - log pi_train) and `rollout_corr/k3_kl` = mean(e^r - r - 1),
+r = log pi_train - log pi_rollout (`rollout_kl` in compare; the training-inference mismatch a
+rollout precision fault raises, unlike TRL's `kl` to the reference model, which it moves only at
+second order under the policy's own drift).
 
 Logging, every optimizer step (one generation and one optimizer step per GRPO step):
 TRL's `log_history` in `OUT/trainer_state.json` (rewritten after every log, atomically, so
@@ -114,11 +119,14 @@ def trainer_class():
             batch = self._batch
             if batch is not None and torch.is_grad_enabled() and batch.get("sampling_per_token_logps") is not None:
                 mask = batch["completion_mask"].bool()
-                diff = (out[0].detach() - batch["sampling_per_token_logps"]).abs()[mask]
-                mean = self.accelerator.gather(diff.mean()).mean().item()
-                self._metrics["train"]["sampling/sampling_logp_difference/mean"].append(mean)
+                # log pi_train - log pi_rollout; float64: e^r - r - 1 ~ r^2/2 cancels to noise in float32
+                r = (out[0].detach() - batch["sampling_per_token_logps"])[mask].double()
+                gathered = {"sampling/sampling_logp_difference/mean": r.abs().mean(),
+                            "rollout_corr/kl": (-r).mean(), "rollout_corr/k3_kl": (torch.expm1(r) - r).mean()}
+                for name, value in gathered.items():
+                    self._metrics["train"][name].append(self.accelerator.gather(value).mean().item())
                 self._metrics["train"]["sampling/sampling_logp_difference/max"].append(
-                    self.accelerator.gather(diff.max()).max().item())
+                    self.accelerator.gather(r.abs().max()).max().item())
             return out
 
         def log(self, logs, start_time=None):

@@ -8,7 +8,7 @@ Sources (docs/logs.md has the table):
 - verl (0.9 source: `compute_data_metrics`, the actor's `append_to_dict`, `rollout_corr_helper`):
   `critic/score/mean`, `critic/rewards/mean`, `actor/kl_loss`, `actor/ppo_kl`, `actor/entropy`,
   `actor/grad_norm`, `actor/pg_loss`, `actor/pg_clipfrac`, `training/rollout_probs_diff_mean`,
-  `rollout_corr/log_ppl_abs_diff`, `response_length/mean`;
+  `rollout_corr/log_ppl_abs_diff`, `rollout_corr/k3_kl`, `rollout_corr/kl`, `response_length/mean`;
 - MindSpeed-RL (docs/zh/features/log_metrics.md and its trainers): `grpo/score/mean`,
   `grpo/rewards/mean`, `critic/score/mean`, `actor/kl_loss`, `actor/ppo_kl`, `actor/entropy`,
   `actor/pg_loss`, `actor/pg_clipfrac`, `grad_norm` (its docs) / `actor/grad_norm` (its code),
@@ -31,6 +31,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
                      "rollout/logprob_diff", "logprob_diff", "rollout_logprob_diff",
                      "sampling/sampling_logp_difference/mean", "train/sampling/sampling_logp_difference/mean",
                      "rollout_corr/log_ppl_abs_diff"),
+    # k3 first: non-negative per token, so its mean is a low-noise KL estimate (k1 can go negative)
+    "rollout_kl": ("rollout_corr/k3_kl", "train/rollout_corr/k3_kl", "rollout_corr/kl", "train/rollout_corr/kl",
+                   "rollout_kl"),
     "response_length": ("response_length/mean", "completions/mean_length", "train/completions/mean_length",
                         "response_length"),
     "clipfrac": ("actor/pg_clipfrac", "pg_clipfrac", "clipfrac", "clip_ratio/region_mean",
@@ -45,6 +48,7 @@ DESCRIPTIONS = {
     "entropy": "policy entropy",
     "grad_norm": "gradient norm of the actor",
     "logprob_diff": "rollout-vs-training log-probability difference",
+    "rollout_kl": "KL between the rollout and the training policy on the rollout's tokens",
     "response_length": "mean response length (tokens)",
     "clipfrac": "fraction of clipped PPO ratios",
     "pg_loss": "policy-gradient loss",

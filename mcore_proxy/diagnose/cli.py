@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     p.add_argument("--baseline", metavar="LOG", help="triage: the log of a healthy run of the same setting")
     p.add_argument("--library", metavar="LIB", help="triage: library.json written by `mcore-proxy campaign`")
     p.add_argument("--metrics", nargs="+", metavar="NAME",
-                   help="canonical (reward, kl_loss, ppo_kl, entropy, grad_norm, logprob_diff, "
+                   help="canonical (reward, kl_loss, ppo_kl, entropy, grad_norm, logprob_diff, rollout_kl, "
                         "response_length, clipfrac, pg_loss) or raw names (default: every known "
                         "metric the logs have)")
     p.add_argument("--onset-window", type=int, metavar="STEPS",
@@ -110,7 +110,7 @@ def register_watch(subparsers) -> None:
                     description="Follow a growing metric log (TensorBoard folder, JSONL, CSV, console log of "
                                 "Megatron/MindSpeed-RL/verl/TRL, TRL trainer state, MLflow run, W&B/SwanLab offline run) "
                                 "and report early signs of trouble with the step where each began: reward "
-                                "plateau, log-prob difference or PPO KL rising, entropy collapse, grad-norm "
+                                "plateau, log-prob difference, rollout-vs-training KL or PPO KL rising, entropy collapse, grad-norm "
                                 "spikes, and with --baseline a significant divergence from it in any metric. "
                                 "One JSON line per alert on stdout (mcore-proxy-alert/1) as it comes, or with "
                                 "--json one document at the end; a live one-screen view on stderr when it is "

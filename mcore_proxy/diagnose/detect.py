@@ -7,7 +7,7 @@ table). They look at the whole curve so far, so re-running them on a grown log i
 - `plateau` (reward): the reward's rolling mean (window `window`) has not exceeded its best value
   for `patience` steps; onset: the first step of the best window. A plateau is normal late in
   training, so the patience is long; with a baseline, `diverge` is the sharper test.
-- `rising` (log-prob difference, PPO KL): the curve departs upwards from its own early level (the
+- `rising` (log-prob difference, rollout-vs-training KL, PPO KL): the curve departs upwards from its own early level (the
   median of the first `warmup` points, which are taken to be healthy). This is the signature of
   `signature.metric_signature` against that constant level: a change point (PELT) marks the
   onset, a t-test on block means from there on gives the significance, and the shift must exceed
@@ -51,7 +51,7 @@ class Settings:
     rise: float = 3.0                # rising: the shift must exceed this many warm-up standard deviations
     persist: int = 3                 # rising, diverge: the shift must cover this many logged steps
     effect: float = 1.0              # diverge: |shift| in units of the baseline's step-to-step noise
-    rising_metrics: tuple = ("logprob_diff", "ppo_kl")
+    rising_metrics: tuple = ("logprob_diff", "rollout_kl", "ppo_kl")
 
     def __post_init__(self):
         if min(self.window, self.patience, self.persist) < 1 or self.warmup < 2:

@@ -93,3 +93,11 @@ def test_bad_logs_are_one_sentence_naming_the_file(tmp_path, content, name, mess
     with pytest.raises(LogError, match=message) as err:
         read_log(path)
     assert str(path) in str(err.value)
+
+
+def test_verl_rollout_correction_kl_is_rollout_kl_k3_first():
+    # verl logs both estimators; k3 (non-negative per token) is the one compare reads
+    names = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "actor/kl_loss"]
+    assert canonical_metrics(names) == {"rollout_kl": "rollout_corr/k3_kl", "kl_loss": "actor/kl_loss",
+                                        "logprob_diff": "rollout_corr/log_ppl_abs_diff"}
+    assert canonical_metrics(["train/rollout_corr/kl"]) == {"rollout_kl": "train/rollout_corr/kl"}

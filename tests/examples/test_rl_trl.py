@@ -71,10 +71,15 @@ def test_trainer_state_is_what_compare_reads(run):
 
     log = read_log(out / "trainer_state.json")
     found = canonical_metrics(log.metrics)
-    for metric in ("reward", "kl_loss", "logprob_diff", "entropy", "grad_norm"):
+    for metric in ("reward", "kl_loss", "logprob_diff", "rollout_kl", "entropy", "grad_norm"):
         assert metric in found, (metric, sorted(log.metrics))
     diff = log.metrics[found["logprob_diff"]]
     assert list(diff.steps) == [1, 2]
     assert min(diff.values) > 1e-5     # generation's logits rounded to bf16, training's not
+    # the rollout-vs-training KL under verl's k3 name (non-negative), and its k1 beside it
+    assert found["rollout_kl"] == "rollout_corr/k3_kl"
+    k3 = log.metrics["rollout_corr/k3_kl"].values
+    assert min(k3) > 0 and max(k3) < max(diff.values)   # ~ E[r^2]/2 of differences below 1
+    assert "rollout_corr/kl" in log.metrics
     state = json.loads((out / "trainer_state.json").read_text())
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2]
