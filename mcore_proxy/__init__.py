@@ -1,3 +1,3 @@
 """mcore-proxy: build cheap proxy MoE models from sharded Megatron checkpoints."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
