@@ -20,6 +20,10 @@ setup(
                  "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers", "accelerate",
                  "trl==1.16.0", "mlflow-skinny==3.18.0", "sqlalchemy", "alembic", "wandb==0.31.0",
                  "swanlab==0.10.3"],
+        # tools/smoke_other_python.sh: the checkpoint and convert tests it runs under a second Python;
+        # psutil: megatron-core's torch_dist writer needs it in its worker processes (without it the
+        # worker raises and the saving ranks wait forever)
+        "smoke": ["pytest", "megatron-core==0.16.1", "psutil"],
         "report": ["matplotlib"],
         # compare: TensorBoard event reader, change points (ruptures), statistics, PNG report
         "diagnose": ["tensorboard", "ruptures", "scipy", "matplotlib"],

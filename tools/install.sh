@@ -16,7 +16,8 @@
 #   find-links or file:// index; else, on Linux, PyTorch's CPU index ($MCORE_PROXY_TORCH_INDEX,
 #   default https://download.pytorch.org/whl/cpu) instead of PyPI's Linux build, which pulls about
 #   2.7 GB of CUDA libraries; on macOS and Windows PyPI (CPU builds there).
-# Then `pip install -e ".[test]"` (megatron-core 0.16.1, pytest, matplotlib, psutil).
+# Then `pip install -e ".[test]"` (megatron-core 0.16.1, pytest, matplotlib, psutil), or the extras
+# named by $MCORE_PROXY_EXTRAS (tools/smoke_other_python.sh: `smoke`, what its few tests need).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DRY=0
@@ -26,6 +27,7 @@ case "${1:-}" in
   *) echo "usage: bash tools/install.sh [--dry-run]" >&2; exit 2 ;;
 esac
 TORCH_VERSION="${MCORE_PROXY_TORCH_VERSION:-2.13.0}"
+EXTRAS="${MCORE_PROXY_EXTRAS:-test}"
 PLAN_PY="$REPO/tools/install_plan.py"
 
 say() { echo "install: $*" >&2; }
@@ -108,17 +110,17 @@ case "$P_ACTION" in
   *) fail "no torch decision from $PLAN_PY (got '$P_ACTION')" ;;
 esac
 
-# 4. the package and its test extras, with torch pinned to what is there now
+# 4. the package and its extras (test unless MCORE_PROXY_EXTRAS says), with torch pinned to what is there now
 if [ "$DRY" = 1 ]; then
-  say "would run: ${PIP[*]} -e $REPO[test] (torch pinned to the version above)"
+  say "would run: ${PIP[*]} -e $REPO[$EXTRAS] (torch pinned to the version above)"
 else
   TORCH_NOW="$P_TORCH"
   [ "$P_ACTION" = keep ] || TORCH_NOW="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
     || fail "torch is installed in $PY but 'import torch' fails (${P_TORCH_ERROR:-see above}); repair that environment, or unset PYTHON/VIRTUAL_ENV to use a fresh project venv"
   PIN="$(mktemp)"; trap 'rm -f "$PIN"' EXIT
   echo "torch==$TORCH_NOW" > "$PIN"
-  say "pip install -e .[test] (megatron-core 0.16.1, pytest, ...), torch pinned to $TORCH_NOW"
-  run "${PIP[@]}" -e "$REPO[test]" -c "$PIN" \
-    || fail "pip could not install .[test] next to torch $TORCH_NOW (megatron-core 0.16.1 needs torch >= 2.6); see pip's message above"
+  say "pip install -e .[$EXTRAS] (megatron-core 0.16.1, pytest, ...), torch pinned to $TORCH_NOW"
+  run "${PIP[@]}" -e "$REPO[$EXTRAS]" -c "$PIN" \
+    || fail "pip could not install .[$EXTRAS] next to torch $TORCH_NOW (megatron-core 0.16.1 needs torch >= 2.6); see pip's message above"
 fi
 echo "$PY"

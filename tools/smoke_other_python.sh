@@ -29,7 +29,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     rm -rf "$VENV"; say "$SECOND -m venv failed (Debian: install python3-venv)"; exit 2
   fi
 fi
-PY="$(VIRTUAL_ENV="$VENV" CONDA_PREFIX="" PYTHON="" bash "$REPO/tools/install.sh")"
+# only what these tests need (torch, megatron-core, psutil, pytest): the full test extras took minutes of CI
+PY="$(VIRTUAL_ENV="$VENV" CONDA_PREFIX="" PYTHON="" MCORE_PROXY_EXTRAS=smoke bash "$REPO/tools/install.sh")"
 cd "$REPO"
 # reading and writing both enum forms, a real megatron-core round trip, hostile pickles, and the
 # whole CLI path (inspect, select, convert, verify --functional) on by-name and by-value fixtures
