@@ -16,10 +16,26 @@ setup(
         # trl: the fault demonstration inside GRPOTrainer; mlflow-skinny (+ sqlalchemy, alembic for
         # its SQLite store), wandb and swanlab write the logs their readers are tested on (the
         # W&B and SwanLab readers go through those packages: versions pinned to the ones read)
-        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib",
-                 "tensorboard", "ruptures", "scipy", "transformers>=5", "tokenizers", "accelerate",
-                 "trl==1.16.0", "mlflow-skinny==3.18.0", "sqlalchemy", "alembic", "wandb==0.31.0",
-                 "swanlab==0.10.3"],
+        "test": [
+            "pytest",
+            "megatron-core==0.16.1",
+            "psutil",
+            "matplotlib",
+            "tensorboard",
+            "ruptures",
+            "scipy",
+            "transformers>=5",
+            "tokenizers",
+            "accelerate",
+            "trl==1.16.0",
+            "mlflow-skinny==3.18.0",
+            "sqlalchemy",
+            "alembic",
+            "wandb==0.31.0",
+            "swanlab==0.10.3",
+            # style in CI (.ci/run, pyproject.toml): pinned, so that a newer formatter cannot fail unchanged code
+            "ruff==0.17.6",
+        ],
         # tools/smoke_other_python.sh: the checkpoint and convert tests it runs under a second Python;
         # psutil: megatron-core's torch_dist writer needs it in its worker processes (without it the
         # worker raises and the saving ranks wait forever)

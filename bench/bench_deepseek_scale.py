@@ -63,6 +63,7 @@ library commits side by side (git archives first on PYTHONPATH). Medians and the
 ratio to `cp -r` in the same repetition print as a markdown table; every sample goes to
 DATA/scale-results.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,8 +82,14 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.checkpoint.mindspeed_llm import MEGATRON, MINDSPEED_LLM, NAMINGS, MindSpeedNaming, MLADims, \
-    megatron_to_mindspeed
+from mcore_proxy.checkpoint.mindspeed_llm import (
+    MEGATRON,
+    MINDSPEED_LLM,
+    NAMINGS,
+    MindSpeedNaming,
+    MLADims,
+    megatron_to_mindspeed,
+)
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.testing.families import DEEPSEEK_V3, Family
 
@@ -94,16 +101,31 @@ ITERATION = 1000
 def scale_model(num_layers: int = 61) -> Family:
     """DeepSeek-V3's structure (layer/expert counts, routing, MLA, MTP) at reduced width."""
     return dataclasses.replace(
-        DEEPSEEK_V3, num_layers=num_layers, hidden_size=256, num_attention_heads=8, ffn_hidden_size=768,
-        q_lora_rank=96, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
-        num_experts=256, moe_ffn_hidden_size=96, shared_expert_size=96, topk=8, num_groups=8, group_topk=4,
-        moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3), vocab_size=4096, seq_length=4096)
+        DEEPSEEK_V3,
+        num_layers=num_layers,
+        hidden_size=256,
+        num_attention_heads=8,
+        ffn_hidden_size=768,
+        q_lora_rank=96,
+        kv_lora_rank=32,
+        qk_head_dim=32,
+        qk_pos_emb_head_dim=16,
+        v_head_dim=32,
+        num_experts=256,
+        moe_ffn_hidden_size=96,
+        shared_expert_size=96,
+        topk=8,
+        num_groups=8,
+        group_topk=4,
+        moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3),
+        vocab_size=4096,
+        seq_length=4096,
+    )
 
 
 def smoke_model(num_layers: int = 5) -> Family:
     """The same structure at test size: 32 experts (8 groups), H 32."""
-    return dataclasses.replace(
-        DEEPSEEK_V3, num_layers=num_layers, moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3))
+    return dataclasses.replace(DEEPSEEK_V3, num_layers=num_layers, moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3))
 
 
 def stage_counts(num_layers: int, pp: int) -> list[int]:
@@ -121,20 +143,32 @@ def stage_counts(num_layers: int, pp: int) -> list[int]:
 
 # -- the checkpoint ----------------------------------------------------------------------------
 
+
 def megatron_args(model: Family, counts: list[int], ep: int, stages: str = "first-last") -> argparse.Namespace:
     """args as the saving job's Megatron-LM (or MindSpeed-LLM, `stages="num-layer-list"`) leaves them."""
     pp = len(counts)
     even = len(set(counts)) == 1
     args = model.megatron_args(Layout(tp=1, pp=pp, ep=ep, etp=1, first_stage_layers=None if even else counts[0]))
-    vars(args).update(bf16=True, params_dtype=torch.bfloat16, iteration=ITERATION, use_distributed_optimizer=True,
-                      moe_router_dtype=None, sequence_parallel=False)
+    vars(args).update(
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        iteration=ITERATION,
+        use_distributed_optimizer=True,
+        moe_router_dtype=None,
+        sequence_parallel=False,
+    )
     if not even:
         args.decoder_last_pipeline_num_layers = counts[-1]
-    if stages == "num-layer-list":   # MindSpeed-LLM: --num-layer-list, --first-k-dense-replace, int freq
+    if stages == "num-layer-list":  # MindSpeed-LLM: --num-layer-list, --first-k-dense-replace, int freq
         dense = model.moe_layer_freq.index(1)
-        vars(args).update(num_layer_list=",".join(map(str, counts)), decoder_first_pipeline_num_layers=None,
-                          decoder_last_pipeline_num_layers=None, first_k_dense_replace=dense, moe_layer_freq=1,
-                          noop_layers=None)
+        vars(args).update(
+            num_layer_list=",".join(map(str, counts)),
+            decoder_first_pipeline_num_layers=None,
+            decoder_last_pipeline_num_layers=None,
+            first_k_dense_replace=dense,
+            moe_layer_freq=1,
+            noop_layers=None,
+        )
     elif stages != "first-last":
         raise SystemExit(f"--stages {stages!r}: expected first-last or num-layer-list")
     return args
@@ -144,9 +178,16 @@ def mindspeed_llm_args(args: argparse.Namespace, model: Family) -> argparse.Name
     """`args` as MindSpeed-LLM's DeepSeek-V3 recipe leaves them (module docstring): its flags'
     spellings added beside the megatron-core ones the reader reads (`multi_latent_attention`,
     `qk_head_dim`, `qk_pos_emb_head_dim`, `mtp_num_layers`)."""
-    vars(args).update(multi_head_latent_attention=True, qk_nope_head_dim=model.qk_head_dim,
-                      qk_rope_head_dim=model.qk_pos_emb_head_dim, mla_mm_split=False,
-                      moe_grouped_gemm=True, moe_tp_extend_ep=True, n_shared_experts=1, transformer_impl="local")
+    vars(args).update(
+        multi_head_latent_attention=True,
+        qk_nope_head_dim=model.qk_head_dim,
+        qk_rope_head_dim=model.qk_pos_emb_head_dim,
+        mla_mm_split=False,
+        moe_grouped_gemm=True,
+        moe_tp_extend_ep=True,
+        n_shared_experts=1,
+        transformer_impl="local",
+    )
     return args
 
 
@@ -170,7 +211,7 @@ def grouped_experts(state: dict) -> dict:
             out.setdefault(grouped, None)
             parts.append(value.t())
     for grouped, parts in blocks.items():
-        stacked = torch.stack(parts)                   # [E_local, H, 2F] or [E_local, F, H]
+        stacked = torch.stack(parts)  # [E_local, H, 2F] or [E_local, F, H]
         out[grouped] = stacked.reshape(stacked.shape[1], -1) if grouped.endswith("1") else stacked.flatten(0, 1)
     return out
 
@@ -199,11 +240,18 @@ def _randn(shape, name: str, dtype=torch.bfloat16, std: float = 0.02, memo: dict
 
 def _linear(out: dict, key: str, shape, seed_name: str, memo: dict | None = None) -> None:
     out[f"{key}.weight"] = _randn(shape, seed_name, memo=memo)
-    out[f"{key}._extra_state"] = None                   # megatron-core's local linears save None
+    out[f"{key}._extra_state"] = None  # megatron-core's local linears save None
 
 
-def layer_tensors(model: Family, prefix: str, seed_prefix: str, moe: bool, router: torch.Tensor | None,
-                  experts: range, memo: dict | None = None) -> dict:
+def layer_tensors(
+    model: Family,
+    prefix: str,
+    seed_prefix: str,
+    moe: bool,
+    router: torch.Tensor | None,
+    experts: range,
+    memo: dict | None = None,
+) -> dict:
     """One transformer layer's rank-local state at TP 1 / ETP 1 (megatron-core local spec, MLA):
     `prefix` its rank-local key prefix, `seed_prefix` its global name (values are keyed by it, so
     every EP rank holds the same replicated tensors), `experts` the global ids this EP rank holds,
@@ -233,13 +281,22 @@ def layer_tensors(model: Family, prefix: str, seed_prefix: str, moe: bool, route
         return out
     f = model.moe_ffn_hidden_size
     out[f"{prefix}.mlp.router.weight"] = router.to(torch.bfloat16)
-    out[f"{prefix}.mlp.router.expert_bias"] = _randn((model.num_experts,), f"{seed_prefix}.mlp.router.expert_bias",
-                                                     torch.float32, std=0.1, memo=memo)
+    out[f"{prefix}.mlp.router.expert_bias"] = _randn(
+        (model.num_experts,), f"{seed_prefix}.mlp.router.expert_bias", torch.float32, std=0.1, memo=memo
+    )
     for j, e in enumerate(experts):
-        _linear(out, f"{prefix}.mlp.experts.local_experts.{j}.linear_fc1", (2 * f, h),
-                f"{seed_prefix}.mlp.experts.{e}.linear_fc1")
-        _linear(out, f"{prefix}.mlp.experts.local_experts.{j}.linear_fc2", (h, f),
-                f"{seed_prefix}.mlp.experts.{e}.linear_fc2")
+        _linear(
+            out,
+            f"{prefix}.mlp.experts.local_experts.{j}.linear_fc1",
+            (2 * f, h),
+            f"{seed_prefix}.mlp.experts.{e}.linear_fc1",
+        )
+        _linear(
+            out,
+            f"{prefix}.mlp.experts.local_experts.{j}.linear_fc2",
+            (h, f),
+            f"{seed_prefix}.mlp.experts.{e}.linear_fc2",
+        )
     w("mlp.shared_experts.linear_fc1", (2 * model.shared_expert_size, h))
     w("mlp.shared_experts.linear_fc2", (h, model.shared_expert_size))
     return out
@@ -250,12 +307,19 @@ def planted(model: Family, layer_id: str, tokens: int):
     from mcore_proxy.select.synthetic import planted_layer
 
     seed = 10_000 + int(layer_id.split(".")[-1]) + (5_000 if layer_id.startswith("mtp.") else 0)
-    return planted_layer(num_experts=model.num_experts, clusters=min(32, model.num_experts // 2),
-                         hidden=model.hidden_size, topk=model.topk, tokens=tokens, seed=seed)
+    return planted_layer(
+        num_experts=model.num_experts,
+        clusters=min(32, model.num_experts // 2),
+        hidden=model.hidden_size,
+        topk=model.topk,
+        tokens=tokens,
+        seed=seed,
+    )
 
 
-def rank_state(model: Family, counts: list[int], pp_rank: int, ep_rank: int, ep: int, routers: dict,
-               memo: dict | None = None) -> dict:
+def rank_state(
+    model: Family, counts: list[int], pp_rank: int, ep_rank: int, ep: int, routers: dict, memo: dict | None = None
+) -> dict:
     """Rank (tp 0, pp_rank, ep_rank)'s `model` entry: the stage's layers with local numbers, the
     embedding on the first stage, and on the last the final norm, the MTP layer beside its own
     embedding copy (megatron-core's GPTModel builds one wherever MTP runs) and the output layer.
@@ -275,8 +339,9 @@ def rank_state(model: Family, counts: list[int], pp_rank: int, ep_rank: int, ep:
     for i in range(counts[pp_rank]):
         L = start + i
         moe = bool(model.moe_layer_freq[L])
-        out.update(layer_tensors(model, f"decoder.layers.{i}", f"decoder.layers.{L}", moe, routers.get(str(L)),
-                                 experts, memo))
+        out.update(
+            layer_tensors(model, f"decoder.layers.{i}", f"decoder.layers.{L}", moe, routers.get(str(L)), experts, memo)
+        )
     if last:
         norm("decoder.final_layernorm.weight")
         for d in range(model.mtp_layers):
@@ -284,8 +349,11 @@ def rank_state(model: Family, counts: list[int], pp_rank: int, ep_rank: int, ep:
             norm(f"{p}.enorm.weight")
             norm(f"{p}.hnorm.weight")
             _linear(out, f"{p}.eh_proj", (h, 2 * h), f"{p}.eh_proj", memo)
-            out.update(layer_tensors(model, f"{p}.transformer_layer", f"{p}.transformer_layer", True,
-                                     routers[f"mtp.{d}"], experts, memo))
+            out.update(
+                layer_tensors(
+                    model, f"{p}.transformer_layer", f"{p}.transformer_layer", True, routers[f"mtp.{d}"], experts, memo
+                )
+            )
             norm(f"{p}.final_layernorm.weight")
         _linear(out, "output_layer", (v, h), "output_layer", memo)
     return out
@@ -295,8 +363,16 @@ def moe_layer_ids(model: Family) -> list[str]:
     return [str(L) for L, f in enumerate(model.moe_layer_freq) if f] + [f"mtp.{d}" for d in range(model.mtp_layers)]
 
 
-def write_checkpoint(root: Path, model: Family, pp: int, ep: int, stages: str = "first-last",
-                     tokens: int = 4096, stats_path: Path | None = None, naming: str = MEGATRON) -> None:
+def write_checkpoint(
+    root: Path,
+    model: Family,
+    pp: int,
+    ep: int,
+    stages: str = "first-last",
+    tokens: int = 4096,
+    stats_path: Path | None = None,
+    naming: str = MEGATRON,
+) -> None:
     """Write the legacy checkpoint (and its planted routing statistics) under `root`, complete or
     not at all: built in a sibling folder, renamed into place last. `naming`: megatron-core's
     local-spec names or MindSpeed-LLM's (`mindspeed_llm_state`)."""
@@ -325,19 +401,41 @@ def write_checkpoint(root: Path, model: Family, pp: int, ep: int, stages: str = 
             name = (f"mp_rank_00_{pp_rank:03d}" if pp > 1 else "mp_rank_00") + (f"_{ep_rank:03d}" if ep > 1 else "")
             folder = it_dir / name
             folder.mkdir(parents=True)
-            params = torch.nn.ParameterList([torch.nn.Parameter(t, requires_grad=True)
-                                             for t in state.values() if t is not None and t.is_floating_point()])
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": state,
-                        **training_extras(params)}, folder / "model_optim_rng.pt")
+            params = torch.nn.ParameterList(
+                [
+                    torch.nn.Parameter(t, requires_grad=True)
+                    for t in state.values()
+                    if t is not None and t.is_floating_point()
+                ]
+            )
+            torch.save(
+                {
+                    "args": args,
+                    "checkpoint_version": 3.0,
+                    "iteration": ITERATION,
+                    "model": state,
+                    **training_extras(params),
+                },
+                folder / "model_optim_rng.pt",
+            )
     (tmp / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     if stats_path is not None:
-        save_stats(RoutingStats({lid: p.stats for lid, p in layers.items()}, model.topk,
-                                meta={"source": "bench/bench_deepseek_scale.py: select.synthetic.planted_layer, "
-                                                "32 clusters per layer (synthetic)"}), stats_path)
+        save_stats(
+            RoutingStats(
+                {lid: p.stats for lid, p in layers.items()},
+                model.topk,
+                meta={
+                    "source": "bench/bench_deepseek_scale.py: select.synthetic.planted_layer, "
+                    "32 clusters per layer (synthetic)"
+                },
+            ),
+            stats_path,
+        )
     os.replace(tmp, root)
 
 
 # -- measuring ---------------------------------------------------------------------------------
+
 
 def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -365,17 +463,25 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="8,16,61", help="decoder layers of the truncated checkpoints")
     ap.add_argument("--pp", type=int, default=8)
     ap.add_argument("--ep", type=int, default=32)
-    ap.add_argument("--naming", default=MEGATRON, choices=NAMINGS,
-                    help="megatron-core's names or MindSpeed-LLM's DeepSeek-V3 recipe (module docstring)")
-    ap.add_argument("--stages", choices=("first-last", "num-layer-list"),
-                    help="uneven stages' spelling (default: first-last, num-layer-list with --naming mindspeed-llm)")
+    ap.add_argument(
+        "--naming",
+        default=MEGATRON,
+        choices=NAMINGS,
+        help="megatron-core's names or MindSpeed-LLM's DeepSeek-V3 recipe (module docstring)",
+    )
+    ap.add_argument(
+        "--stages",
+        choices=("first-last", "num-layer-list"),
+        help="uneven stages' spelling (default: first-last, num-layer-list with --naming mindspeed-llm)",
+    )
     ap.add_argument("--keep", type=int, default=16)
     ap.add_argument("--target-ep", type=int, default=2)
     ap.add_argument("--target-pp", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=4096, help="planted tokens per MoE layer")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache")
-    ap.add_argument("--libs", default="HEAD",
-                    help="library commits measured side by side (git archives), e.g. 8ab7dfb,HEAD")
+    ap.add_argument(
+        "--libs", default="HEAD", help="library commits measured side by side (git archives), e.g. 8ab7dfb,HEAD"
+    )
     ap.add_argument("--build-only", action="store_true", help="build the missing checkpoints, measure nothing")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: 5 layers, 32 experts, PP 2, EP 4, once")
     a = ap.parse_args(argv)
@@ -387,12 +493,17 @@ def main(argv=None) -> int:
     depths = [int(x) for x in a.depths.split(",")]
     make = smoke_model if a.smoke else scale_model
     # The console script beside this interpreter: CI runs the venv's python without activating it.
-    mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or shutil.which("mcore-proxy") or "mcore-proxy"
+    mcore = (
+        shutil.which("mcore-proxy", path=str(Path(sys.executable).parent))
+        or shutil.which("mcore-proxy")
+        or "mcore-proxy"
+    )
     src, stats, info = {}, {}, {}
     for n in depths:
         # megatron-named folders keep their tag (data built before --naming stays valid)
         tag = f"{'smoke' if a.smoke else 'dsv3'}-{n}L-pp{a.pp}-ep{a.ep}-{a.stages}" + (
-            f"-{a.naming}" if a.naming != MEGATRON else "")
+            f"-{a.naming}" if a.naming != MEGATRON else ""
+        )
         src[n], stats[n] = data / tag, data / f"{tag}.stats.safetensors"
         t = time.perf_counter()
         if not src[n].exists():
@@ -416,10 +527,36 @@ def main(argv=None) -> int:
 
     def jobs(n):
         out = tmp / f"out-{n}"
-        select = [mcore, "select", "--ckpt", str(src[n]), "--stats", str(stats[n]), "--num-experts", keep,
-                  "--target-ep", tep, "-o", str(plan[n]), "--force"]
-        convert = [mcore, "convert", str(src[n]), "--plan", str(plan[n]), "-o", str(out), "--target-tp", "1",
-                   "--target-pp", str(a.target_pp), "--target-ep", tep]
+        select = [
+            mcore,
+            "select",
+            "--ckpt",
+            str(src[n]),
+            "--stats",
+            str(stats[n]),
+            "--num-experts",
+            keep,
+            "--target-ep",
+            tep,
+            "-o",
+            str(plan[n]),
+            "--force",
+        ]
+        convert = [
+            mcore,
+            "convert",
+            str(src[n]),
+            "--plan",
+            str(plan[n]),
+            "-o",
+            str(out),
+            "--target-tp",
+            "1",
+            "--target-pp",
+            str(a.target_pp),
+            "--target-ep",
+            tep,
+        ]
         j = {f"cp -r ({n}L)": (["cp", "-r", str(src[n]), str(out)], out, {})}
         for sha, lib in libs:
             tag, env = (f" @{sha}" if len(libs) > 1 else ""), {"PYTHONPATH": lib}
@@ -429,8 +566,11 @@ def main(argv=None) -> int:
         return j
 
     order = {k: v for n in depths for k, v in jobs(n).items()}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-          f"torch {torch.__version__}; page cache {'dropped before every command' if cold else 'warm'}", flush=True)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+        f"torch {torch.__version__}; page cache {'dropped before every command' if cold else 'warm'}",
+        flush=True,
+    )
     print(f"command: python {' '.join(sys.argv)}", flush=True)
     load_before = os.getloadavg()
     samples: dict[str, list[dict]] = {k: [] for k in order}
@@ -447,20 +587,28 @@ def main(argv=None) -> int:
                 if label.startswith("convert"):
                     proxy[label] = m["out_bytes"]
                     if r == 0:
-                        v = subprocess.run([mcore, "verify", "--orig", str(src[n]), "--proxy", str(out), "--plan",
-                                            str(plan[n])], capture_output=True, text=True, check=False,
-                                           env={**os.environ, **env})
+                        v = subprocess.run(
+                            [mcore, "verify", "--orig", str(src[n]), "--proxy", str(out), "--plan", str(plan[n])],
+                            capture_output=True,
+                            text=True,
+                            check=False,
+                            env={**os.environ, **env},
+                        )
                         m["verify_rc"] = v.returncode
                         if v.returncode:
-                            raise SystemExit(f"verify failed ({v.returncode}) on {out}:\n"
-                                             f"{v.stdout[-2000:]}{v.stderr[-2000:]}")
+                            raise SystemExit(
+                                f"verify failed ({v.returncode}) on {out}:\n{v.stdout[-2000:]}{v.stderr[-2000:]}"
+                            )
                 rm(out)
             samples[label].append(m)
-            print(f"[{r + 1}/{a.repeat}] {label}: wall {m['wall']:.1f} s, max RSS {m['rss_max'] / MIB:.0f} MiB, "
-                  f"tree PSS {m['pss_tree'] / MIB:.0f} MiB, disk read {m['read_bytes'] / MIB:.0f} MiB"
-                  + (f" (of the source {m['source_read'] / MIB:.0f} MiB)" if m["source_read"] is not None else "")
-                  + (f", out {m['out_bytes'] / MIB:.0f} MiB" if "out_bytes" in m else "")
-                  + (", verify ok" if m.get("verify_rc") == 0 else ""), flush=True)
+            print(
+                f"[{r + 1}/{a.repeat}] {label}: wall {m['wall']:.1f} s, max RSS {m['rss_max'] / MIB:.0f} MiB, "
+                f"tree PSS {m['pss_tree'] / MIB:.0f} MiB, disk read {m['read_bytes'] / MIB:.0f} MiB"
+                + (f" (of the source {m['source_read'] / MIB:.0f} MiB)" if m["source_read"] is not None else "")
+                + (f", out {m['out_bytes'] / MIB:.0f} MiB" if "out_bytes" in m else "")
+                + (", verify ok" if m.get("verify_rc") == 0 else ""),
+                flush=True,
+            )
     load_after = os.getloadavg()
     rm(tmp)
     med = {}
@@ -472,25 +620,45 @@ def main(argv=None) -> int:
         med[k]["source_read"] = statistics.median(reads) if None not in reads else None
         # time -v has 10 ms resolution: a smoke-sized cp -r can take "0.00 s"
         med[k]["ratio"] = statistics.median(x["wall"] / max(c["wall"], 0.01) for x, c in zip(v, cp))
-    (data / "scale-results.json").write_text(json.dumps(
-        {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv, "cold_cache": cold, "inputs": info,
-         "load_before": load_before, "load_after": load_after, "samples": samples, "medians": med},
-        indent=1, default=str))
-    print(f"\nload average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
-          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    (data / "scale-results.json").write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+                "argv": sys.argv,
+                "cold_cache": cold,
+                "inputs": info,
+                "load_before": load_before,
+                "load_after": load_after,
+                "samples": samples,
+                "medians": med,
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    print(
+        f"\nload average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+        f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}"
+    )
     for n in depths:
         conv = next(k for k in proxy if k.endswith(f"({n}L)"))
-        print(f"{n}L: source {info[n]['bytes'] / GIB:.2f} GiB in {info[n]['rank_files']} rank files; "
-              f"proxy {proxy[conv] / GIB:.3f} GiB ({proxy[conv] / info[n]['bytes']:.1%})")
+        print(
+            f"{n}L: source {info[n]['bytes'] / GIB:.2f} GiB in {info[n]['rank_files']} rank files; "
+            f"proxy {proxy[conv] / GIB:.3f} GiB ({proxy[conv] / info[n]['bytes']:.1%})"
+        )
     print(f"medians of {a.repeat}; / cp -r = median over repetitions of (wall / wall of cp -r in the same repetition)")
-    print("| command | wall s | / cp -r | peak RSS MiB (largest process) | peak PSS MiB (process tree) "
-          "| disk read MiB (process tree) | of it from the source MiB | / source size |")
+    print(
+        "| command | wall s | / cp -r | peak RSS MiB (largest process) | peak PSS MiB (process tree) "
+        "| disk read MiB (process tree) | of it from the source MiB | / source size |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for k, m in med.items():
         n = int(k.rsplit("(", 1)[1].split("L")[0])
         src_read = m["source_read"] if m["source_read"] is not None else float("nan")
-        print(f"| {k} | {m['wall']:.2f} | {m['ratio']:.2f} | {m['rss_max'] / MIB:.0f} | {m['pss_tree'] / MIB:.0f} "
-              f"| {m['read_bytes'] / MIB:.0f} | {src_read / MIB:.0f} | {src_read / info[n]['bytes']:.3f} |")
+        print(
+            f"| {k} | {m['wall']:.2f} | {m['ratio']:.2f} | {m['rss_max'] / MIB:.0f} | {m['pss_tree'] / MIB:.0f} "
+            f"| {m['read_bytes'] / MIB:.0f} | {src_read / MIB:.0f} | {src_read / info[n]['bytes']:.3f} |"
+        )
     return 0
 
 

@@ -15,6 +15,7 @@ streaming does not depend on their values. Then runs, each under `/usr/bin/time 
 and prints wall time and maximum RSS against the bound of the issue (two layers plus 1 GiB).
 Outputs are deleted after each run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,25 @@ SHARD = 1 << 30
 
 def layer_tensors(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     p = f"model.layers.{i}."
-    shapes = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-              "self_attn.q_proj.weight": (HEADS * HEAD_DIM, H), "self_attn.k_proj.weight": (GROUPS * HEAD_DIM, H),
-              "self_attn.v_proj.weight": (GROUPS * HEAD_DIM, H), "self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
-              "self_attn.q_norm.weight": (HEAD_DIM,), "self_attn.k_norm.weight": (HEAD_DIM,), "mlp.gate.weight": (E, H)}
+    shapes = {
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (HEADS * HEAD_DIM, H),
+        "self_attn.k_proj.weight": (GROUPS * HEAD_DIM, H),
+        "self_attn.v_proj.weight": (GROUPS * HEAD_DIM, H),
+        "self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+        "self_attn.q_norm.weight": (HEAD_DIM,),
+        "self_attn.k_norm.weight": (HEAD_DIM,),
+        "mlp.gate.weight": (E, H),
+    }
     for e in range(E):
-        shapes.update({f"mlp.experts.{e}.gate_proj.weight": (F, H), f"mlp.experts.{e}.up_proj.weight": (F, H),
-                       f"mlp.experts.{e}.down_proj.weight": (H, F)})
+        shapes.update(
+            {
+                f"mlp.experts.{e}.gate_proj.weight": (F, H),
+                f"mlp.experts.{e}.up_proj.weight": (F, H),
+                f"mlp.experts.{e}.down_proj.weight": (H, F),
+            }
+        )
     return {p + k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
 
 
@@ -53,10 +66,14 @@ def build(folder: Path, layers: int) -> int:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
-    groups = [{"model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g).to(torch.bfloat16),
-               "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
-               "lm_head.weight": torch.randn(VOCAB, H, generator=g).to(torch.bfloat16)}]
-    groups += [None] * layers        # made when written
+    groups = [
+        {
+            "model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g).to(torch.bfloat16),
+            "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+            "lm_head.weight": torch.randn(VOCAB, H, generator=g).to(torch.bfloat16),
+        }
+    ]
+    groups += [None] * layers  # made when written
     names, pending, size, total, weight_map = [], {}, 0, 0, {}
 
     def flush():
@@ -83,14 +100,31 @@ def build(folder: Path, layers: int) -> int:
         (folder / old).rename(folder / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": VOCAB,
-              "hidden_size": H, "intermediate_size": 4 * H, "num_hidden_layers": layers, "num_attention_heads": HEADS,
-              "num_key_value_heads": GROUPS, "head_dim": HEAD_DIM, "hidden_act": "silu",
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": False,
-              "attention_bias": False, "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-              "moe_intermediate_size": F, "norm_topk_prob": True, "num_experts": E, "num_experts_per_tok": TOPK,
-              "dtype": "bfloat16"}
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": VOCAB,
+        "hidden_size": H,
+        "intermediate_size": 4 * H,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": GROUPS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": F,
+        "norm_topk_prob": True,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "dtype": "bfloat16",
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "done").write_text(str(total))
     return total
@@ -118,11 +152,15 @@ def main() -> None:
     layer = sum(t.numel() * t.element_size() for t in layer_tensors(0, torch.Generator().manual_seed(1)).values())
     bound = 2 * layer + (1 << 30)
     cli = [sys.executable, "-m", "mcore_proxy"]
-    runs = [("inspect", ["inspect", str(src)]),
-            ("convert HF -> HF", ["convert", str(src), "-o", "{out}"]),
-            ("convert HF -> legacy, EP 4", ["convert", str(src), "-o", "{out}", "--format", "legacy", "--target-ep", "4"])]
-    print(f"source: {total / 2**30:.2f} GiB in {len(list(src.glob('*.safetensors')))} shards, one layer "
-          f"{layer / 2**20:.0f} MiB; bound two layers + 1 GiB = {bound / 2**20:.0f} MiB\n")
+    runs = [
+        ("inspect", ["inspect", str(src)]),
+        ("convert HF -> HF", ["convert", str(src), "-o", "{out}"]),
+        ("convert HF -> legacy, EP 4", ["convert", str(src), "-o", "{out}", "--format", "legacy", "--target-ep", "4"]),
+    ]
+    print(
+        f"source: {total / 2**30:.2f} GiB in {len(list(src.glob('*.safetensors')))} shards, one layer "
+        f"{layer / 2**20:.0f} MiB; bound two layers + 1 GiB = {bound / 2**20:.0f} MiB\n"
+    )
     print("| command | wall (s) | max RSS (MiB) | within bound |\n|---|---|---|---|")
     for label, argv in runs:
         out = a.out / "result"

@@ -6,6 +6,7 @@ Builds a synthetic Megatron MoE checkpoint (bf16, TP=2 PP=2 EP=4) with the strea
 writer, then runs each reader command under `/usr/bin/time -v` and reports maximum resident
 set size against the model's largest layer. Acceptance: full read < 2 layers + 1 GiB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ def peak_rss_mib(cmd: list[str]) -> tuple[float, float]:
     out = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, check=True)
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)) / 1024
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", out.stderr).group(1)
-    secs = sum(float(x) * 60 ** i for i, x in enumerate(reversed(wall.split(":"))))
+    secs = sum(float(x) * 60**i for i, x in enumerate(reversed(wall.split(":"))))
     return rss, secs
 
 
@@ -37,7 +38,9 @@ def layer_bytes(view) -> dict[str, int]:
         numel = 1
         for d in shape:
             numel *= d
-        sizes[group_of(n)] = sizes.get(group_of(n), 0) + numel * (4 if view.dtype(n).is_floating_point and view.dtype(n).itemsize == 4 else 2)
+        sizes[group_of(n)] = sizes.get(group_of(n), 0) + numel * (
+            4 if view.dtype(n).is_floating_point and view.dtype(n).itemsize == 4 else 2
+        )
     return sizes
 
 
@@ -56,7 +59,11 @@ def main() -> None:
     largest = max(v for k, v in sizes.items() if k != "other")
     total = sum(sizes.values())
     # The console script beside this interpreter: CI runs the venv's python without activating it.
-    mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or shutil.which("mcore-proxy") or "mcore-proxy"
+    mcore = (
+        shutil.which("mcore-proxy", path=str(Path(sys.executable).parent))
+        or shutil.which("mcore-proxy")
+        or "mcore-proxy"
+    )
     runs = {"inspect": [mcore, "inspect", str(ckpt)], "full read": [sys.executable, "bench/read_all.py", str(ckpt)]}
     print(f"checkpoint {ckpt}: {total / 2**30:.2f} GiB, {a.layers} layers, largest layer {largest / 2**20:.0f} MiB")
     print(f"{'command':<10} {'peak RSS MiB (median)':>22} {'wall s (median)':>16} {'bound MiB':>10}")

@@ -12,6 +12,7 @@ representatives, coverage, router fingerprint), not the data generation.
 On a shared machine, multi-threaded OpenBLAS slows down sharply when other processes hold the
 cores; OPENBLAS_NUM_THREADS=1 keeps the time stable there (see bench/RESULTS.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,20 @@ from mcore_proxy.stats import RoutingStats
 
 def build(num_layers: int, dense: int, experts: int, hidden: int, tokens: int, seed: int):
     """(view, stats) of a DeepSeek-V3-shaped model with synthetic routing statistics."""
-    spec = ModelSpec(num_layers=num_layers, hidden_size=hidden, num_experts=experts, topk=8,
-                     moe_layers=tuple(range(dense, num_layers)), score_function="sigmoid",
-                     num_groups=8, group_topk=4, expert_bias=True)
+    spec = ModelSpec(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_experts=experts,
+        topk=8,
+        moe_layers=tuple(range(dense, num_layers)),
+        score_function="sigmoid",
+        num_groups=8,
+        group_topk=4,
+        expert_bias=True,
+    )
     tensors, layers = {}, {}
     for i, lid in enumerate(spec.moe_layer_ids):
-        p = planted_layer(num_experts=experts, clusters=32, hidden=hidden, topk=8, tokens=tokens,
-                          seed=seed + i)
+        p = planted_layer(num_experts=experts, clusters=32, hidden=hidden, topk=8, tokens=tokens, seed=seed + i)
         tensors[router_weight_name(lid)] = torch.from_numpy(p.router).to(torch.bfloat16)
         tensors[expert_bias_name(lid)] = torch.zeros(experts, dtype=torch.float32)
         layers[lid] = p.stats
@@ -62,11 +70,15 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     view, stats = build(args.layers, args.dense, args.experts, args.hidden, args.tokens, seed=0)
-    print(f"generated {len(stats.layers)} MoE layers, E={args.experts}, H={args.hidden} in "
-          f"{time.perf_counter() - t0:.1f} s")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"generated {len(stats.layers)} MoE layers, E={args.experts}, H={args.hidden} in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"command: python {' '.join(sys.argv)}")
     print("load average (1, 5, 15 min) before: %.2f %.2f %.2f" % os.getloadavg())
     print("| K | method | group policy | runs | median s | min s | max s | mean token coverage |")
@@ -75,12 +87,15 @@ def main(argv=None) -> int:
         times, plan = [], None
         for _ in range(args.runs):
             t = time.perf_counter()
-            plan = select_experts(view, stats, k, method=args.method, restarts=args.restarts,
-                                  group_policy=args.group_policy)
+            plan = select_experts(
+                view, stats, k, method=args.method, restarts=args.restarts, group_policy=args.group_policy
+            )
             times.append(time.perf_counter() - t)
-        print(f"| {k} | {args.method} | {plan.params['group_policy']} | {args.runs} | "
-              f"{statistics.median(times):.2f} | {min(times):.2f} | {max(times):.2f} | "
-              f"{plan.mean_coverage()[0]:.3f} |")
+        print(
+            f"| {k} | {args.method} | {plan.params['group_policy']} | {args.runs} | "
+            f"{statistics.median(times):.2f} | {min(times):.2f} | {max(times):.2f} | "
+            f"{plan.mean_coverage()[0]:.3f} |"
+        )
     print("load average (1, 5, 15 min) after: %.2f %.2f %.2f" % os.getloadavg())
     return 0
 

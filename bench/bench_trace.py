@@ -11,6 +11,7 @@ alone (`Tracer.record` on the captured router outputs) is timed too, as a share 
     python bench/bench_trace.py                      # SequentialMLP, 1 thread, 7 pairs
     python bench/bench_trace.py --grouped --saliency --rounds 9
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,17 +44,29 @@ def build_layer(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=16,
-        num_moe_experts=args.experts, moe_ffn_hidden_size=args.ffn, moe_router_topk=args.topk,
-        moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather", moe_grouped_gemm=args.grouped,
-        gated_linear_unit=True, add_bias_linear=False, normalization="RMSNorm",
-        use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True)
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=16,
+        num_moe_experts=args.experts,
+        moe_ffn_hidden_size=args.ffn,
+        moe_router_topk=args.topk,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=args.grouped,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=args.grouped)
     layer = build_module(spec.submodules.mlp, config=config)
     layer.set_layer_number(1)
     with torch.no_grad():
-        layer.router.weight.normal_(0, 1.0)           # decisive, diverse routing
+        layer.router.weight.normal_(0, 1.0)  # decisive, diverse routing
     return layer.eval()
 
 
@@ -81,13 +94,13 @@ def main():
 
     with tempfile.TemporaryDirectory() as out:
         tracer = install(layer, out, saliency=args.saliency)
-        forward()                                       # warm-up, allocates the accumulators
+        forward()  # warm-up, allocates the accumulators
         tracer.detach()
         forward()
         pairs = []
-        for i in range(args.rounds):                    # alternate the order: no drift bias
+        for i in range(args.rounds):  # alternate the order: no drift bias
             pair = {}
-            for hooked in ((False, True) if i % 2 == 0 else (True, False)):
+            for hooked in (False, True) if i % 2 == 0 else (True, False):
                 if hooked:
                     attach_hooks(tracer, layer, saliency=args.saliency)
                     pair["with"] = timed(forward)
@@ -98,41 +111,51 @@ def main():
         with torch.no_grad():
             probs, routing_map = layer.router(hidden)
         info = router_info(layer.router)
-        hook = statistics.median(timed(lambda: tracer.record(info, hidden, probs, routing_map))[1]
-                                 for _ in range(max(3, args.rounds)))
+        hook = statistics.median(
+            timed(lambda: tracer.record(info, hidden, probs, routing_map))[1] for _ in range(max(3, args.rounds))
+        )
         saliency_hook = None
-        if args.saliency:                               # the experts hook alone, on a real output
+        if args.saliency:  # the experts hook alone, on a real output
             captured = {}
-            handle = layer.experts.register_forward_hook(
-                lambda mod, a, out: captured.update(args=a, out=out[0]))
+            handle = layer.experts.register_forward_hook(lambda mod, a, out: captured.update(args=a, out=out[0]))
             forward()
             handle.remove()
             experts = torch.tensor(layer.local_expert_indices)
             saliency_hook = statistics.median(
-                timed(lambda: tracer.record_saliency(info.layer_id, experts, captured["out"],
-                                                     captured["args"][1]))[1]
-                for _ in range(max(3, args.rounds)))
+                timed(lambda: tracer.record_saliency(info.layer_id, experts, captured["out"], captured["args"][1]))[1]
+                for _ in range(max(3, args.rounds))
+            )
         steps = tracer.steps
     destroy_distributed()
 
     experts = "GroupedMLP" if args.grouped else "SequentialMLP"
-    print(f"MoE layer forward, {args.tokens} tokens, H={args.hidden}, E={args.experts}, "
-          f"F={args.ffn}, top-{args.topk}, bf16, {experts}, saliency={args.saliency}")
-    print(f"cpu: {platform.processor() or platform.machine()}, torch threads "
-          f"{torch.get_num_threads()}, {os.cpu_count()} cores, {args.rounds} pairs, "
-          f"recorded steps {steps}")
+    print(
+        f"MoE layer forward, {args.tokens} tokens, H={args.hidden}, E={args.experts}, "
+        f"F={args.ffn}, top-{args.topk}, bf16, {experts}, saliency={args.saliency}"
+    )
+    print(
+        f"cpu: {platform.processor() or platform.machine()}, torch threads "
+        f"{torch.get_num_threads()}, {os.cpu_count()} cores, {args.rounds} pairs, "
+        f"recorded steps {steps}"
+    )
     for k, what in ((1, "process CPU"), (0, "wall")):
         plain = statistics.median(p["without"][k] for p in pairs)
         ratios = sorted(p["with"][k] / p["without"][k] for p in pairs)
         r = statistics.median(ratios)
-        print(f"{what:>11}: without hooks median {plain * 1e3:.0f} ms; ratio with/without, median "
-              f"of pairs {r:.4f} (overhead {100 * (r - 1):+.2f} %), range {ratios[0]:.3f}..{ratios[-1]:.3f}")
+        print(
+            f"{what:>11}: without hooks median {plain * 1e3:.0f} ms; ratio with/without, median "
+            f"of pairs {r:.4f} (overhead {100 * (r - 1):+.2f} %), range {ratios[0]:.3f}..{ratios[-1]:.3f}"
+        )
     plain_cpu = statistics.median(p["without"][1] for p in pairs)
-    print(f"router hook alone (Tracer.record, CPU time): {hook * 1e3:.1f} ms = "
-          f"{100 * hook / plain_cpu:.2f} % of the forward")
+    print(
+        f"router hook alone (Tracer.record, CPU time): {hook * 1e3:.1f} ms = "
+        f"{100 * hook / plain_cpu:.2f} % of the forward"
+    )
     if saliency_hook is not None:
-        print(f"experts hook alone (Tracer.record_saliency, CPU time): {saliency_hook * 1e3:.1f} ms "
-              f"= {100 * saliency_hook / plain_cpu:.2f} % of the forward")
+        print(
+            f"experts hook alone (Tracer.record_saliency, CPU time): {saliency_hook * 1e3:.1f} ms "
+            f"= {100 * saliency_hook / plain_cpu:.2f} % of the forward"
+        )
 
 
 if __name__ == "__main__":

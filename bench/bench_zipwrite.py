@@ -15,6 +15,7 @@ after each run:
 
 Prints medians of wall and CPU seconds (all threads) and the ratio to the floor, as markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,12 @@ def zipwrite(tensors, path: Path) -> None:
     assert w.sha256 is not None
 
 
-VARIANTS = {"floor (os.writev + fsync)": floor, "torch.save + fsync": torch_save,
-            "torch.save + fsync + sha256 pass": torch_save_sha, "zipwrite (sha256 while writing) + fsync": zipwrite}
+VARIANTS = {
+    "floor (os.writev + fsync)": floor,
+    "torch.save + fsync": torch_save,
+    "torch.save + fsync + sha256 pass": torch_save_sha,
+    "zipwrite (sha256 while writing) + fsync": zipwrite,
+}
 
 
 def main() -> None:
@@ -80,7 +85,7 @@ def main() -> None:
     tmp.mkdir(parents=True)
     n = max(1, int(a.gib * 1024 / 64))
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(32 * MIB // 1024, 1024, generator=g).bfloat16() for _ in range(n)]   # 64 MiB each
+    tensors = [torch.randn(32 * MIB // 1024, 1024, generator=g).bfloat16() for _ in range(n)]  # 64 MiB each
     nbytes = sum(t.numel() * 2 for t in tensors)
     samples = {k: [] for k in VARIANTS}
     for r in range(a.repeat):
@@ -94,12 +99,17 @@ def main() -> None:
                 back = torch.load(path, weights_only=True, mmap=True)
                 assert all(torch.equal(back[f"t{i}"], t) for i, t in enumerate(tensors)), label
             path.unlink()
-            print(f"[{r + 1}/{a.repeat}] {label}: {samples[label][-1][0]:.2f} s wall, "
-                  f"{samples[label][-1][1]:.2f} s CPU", file=sys.stderr, flush=True)
+            print(
+                f"[{r + 1}/{a.repeat}] {label}: {samples[label][-1][0]:.2f} s wall, {samples[label][-1][1]:.2f} s CPU",
+                file=sys.stderr,
+                flush=True,
+            )
     shutil.rmtree(tmp, ignore_errors=True)
     base = [w for w, _ in samples[next(iter(VARIANTS))]]
-    print(f"{nbytes / 2**30:.2f} GiB in {n} bf16 tensors, one file, fsync inside the timing; medians of {a.repeat}; "
-          f"ratio = median over repetitions of wall / wall of the floor in the same repetition")
+    print(
+        f"{nbytes / 2**30:.2f} GiB in {n} bf16 tensors, one file, fsync inside the timing; medians of {a.repeat}; "
+        f"ratio = median over repetitions of wall / wall of the floor in the same repetition"
+    )
     print("| writer | wall s | GiB/s | / floor | CPU s (all threads) |")
     print("|---|---|---|---|---|")
     for label, xs in samples.items():

@@ -36,6 +36,7 @@ applies none); `csa_compress_ratios` set after TransformerConfig's check, which 
 128 (the fixture's heavily compressed rate is 8; the code builds any rate > 1 as non-overlapping
 without an indexer, as transformers builds heavily compressed attention).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ BATCH, SEQ, SEED = 2, 64, 0
 
 # -- stage hf: this project's venv ---------------------------------------------------------------------
 
+
 def _plan(src: Path, work: Path) -> Path:
     """A plan keeping 4 of 8 experts, made as a user makes one: collect on calibration text, select."""
     from mcore_proxy.cli import main
@@ -61,8 +63,22 @@ def _plan(src: Path, work: Path) -> Path:
     if not plan.exists():
         data = calibration_jsonl(work / "data.jsonl", records=32)
         assert main(["collect", "--hf", str(src), "--data", str(data), "-o", str(work / "stats"), "--force"]) == 0
-        assert main(["select", "--ckpt", str(src), "--stats", str(work / "stats" / "routing_stats.safetensors"),
-                     "--num-experts", "4", "-o", str(plan)]) == 0
+        assert (
+            main(
+                [
+                    "select",
+                    "--ckpt",
+                    str(src),
+                    "--stats",
+                    str(work / "stats" / "routing_stats.safetensors"),
+                    "--num-experts",
+                    "4",
+                    "-o",
+                    str(plan),
+                ]
+            )
+            == 0
+        )
     return plan
 
 
@@ -77,26 +93,35 @@ def stage_hf(work: Path) -> None:
     src = build_cached("deepseek_v4", work / "fixtures")
     tokens = torch.randint(3, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
     plan = _plan(src, work)
-    cases = {"full": (src, work / "legacy", []),
-             "proxy": (work / "hf-proxy", work / "legacy-proxy", ["--plan", str(plan)])}
+    cases = {
+        "full": (src, work / "legacy", []),
+        "proxy": (work / "hf-proxy", work / "legacy-proxy", ["--plan", str(plan)]),
+    }
     if not cases["proxy"][0].exists():
         assert main(["convert", str(src), "--plan", str(plan), "-o", str(cases["proxy"][0])]) == 0
     for name, (hf, legacy, extra) in cases.items():
         if not legacy.exists():
-            assert main(["convert", str(src), "-o", str(legacy), "--format", "legacy", "--target-ep", "1",
-                         *extra]) == 0
-        dist = legacy.parent / legacy.name.replace("legacy", "dist")   # torch_dist at EP 2, re-sharded on load
+            assert main(["convert", str(src), "-o", str(legacy), "--format", "legacy", "--target-ep", "1", *extra]) == 0
+        dist = legacy.parent / legacy.name.replace("legacy", "dist")  # torch_dist at EP 2, re-sharded on load
         if not dist.exists():
-            assert main(["convert", str(src), "-o", str(dist), "--format", "torch_dist", "--target-ep", "2",
-                         *extra]) == 0
+            assert (
+                main(["convert", str(src), "-o", str(dist), "--format", "torch_dist", "--target-ep", "2", *extra]) == 0
+            )
         logits = run(load_model(hf), tokens)
-        torch.save({"tokens": tokens, "logits": logits, "dist": str(dist / "release"),
-                    "rank_file": str(legacy / "release" / "mp_rank_00" / "model_optim_rng.pt")},
-                   work / f"hf-{name}.pt")
+        torch.save(
+            {
+                "tokens": tokens,
+                "logits": logits,
+                "dist": str(dist / "release"),
+                "rank_file": str(legacy / "release" / "mp_rank_00" / "model_optim_rng.pt"),
+            },
+            work / f"hf-{name}.pt",
+        )
     print(json.dumps({"hf_fixture": str(src), "cases": list(cases)}))
 
 
 # -- stage megatron: the Megatron-LM dev venv ----------------------------------------------------------------
+
 
 def _patch_megatron(mlm: str):
     """Make the dev tree build and run on CPU without Transformer Engine (see the module docstring)."""
@@ -121,9 +146,18 @@ def _patch_megatron(mlm: str):
     mrandom.CudaRNGStatesTracker.fork = fork
     mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.states_.__setitem__(name, seed)
     from megatron.core.transformer.moe import moe_utils
-    for symbol in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute", "fused_unpermute",
-                   "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                   "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):
+
+    for symbol in (
+        "te_general_gemm",
+        "fused_topk_with_score_function",
+        "fused_permute",
+        "fused_unpermute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+    ):
         if not hasattr(moe_utils, symbol):
             setattr(moe_utils, symbol, None)
 
@@ -166,26 +200,66 @@ def _patch_megatron(mlm: str):
         h = torch.ones(1, 1)
         while h.size(0) < d:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return (x.float() @ h.t() * d ** -0.5).to(x.dtype)
+        return (x.float() @ h.t() * d**-0.5).to(x.dtype)
 
     from megatron.core.transformer.experimental_attention_variant import csa
+
     csa.rotate_activation = hadamard
     return CPUBackend()
 
 
 # args field -> TransformerConfig field where Megatron-LM's names differ (arguments.py)
-_RENAMED = {"num_experts": "num_moe_experts", "norm_epsilon": "layernorm_epsilon",
-            "padded_vocab_size": "actual_vocab_size"}
-_COPIED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-           "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-           "qk_layernorm", "o_groups", "o_lora_rank", "rope_type", "rotary_base", "rotary_scaling_factor", "mscale",
-           "mscale_all_dim", "experimental_attention_variant", "csa_window_size", "csa_compress_rotary_base",
-           "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "moe_ffn_hidden_size", "moe_router_topk",
-           "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_score_function",
-           "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_n_hash_layers",
-           "moe_router_pre_softmax", "moe_router_dtype", "activation_func_clamp_value", "enable_hyper_connections",
-           "num_residual_streams", "mhc_sinkhorn_iterations", "mtp_num_layers", "normalization", "add_bias_linear",
-           "hidden_dropout", "attention_dropout")
+_RENAMED = {
+    "num_experts": "num_moe_experts",
+    "norm_epsilon": "layernorm_epsilon",
+    "padded_vocab_size": "actual_vocab_size",
+}
+_COPIED = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "qk_layernorm",
+    "o_groups",
+    "o_lora_rank",
+    "rope_type",
+    "rotary_base",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "experimental_attention_variant",
+    "csa_window_size",
+    "csa_compress_rotary_base",
+    "dsa_indexer_n_heads",
+    "dsa_indexer_head_dim",
+    "dsa_indexer_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_n_hash_layers",
+    "moe_router_pre_softmax",
+    "moe_router_dtype",
+    "activation_func_clamp_value",
+    "enable_hyper_connections",
+    "num_residual_streams",
+    "mhc_sinkhorn_iterations",
+    "mtp_num_layers",
+    "normalization",
+    "add_bias_linear",
+    "hidden_dropout",
+    "attention_dropout",
+)
 
 
 def _config(args):
@@ -197,12 +271,22 @@ def _config(args):
     fields.update({new: getattr(args, old) for old, new in _RENAMED.items()})
     ratios = list(args.csa_compress_ratios)
     fields.update(
-        csa_compress_ratios=[r if r in (0, 4) else 128 for r in ratios],   # passes the 0/4/128 check; set below
-        gated_linear_unit=bool(args.swiglu), activation_func=F.silu, dsa_kernel_backend="none",
-        dsa_indexer_loss_coeff=0.0, moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-        mtp_loss_scaling_factor=0.1, use_cpu_initialization=True, params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype, bf16=bool(args.bf16), transformer_impl="local")
+        csa_compress_ratios=[r if r in (0, 4) else 128 for r in ratios],  # passes the 0/4/128 check; set below
+        gated_linear_unit=bool(args.swiglu),
+        activation_func=F.silu,
+        dsa_kernel_backend="none",
+        dsa_indexer_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        mtp_loss_scaling_factor=0.1,
+        use_cpu_initialization=True,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        bf16=bool(args.bf16),
+        transformer_impl="local",
+    )
     config = MLATransformerConfig(**fields)
     config.csa_compress_ratios = ratios
     return config
@@ -240,25 +324,35 @@ def _swap(state: dict, a: str, b: str) -> None:
 # more than the tolerance for the comparison to prove the mapping
 MISTAKES = {
     "hyper-connection scales pre/post swapped (layer 1)": lambda s, e: _swap(
-        s, "decoder.layers.1.self_attention_hyper_connection.alpha_pre",
-        "decoder.layers.1.self_attention_hyper_connection.alpha_post"),
+        s,
+        "decoder.layers.1.self_attention_hyper_connection.alpha_pre",
+        "decoder.layers.1.self_attention_hyper_connection.alpha_post",
+    ),
     "hash table shifted by one expert (layer 0)": lambda s, e: s.__setitem__(
-        "decoder.layers.0.mlp.router.tid2eid", (s["decoder.layers.0.mlp.router.tid2eid"] + 1) % e),
-    "experts 0 and 1 swapped (layer 1)": lambda s, e: [_swap(s, f"decoder.layers.1.mlp.experts.local_experts.0.{w}",
-                                                             f"decoder.layers.1.mlp.experts.local_experts.1.{w}")
-                                                       for w in ("linear_fc1.weight", "linear_fc2.weight")],
+        "decoder.layers.0.mlp.router.tid2eid", (s["decoder.layers.0.mlp.router.tid2eid"] + 1) % e
+    ),
+    "experts 0 and 1 swapped (layer 1)": lambda s, e: [
+        _swap(
+            s, f"decoder.layers.1.mlp.experts.local_experts.0.{w}", f"decoder.layers.1.mlp.experts.local_experts.1.{w}"
+        )
+        for w in ("linear_fc1.weight", "linear_fc2.weight")
+    ],
     "gate and up halves swapped (shared expert, layer 2)": lambda s, e: s.__setitem__(
         "decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
-        s["decoder.layers.2.mlp.shared_experts.linear_fc1.weight"].roll(32, 0)),
+        s["decoder.layers.2.mlp.shared_experts.linear_fc1.weight"].roll(32, 0),
+    ),
     "indexer query projection negated (layer 1)": lambda s, e: s.__setitem__(
         "decoder.layers.1.self_attention.core_attention.indexer.linear_wq_b.weight",
-        -s["decoder.layers.1.self_attention.core_attention.indexer.linear_wq_b.weight"]),
+        -s["decoder.layers.1.self_attention.core_attention.indexer.linear_wq_b.weight"],
+    ),
     "compressor position bias rows reversed (layer 2, HCA)": lambda s, e: s.__setitem__(
         "decoder.layers.2.self_attention.core_attention.compressor.ape",
-        s["decoder.layers.2.self_attention.core_attention.compressor.ape"].flip(0)),
+        s["decoder.layers.2.self_attention.core_attention.compressor.ape"].flip(0),
+    ),
     "attention sinks negated (layer 0)": lambda s, e: s.__setitem__(
         "decoder.layers.0.self_attention.core_attention.attn_sink",
-        -s["decoder.layers.0.self_attention.core_attention.attn_sink"]),
+        -s["decoder.layers.0.self_attention.core_attention.attn_sink"],
+    ),
 }
 
 
@@ -268,8 +362,9 @@ def stage_megatron(work: Path, mlm: str, cases: list[str]) -> dict:
     import megatron.core
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import \
-        get_transformer_layer_with_experimental_attention_variant_spec
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_layer_with_experimental_attention_variant_spec,
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -281,16 +376,22 @@ def stage_megatron(work: Path, mlm: str, cases: list[str]) -> dict:
     results = {"megatron_core": megatron.core.__file__, "version": megatron.core.__version__}
     for case in cases:
         hf = torch.load(work / f"hf-{case}.pt", weights_only=False)
-        saved = torch.load(hf["rank_file"], weights_only=False)   # our own output (args: a Namespace)
+        saved = torch.load(hf["rank_file"], weights_only=False)  # our own output (args: a Namespace)
         args = saved["args"]
         config = _config(args)
         layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend)
         block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=backend.layer_norm(rms_norm=True))
         mtp = get_gpt_mtp_block_spec_for_backend(config, layers[-1], backend=backend)
-        model = GPTModel(config, block, vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
-                         parallel_output=False, position_embedding_type="rope",
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                         mtp_block_spec=mtp).eval()
+        model = GPTModel(
+            config,
+            block,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.seq_length,
+            parallel_output=False,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            mtp_block_spec=mtp,
+        ).eval()
         model.load_state_dict(saved["model"], strict=True)
         tokens = hf["tokens"]
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
@@ -298,17 +399,23 @@ def stage_megatron(work: Path, mlm: str, cases: list[str]) -> dict:
         with torch.no_grad():
             logits = model(tokens, positions, mask).float()
         diff = (logits - hf["logits"]).abs()
-        results[case] = {"experts": args.num_experts, "tensors_loaded": len(saved["model"]),
-                         "logits": list(logits.shape), "max_abs_diff": float(diff.max()),
-                         "mean_abs_diff": float(diff.mean()), "max_abs_logit": float(hf["logits"].abs().max()),
-                         "argmax_agree": float((logits.argmax(-1) == hf["logits"].argmax(-1)).float().mean())}
+        results[case] = {
+            "experts": args.num_experts,
+            "tensors_loaded": len(saved["model"]),
+            "logits": list(logits.shape),
+            "max_abs_diff": float(diff.max()),
+            "mean_abs_diff": float(diff.mean()),
+            "max_abs_logit": float(hf["logits"].abs().max()),
+            "argmax_agree": float((logits.argmax(-1) == hf["logits"].argmax(-1)).float().mean()),
+        }
         from megatron.core import dist_checkpointing
-        with torch.no_grad():   # nothing left of the legacy load: every tensor must come from torch_dist
+
+        with torch.no_grad():  # nothing left of the legacy load: every tensor must come from torch_dist
             for tensor in model.state_dict().values():
                 if isinstance(tensor, torch.Tensor):
                     tensor.zero_()
         loaded = dist_checkpointing.load(model.sharded_state_dict(), hf["dist"])
-        for common in ("args", "checkpoint_version", "iteration", "content_metadata"):   # common.pt, not weights
+        for common in ("args", "checkpoint_version", "iteration", "content_metadata"):  # common.pt, not weights
             loaded.pop(common, None)
         model.load_state_dict(loaded, strict=True)
         with torch.no_grad():
@@ -317,7 +424,8 @@ def stage_megatron(work: Path, mlm: str, cases: list[str]) -> dict:
         model.load_state_dict(saved["model"], strict=True)
         if case == "proxy":
             results[case]["hash_rows_repeating_an_expert"] = int(
-                (saved["model"]["decoder.layers.0.mlp.router.tid2eid"].sort(-1).values.diff(dim=-1) == 0).any(-1).sum())
+                (saved["model"]["decoder.layers.0.mlp.router.tid2eid"].sort(-1).values.diff(dim=-1) == 0).any(-1).sum()
+            )
             with torch.no_grad(), _summed_duplicate_slots():
                 summed = model(tokens, positions, mask).float()
             results[case]["max_abs_diff_duplicate_slots_summed"] = float((summed - hf["logits"]).abs().max())
@@ -349,11 +457,30 @@ def main() -> None:
     if opts.stage == "megatron":
         print(json.dumps(stage_megatron(opts.work, opts.mlm, opts.cases.split(","))))
         return
-    hf = subprocess.run([sys.executable, __file__, "--stage", "hf", "--work", str(opts.work)],
-                        check=True, capture_output=True, text=True)
+    hf = subprocess.run(
+        [sys.executable, __file__, "--stage", "hf", "--work", str(opts.work)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     cases = json.loads(hf.stdout.strip().splitlines()[-1])["cases"]
-    mg = subprocess.run([opts.mlm_python, __file__, "--stage", "megatron", "--work", str(opts.work), "--mlm",
-                         opts.mlm, "--cases", ",".join(cases)], check=True, capture_output=True, text=True)
+    mg = subprocess.run(
+        [
+            opts.mlm_python,
+            __file__,
+            "--stage",
+            "megatron",
+            "--work",
+            str(opts.work),
+            "--mlm",
+            opts.mlm,
+            "--cases",
+            ",".join(cases),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     print(json.dumps(json.loads(mg.stdout.strip().splitlines()[-1]), indent=2))
 
 

@@ -67,6 +67,7 @@ proxy or plan), `stats show`, `select`. A successful HF convert's shards are als
 `tests/test_fuzz.py` runs a fixed sample of about 100 Megatron cases and 30 HF cases (one per input
 and damage kind, for 30 of the 31) in the test suite.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,9 @@ KEEP = 4
 MEGATRON_INPUTS = ("legacy", "dist", "mdist", "proxy", "plan.json", "stats.safetensors", "stats.json", "done")
 
 
-def build_corpus(work: Path, legacy_ckpt: Path | None, megatron_dist: Path | None = None,
-                 hf_cache: Path | None = None) -> Path:
+def build_corpus(
+    work: Path, legacy_ckpt: Path | None, megatron_dist: Path | None = None, hf_cache: Path | None = None
+) -> Path:
     """Inputs every case copies from (built once): legacy, dist, plan, stats, proxy (from
     `legacy_ckpt`, unless None); with `hf_cache` (where the tiny HF models are built and kept)
     also the HF corpus under hf/ (`build_hf_corpus`)."""
@@ -123,14 +125,33 @@ def _build_megatron_inputs(corpus: Path, legacy_ckpt: Path, megatron_dist: Path 
     shutil.copytree(legacy_ckpt, corpus / "legacy")
     view = open_checkpoint(corpus / "legacy")
     spec = view.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=KEEP,
-                             hidden=spec.hidden_size, tokens=500, seed=3)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=KEEP,
+        hidden=spec.hidden_size,
+        tokens=500,
+        seed=3,
+    )
     save_stats(stats, corpus / "stats.safetensors")
     select_experts(view, stats, KEEP, target_ep=1).save(corpus / "plan.json")
     quiet = ["--target-tp", "1", "--target-pp", "1", "--target-ep", "1"]
     assert main(["convert", str(corpus / "legacy"), "-o", str(corpus / "dist"), "--format", "torch_dist", *quiet]) == 0
-    assert main(["convert", str(corpus / "legacy"), "--plan", str(corpus / "plan.json"), "-o",
-                 str(corpus / "proxy"), *quiet]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(corpus / "legacy"),
+                "--plan",
+                str(corpus / "plan.json"),
+                "-o",
+                str(corpus / "proxy"),
+                *quiet,
+            ]
+        )
+        == 0
+    )
     if megatron_dist is not None:
         shutil.copytree(megatron_dist, corpus / "mdist")
     (corpus / "done").write_text("ok")
@@ -151,6 +172,7 @@ def megatron_torch_dist(work: Path) -> Path:
 
 
 # -- mutations ----------------------------------------------------------------------------------
+
 
 def payloads(marker: Path) -> dict:
     """name -> an object pickling as a call that would create `marker`."""
@@ -215,7 +237,7 @@ def _zip_region(path: Path, rng: random.Random, region: str) -> tuple[int, int]:
 def _edit_state(path: Path, edit) -> None:
     import torch
 
-    state = torch.load(path, weights_only=False)   # the fuzzer's own input: trusted here
+    state = torch.load(path, weights_only=False)  # the fuzzer's own input: trusted here
     edit(state)
     torch.save(state, path)
 
@@ -254,7 +276,7 @@ def _edit_dcp(path: Path, rng: random.Random, marker: Path) -> str:
     import pickle
 
     with open(path, "rb") as fh:
-        md = pickle.load(fh)   # written by our own conversion: trusted
+        md = pickle.load(fh)  # written by our own conversion: trusted
     what = rng.choice(["traversal", "absolute", "huge_length", "huge_offset", "huge_shape", "negative", "payload"])
     key = rng.choice(list(md.storage_data))
     info = md.storage_data[key]
@@ -373,7 +395,7 @@ def _mutate_json(path: Path, rng: random.Random) -> str:
     how = rng.choice(["truncate", "flip", "deep", "field"])
     if how == "truncate":
         text = path.read_text()
-        path.write_text(text[:rng.randrange(len(text))])
+        path.write_text(text[: rng.randrange(len(text))])
         return "json truncated"
     if how == "flip":
         return "json " + _flip(path, rng, 0, path.stat().st_size, 4)
@@ -403,24 +425,63 @@ def _mutate_json(path: Path, rng: random.Random) -> str:
 
 # -- cases --------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     index: int
-    target: str          # which corpus input is damaged: legacy, dist, mdist, proxy, plan, stats
-    kind: str            # mutation
-    command: str         # inspect, convert, convert_plan, convert_dist, convert_deq, verify_*, stats_show, select
+    target: str  # which corpus input is damaged: legacy, dist, mdist, proxy, plan, stats
+    kind: str  # mutation
+    command: str  # inspect, convert, convert_plan, convert_dist, convert_deq, verify_*, stats_show, select
     seed: int
-    model: str = ""      # HF cases: which input of the HF corpus (HF_INPUTS)
+    model: str = ""  # HF cases: which input of the HF corpus (HF_INPUTS)
 
 
 KINDS = {
-    "legacy": ["truncate", "zip_header", "zip_central", "pickle", "flip_any", "swap", "duplicate", "delete",
-               "tracker", "hostile_args", "hostile_getattr", "enum_form", "hostile_pattern", "hostile_model",
-               "deep_nesting", "huge_size"],
-    "dist": ["truncate", "zip_header", "pickle", "flip_any", "duplicate", "delete", "tracker", "hostile_args",
-             "hostile_getattr", "enum_form", "hostile_pattern", "deep_nesting", "huge_size", "dcp_metadata"],
-    "proxy": ["truncate", "pickle", "flip_any", "swap", "delete", "tracker", "hostile_args", "hostile_getattr",
-              "enum_form"],
+    "legacy": [
+        "truncate",
+        "zip_header",
+        "zip_central",
+        "pickle",
+        "flip_any",
+        "swap",
+        "duplicate",
+        "delete",
+        "tracker",
+        "hostile_args",
+        "hostile_getattr",
+        "enum_form",
+        "hostile_pattern",
+        "hostile_model",
+        "deep_nesting",
+        "huge_size",
+    ],
+    "dist": [
+        "truncate",
+        "zip_header",
+        "pickle",
+        "flip_any",
+        "duplicate",
+        "delete",
+        "tracker",
+        "hostile_args",
+        "hostile_getattr",
+        "enum_form",
+        "hostile_pattern",
+        "deep_nesting",
+        "huge_size",
+        "dcp_metadata",
+    ],
+    "proxy": [
+        "truncate",
+        "pickle",
+        "flip_any",
+        "swap",
+        "delete",
+        "tracker",
+        "hostile_args",
+        "hostile_getattr",
+        "enum_form",
+    ],
     "plan": ["json"],
     "stats": ["truncate", "safetensors_header", "flip_any", "sidecar"],
 }
@@ -460,13 +521,13 @@ HF_MODELS = {
 }
 # input -> (the model it copies, its maker in testing/quantized.py): the three layouts releases use
 HF_QUANTIZED = {
-    "qwen2_moe_fp8": ("qwen2_moe", "fp8_copy"),            # float8_e4m3fn linears, fp32 *_scale_inv blocks
-    "gpt_oss_mxfp4": ("gpt_oss", "mxfp4_copy"),            # fused experts as *_blocks (FP4) + *_scales (E8M0)
+    "qwen2_moe_fp8": ("qwen2_moe", "fp8_copy"),  # float8_e4m3fn linears, fp32 *_scale_inv blocks
+    "gpt_oss_mxfp4": ("gpt_oss", "mxfp4_copy"),  # fused experts as *_blocks (FP4) + *_scales (E8M0)
     "deepseek_v4_fp4": ("deepseek_v4", "v4_release_copy"),  # release names, FP4 experts, FP8 linears, E8M0 .scale
 }
 HF_INPUTS = (*HF_MODELS, *HF_QUANTIZED)
 HF_BASE = {**{m: m for m in HF_MODELS}, **{q: base for q, (base, _) in HF_QUANTIZED.items()}}
-HF_KEEP = 4                 # K = E/2: every model above has 8 routed experts
+HF_KEEP = 4  # K = E/2: every model above has 8 routed experts
 
 
 def build_hf_corpus(corpus: Path, cache: Path) -> Path:
@@ -481,7 +542,7 @@ def build_hf_corpus(corpus: Path, cache: Path) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     pid = os.fork()
-    if pid == 0:   # the child
+    if pid == 0:  # the child
         code = 1
         try:
             with open(root / "build.log", "w") as log:
@@ -491,14 +552,17 @@ def build_hf_corpus(corpus: Path, cache: Path) -> Path:
             code = 0
         except BaseException:  # noqa: BLE001 - reported by the parent
             import traceback
+
             (root / "build_error").write_text(traceback.format_exc())
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     if status != 0 or not (root / "done").is_file():
         error = root / "build_error"
-        raise RuntimeError("building the HF corpus failed:\n" + (error.read_text() if error.exists() else
-                                                                  (root / "build.log").read_text()[-3000:]))
+        raise RuntimeError(
+            "building the HF corpus failed:\n"
+            + (error.read_text() if error.exists() else (root / "build.log").read_text()[-3000:])
+        )
     return root
 
 
@@ -514,13 +578,41 @@ def _build_hf_inputs(root: Path, cache: Path) -> None:
         d.mkdir()
         shutil.copytree(hf_fixtures.build_cached(name, cache), d / "model")
         data = hf_fixtures.calibration_jsonl(d / "data.jsonl", records=8)
-        assert main(["collect", "--hf", str(d / "model"), "--data", str(data), "-o", str(d / "collect"),
-                     "--batch-size", "8"]) == 0
+        assert (
+            main(
+                [
+                    "collect",
+                    "--hf",
+                    str(d / "model"),
+                    "--data",
+                    str(data),
+                    "-o",
+                    str(d / "collect"),
+                    "--batch-size",
+                    "8",
+                ]
+            )
+            == 0
+        )
         for suffix in (".safetensors", ".json"):
             (d / "collect" / f"routing_stats{suffix}").rename(d / f"stats{suffix}")
         shutil.rmtree(d / "collect")
-        assert main(["select", "--ckpt", str(d / "model"), "--stats", str(d / "stats.safetensors"),
-                     "--num-experts", str(HF_KEEP), "-o", str(d / "plan.json")]) == 0
+        assert (
+            main(
+                [
+                    "select",
+                    "--ckpt",
+                    str(d / "model"),
+                    "--stats",
+                    str(d / "stats.safetensors"),
+                    "--num-experts",
+                    str(HF_KEEP),
+                    "-o",
+                    str(d / "plan.json"),
+                ]
+            )
+            == 0
+        )
     from mcore_proxy.testing import quantized
 
     for name, (base, maker) in HF_QUANTIZED.items():
@@ -549,7 +641,7 @@ def _shards(root: Path) -> list[Path]:
 def _st_split(path: Path) -> tuple[bytes, bytes]:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    return raw[8:8 + n], raw[8 + n:]
+    return raw[8 : 8 + n], raw[8 + n :]
 
 
 def _st_join(path: Path, header: bytes, data: bytes, length: int | None = None) -> None:
@@ -568,22 +660,48 @@ def _st_header(root: Path, rng: random.Random, how: str) -> str:
     where = f"{f.name}: "
     if how == "st_length":
         n, size = len(text), f.stat().st_size
-        value, what = rng.choice([(2**64 - 1, "2**64-1 (-1 signed)"), (2**63, "2**63 (negative signed)"),
-                                  (2**63 - 1, "2**63-1"), (1 << 40, "2**40"), (size, "the file size (past EOF)"),
-                                  (n + 8, "8 past the header"), (max(0, n - 8), "8 short"), (0, "0"), (1, "1"),
-                                  (max(0, n - 3), "not a multiple of 8"), (100_000_001, "just above 100 MB")])
+        value, what = rng.choice(
+            [
+                (2**64 - 1, "2**64-1 (-1 signed)"),
+                (2**63, "2**63 (negative signed)"),
+                (2**63 - 1, "2**63-1"),
+                (1 << 40, "2**40"),
+                (size, "the file size (past EOF)"),
+                (n + 8, "8 past the header"),
+                (max(0, n - 8), "8 short"),
+                (0, "0"),
+                (1, "1"),
+                (max(0, n - 3), "not a multiple of 8"),
+                (100_000_001, "just above 100 MB"),
+            ]
+        )
         _st_join(f, text, data, value)
         return where + f"header length {what}"
     if how == "st_json":
-        what = rng.choice(["cut", "garbage", "non-utf8", "array", "null", "string", "deep", "duplicate key",
-                           "trailing", "nan", "bom", "nul padding", "empty"])
+        what = rng.choice(
+            [
+                "cut",
+                "garbage",
+                "non-utf8",
+                "array",
+                "null",
+                "string",
+                "deep",
+                "duplicate key",
+                "trailing",
+                "nan",
+                "bom",
+                "nul padding",
+                "empty",
+            ]
+        )
         if what == "cut":
-            new = text.rstrip()[:rng.randrange(1, len(text.rstrip()))]
+            new = text.rstrip()[: rng.randrange(1, len(text.rstrip()))]
         elif what == "garbage":
             new = bytes(rng.randrange(256) for _ in range(len(text)))
         elif what == "non-utf8":
             i = text.index(key.encode()) + 1
-            new = text[:i] + b"\xff\xfe" + text[i + 2:]
+            new = text[:i] + b"\xff\xfe" + text[i + 2 :]
         elif what == "array":
             new = b"[]"
         elif what == "null":
@@ -608,32 +726,99 @@ def _st_header(root: Path, rng: random.Random, how: str) -> str:
         _st_join(f, new, data)
         return where + f"header JSON {what}"
     if how == "st_dtype":
-        value = rng.choice(["F128", "", "f32", "C64", "F4", "U64", "I4", "F8_E8M0", "F8_E5M2", "BF16", "F16",
-                            "F64", "I64", "U8", "BOOL", "F6_E2M3", 5, None, ["F32"], {"F32": 1}])
+        value = rng.choice(
+            [
+                "F128",
+                "",
+                "f32",
+                "C64",
+                "F4",
+                "U64",
+                "I4",
+                "F8_E8M0",
+                "F8_E5M2",
+                "BF16",
+                "F16",
+                "F64",
+                "I64",
+                "U8",
+                "BOOL",
+                "F6_E2M3",
+                5,
+                None,
+                ["F32"],
+                {"F32": 1},
+            ]
+        )
         entry["dtype"] = value
         what = f"{key} dtype {value!r}"
     elif how == "st_offsets":
         b, e = entry["data_offsets"]
-        value = rng.choice([[e, b], [b, e + 8], [max(0, b - 8), e], [b, 2**64 - 1], [b, len(data) + 100], [-1, e],
-                            [b + 0.5, e], [str(b), str(e)], [b], [b, e, e], None, [0, e - b], [b, b],
-                            [2**63, 2**63 + e - b], "0,4"])
+        value = rng.choice(
+            [
+                [e, b],
+                [b, e + 8],
+                [max(0, b - 8), e],
+                [b, 2**64 - 1],
+                [b, len(data) + 100],
+                [-1, e],
+                [b + 0.5, e],
+                [str(b), str(e)],
+                [b],
+                [b, e, e],
+                None,
+                [0, e - b],
+                [b, b],
+                [2**63, 2**63 + e - b],
+                "0,4",
+            ]
+        )
         entry["data_offsets"] = value
         what = f"{key} data_offsets {value!r} (was {[b, e]})"
     elif how == "st_shape":
         shape = list(entry["shape"])
-        value = rng.choice([[shape[0] + 1, *shape[1:]] if shape else [2], [-1, *shape[1:]], [1 << 40, 1 << 40],
-                            [2**63], [1.5], "8", None, [], [*shape, 1], shape[::-1], [0], [[2]],
-                            [2**32 + s for s in shape], [True] * len(shape)])
+        value = rng.choice(
+            [
+                [shape[0] + 1, *shape[1:]] if shape else [2],
+                [-1, *shape[1:]],
+                [1 << 40, 1 << 40],
+                [2**63],
+                [1.5],
+                "8",
+                None,
+                [],
+                [*shape, 1],
+                shape[::-1],
+                [0],
+                [[2]],
+                [2**32 + s for s in shape],
+                [True] * len(shape),
+            ]
+        )
         entry["shape"] = value
         what = f"{key} shape {value!r} (was {shape})"
     elif how == "st_entry":
-        what = rng.choice(["not an object", "renamed empty", "renamed traversal", "renamed long", "renamed nul",
-                           "removed", "zero-size extra", "extra field"])
+        what = rng.choice(
+            [
+                "not an object",
+                "renamed empty",
+                "renamed traversal",
+                "renamed long",
+                "renamed nul",
+                "removed",
+                "zero-size extra",
+                "extra field",
+            ]
+        )
         if what == "not an object":
             header[key] = rng.choice(["x", 5, [], None, [entry]])
         elif what.startswith("renamed"):
-            new = {"renamed empty": "", "renamed traversal": "../../" + key, "renamed long": key + "x" * 100_000,
-                   "renamed nul": key + "\x00"}[what]
+            new = {
+                "renamed empty": "",
+                "renamed traversal": "../../" + key,
+                "renamed long": key + "x" * 100_000,
+                "renamed nul": key + "\x00",
+            }[what]
             header = {new if k == key else k: v for k, v in header.items()}
         elif what == "removed":
             del header[key]
@@ -643,9 +828,21 @@ def _st_header(root: Path, rng: random.Random, how: str) -> str:
         else:
             entry["offset"] = 0
         what = f"{key}: {what}"
-    else:   # st_metadata
-        value = rng.choice([[], 5, "pt", {"format": 5}, {"format": "np"}, {"format": "tf"}, {"a": {"b": 1}}, None,
-                            {"k" * 1000: "v" * 100_000}, "delete"])
+    else:  # st_metadata
+        value = rng.choice(
+            [
+                [],
+                5,
+                "pt",
+                {"format": 5},
+                {"format": "np"},
+                {"format": "tf"},
+                {"a": {"b": 1}},
+                None,
+                {"k" * 1000: "v" * 100_000},
+                "delete",
+            ]
+        )
         if value == "delete":
             header.pop("__metadata__", None)
         else:
@@ -702,14 +899,43 @@ def _tensors(root: Path, rng: random.Random) -> str:
     key = rng.choice(rng.choice([routers, experts, keys]))
     file = wmap[key]
     value = shards[file][key]
-    what = rng.choice(["drop", "unknown key", "rows +1", "rows -1", "last dim +1", "extra expert", "leading zero id",
-                       "nan", "inf", "float16", "int32", "scalar", "empty rows", "1-D", "huge values"])
+    what = rng.choice(
+        [
+            "drop",
+            "unknown key",
+            "rows +1",
+            "rows -1",
+            "last dim +1",
+            "extra expert",
+            "leading zero id",
+            "nan",
+            "inf",
+            "float16",
+            "int32",
+            "scalar",
+            "empty rows",
+            "1-D",
+            "huge values",
+        ]
+    )
     if what == "drop":
         _drop(index, shards, key)
     elif what == "unknown key":
-        _put(index, shards, file, rng.choice(["model.layers.1.mlp.mystery.weight", "model.mystery",
-                                              "model.layers.99.mlp.gate.weight", "mtp.7.ffn.gate.weight",
-                                              "lm_head.weight.extra"]), torch.zeros(4))
+        _put(
+            index,
+            shards,
+            file,
+            rng.choice(
+                [
+                    "model.layers.1.mlp.mystery.weight",
+                    "model.mystery",
+                    "model.layers.99.mlp.gate.weight",
+                    "mtp.7.ffn.gate.weight",
+                    "lm_head.weight.extra",
+                ]
+            ),
+            torch.zeros(4),
+        )
     elif what in ("rows +1", "rows -1", "last dim +1") and value.dim():
         if what == "rows +1":
             value = torch.cat([value, value[:1]])
@@ -727,13 +953,14 @@ def _tensors(root: Path, rng: random.Random) -> str:
             new = src.replace(m.group(0), ".experts.8." if what == "extra expert" else f".experts.0{m.group(1)}.")
             _put(index, shards, wmap[src], new, shards[wmap[src]][src].clone())
             key = new
-        else:   # fused: one more row
+        else:  # fused: one more row
             shards[wmap[src]][src] = torch.cat([shards[wmap[src]][src], shards[wmap[src]][src][:1]])
             key = src
     elif what in ("nan", "inf", "huge values") and value.is_floating_point():
         value = value.clone()
-        value.view(-1)[rng.randrange(value.numel())] = {"nan": float("nan"), "inf": float("inf"),
-                                                        "huge values": 3e38}[what]
+        value.view(-1)[rng.randrange(value.numel())] = {"nan": float("nan"), "inf": float("inf"), "huge values": 3e38}[
+            what
+        ]
         shards[file][key] = value
     elif what in ("float16", "int32"):
         shards[file][key] = _retyped(value, getattr(torch, what))
@@ -756,20 +983,53 @@ def _quant(root: Path, rng: random.Random) -> str:
 
     from mcore_proxy.checkpoint.hf.quant import find_quantized
 
-    what = rng.choice(["scale shape", "scale dtype", "scale missing", "weight missing", "scale values",
-                       "weight dtype", "weight 1-D", "v4 scale", "mxfp4 pair", "int4 packed", "config", "config",
-                       "config"])
+    what = rng.choice(
+        [
+            "scale shape",
+            "scale dtype",
+            "scale missing",
+            "weight missing",
+            "scale values",
+            "weight dtype",
+            "weight 1-D",
+            "v4 scale",
+            "mxfp4 pair",
+            "int4 packed",
+            "config",
+            "config",
+            "config",
+        ]
+    )
     if what == "config":
         config = json.loads((root / "config.json").read_text())
         q = config["quantization_config"]
-        field, value = rng.choice([
-            ("weight_block_size", [0, 0]), ("weight_block_size", [-8, 8]), ("weight_block_size", [10**9, 10**9]),
-            ("weight_block_size", ["8", "8"]), ("weight_block_size", [8]), ("weight_block_size", [8, 8, 8]),
-            ("weight_block_size", None), ("weight_block_size", "8x8"), ("weight_block_size", [8.5, 8]),
-            ("weight_block_size", [True, 8]), ("weight_block_size", [3, 5]), ("weight_block_size", [2**63, 8]),
-            ("weight_block_size", [None, 8]), ("weight_block_size", [1e999, 8]),
-            ("quant_method", "foo"), ("quant_method", 5), ("quant_method", None), ("fmt", "e5m2"),
-            ("activation_scheme", ["x"]), (None, []), (None, "fp8"), (None, None), (None, 5)])
+        field, value = rng.choice(
+            [
+                ("weight_block_size", [0, 0]),
+                ("weight_block_size", [-8, 8]),
+                ("weight_block_size", [10**9, 10**9]),
+                ("weight_block_size", ["8", "8"]),
+                ("weight_block_size", [8]),
+                ("weight_block_size", [8, 8, 8]),
+                ("weight_block_size", None),
+                ("weight_block_size", "8x8"),
+                ("weight_block_size", [8.5, 8]),
+                ("weight_block_size", [True, 8]),
+                ("weight_block_size", [3, 5]),
+                ("weight_block_size", [2**63, 8]),
+                ("weight_block_size", [None, 8]),
+                ("weight_block_size", [1e999, 8]),
+                ("quant_method", "foo"),
+                ("quant_method", 5),
+                ("quant_method", None),
+                ("fmt", "e5m2"),
+                ("activation_scheme", ["x"]),
+                (None, []),
+                (None, "fp8"),
+                (None, None),
+                (None, 5),
+            ]
+        )
         if field is None:
             config["quantization_config"] = value
         else:
@@ -780,16 +1040,25 @@ def _quant(root: Path, rng: random.Random) -> str:
     wmap = index["weight_map"]
     q = rng.choice(find_quantized(sorted(wmap)))
     scale, weight = q.scale, q.weight
-    if what in ("v4 scale", "mxfp4 pair", "int4 packed"):   # companions beside a 2-D `.weight`
+    if what in ("v4 scale", "mxfp4 pair", "int4 packed"):  # companions beside a 2-D `.weight`
         weight = rng.choice([k for k in sorted(wmap) if k.endswith(".weight") and shards[wmap[k]][k].dim() == 2])
     s, w = shards[wmap[scale]][scale], shards[wmap[weight]][weight]
     if what == "scale shape":
-        shards[wmap[scale]][scale] = rng.choice([torch.cat([s, s[:1]]), s[:, :-1] if s.dim() > 1 else s[:0],
-                                                 s.reshape(-1), s.unsqueeze(-1), s.reshape(-1)[0].clone(), s[:0],
-                                                 s.transpose(0, -1).contiguous()])
+        shards[wmap[scale]][scale] = rng.choice(
+            [
+                torch.cat([s, s[:1]]),
+                s[:, :-1] if s.dim() > 1 else s[:0],
+                s.reshape(-1),
+                s.unsqueeze(-1),
+                s.reshape(-1)[0].clone(),
+                s[:0],
+                s.transpose(0, -1).contiguous(),
+            ]
+        )
     elif what == "scale dtype":
-        dtype = rng.choice([torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.float8_e4m3fn,
-                            torch.float64, torch.bool])
+        dtype = rng.choice(
+            [torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.float8_e4m3fn, torch.float64, torch.bool]
+        )
         shards[wmap[scale]][scale] = _retyped(s, dtype)
         what += f" {dtype}"
     elif what == "scale missing":
@@ -800,30 +1069,42 @@ def _quant(root: Path, rng: random.Random) -> str:
         s = s.clone()
         if s.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             s.view(-1)[rng.randrange(s.numel())] = rng.choice([float("nan"), float("inf"), 0.0, -1.0, 3e38])
-        else:   # E8M0 exponents (uint8 or float8_e8m0fnu): the smallest, the largest, NaN's byte
+        else:  # E8M0 exponents (uint8 or float8_e8m0fnu): the smallest, the largest, NaN's byte
             s.view(torch.uint8).view(-1)[rng.randrange(s.numel())] = rng.choice([0, 254, 255])
         shards[wmap[scale]][scale] = s
     elif what == "weight dtype":
-        shards[wmap[weight]][weight] = _retyped(w, rng.choice([torch.bfloat16, torch.float32, torch.int8,
-                                                                torch.uint8]))
+        shards[wmap[weight]][weight] = _retyped(w, rng.choice([torch.bfloat16, torch.float32, torch.int8, torch.uint8]))
     elif what == "weight 1-D":
         shards[wmap[weight]][weight] = w.reshape(-1).clone()
-    elif what == "v4 scale":   # DeepSeek-V4's spelling of a scale: `X.scale` beside `X.weight` (E8M0 bytes)
-        stem = weight[:-len("weight")]
-        _put(index, shards, wmap[weight], stem + "scale",
-             torch.full(rng.choice([tuple(s.shape), (w.shape[0], 1), (w.shape[0], w.shape[-1] // 32 + 1), (3,)]),
-                        127, dtype=torch.uint8))
+    elif what == "v4 scale":  # DeepSeek-V4's spelling of a scale: `X.scale` beside `X.weight` (E8M0 bytes)
+        stem = weight[: -len("weight")]
+        _put(
+            index,
+            shards,
+            wmap[weight],
+            stem + "scale",
+            torch.full(
+                rng.choice([tuple(s.shape), (w.shape[0], 1), (w.shape[0], w.shape[-1] // 32 + 1), (3,)]),
+                127,
+                dtype=torch.uint8,
+            ),
+        )
         key = stem + "scale"
         what += f" {key} {list(shards[wmap[weight]][key].shape)}"
-    elif what == "mxfp4 pair":   # gpt-oss's MXFP4: `X_blocks` uint8 [.., out, in/32, 16] with `X_scales`
-        stem = weight[:-len(".weight")]
+    elif what == "mxfp4 pair":  # gpt-oss's MXFP4: `X_blocks` uint8 [.., out, in/32, 16] with `X_scales`
+        stem = weight[: -len(".weight")]
         shape = rng.choice([(4, 1, 16), (4, 2, 15), (4,), (0, 1, 16)])
         _put(index, shards, wmap[weight], stem + "_blocks", torch.zeros(shape, dtype=torch.uint8))
-        _put(index, shards, wmap[weight], stem + "_scales",
-             torch.full(rng.choice([shape[:-1] or (1,), (5, 5), (4, 1)]), 127, dtype=torch.uint8))
+        _put(
+            index,
+            shards,
+            wmap[weight],
+            stem + "_scales",
+            torch.full(rng.choice([shape[:-1] or (1,), (5, 5), (4, 1)]), 127, dtype=torch.uint8),
+        )
         what += f" {stem}_blocks {list(shape)}"
-    else:                      # compressed-tensors int4: `X_packed` with `X_scale`
-        stem = weight[:-len("weight")]
+    else:  # compressed-tensors int4: `X_packed` with `X_scale`
+        stem = weight[: -len("weight")]
         _put(index, shards, wmap[weight], stem + "weight_packed", torch.zeros((w.shape[0], 1), dtype=torch.int32))
         if rng.random() < 0.5:
             _put(index, shards, wmap[weight], stem + "weight_scale", torch.ones((w.shape[0], 1)))
@@ -840,13 +1121,34 @@ def _hash_table(root: Path, rng: random.Random) -> str:
     key = next(k for k in wmap if k.endswith("tid2eid"))
     file = wmap[key]
     t = shards[file][key]
-    what = rng.choice(["value 8", "value 100", "value -1", "value 2**62", "all 7", "1-D", "[V, k+1]", "[V-1, k]",
-                       "[V, k, 1]", "[0, k]", "[2V, k]", "float32", "float64 fractions", "bool", "int8", "uint8",
-                       "int32", "dropped", "on layer 1 too"])
+    what = rng.choice(
+        [
+            "value 8",
+            "value 100",
+            "value -1",
+            "value 2**62",
+            "all 7",
+            "1-D",
+            "[V, k+1]",
+            "[V-1, k]",
+            "[V, k, 1]",
+            "[0, k]",
+            "[2V, k]",
+            "float32",
+            "float64 fractions",
+            "bool",
+            "int8",
+            "uint8",
+            "int32",
+            "dropped",
+            "on layer 1 too",
+        ]
+    )
     if what.startswith("value"):
         t = t.clone()
-        t.view(-1)[rng.randrange(t.numel())] = {"value 8": 8, "value 100": 100, "value -1": -1,
-                                                "value 2**62": 2**62}[what]
+        t.view(-1)[rng.randrange(t.numel())] = {"value 8": 8, "value 100": 100, "value -1": -1, "value 2**62": 2**62}[
+            what
+        ]
     elif what == "all 7":
         t = torch.full_like(t, 7)
     elif what == "1-D":
@@ -881,8 +1183,21 @@ def _shard_files(root: Path, rng: random.Random, corpus: Path) -> str:
     """Missing, extra, swapped, duplicated or odd shard files."""
     shards = _shards(root)
     a, b = rng.sample(shards, 2)
-    what = rng.choice(["missing", "extra copy", "extra foreign", "swap", "duplicate", "renamed", "folder", "symlink",
-                       "fifo", "empty", "all missing"])
+    what = rng.choice(
+        [
+            "missing",
+            "extra copy",
+            "extra foreign",
+            "swap",
+            "duplicate",
+            "renamed",
+            "folder",
+            "symlink",
+            "fifo",
+            "empty",
+            "all missing",
+        ]
+    )
     if what == "missing":
         a.unlink()
     elif what == "extra copy":
@@ -923,10 +1238,30 @@ def _index(root: Path, rng: random.Random) -> str:
     wmap = index["weight_map"]
     keys, files = sorted(wmap), sorted(set(wmap.values()))
     key, file = rng.choice(keys), rng.choice(files)
-    what = rng.choice(["no weight_map", "weight_map not a map", "empty weight_map", "traversal", "absolute",
-                       "subfolder", "long name", "nul name", "non-string shard", "wrong shard", "unlisted key",
-                       "phantom key", "duplicate key", "one shard", "total_size", "not json", "deep", "removed",
-                       "folder", "huge"])
+    what = rng.choice(
+        [
+            "no weight_map",
+            "weight_map not a map",
+            "empty weight_map",
+            "traversal",
+            "absolute",
+            "subfolder",
+            "long name",
+            "nul name",
+            "non-string shard",
+            "wrong shard",
+            "unlisted key",
+            "phantom key",
+            "duplicate key",
+            "one shard",
+            "total_size",
+            "not json",
+            "deep",
+            "removed",
+            "folder",
+            "huge",
+        ]
+    )
     text = None
     if what == "no weight_map":
         del index["weight_map"]
@@ -963,8 +1298,9 @@ def _index(root: Path, rng: random.Random) -> str:
         wmap["model.layers.0.mlp.phantom.weight"] = file
     elif what == "duplicate key":
         other = rng.choice([f for f in files if f != wmap[key]])
-        text = json.dumps(index).replace(json.dumps(key) + ":", json.dumps(key) + ": " + json.dumps(other) + ", "
-                                         + json.dumps(key) + ":", 1)
+        text = json.dumps(index).replace(
+            json.dumps(key) + ":", json.dumps(key) + ": " + json.dumps(other) + ", " + json.dumps(key) + ":", 1
+        )
     elif what == "one shard":
         for k in keys:
             wmap[k] = file
@@ -972,8 +1308,7 @@ def _index(root: Path, rng: random.Random) -> str:
         index.setdefault("metadata", {})["total_size"] = rng.choice([-1, "x", 10**30, None, 1.5])
     elif what == "not json":
         raw = json.dumps(index)
-        text = rng.choice([raw[:rng.randrange(len(raw))], "", "nan", "\xff" + raw, "[" + raw + "]",
-                           "1" * 10_000])
+        text = rng.choice([raw[: rng.randrange(len(raw))], "", "nan", "\xff" + raw, "[" + raw + "]", "1" * 10_000])
     elif what == "deep":
         index["weight_map"][key] = _nest(100_000)
         text = '{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"
@@ -986,16 +1321,37 @@ def _index(root: Path, rng: random.Random) -> str:
         return what
     path.write_text(text if text is not None else json.dumps(index), errors="surrogateescape")
     if what == "huge":
-        os.truncate(path, 300 << 20)   # past the 256 MiB an index may have; sparse, so cheap
+        os.truncate(path, 300 << 20)  # past the 256 MiB an index may have; sparse, so cheap
     return f"index {what} ({key} in {file})"
 
 
-CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_experts", "num_local_experts",
-               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "vocab_size",
-               "num_attention_heads", "head_dim", "mlp_only_layers", "mlp_layer_types", "layer_types",
-               "n_shared_experts", "scoring_func", "hc_mult", "decoder_sparse_step", "norm_topk_prob",
-               "quantization_config", "num_nextn_predict_layers", "shared_expert_intermediate_size",
-               "tie_word_embeddings")
+CONFIG_KEYS = (
+    "architectures",
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "intermediate_size",
+    "vocab_size",
+    "num_attention_heads",
+    "head_dim",
+    "mlp_only_layers",
+    "mlp_layer_types",
+    "layer_types",
+    "n_shared_experts",
+    "scoring_func",
+    "hc_mult",
+    "decoder_sparse_step",
+    "norm_topk_prob",
+    "quantization_config",
+    "num_nextn_predict_layers",
+    "shared_expert_intermediate_size",
+    "tie_word_embeddings",
+)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -1006,8 +1362,22 @@ def _config(root: Path, rng: random.Random) -> str:
     config = json.loads(path.read_text())
     present = [k for k in CONFIG_KEYS if k in config]
     experts = next(k for k in EXPERT_KEYS if k in config)
-    what = rng.choice(["missing", "wrong value", "wrong value", "experts", "top-k", "architectures", "not json",
-                       "deep", "huge literal", "nan", "large file", "duplicate key"])
+    what = rng.choice(
+        [
+            "missing",
+            "wrong value",
+            "wrong value",
+            "experts",
+            "top-k",
+            "architectures",
+            "not json",
+            "deep",
+            "huge literal",
+            "nan",
+            "large file",
+            "duplicate key",
+        ]
+    )
     text = None
     if what == "missing":
         key = rng.choice(present)
@@ -1015,8 +1385,28 @@ def _config(root: Path, rng: random.Random) -> str:
         what = f"{key} missing"
     elif what == "wrong value":
         key = rng.choice(present)
-        config[key] = value = rng.choice([None, "8", 8.0, 8.5, True, [], {}, -1, 0, 1, 10**30, 2**63, 1e308,
-                                          "../../etc", [8, 8], 2**31, [None], {"a": 1}])
+        config[key] = value = rng.choice(
+            [
+                None,
+                "8",
+                8.0,
+                8.5,
+                True,
+                [],
+                {},
+                -1,
+                0,
+                1,
+                10**30,
+                2**63,
+                1e308,
+                "../../etc",
+                [8, 8],
+                2**31,
+                [None],
+                {"a": 1},
+            ]
+        )
         what = f"{key} = {value!r}"
     elif what == "experts":
         config[experts] = value = rng.choice([0, -8, 1, 2, 7, 9, 16, 10**9, 2**63, 1e3, "8"])
@@ -1025,14 +1415,26 @@ def _config(root: Path, rng: random.Random) -> str:
         config["num_experts_per_tok"] = value = rng.choice([0, -1, 9, 1000, config[experts], 2**63, 2.5, None])
         what = f"num_experts_per_tok = {value!r}"
     elif what == "architectures":
-        config["architectures"] = value = rng.choice([["LlamaForCausalLM"], [], ["A", "B"], config["architectures"][0],
-                                                      [5], ["MixtralForCausalLM"], ["GptOssForCausalLM"],
-                                                      ["DeepseekV4ForCausalLM"], ["Qwen2MoeForCausalLM"], None])
+        config["architectures"] = value = rng.choice(
+            [
+                ["LlamaForCausalLM"],
+                [],
+                ["A", "B"],
+                config["architectures"][0],
+                [5],
+                ["MixtralForCausalLM"],
+                ["GptOssForCausalLM"],
+                ["DeepseekV4ForCausalLM"],
+                ["Qwen2MoeForCausalLM"],
+                None,
+            ]
+        )
         what = f"architectures = {value!r}"
     elif what == "not json":
         raw = json.dumps(config)
-        text = rng.choice([raw[:rng.randrange(len(raw))], "", "nan", "\ufeff" + raw, "[" + raw + "]", "null",
-                           raw.replace('"', "'")])
+        text = rng.choice(
+            [raw[: rng.randrange(len(raw))], "", "nan", "\ufeff" + raw, "[" + raw + "]", "null", raw.replace('"', "'")]
+        )
     elif what == "deep":
         text = json.dumps(config)[:-1] + ', "nested": ' + "[" * 100_000 + "]" * 100_000 + "}"
     elif what == "huge literal":
@@ -1056,8 +1458,18 @@ def _pickles(root: Path, rng: random.Random, marker: Path) -> str:
     """Pickles (each a call that would create `marker`) beside or instead of the safetensors, and
     remote code named by config.json: none may be loaded."""
     name, blob = _pickle_payload(marker, rng)
-    where = rng.choice(["beside", "instead", "bin index", "as a shard", "as model.safetensors", "torch zip",
-                        "training_args.bin", "remote code"])
+    where = rng.choice(
+        [
+            "beside",
+            "instead",
+            "bin index",
+            "as a shard",
+            "as model.safetensors",
+            "torch zip",
+            "training_args.bin",
+            "remote code",
+        ]
+    )
     if where in ("instead", "bin index", "as model.safetensors", "torch zip"):
         for f in _shards(root):
             f.unlink()
@@ -1066,8 +1478,11 @@ def _pickles(root: Path, rng: random.Random, marker: Path) -> str:
         (root / rng.choice(["pytorch_model.bin", "model.pt", "model.ckpt", "consolidated.pth"])).write_bytes(blob)
     elif where == "bin index":
         (root / "pytorch_model-00001-of-00001.bin").write_bytes(blob)
-        (root / "pytorch_model.bin.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00001.bin"}}))
+        (root / "pytorch_model.bin.index.json").write_text(
+            json.dumps(
+                {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00001.bin"}}
+            )
+        )
     elif where == "as a shard":
         rng.choice(_shards(root)).write_bytes(blob)
     elif where == "as model.safetensors":
@@ -1126,18 +1541,38 @@ def mutate_hf(kind: str, root: Path, rng: random.Random, marker: Path, corpus: P
     raise ValueError(kind)
 
 
-HF_CHECKPOINT_KINDS = ["st_length", "st_json", "st_dtype", "st_offsets", "st_shape", "st_entry", "st_metadata",
-                       "hf_truncate", "flip_data", "shards", "index", "config", "config", "tensors", "tensors",
-                       "pickles"]
-HF_TARGETS = {   # target -> (weight, kinds, commands)
+HF_CHECKPOINT_KINDS = [
+    "st_length",
+    "st_json",
+    "st_dtype",
+    "st_offsets",
+    "st_shape",
+    "st_entry",
+    "st_metadata",
+    "hf_truncate",
+    "flip_data",
+    "shards",
+    "index",
+    "config",
+    "config",
+    "tensors",
+    "tensors",
+    "pickles",
+]
+HF_TARGETS = {  # target -> (weight, kinds, commands)
     "hf": (8, HF_CHECKPOINT_KINDS, ["inspect", "convert_plan", "convert_plan", "verify_orig", "select"]),
-    "hf_proxy": (1, ["hf_truncate", "flip_data", "shards", "index", "config", "manifest", "st_length", "st_offsets",
-                     "st_dtype"], ["verify_proxy"]),
+    "hf_proxy": (
+        1,
+        ["hf_truncate", "flip_data", "shards", "index", "config", "manifest", "st_length", "st_offsets", "st_dtype"],
+        ["verify_proxy"],
+    ),
     "hf_stats": (1, ["truncate", "safetensors_header", "flip_any", "sidecar"], ["stats_show", "select"]),
     "hf_plan": (1, ["json", "json", "plan_swap"], ["convert_plan", "verify_plan"]),
 }
-HF_EXTRA = {**{q: (["quant"] * 8, ["convert_deq"] * 3) for q in HF_QUANTIZED},   # more kinds and commands
-            "deepseek_v4": (["hash_table"] * 8, [])}
+HF_EXTRA = {
+    **{q: (["quant"] * 8, ["convert_deq"] * 3) for q in HF_QUANTIZED},  # more kinds and commands
+    "deepseek_v4": (["hash_table"] * 8, []),
+}
 HF_EXTRA["deepseek_v4_fp4"] = (HF_EXTRA["deepseek_v4_fp4"][0] + ["hash_table"] * 8, ["convert_deq"] * 3)
 
 
@@ -1169,14 +1604,30 @@ def _argv(case: Case, corpus: Path, inp: Path, out: Path) -> list[str]:
         "inspect": ["inspect", i],
         "convert": ["convert", i, "-o", o, *quiet],
         "convert_dist": ["convert", i, "-o", o, "--format", "torch_dist"],
-        "convert_plan": ["convert", c["legacy"] if case.target == "plan" else i, "--plan",
-                         i if case.target == "plan" else c["plan.json"], "-o", o, *quiet],
+        "convert_plan": [
+            "convert",
+            c["legacy"] if case.target == "plan" else i,
+            "--plan",
+            i if case.target == "plan" else c["plan.json"],
+            "-o",
+            o,
+            *quiet,
+        ],
         "verify_orig": ["verify", "--orig", i, "--proxy", c["proxy"], "--plan", c["plan.json"]],
         "verify_proxy": ["verify", "--orig", c["legacy"], "--proxy", i, "--plan", c["plan.json"]],
         "verify_plan": ["verify", "--orig", c["legacy"], "--proxy", c["proxy"], "--plan", i],
         "stats_show": ["stats", "show", i],
-        "select": ["select", "--ckpt", c["legacy"], "--stats", i, "--num-experts", str(KEEP), "-o",
-                   str(out / "plan.json")],
+        "select": [
+            "select",
+            "--ckpt",
+            c["legacy"],
+            "--stats",
+            i,
+            "--num-experts",
+            str(KEEP),
+            "-o",
+            str(out / "plan.json"),
+        ],
     }[case.command]
 
 
@@ -1192,8 +1643,17 @@ def _hf_argv(case: Case, corpus: Path, inp: Path, out: Path) -> list[str]:
         "verify_proxy": ["verify", "--orig", c["model"], "--proxy", c["proxy"], "--plan", c["plan.json"]],
         "verify_plan": ["verify", "--orig", c["model"], "--proxy", c["proxy"], "--plan", c["plan.json"]],
         "stats_show": ["stats", "show", c["stats.safetensors"]],
-        "select": ["select", "--ckpt", c["model"], "--stats", c["stats.safetensors"], "--num-experts", str(HF_KEEP),
-                   "-o", str(out / "plan.json")],
+        "select": [
+            "select",
+            "--ckpt",
+            c["model"],
+            "--stats",
+            c["stats.safetensors"],
+            "--num-experts",
+            str(HF_KEEP),
+            "-o",
+            str(out / "plan.json"),
+        ],
     }[case.command]
 
 
@@ -1202,8 +1662,12 @@ def _hf_outputs(out: Path) -> tuple[int, list[str]]:
     files that are pickles or code: none may be written into a proxy)."""
     from safetensors.torch import load_file
 
-    odd = [f.name for f in _files(out) if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".py")
-           or (f.suffix != ".safetensors" and f.read_bytes()[:1] in (b"\x80", b"P"))]
+    odd = [
+        f.name
+        for f in _files(out)
+        if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".py")
+        or (f.suffix != ".safetensors" and f.read_bytes()[:1] in (b"\x80", b"P"))
+    ]
     shards = _files(out, "*.safetensors")
     for f in shards:
         load_file(str(f))
@@ -1216,7 +1680,7 @@ def tree_digest(path: Path) -> str:
     for p in files:
         h.update(str(p.relative_to(path.parent)).encode())
         h.update(p.read_bytes())
-    if path.is_file() and path.with_suffix(".json").is_file():   # a stats sidecar
+    if path.is_file() and path.with_suffix(".json").is_file():  # a stats sidecar
         h.update(path.with_suffix(".json").read_bytes())
     return h.hexdigest()
 
@@ -1225,12 +1689,21 @@ def _child(case: Case, corpus: Path, case_dir: Path, result_path: Path) -> None:
     """Runs in the forked child: damage a copy, run the command, record what happened."""
     import torch
 
-    torch.set_num_threads(1)   # a forked child must not use the parent's OpenMP pool
+    torch.set_num_threads(1)  # a forked child must not use the parent's OpenMP pool
     rng = random.Random(case.seed)
     marker = case_dir / "MARKER"
-    source = {"legacy": "legacy", "dist": "dist", "mdist": "mdist", "proxy": "proxy", "plan": "plan.json",
-              "stats": "stats.safetensors", "hf": "model", "hf_proxy": "proxy", "hf_stats": "stats.safetensors",
-              "hf_plan": "plan.json"}[case.target]
+    source = {
+        "legacy": "legacy",
+        "dist": "dist",
+        "mdist": "mdist",
+        "proxy": "proxy",
+        "plan": "plan.json",
+        "stats": "stats.safetensors",
+        "hf": "model",
+        "hf_proxy": "proxy",
+        "hf_stats": "stats.safetensors",
+        "hf_plan": "plan.json",
+    }[case.target]
     home = corpus / "hf" / case.model if case.model else corpus
     inp = case_dir / source
     if (home / source).is_dir():
@@ -1261,7 +1734,7 @@ def _child(case: Case, corpus: Path, case_dir: Path, result_path: Path) -> None:
     argv = _argv(case, corpus, inp, out)
     try:
         code = main(argv)
-    except SystemExit as stop:   # argparse
+    except SystemExit as stop:  # argparse
         code = stop.code if isinstance(stop.code, int) else 2
     loaded, odd = 0, []
     if code == 0 and case.command.startswith("convert") and out.is_dir() and case.model:
@@ -1269,15 +1742,22 @@ def _child(case: Case, corpus: Path, case_dir: Path, result_path: Path) -> None:
     elif code == 0 and case.command.startswith("convert") and out.is_dir():
         import megatron.core  # noqa: F401  (registers megatron-core's safe globals, as Megatron-LM has them)
 
-        for f in _files(out, "*.pt"):   # load the proxy the ways Megatron does
+        for f in _files(out, "*.pt"):  # load the proxy the ways Megatron does
             torch.load(f, weights_only=False)
             torch.load(f, map_location="cpu")
             loaded += 1
     sys.stdout.flush()
     sys.stderr.flush()
-    result = {"code": code, "what": what, "argv": argv, "unchanged": tree_digest(inp) == before,
-              "loaded": loaded, "pickles_written": odd, "out_exists": out.exists() and case.command != "select",
-              "staging": [p.name for p in case_dir.iterdir() if ".mcore-proxy" in p.name]}
+    result = {
+        "code": code,
+        "what": what,
+        "argv": argv,
+        "unchanged": tree_digest(inp) == before,
+        "loaded": loaded,
+        "pickles_written": odd,
+        "out_exists": out.exists() and case.command != "select",
+        "staging": [p.name for p in case_dir.iterdir() if ".mcore-proxy" in p.name],
+    }
     result_path.write_text(json.dumps(result))
 
 
@@ -1288,13 +1768,14 @@ def start_case(case: Case, corpus: Path, work: Path) -> tuple[int, Path, float]:
     case_dir.mkdir(parents=True)
     start = time.perf_counter()
     pid = os.fork()
-    if pid == 0:   # the child
+    if pid == 0:  # the child
         code = 0
         try:
             os.setpgid(0, 0)
             _child(case, corpus, case_dir, case_dir / "result.json")
         except BaseException:  # noqa: BLE001 - the fuzzer's own failure in the child: record it
             import traceback
+
             (case_dir / "child_error").write_text(traceback.format_exc())
             code = 70
         finally:
@@ -1302,8 +1783,9 @@ def start_case(case: Case, corpus: Path, work: Path) -> tuple[int, Path, float]:
     return pid, case_dir, start
 
 
-def campaign(cases: list[Case], corpus: Path, work: Path, jobs: int = 1, limit: float = LIMIT_S,
-             progress: bool = True) -> list[dict]:
+def campaign(
+    cases: list[Case], corpus: Path, work: Path, jobs: int = 1, limit: float = LIMIT_S, progress: bool = True
+) -> list[dict]:
     """Run cases with up to `jobs` children at a time; a child past `limit` seconds is killed (a hang).
 
     The parent stays single-threaded (it only forks and waits): forking from a threaded process
@@ -1311,7 +1793,7 @@ def campaign(cases: list[Case], corpus: Path, work: Path, jobs: int = 1, limit: 
     import tqdm as tqdm_module
     from tqdm import tqdm
 
-    tqdm_module.tqdm.monitor_interval = 0   # no monitor thread: the parent forks
+    tqdm_module.tqdm.monitor_interval = 0  # no monitor thread: the parent forks
     pending, running, records = list(cases), {}, []
     with tqdm(total=len(cases), disable=not progress, desc="fuzz") as bar:
         while pending or running:
@@ -1337,8 +1819,14 @@ def campaign(cases: list[Case], corpus: Path, work: Path, jobs: int = 1, limit: 
 
 
 def judge(case: Case, case_dir: Path, status, seconds: float, limit: float) -> dict:
-    record = {"case": case.index, "target": case.target, "kind": case.kind, "command": case.command,
-              "seconds": round(seconds, 2), **({"model": case.model} if case.model else {})}
+    record = {
+        "case": case.index,
+        "target": case.target,
+        "kind": case.kind,
+        "command": case.command,
+        "seconds": round(seconds, 2),
+        **({"model": case.model} if case.model else {}),
+    }
     stderr = (case_dir / "stderr").read_text(errors="replace") if (case_dir / "stderr").exists() else ""
     problems = []
     if seconds >= limit:
@@ -1388,23 +1876,32 @@ def table(records: list[dict], by: tuple[str, str] = ("target", "kind")) -> str:
     lines = [head, "|" + "---|" * (4 + len(outcomes))]
     for (a, b), counts in sorted(rows.items()):
         failed = sum(1 for r in records if tuple(r.get(k, "") for k in by) == (a, b) and r["problems"])
-        lines.append(f"| {a} | {b} | {sum(counts.values())} | "
-                     + " | ".join(str(counts.get(o, 0)) for o in outcomes) + f" | {failed} |")
+        lines.append(
+            f"| {a} | {b} | {sum(counts.values())} | "
+            + " | ".join(str(counts.get(o, 0)) for o in outcomes)
+            + f" | {failed} |"
+        )
     total = collections.Counter(r["outcome"] for r in records)
     failed = sum(1 for r in records if r["problems"])
-    lines.append(f"| **all** | | **{len(records)}** | " + " | ".join(f"**{total.get(o, 0)}**" for o in outcomes)
-                 + f" | **{failed}** |")
+    lines.append(
+        f"| **all** | | **{len(records)}** | "
+        + " | ".join(f"**{total.get(o, 0)}**" for o in outcomes)
+        + f" | **{failed}** |"
+    )
     return "\n".join(lines)
 
 
 def summary(records: list[dict]) -> dict:
     problems = collections.Counter(p.split(":")[0] for r in records for p in r["problems"])
-    return {"cases": len(records), "failed": sum(1 for r in records if r["problems"]),
-            "tracebacks": problems.get("traceback on stderr", 0),
-            "hangs": sum(1 for r in records if r["outcome"] == "hang"),
-            "code_runs": problems.get("CODE RAN (marker file exists)", 0),
-            "inputs_modified": problems.get("input modified", 0),
-            "median_s": sorted(r["seconds"] for r in records)[len(records) // 2] if records else 0}
+    return {
+        "cases": len(records),
+        "failed": sum(1 for r in records if r["problems"]),
+        "tracebacks": problems.get("traceback on stderr", 0),
+        "hangs": sum(1 for r in records if r["outcome"] == "hang"),
+        "code_runs": problems.get("CODE RAN (marker file exists)", 0),
+        "inputs_modified": problems.get("input modified", 0),
+        "median_s": sorted(r["seconds"] for r in records)[len(records) // 2] if records else 0,
+    }
 
 
 def preload(corpus: Path | None = None) -> None:
@@ -1417,11 +1914,20 @@ def preload(corpus: Path | None = None) -> None:
         torch.load(next((corpus / "legacy").rglob("model_optim_rng.pt")), weights_only=False)
     import importlib
 
-    for module in ("mcore_proxy.cli", "mcore_proxy.checkpoint.legacy", "mcore_proxy.checkpoint.torch_dist",
-                   "mcore_proxy.convert.pipeline", "mcore_proxy.convert.verify", "mcore_proxy.select.selector",
-                   "mcore_proxy.stats", "mcore_proxy.trace.summary", "mcore_proxy.checkpoint.hf",
-                   "mcore_proxy.checkpoint.hf.native_writer", "mcore_proxy.checkpoint.hf.quant",
-                   "safetensors.torch"):
+    for module in (
+        "mcore_proxy.cli",
+        "mcore_proxy.checkpoint.legacy",
+        "mcore_proxy.checkpoint.torch_dist",
+        "mcore_proxy.convert.pipeline",
+        "mcore_proxy.convert.verify",
+        "mcore_proxy.select.selector",
+        "mcore_proxy.stats",
+        "mcore_proxy.trace.summary",
+        "mcore_proxy.checkpoint.hf",
+        "mcore_proxy.checkpoint.hf.native_writer",
+        "mcore_proxy.checkpoint.hf.quant",
+        "safetensors.torch",
+    ):
         importlib.import_module(module)
 
 
@@ -1431,18 +1937,37 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/mcore-proxy-fuzz"))
-    p.add_argument("--megatron-dist", action="store_true",
-                   help="also fuzz a torch_dist checkpoint saved by megatron-core itself (built once)")
+    p.add_argument(
+        "--megatron-dist",
+        action="store_true",
+        help="also fuzz a torch_dist checkpoint saved by megatron-core itself (built once)",
+    )
     p.add_argument("--json", type=Path, help="write every record here")
-    p.add_argument("--only", nargs="+", metavar="INPUT",
-                   help="run only the cases (same numbers and seeds) that damage these inputs, e.g. stats")
-    p.add_argument("--kinds", nargs="+", metavar="KIND",
-                   help="run only the cases (same numbers and seeds) of these damage kinds, e.g. hostile_getattr")
-    p.add_argument("--hf", action="store_true",
-                   help="fuzz the Hugging Face corpus instead (tiny transformers-built checkpoints of three families "
-                        "and an FP8 copy, their statistics, plans and proxies; no Megatron fixture is built)")
-    p.add_argument("--by", nargs=2, default=["target", "kind"], metavar=("FIELD", "FIELD"),
-                   help="rows of the printed table: two of target, kind, command, model (default: target kind)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="INPUT",
+        help="run only the cases (same numbers and seeds) that damage these inputs, e.g. stats",
+    )
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        metavar="KIND",
+        help="run only the cases (same numbers and seeds) of these damage kinds, e.g. hostile_getattr",
+    )
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help="fuzz the Hugging Face corpus instead (tiny transformers-built checkpoints of three families "
+        "and an FP8 copy, their statistics, plans and proxies; no Megatron fixture is built)",
+    )
+    p.add_argument(
+        "--by",
+        nargs=2,
+        default=["target", "kind"],
+        metavar=("FIELD", "FIELD"),
+        help="rows of the printed table: two of target, kind, command, model (default: target kind)",
+    )
     args = p.parse_args(argv)
 
     from mcore_proxy.testing.fixtures import build_fixture
@@ -1471,8 +1996,10 @@ def main(argv=None) -> int:
     print(json.dumps({**summary(records), "wall_s": round(wall, 1), "seed": args.seed, "jobs": args.jobs}))
     for r in records:
         if r["problems"]:
-            print(f"case {r['case']} {r['target']}/{r.get('model', '')}/{r['kind']} {r['command']}: {r['problems']}\n"
-                  f"{r.get('what', '')}\n{r.get('stderr', '')}")
+            print(
+                f"case {r['case']} {r['target']}/{r.get('model', '')}/{r['kind']} {r['command']}: {r['problems']}\n"
+                f"{r.get('what', '')}\n{r.get('stderr', '')}"
+            )
     return 1 if any(r["problems"] for r in records) else 0
 
 

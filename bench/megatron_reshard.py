@@ -17,6 +17,7 @@ does, in ranks spawned with gloo (one per rank of each layout, as megatron requi
 Megatron does not prune: OUT holds all E experts per layer. Per-phase wall times (parent side:
 process start, imports, build, load, save) go to `--timings`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,23 @@ class Bf16MoE(ToyMoE):
 
     def transformer_config(self, layout):
         config = super().transformer_config(layout)
-        return dataclasses.replace(config, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-                                   bf16=True, perform_initialization=False)
+        return dataclasses.replace(
+            config, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True, perform_initialization=False
+        )
 
 
 def model_from_args(args) -> Bf16MoE:
-    return Bf16MoE(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                   num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   topk=args.moe_router_topk, vocab_size=args.padded_vocab_size,
-                   seq_length=getattr(args, "seq_length", 16) or 16)
+    return Bf16MoE(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        topk=args.moe_router_topk,
+        vocab_size=args.padded_vocab_size,
+        seq_length=getattr(args, "seq_length", 16) or 16,
+    )
 
 
 def _mark(stamps: dict, key: str, t0: float) -> None:
@@ -77,8 +85,10 @@ def _phase_a(rank, world, port, model, layout, src_iter_dir, dist_dir, stamps_pa
         _mark(stamps, "load_state_dict", t0)
         Path(dist_dir).mkdir(parents=True, exist_ok=True)
         args.ckpt_format = "torch_dist"
-        dist_checkpointing.save({"model": gpt.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
-                                 "iteration": iteration}, str(dist_dir))
+        dist_checkpointing.save(
+            {"model": gpt.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration},
+            str(dist_dir),
+        )
         _mark(stamps, "dist_checkpointing.save", t0)
         if rank == 0:
             Path(stamps_path).write_text(json.dumps(stamps))
@@ -105,8 +115,15 @@ def _phase_b(rank, world, port, model, layout, dist_dir, out_dir, args, iteratio
         if writes_folder(coords, world):
             folder = Path(out_dir) / folder_name(iteration) / rank_dir_name(*coords, layout)
             folder.mkdir(parents=True, exist_ok=True)
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                        "model": gpt.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
+            torch.save(
+                {
+                    "args": args,
+                    "checkpoint_version": 3.0,
+                    "iteration": iteration,
+                    "model": gpt.state_dict_for_save_checkpoint(),
+                },
+                folder / "model_optim_rng.pt",
+            )
         _mark(stamps, "torch.save legacy", t0)
         if rank == 0:
             (Path(out_dir) / TRACKER).write_text(str(iteration))
@@ -128,7 +145,7 @@ def main() -> None:
 
     from mcore_proxy.checkpoint.legacy import LegacyCheckpoint
 
-    src = LegacyCheckpoint(a.src)           # metadata only: args and the source layout
+    src = LegacyCheckpoint(a.src)  # metadata only: args and the source layout
     s = src.layout
     if len(set(s.stage_layers)) != 1 or s.vpp != 1 or s.etp != s.tp:
         raise SystemExit("this peer handles even pipeline stages, no VPP, ETP=TP only")
@@ -144,22 +161,43 @@ def main() -> None:
     iteration = src.iteration if isinstance(src.iteration, int) else 0
 
     t0 = time.perf_counter()
-    torch.multiprocessing.spawn(_phase_a, args=(source.world_size, free_port(), model, source, str(src.path),
-                                                str(dist_dir), str(stamps_a)),
-                                nprocs=source.world_size, join=True)
+    torch.multiprocessing.spawn(
+        _phase_a,
+        args=(source.world_size, free_port(), model, source, str(src.path), str(dist_dir), str(stamps_a)),
+        nprocs=source.world_size,
+        join=True,
+    )
     t1 = time.perf_counter()
-    tgt_args = argparse.Namespace(**vars(src.args))   # megatron saves its own args, layout updated
+    tgt_args = argparse.Namespace(**vars(src.args))  # megatron saves its own args, layout updated
     tgt_args.tensor_model_parallel_size, tgt_args.pipeline_model_parallel_size = target.tp, target.pp
     tgt_args.expert_model_parallel_size, tgt_args.expert_tensor_parallel_size = target.ep, target.etp
-    torch.multiprocessing.spawn(_phase_b, args=(target.world_size, free_port(), model, target, str(dist_dir),
-                                                str(out), tgt_args, iteration, str(stamps_b)),
-                                nprocs=target.world_size, join=True)
+    torch.multiprocessing.spawn(
+        _phase_b,
+        args=(
+            target.world_size,
+            free_port(),
+            model,
+            target,
+            str(dist_dir),
+            str(out),
+            tgt_args,
+            iteration,
+            str(stamps_b),
+        ),
+        nprocs=target.world_size,
+        join=True,
+    )
     t2 = time.perf_counter()
-    timings = {"source_ranks": source.world_size, "target_ranks": target.world_size,
-               "phase_a_s": round(t1 - t0, 2), "phase_b_s": round(t2 - t1, 2),
-               "torch_dist_bytes": sum(p.stat().st_size for p in dist_dir.rglob("*") if p.is_file()),
-               "out_bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
-               "phase_a_steps": json.loads(stamps_a.read_text()), "phase_b_steps": json.loads(stamps_b.read_text())}
+    timings = {
+        "source_ranks": source.world_size,
+        "target_ranks": target.world_size,
+        "phase_a_s": round(t1 - t0, 2),
+        "phase_b_s": round(t2 - t1, 2),
+        "torch_dist_bytes": sum(p.stat().st_size for p in dist_dir.rglob("*") if p.is_file()),
+        "out_bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
+        "phase_a_steps": json.loads(stamps_a.read_text()),
+        "phase_b_steps": json.loads(stamps_b.read_text()),
+    }
     stamps_a.unlink()
     stamps_b.unlink()
     if not a.keep_torch_dist:

@@ -1,4 +1,5 @@
 """Read every canonical tensor of a checkpoint, one at a time, as `convert` does: `python bench/read_all.py CKPT`."""
+
 import sys
 import time
 

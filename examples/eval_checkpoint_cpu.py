@@ -9,6 +9,7 @@ The model is built from the checkpoint's own args (Megatron's --use-checkpoint-a
 checkpoint's parallel layout; the world size must equal that layout's. Data-parallel replica d
 takes micro-batches d, d + DP, ... of the token file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,20 +43,32 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    layout = Layout(tp=margs.tensor_model_parallel_size, pp=margs.pipeline_model_parallel_size,
-                    ep=margs.expert_model_parallel_size, etp=margs.expert_tensor_parallel_size,
-                    grouped=bool(margs.moe_grouped_gemm),
-                    first_stage_layers=getattr(margs, "decoder_first_pipeline_num_layers", None))
+    layout = Layout(
+        tp=margs.tensor_model_parallel_size,
+        pp=margs.pipeline_model_parallel_size,
+        ep=margs.expert_model_parallel_size,
+        etp=margs.expert_tensor_parallel_size,
+        grouped=bool(margs.moe_grouped_gemm),
+        first_stage_layers=getattr(margs, "decoder_first_pipeline_num_layers", None),
+    )
     torch.distributed.init_process_group("gloo")
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = toy_from_args(margs)
     gpt = build_gpt(model, layout)
-    coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-              ps.get_expert_model_parallel_rank())
-    state = torch.load(it_dir / rank_dir_name(*coords, layout) / "model_optim_rng.pt",
-                       map_location="cpu", weights_only=False)
+    coords = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+    )
+    state = torch.load(
+        it_dir / rank_dir_name(*coords, layout) / "model_optim_rng.pt", map_location="cpu", weights_only=False
+    )
     gpt.load_state_dict(state["model"], strict=True)
 
     ids = np.load(args.tokens)
@@ -63,11 +76,13 @@ def main() -> None:
     batches = len(ids) // (seq * mb)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     for b in range(dp_rank, batches - batches % dp, dp):
-        chunk = torch.from_numpy(ids[b * seq * mb:(b + 1) * seq * mb].astype(np.int64)).view(mb, seq)
+        chunk = torch.from_numpy(ids[b * seq * mb : (b + 1) * seq * mb].astype(np.int64)).view(mb, seq)
         forward_logits(gpt, chunk)
     if torch.distributed.get_rank() == 0:
-        print(f"evaluated {batches - batches % dp} micro-batches of {mb}x{seq} tokens on "
-              f"{torch.distributed.get_world_size()} ranks")
+        print(
+            f"evaluated {batches - batches % dp} micro-batches of {mb}x{seq} tokens on "
+            f"{torch.distributed.get_world_size()} ranks"
+        )
     torch.distributed.destroy_process_group()
 
 

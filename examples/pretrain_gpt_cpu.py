@@ -15,6 +15,7 @@ Pipeline stages pass activations forward and gradients back by p2p, one micro-ba
 on CUDA); gradients are averaged over the data-parallel group (expert parameters over the
 expert-data-parallel group), as Megatron's DDP does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+
 # the data-parallel gradient averaging of the plain training example (this folder is on sys.path)
 from train_step_cpu import average_gradients
 
@@ -39,16 +41,30 @@ def moe_layer_freq(text: str):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     model = p.add_argument_group("model (GPT_ARGS)")
-    for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "seq-length",
-                 "max-position-embeddings", "padded-vocab-size", "make-vocab-size-divisible-by"):
+    for name in (
+        "num-layers",
+        "hidden-size",
+        "ffn-hidden-size",
+        "num-attention-heads",
+        "seq-length",
+        "max-position-embeddings",
+        "padded-vocab-size",
+        "make-vocab-size-divisible-by",
+    ):
         model.add_argument(f"--{name}", type=int)
     model.add_argument("--normalization", choices=("RMSNorm",), default="RMSNorm")
     model.add_argument("--position-embedding-type", choices=("rope",), default="rope")
     for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
         model.add_argument(flag, action="store_true")
     moe = p.add_argument_group("MoE (MOE_ARGS)")
-    for name in ("num-experts", "moe-router-topk", "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size",
-                 "moe-router-num-groups", "moe-router-group-topk"):
+    for name in (
+        "num-experts",
+        "moe-router-topk",
+        "moe-ffn-hidden-size",
+        "moe-shared-expert-intermediate-size",
+        "moe-router-num-groups",
+        "moe-router-group-topk",
+    ):
         moe.add_argument(f"--{name}", type=int)
     moe.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1)
     moe.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
@@ -61,8 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     par.add_argument("--expert-tensor-parallel-size", type=int)
     par.add_argument("--decoder-first-pipeline-num-layers", type=int)
     train = p.add_argument_group("training (TRAIN_ARGS, OUTPUT_ARGS)")
-    for name, default in (("micro-batch-size", 1), ("global-batch-size", None), ("train-iters", 4),
-                          ("seed", 1234), ("log-interval", 1)):
+    for name, default in (
+        ("micro-batch-size", 1),
+        ("global-batch-size", None),
+        ("train-iters", 4),
+        ("seed", 1234),
+        ("log-interval", 1),
+    ):
         train.add_argument(f"--{name}", type=int, default=default)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--load", type=Path, required=True, help="legacy checkpoint (the proxy)")
@@ -84,16 +105,30 @@ def toy_model(args):
 
     freq = args.moe_layer_freq
     model = ToyMoE(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        topk=args.moe_router_topk, moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
-        shared_expert_size=args.moe_shared_expert_intermediate_size, shared_expert_gate=args.moe_shared_expert_gate,
-        score_function=args.moe_router_score_function, expert_bias=args.moe_router_enable_expert_bias,
-        num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
-        vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
-    layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                    ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-                    first_stage_layers=args.decoder_first_pipeline_num_layers)
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        topk=args.moe_router_topk,
+        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+        shared_expert_size=args.moe_shared_expert_intermediate_size,
+        shared_expert_gate=args.moe_shared_expert_gate,
+        score_function=args.moe_router_score_function,
+        expert_bias=args.moe_router_enable_expert_bias,
+        num_groups=args.moe_router_num_groups,
+        group_topk=args.moe_router_group_topk,
+        vocab_size=args.padded_vocab_size,
+        seq_length=args.seq_length,
+    )
+    layout = Layout(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+    )
     return model, layout
 
 
@@ -113,13 +148,23 @@ def load_checkpoint(gpt, args, layout) -> int:
     if not tracker.is_file():
         fail(f"{tracker}: missing; --load must be a Megatron checkpoint folder")
     it = tracker.read_text().strip()
-    coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-              ps.get_expert_model_parallel_rank())
-    path = args.load / folder_name(it if it == "release" else int(it)) / rank_dir_name(*coords, layout) / "model_optim_rng.pt"
+    coords = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+    )
+    path = (
+        args.load
+        / folder_name(it if it == "release" else int(it))
+        / rank_dir_name(*coords, layout)
+        / "model_optim_rng.pt"
+    )
     if not path.is_file():
-        fail(f"{path}: no rank file for TP/PP/EP rank {coords}; the launch's parallel sizes do not match "
-             "the checkpoint (use the flags mcore-proxy convert printed)")
-    state = torch.load(path, map_location="cpu", weights_only=False)   # as Megatron loads its own files
+        fail(
+            f"{path}: no rank file for TP/PP/EP rank {coords}; the launch's parallel sizes do not match "
+            "the checkpoint (use the flags mcore-proxy convert printed)"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=False)  # as Megatron loads its own files
     if "optimizer" not in state and not args.no_load_optim:
         fail(f"{path}: holds no optimizer state; pass --no-load-optim")
     if "rng_state" not in state and not args.no_load_rng:
@@ -133,10 +178,15 @@ def load_checkpoint(gpt, args, layout) -> int:
 
 def state_dict_mismatch(saved: dict, built: dict) -> str:
     """What a strict load would refuse, in one line ('' when it would load)."""
-    out = [f"{k}: checkpoint {list(v.shape)}, model {list(built[k].shape)}" for k, v in saved.items()
-           if k in built and isinstance(v, torch.Tensor) and v.shape != built[k].shape][:1]
-    for what, keys in (("missing from the checkpoint", [k for k in built if k not in saved]),
-                       ("not in the model", [k for k in saved if k not in built])):
+    out = [
+        f"{k}: checkpoint {list(v.shape)}, model {list(built[k].shape)}"
+        for k, v in saved.items()
+        if k in built and isinstance(v, torch.Tensor) and v.shape != built[k].shape
+    ][:1]
+    for what, keys in (
+        ("missing from the checkpoint", [k for k in built if k not in saved]),
+        ("not in the model", [k for k in saved if k not in built]),
+    ):
         if keys:
             out.append(f"{len(keys)} tensors {what} (first {keys[0]})")
     return "; ".join(out)
@@ -166,7 +216,7 @@ def train_micro_batch(gpt, tokens, labels, scale: float, hidden: int) -> torch.T
         gpt.set_input_tensor(received)
     out = gpt(tokens, positions, mask)
     loss = None
-    if last:   # logits [b, s, V], gathered over TP (the helper builds parallel_output=False)
+    if last:  # logits [b, s, V], gathered over TP (the helper builds parallel_output=False)
         loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), labels.flatten())
         (loss * scale).backward()
     else:
@@ -195,17 +245,24 @@ def initialize(args):
     world = torch.distributed.get_world_size()
     if world % (layout.tp * layout.pp):
         fail(f"{world} ranks do not divide into TP x PP = {layout.tp * layout.pp}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     return model, layout, build_gpt(model, layout).train()
 
 
 def log_iteration(args, step: int, seconds: float, loss: float) -> None:
     """Megatron's training log line."""
-    print(f" iteration {step:8d}/{args.train_iters:8d} | consumed samples: {step * args.global_batch_size:12d}"
-          f" | elapsed time per iteration (ms): {1000 * seconds:.1f} | learning rate: {args.lr:.6E}"
-          f" | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} |", flush=True)
+    print(
+        f" iteration {step:8d}/{args.train_iters:8d} | consumed samples: {step * args.global_batch_size:12d}"
+        f" | elapsed time per iteration (ms): {1000 * seconds:.1f} | learning rate: {args.lr:.6E}"
+        f" | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} |",
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
@@ -218,12 +275,17 @@ def main(argv=None) -> int:
     args.global_batch_size = args.global_batch_size or args.micro_batch_size * dp_size
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp_size)
     if micro_batches < 1 or args.global_batch_size % (args.micro_batch_size * dp_size):
-        fail(f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch x DP "
-             f"= {args.micro_batch_size * dp_size}")
+        fail(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch x DP "
+            f"= {args.micro_batch_size * dp_size}"
+        )
     if torch.distributed.get_rank() == 0:
-        print(f"loaded {args.load} iteration {iteration}: {model.num_experts} experts per MoE layer, "
-              f"{torch.distributed.get_world_size()} ranks at TP={layout.tp} PP={layout.pp} EP={layout.ep} "
-              f"ETP={layout.etp} DP={dp_size}, {micro_batches} micro-batches of {args.micro_batch_size}", flush=True)
+        print(
+            f"loaded {args.load} iteration {iteration}: {model.num_experts} experts per MoE layer, "
+            f"{torch.distributed.get_world_size()} ranks at TP={layout.tp} PP={layout.pp} EP={layout.ep} "
+            f"ETP={layout.etp} DP={dp_size}, {micro_batches} micro-batches of {args.micro_batch_size}",
+            flush=True,
+        )
     reporter = ps.is_pipeline_last_stage() and dp == 0 and ps.get_tensor_model_parallel_rank() == 0
     optimizer = torch.optim.Adam(gpt.parameters(), lr=args.lr)
     batches = mock_batches(args, dp, dp_size, micro_batches)
@@ -233,7 +295,7 @@ def main(argv=None) -> int:
         losses = [train_micro_batch(gpt, t, lab, 1 / micro_batches, model.hidden_size) for t, lab in batches]
         average_gradients(gpt)
         optimizer.step()
-        if ps.is_pipeline_last_stage():   # the loss averaged over micro-batches and replicas
+        if ps.is_pipeline_last_stage():  # the loss averaged over micro-batches and replicas
             loss = torch.stack(losses).mean().detach()
             torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
             if reporter and step % args.log_interval == 0:

@@ -12,6 +12,7 @@ wraps around. Training: forward, backward, gradients averaged over the data-para
 (expert parameters over the expert-data-parallel group), AdamW step. `--eval`: forward only,
 which also allows --tp > 1 without sequence parallelism.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,9 @@ def setup(args):
     from megatron.core import parallel_state, tensor_parallel
 
     torch.distributed.init_process_group("gloo")  # rank, world, master from torchrun's env
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             expert_model_parallel_size=args.ep,
-                                             expert_tensor_parallel_size=1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep, expert_tensor_parallel_size=1
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
 
@@ -59,18 +60,33 @@ def build_model(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
-        ffn_hidden_size=2 * args.hidden, num_moe_experts=args.experts,
-        moe_ffn_hidden_size=args.hidden // 2, moe_router_topk=args.topk,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        moe_token_dispatcher_type="allgather", gated_linear_unit=True, add_bias_linear=False,
-        normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, bf16=False,
-        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep,
-        expert_tensor_parallel_size=1, init_method_std=0.2)
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        ffn_hidden_size=2 * args.hidden,
+        num_moe_experts=args.experts,
+        moe_ffn_hidden_size=args.hidden // 2,
+        moe_router_topk=args.topk,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type="allgather",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=False,
+        tensor_model_parallel_size=args.tp,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=1,
+        init_method_std=0.2,
+    )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq_length,
-                    position_embedding_type="rope")
+    return GPTModel(
+        config, spec, vocab_size=args.vocab, max_sequence_length=args.seq_length, position_embedding_type="rope"
+    )
 
 
 def micro_batches(args):
@@ -83,7 +99,7 @@ def micro_batches(args):
     batches = len(sequences) // args.micro_batch
     for step in range(args.steps):
         i = (step * dp_size + dp) % batches
-        chunk = sequences[i * args.micro_batch:(i + 1) * args.micro_batch]
+        chunk = sequences[i * args.micro_batch : (i + 1) * args.micro_batch]
         yield chunk[:, :-1], chunk[:, 1:]
 
 
@@ -93,9 +109,8 @@ def average_gradients(model):
     for param in model.parameters():
         if param.grad is None:
             continue
-        expert = not getattr(param, "allreduce", True)   # megatron marks expert parameters
-        group = (parallel_state.get_expert_data_parallel_group() if expert
-                 else parallel_state.get_data_parallel_group())
+        expert = not getattr(param, "allreduce", True)  # megatron marks expert parameters
+        group = parallel_state.get_expert_data_parallel_group() if expert else parallel_state.get_data_parallel_group()
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(param.grad, group=group)
             param.grad /= torch.distributed.get_world_size(group)

@@ -13,6 +13,7 @@ modules import normally and then hands each to `runtime.function(module)`:
 Nothing (not even torch) is imported until a watched module is; a process that never imports
 one is untouched. Modules already imported when activation runs are handed over at once.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -89,7 +90,7 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
         self.pending: set[str] = set()
         self._busy = threading.local()
         for name, callback in (callbacks or {}).items():
-            for one in (callback if isinstance(callback, (list, tuple)) else [callback]):
+            for one in callback if isinstance(callback, (list, tuple)) else [callback]:
                 self.callbacks.setdefault(name, []).append(one)
                 self.pending.add(name)
 
@@ -185,8 +186,12 @@ def register_with_mindspeed(patch_utils, patches: dict, feature: str) -> bool:
     own patches. Returns False (with a warning) when the module has no such manager."""
     manager = getattr(patch_utils, "MindSpeedPatchesManager", None)
     if manager is None:
-        log.warning("%s: mindspeed.patch_utils has no MindSpeedPatchesManager; MindSpeed replacements "
-                    "of %s will not be covered", feature, ", ".join(patches))
+        log.warning(
+            "%s: mindspeed.patch_utils has no MindSpeedPatchesManager; MindSpeed replacements "
+            "of %s will not be covered",
+            feature,
+            ", ".join(patches),
+        )
         return False
     for target, wrapper in patches.items():
         manager.register_patch(target, wrapper)

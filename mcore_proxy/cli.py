@@ -7,6 +7,7 @@ Exit codes: `mcore_proxy.flags.EXIT_CODES`. An optional package a command needs 
 lacks is exit 2 with one sentence naming the extra (`mcore_proxy.optional`), also when the command
 did not check for it first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,16 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     from mcore_proxy import __version__
     from mcore_proxy.flags import HelpFormatter, exit_codes_text
 
-    parser = argparse.ArgumentParser(prog="mcore-proxy", description=DESCRIPTION,
-                                     epilog=EPILOG + exit_codes_text("verify, compare; a failed campaign run; "
-                                                                     "a watch --fail-on alert"),
-                                     formatter_class=HelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="mcore-proxy",
+        description=DESCRIPTION,
+        epilog=EPILOG + exit_codes_text("verify, compare; a failed campaign run; a watch --fail-on alert"),
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"mcore-proxy {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
-    parser.add_argument("--debug", action="store_true",
-                        help=f"print the traceback of an internal error (or set {DEBUG_ENV}=1)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                title="commands, in pipeline order")
+    parser.add_argument(
+        "--debug", action="store_true", help=f"print the traceback of an internal error (or set {DEBUG_ENV}=1)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands, in pipeline order")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -103,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_proxy.interrupts import signal_name, stop_on_signals
 
     args = parse(build_parser(), argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    name = " ".join(["mcore-proxy", args.command] + ([args.stats_command] if getattr(args, "stats_command", None)
-                                                     else []))
+    name = " ".join(
+        ["mcore-proxy", args.command] + ([args.stats_command] if getattr(args, "stats_command", None) else [])
+    )
     if hasattr(signal, "SIGXFSZ"):
         # past a file-size limit (ulimit -f) a write then fails with EFBIG, which is reported as
         # one sentence, instead of the default action: killing the process with a core dump
@@ -130,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as err:  # noqa: BLE001 - the one place internal errors become exit code 3
         missing = from_import_error(err) if isinstance(err, ImportError) else None
-        if missing is not None:   # an optional package no check of the command asked for first
+        if missing is not None:  # an optional package no check of the command asked for first
             print(f"{name}: error: {missing}", file=sys.stderr)
             return 2
         if debug:
             traceback.print_exc()
-        print(f"{name}: internal error: {_one_line(err)} (run with --debug or {DEBUG_ENV}=1 for the "
-              "traceback, and report it)", file=sys.stderr)
+        print(
+            f"{name}: internal error: {_one_line(err)} (run with --debug or {DEBUG_ENV}=1 for the "
+            "traceback, and report it)",
+            file=sys.stderr,
+        )
         return 3
 
 

@@ -19,6 +19,7 @@ error (exit 3) stdout stays empty and stderr holds the sentence; a check that fo
 the new output is written completely beside the old one and then swapped in
 (`mcore_proxy.checkpoint.output`), so a failed forced run leaves the old output as it was.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,14 +88,22 @@ SPELLINGS: tuple[Spelling, ...] = (
 )
 
 NOT_YET: tuple[NotYet, ...] = (
-    NotYet(("--noop-layers",), MINDSPEED,
-           "mcore-proxy does not write noop layers yet other than the source's: a legacy source "
-           "saved with --noop-layers keeps them (same ids, same args), so leave the flag out and "
-           "launch the proxy with the source's --noop-layers", ("convert",)),
-    NotYet(("--num-layers-per-virtual-pipeline-stage", "--vpp-stage"), MINDSPEED,
-           "mcore-proxy does not write virtual stages from a layer count per virtual stage; give "
-           "--target-vpp N (N = layers per pipeline rank / layers per virtual stage) or a "
-           "--target-pipeline-layout", ("convert",)),
+    NotYet(
+        ("--noop-layers",),
+        MINDSPEED,
+        "mcore-proxy does not write noop layers yet other than the source's: a legacy source "
+        "saved with --noop-layers keeps them (same ids, same args), so leave the flag out and "
+        "launch the proxy with the source's --noop-layers",
+        ("convert",),
+    ),
+    NotYet(
+        ("--num-layers-per-virtual-pipeline-stage", "--vpp-stage"),
+        MINDSPEED,
+        "mcore-proxy does not write virtual stages from a layer count per virtual stage; give "
+        "--target-vpp N (N = layers per pipeline rank / layers per virtual stage) or a "
+        "--target-pipeline-layout",
+        ("convert",),
+    ),
 )
 
 EXIT_CODES = {
@@ -109,8 +118,11 @@ EXIT_CODES = {
 def exit_codes_text(checks: str | None = None) -> str:
     """The exit-code table of a help text; `checks`: what exit 1 means for this command, or None
     for a command that checks nothing (it never exits 1)."""
-    rows = [(str(code), what if code != 1 else f"{what} ({checks})") for code, what in EXIT_CODES.items()
-            if code != 1 or checks]
+    rows = [
+        (str(code), what if code != 1 else f"{what} ({checks})")
+        for code, what in EXIT_CODES.items()
+        if code != 1 or checks
+    ]
     width = max(len(code) for code, _ in rows)
     return "exit codes:\n" + "\n".join(f"  {code:<{width}}  {what}" for code, what in rows)
 
@@ -134,9 +146,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _fill_text(self, text, width, indent):
         paragraphs = text.strip("\n").split("\n\n")
-        return "\n\n".join(p if "\n" in p else textwrap.fill(" ".join(p.split()), width, initial_indent=indent,
-                                                              subsequent_indent=indent)
-                           for p in paragraphs)
+        return "\n\n".join(
+            p
+            if "\n" in p
+            else textwrap.fill(" ".join(p.split()), width, initial_indent=indent, subsequent_indent=indent)
+            for p in paragraphs
+        )
 
     def _format_action_invocation(self, action):
         if not action.option_strings or action.nargs == 0:
@@ -151,8 +166,13 @@ def add_option(parser, *ours: str, **kwargs) -> argparse.Action:
     action = parser.add_argument(*ours, *(n for o in ours for n in spellings_of(o)), **kwargs)
     for o in ours:
         for s in switches_of(o):
-            parser.add_argument(*s.names, dest=action.dest, action="store_const", const=s.value,
-                                help=f"same as {o} {s.value} ({s.origin.split(' (')[0]})")
+            parser.add_argument(
+                *s.names,
+                dest=action.dest,
+                action="store_const",
+                const=s.value,
+                help=f"same as {o} {s.value} ({s.origin.split(' (')[0]})",
+            )
     return action
 
 
@@ -169,17 +189,33 @@ class _Once(argparse.Action):
         if values == argparse.SUPPRESS:
             return
         if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"the {self.metavar} is given twice; give it once, as {self.metavar} or with "
-                         f"{', '.join(spellings_of('CKPT'))}")
+            parser.error(
+                f"the {self.metavar} is given twice; give it once, as {self.metavar} or with "
+                f"{', '.join(spellings_of('CKPT'))}"
+            )
         setattr(namespace, self.dest, self.cast(values))
 
 
 def add_checkpoint_argument(parser, help: str, type=str) -> None:
     """The positional checkpoint CKPT, also accepted as `--load-dir CKPT` (one of the two is required)."""
-    parser.add_argument("ckpt", nargs="?", metavar="CKPT", action=_Once, cast=type, default=argparse.SUPPRESS,
-                        help=f"{help} (or {' / '.join(spellings_of('CKPT'))} CKPT)")
-    parser.add_argument(*spellings_of("CKPT"), dest="ckpt", metavar="CKPT", action=_Once, cast=type,
-                        default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "ckpt",
+        nargs="?",
+        metavar="CKPT",
+        action=_Once,
+        cast=type,
+        default=argparse.SUPPRESS,
+        help=f"{help} (or {' / '.join(spellings_of('CKPT'))} CKPT)",
+    )
+    parser.add_argument(
+        *spellings_of("CKPT"),
+        dest="ckpt",
+        metavar="CKPT",
+        action=_Once,
+        cast=type,
+        default=None,
+        help=argparse.SUPPRESS,
+    )
     parser.set_defaults(_post_checks=(*(parser.get_default("_post_checks") or ()), _need_checkpoint))
 
 
@@ -206,33 +242,59 @@ def add_not_yet(parser, command: str) -> None:
         return
     group = parser.add_argument_group("accepted from Megatron / MindSpeed-LLM converters, not supported yet")
     for n in rows:
-        group.add_argument(*n.names, action=_Refuse, why=n.why, dest=argparse.SUPPRESS, metavar="VALUE",
-                           help=f"{n.origin.split(' (')[0]}: refused ({n.why.split(';')[0]})")
+        group.add_argument(
+            *n.names,
+            action=_Refuse,
+            why=n.why,
+            dest=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"{n.origin.split(' (')[0]}: refused ({n.why.split(';')[0]})",
+        )
 
 
-def add_command(subparsers, name: str, func, *, help: str, description: str, checks: str | None = None,
-                writes: str | None = None, json_output: bool = True) -> argparse.ArgumentParser:
+def add_command(
+    subparsers,
+    name: str,
+    func,
+    *,
+    help: str,
+    description: str,
+    checks: str | None = None,
+    writes: str | None = None,
+    json_output: bool = True,
+) -> argparse.ArgumentParser:
     """A subcommand parser with the shared layout: our help formatter, no abbreviated options
     (`--target-e` must not silently mean one of several spellings), the exit codes in its help,
     and the shared options: `--json`, and `--force` for a command that `writes` an output."""
-    p = subparsers.add_parser(name, help=help, description=description, epilog=exit_codes_text(checks),
-                              formatter_class=HelpFormatter, allow_abbrev=False)
+    p = subparsers.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=exit_codes_text(checks),
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
     shared = p.add_argument_group("output")
     if json_output:
-        shared.add_argument("--json", action="store_true",
-                            help="print one JSON object (bytes, fractions) instead of text; same numbers")
+        shared.add_argument(
+            "--json", action="store_true", help="print one JSON object (bytes, fractions) instead of text; same numbers"
+        )
     if writes:
-        shared.add_argument("--force", action="store_true",
-                            help=f"replace an existing {writes}: the new one is written completely first, "
-                                 "then swapped in (a failed run leaves the old one as it was)")
+        shared.add_argument(
+            "--force",
+            action="store_true",
+            help=f"replace an existing {writes}: the new one is written completely first, "
+            "then swapped in (a failed run leaves the old one as it was)",
+        )
     p.set_defaults(func=func, _parser=p, _post_checks=())
     return p
 
 
 def add_group(subparsers, name: str, *, help: str, description: str):
     """A command with subcommands of its own (`stats merge|show`); returns their subparsers."""
-    p = subparsers.add_parser(name, help=help, description=description, formatter_class=HelpFormatter,
-                              allow_abbrev=False)
+    p = subparsers.add_parser(
+        name, help=help, description=description, formatter_class=HelpFormatter, allow_abbrev=False
+    )
     p.set_defaults(_parser=p)
     return p.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
 
@@ -257,7 +319,7 @@ def _finite(value):
 def json_document(command: str, doc: dict) -> str:
     """The `--json` output of `command`: `{"format": "mcore-proxy-<command>/1", ...doc}`."""
     fmt = f"mcore-proxy-{command}/1"
-    if doc.get("format", fmt) != fmt:    # a document's own "format" key would hide what the document is
+    if doc.get("format", fmt) != fmt:  # a document's own "format" key would hide what the document is
         raise ValueError(f"the {command} document's 'format' is {doc['format']!r}, not {fmt!r}")
     return json.dumps(_finite({"format": fmt, **doc}), indent=2, allow_nan=False)
 

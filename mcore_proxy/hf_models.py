@@ -10,6 +10,7 @@ Loading is always `local_files_only=True`, `trust_remote_code=False`, `use_safet
 after mcore-proxy's own reader has accepted the folder (a supported architecture, safetensors
 only, config.json consistent with the tensors), so nothing from the folder runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,10 @@ def require_transformers():
     try:
         import transformers
     except ImportError:
-        raise ProxyError("this command runs Hugging Face models and needs transformers; install it with "
-                         "pip install 'mcore-proxy[hf]'") from None
+        raise ProxyError(
+            "this command runs Hugging Face models and needs transformers; install it with "
+            "pip install 'mcore-proxy[hf]'"
+        ) from None
     return transformers
 
 
@@ -66,17 +69,17 @@ def load_model(folder: str | Path, device: str = "cpu"):
     its family's Auto class."""
     from mcore_proxy.checkpoint.formats import open_checkpoint
 
-    view = open_checkpoint(folder)      # refuses what transformers would load unsafely or wrongly
+    view = open_checkpoint(folder)  # refuses what transformers would load unsafely or wrongly
     family = view.info.format_info.descriptor
     _check_quantized_loads(view, folder)
     transformers = require_transformers()
     level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()   # its load report lists MTP layers it does not build as unexpected
+    transformers.logging.set_verbosity_error()  # its load report lists MTP layers it does not build as unexpected
     transformers.utils.logging.disable_progress_bar()
     try:
         options = dict(local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype="auto")
         alias = dict(family.runtime.model_type_alias).get(view.info.format_info.config.get("model_type"))
-        if alias:   # a model type transformers builds under another name (Kimi-K2 as deepseek_v3)
+        if alias:  # a model type transformers builds under another name (Kimi-K2 as deepseek_v3)
             data = {k: v for k, v in view.info.format_info.config.items() if k != "model_type"}
             options["config"] = transformers.AutoConfig.for_model(alias, **data)
         model = getattr(transformers, family.runtime.auto_class).from_pretrained(str(folder), **options)
@@ -95,12 +98,16 @@ def _check_quantized_loads(view, folder) -> None:
 
     schemes = {q.scheme for q in find_quantized(view.names())}
     if INT4_PACKED in schemes:
-        raise ProxyError(f"{folder}: compressed-tensors int4 weights are not run by mcore-proxy; collect statistics "
-                         "on the model's bf16 release (or with the patched Megatron router), then select and convert "
-                         "this folder: its int4 rows are pruned as they are")
+        raise ProxyError(
+            f"{folder}: compressed-tensors int4 weights are not run by mcore-proxy; collect statistics "
+            "on the model's bf16 release (or with the patched Megatron router), then select and convert "
+            "this folder: its int4 rows are pruned as they are"
+        )
     if schemes - {MXFP4} and importlib.util.find_spec("accelerate") is None:
-        raise ProxyError(f"{folder}: FP8 weights load in transformers on CPU only through accelerate's "
-                         "dequantization; pip install accelerate, or convert a copy with --dequantize and run that")
+        raise ProxyError(
+            f"{folder}: FP8 weights load in transformers on CPU only through accelerate's "
+            "dequantization; pip install accelerate, or convert a copy with --dequantize and run that"
+        )
 
 
 def text_config_of(model):
@@ -145,7 +152,7 @@ def _child(module, path: str):
 def routing(router, output) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], expert ids [T, k]) from a router's output, as its family returns it."""
     kind = _output_kind(router)
-    if kind == "scores_logits":   # Llama-4: sigmoid of the top-k logits, 0 elsewhere
+    if kind == "scores_logits":  # Llama-4: sigmoid of the top-k logits, 0 elsewhere
         scores, logits = output
         experts = logits.topk(router.top_k, dim=-1).indices
         return scores.gather(-1, experts), experts
@@ -195,15 +202,18 @@ def restrict_gates(model, plan):
         table = _child(layers[layer_id], family.runtime.hash_table) if family.runtime.hash_table else None
         if isinstance(table, torch.Tensor):
             edits.append((table, table.detach().clone()))
-            table.data.copy_(substitute_rows(table.cpu(), plan, layer_id, dropped.numel(), f"the model's {layer_id}")
-                             .to(table.device))
+            table.data.copy_(
+                substitute_rows(table.cpu(), plan, layer_id, dropped.numel(), f"the model's {layer_id}").to(
+                    table.device
+                )
+            )
         saved.append((router, edits))
         router.forward = _masked_forward(router.forward, dropped, F)
     try:
         yield
     finally:
         for router, edits in saved:
-            del router.forward          # back to the class's method
+            del router.forward  # back to the class's method
             for tensor, value in edits:
                 tensor.data.copy_(value)
 
@@ -222,16 +232,17 @@ def _masked_forward(forward, dropped: torch.Tensor, F):
         finally:
             F.linear = linear
         if len(calls) != 1:
-            raise RuntimeError(f"the router made {len(calls)} linear calls, expected its one projection; "
-                               "this transformers version routes differently than mcore-proxy expects")
+            raise RuntimeError(
+                f"the router made {len(calls)} linear calls, expected its one projection; "
+                "this transformers version routes differently than mcore-proxy expects"
+            )
         return out
 
     return masked
 
 
 @torch.no_grad()
-def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-        hidden: bool = False):
+def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, hidden: bool = False):
     """Logits [B, S, V] (float32), and with `hidden` the output of every decoder layer
     [L][B, S, H] (captured by hooks on the layers: transformers' `hidden_states` replaces the
     last layer's output with the final norm's)."""
@@ -239,12 +250,18 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
     outputs, handles = [], []
     if hidden:
         layers = _decoder_layers(model)
-        handles = [layers[i].register_forward_hook(lambda mod, args, out: outputs.append(
-                   out[0] if isinstance(out, tuple) else out)) for i in sorted(layers, key=int)]
+        handles = [
+            layers[i].register_forward_hook(
+                lambda mod, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+            )
+            for i in sorted(layers, key=int)
+        ]
     try:
-        logits = model(input_ids=input_ids.to(device),
-                       attention_mask=None if attention_mask is None else attention_mask.to(device),
-                       use_cache=False).logits.float()
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            use_cache=False,
+        ).logits.float()
     finally:
         for h in handles:
             h.remove()
@@ -252,6 +269,7 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
 
 
 # -- DeepSeek's MTP layers, which transformers does not build -----------------------------------
+
 
 class MTPLayer(torch.nn.Module):
     """MTP depth k of a DeepSeek checkpoint (HF layer `num_hidden_layers + k`) as megatron-core and
@@ -277,23 +295,31 @@ class MTPLayer(torch.nn.Module):
     def forward(self, model, input_ids, attention_mask, hidden):
         from transformers.masking_utils import create_causal_mask
 
-        nxt = torch.roll(input_ids, -1, dims=1)     # position t sees token t + 1 (the last: discarded)
+        nxt = torch.roll(input_ids, -1, dims=1)  # position t sees token t + 1 (the last: discarded)
         x = self.eh_proj(torch.cat([self.enorm(model.model.embed_tokens(nxt)), self.hnorm(hidden)], dim=-1))
         positions = torch.arange(x.shape[1], device=x.device)[None]
-        mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=attention_mask,
-                                  cache=None, position_ids=positions)
-        return self.layer(x, attention_mask=mask, position_ids=positions,
-                          position_embeddings=model.model.rotary_emb(x, positions))
+        mask = create_causal_mask(
+            config=model.config, inputs_embeds=x, attention_mask=attention_mask, cache=None, position_ids=positions
+        )
+        return self.layer(
+            x, attention_mask=mask, position_ids=positions, position_embeddings=model.model.rotary_emb(x, positions)
+        )
 
 
 def _fused_experts(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Hub names (one tensor per expert) -> the decoder layer's module names (fused experts)."""
-    out = {k: v for k, v in tensors.items() if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head",
-                                                                    "embed_tokens", "mlp.experts."))}
+    out = {
+        k: v
+        for k, v in tensors.items()
+        if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens", "mlp.experts."))
+    }
     experts = range(config.n_routed_experts)
     out["mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
-         for e in experts])
+        [
+            torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
+            for e in experts
+        ]
+    )
     out["mlp.experts.down_proj"] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
     return out
 
@@ -314,7 +340,7 @@ def mtp_layers(model, folder: str | Path) -> list[MTPLayer]:
     layers = []
     for depth in range(view.spec.mtp_layers):
         prefix = f"model.layers.{n + depth}."
-        tensors = {k[len(prefix):]: read_tensor(Path(folder) / f, k) for k, f in wmap.items() if k.startswith(prefix)}
+        tensors = {k[len(prefix) :]: read_tensor(Path(folder) / f, k) for k, f in wmap.items() if k.startswith(prefix)}
         layers.append(MTPLayer(model, depth, tensors).to(device=device, dtype=dtype).eval())
     return layers
 

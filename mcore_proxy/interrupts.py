@@ -12,6 +12,7 @@ Workers call `as_worker()`: they ignore SIGINT (the parent stops them), die on S
 without Python cleanup, and on Linux get SIGKILL when their parent dies (PR_SET_PDEATHSIG), so
 no worker outlives the converter, not even after `kill -9` of the parent.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -12,15 +12,16 @@ one small recursive-descent parser accepts exactly that language and nothing els
 The result is an int (a frequency) or a list of ints (one per layer). Anything else, and
 patterns longer than `MAX_LAYERS` or nested deeper than `MAX_DEPTH`, is refused with one sentence.
 """
+
 from __future__ import annotations
 
 import re
 
 from mcore_proxy.errors import CheckpointError
 
-MAX_LAYERS = 100_000     # no real model has more layers; bounds memory for "[0]*10**9"-like input
-MAX_DEPTH = 32           # parenthesis nesting
-MAX_TEXT = 100_000       # characters
+MAX_LAYERS = 100_000  # no real model has more layers; bounds memory for "[0]*10**9"-like input
+MAX_DEPTH = 32  # parenthesis nesting
+MAX_TEXT = 100_000  # characters
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
 
@@ -40,8 +41,10 @@ class _Parser:
 
     def error(self, why: str) -> CheckpointError:
         shown = self.text if len(self.text) <= 80 else self.text[:77] + "..."
-        return CheckpointError(f"{self.what} {shown!r} is not a layer pattern ({why}); Megatron accepts an "
-                               "int or list arithmetic such as \"[0]*3+[1]*58\", fix the args")
+        return CheckpointError(
+            f"{self.what} {shown!r} is not a layer pattern ({why}); Megatron accepts an "
+            "int or list arithmetic such as \"[0]*3+[1]*58\", fix the args"
+        )
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -72,7 +75,7 @@ class _Parser:
         return items
 
     def term(self) -> list[int]:
-        if self.peek() is not None and self.peek().isdigit():    # INT '*' factor
+        if self.peek() is not None and self.peek().isdigit():  # INT '*' factor
             count = self.int_token()
             self.take("*")
             return self.repeat(self.factor(), count)
@@ -119,15 +122,18 @@ def parse_layer_pattern(value, what: str = "layer pattern") -> int | list[int] |
         return value
     if isinstance(value, (list, tuple)):
         if len(value) > MAX_LAYERS or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-            raise CheckpointError(f"{what} is a list that is not all integers (or longer than {MAX_LAYERS}); "
-                                  "fix the args")
+            raise CheckpointError(
+                f"{what} is a list that is not all integers (or longer than {MAX_LAYERS}); fix the args"
+            )
         return list(value)
     if not isinstance(value, str):
-        raise CheckpointError(f"{what} holds a {type(value).__name__}, not an int, a list or a pattern "
-                              "string; fix the args")
+        raise CheckpointError(
+            f"{what} holds a {type(value).__name__}, not an int, a list or a pattern string; fix the args"
+        )
     if len(value) > MAX_TEXT:
-        raise CheckpointError(f"{what} is a string of {len(value)} characters, too long for a layer "
-                              "pattern; fix the args")
+        raise CheckpointError(
+            f"{what} is a string of {len(value)} characters, too long for a layer pattern; fix the args"
+        )
     text = value.strip()
     if text.isdigit():
         return int(text)

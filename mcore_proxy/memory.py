@@ -6,6 +6,7 @@ to the system: peak RSS then grows with the number of layers instead of staying 
 A fixed 1 MiB threshold keeps every tensor buffer in its own mapping, returned on free.
 Measured in bench/RESULTS.md (convert): 566 -> 245 MiB at 16 layers, 837 -> 247 MiB at 32.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -31,6 +31,7 @@ exits 2. Its message, e.g.:
 into the same error; `mcore_proxy.cli.main` applies it to anything a command lets escape, so an
 import no command checked still ends in one sentence and exit 2. Standard library only.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -52,22 +53,29 @@ class Package:
     hint: str = ""
 
 
-PACKAGES: dict[str, Package] = {p.module: p for p in (
-    Package("transformers", "transformers", "hf"),
-    Package("tokenizers", "tokenizers", "hf"),
-    Package("accelerate", "accelerate", "hf"),
-    Package("tensorboard", "tensorboard", "diagnose"),
-    Package("ruptures", "ruptures", "diagnose"),
-    Package("scipy", "scipy", "diagnose"),
-    Package("matplotlib", "matplotlib", "report"),
-    Package("megatron", "megatron-core", None,
-            "install the megatron-core of your training stack (`pip install megatron-core`)"),
-    # readers of W&B and SwanLab offline runs (compare, watch, campaign logs): not in any extra
-    Package("wandb", "wandb", None, "install it with `pip install wandb`"),
-    Package("swanlab", "swanlab", None, "install it with `pip install swanlab`"),
-    Package("torch_npu", "torch_npu", None, "install torch_npu from your Ascend stack"),
-    Package("mindspeed", "mindspeed", None, "install MindSpeed from your Ascend stack"),
-)}
+PACKAGES: dict[str, Package] = {
+    p.module: p
+    for p in (
+        Package("transformers", "transformers", "hf"),
+        Package("tokenizers", "tokenizers", "hf"),
+        Package("accelerate", "accelerate", "hf"),
+        Package("tensorboard", "tensorboard", "diagnose"),
+        Package("ruptures", "ruptures", "diagnose"),
+        Package("scipy", "scipy", "diagnose"),
+        Package("matplotlib", "matplotlib", "report"),
+        Package(
+            "megatron",
+            "megatron-core",
+            None,
+            "install the megatron-core of your training stack (`pip install megatron-core`)",
+        ),
+        # readers of W&B and SwanLab offline runs (compare, watch, campaign logs): not in any extra
+        Package("wandb", "wandb", None, "install it with `pip install wandb`"),
+        Package("swanlab", "swanlab", None, "install it with `pip install swanlab`"),
+        Package("torch_npu", "torch_npu", None, "install torch_npu from your Ascend stack"),
+        Package("mindspeed", "mindspeed", None, "install MindSpeed from your Ascend stack"),
+    )
+}
 
 
 class MissingDependency(ProxyError):
@@ -106,10 +114,13 @@ def missing_message(modules, why: str, extras: dict | None = None, reason: str =
     ours = [p for p in packages if p.extra]
     fixes = []
     if ours:
-        target = ("it" if len(packages) == 1 else "them" if len(ours) == len(packages)
-                  else " and ".join(p.dist for p in ours))
-        fixes.append(f"install {target} with {install_command(p.extra for p in ours)} "
-                     f"(or `pip install {' '.join(p.dist for p in ours)}`)")
+        target = (
+            "it" if len(packages) == 1 else "them" if len(ours) == len(packages) else " and ".join(p.dist for p in ours)
+        )
+        fixes.append(
+            f"install {target} with {install_command(p.extra for p in ours)} "
+            f"(or `pip install {' '.join(p.dist for p in ours)}`)"
+        )
     fixes += [p.hint for p in packages if not p.extra]
     return f"{why} needs {listed}, {reason}; {' and '.join(fixes)}"
 
@@ -127,9 +138,11 @@ def check(*modules: str, why: str, extras: dict | None = None) -> None:
     any (cheap: for a check before a long run)."""
     absent = [m for m in modules if not available(m)]
     if absent:
-        raise MissingDependency(missing_message(absent, why, extras), tuple(_top(m) for m in absent),
-                                tuple(p.extra for p in (_package(m, (extras or {}).get(_top(m))) for m in absent)
-                                      if p.extra))
+        raise MissingDependency(
+            missing_message(absent, why, extras),
+            tuple(_top(m) for m in absent),
+            tuple(p.extra for p in (_package(m, (extras or {}).get(_top(m))) for m in absent) if p.extra),
+        )
 
 
 def require(module: str, *, why: str, extra: str | None = None) -> ModuleType:
@@ -140,15 +153,18 @@ def require(module: str, *, why: str, extra: str | None = None) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        reason = ("" if not available(module)
-                  else f"which is installed but does not import ({' '.join(str(err).split())})")
+        reason = (
+            "" if not available(module) else f"which is installed but does not import ({' '.join(str(err).split())})"
+        )
         package = _package(module, extra)
-        raise MissingDependency(missing_message([module], why, extras, reason), (_top(module),),
-                                (package.extra,) if package.extra else ()) from None
+        raise MissingDependency(
+            missing_message([module], why, extras, reason), (_top(module),), (package.extra,) if package.extra else ()
+        ) from None
 
 
-def from_import_error(err: BaseException, why: str = "this command",
-                      extras: dict | None = None) -> MissingDependency | None:
+def from_import_error(
+    err: BaseException, why: str = "this command", extras: dict | None = None
+) -> MissingDependency | None:
     """The MissingDependency an ImportError stands for: a `ModuleNotFoundError` of a known optional
     package (`PACKAGES`) that is not installed. None for anything else (a missing module of our own
     or of a required dependency is a bug: internal error)."""
@@ -156,5 +172,6 @@ def from_import_error(err: BaseException, why: str = "this command",
     if not isinstance(err, ModuleNotFoundError) or not name or _top(name) not in PACKAGES or available(name):
         return None
     package = _package(name, (extras or {}).get(_top(name)))
-    return MissingDependency(missing_message([name], why, extras), (_top(name),),
-                             (package.extra,) if package.extra else ())
+    return MissingDependency(
+        missing_message([name], why, extras), (_top(name),), (package.extra,) if package.extra else ()
+    )

@@ -48,6 +48,7 @@ chunks) holds:
    its local index (a gap, e.g. only `decoder.layers.1.*` on a stage whose local layer 0 is
    noop). `Stage.real_layers(noop)` is that stage's layers that carry tensors.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -150,13 +151,16 @@ def split_stages(text: str) -> list[str]:
     for k, stage in enumerate(stages):
         bad = sorted(set(stage) - set(SYMBOLS))
         if bad:
-            raise ProxyError(f"pipeline layout {text!r}: stage {k} ({stage!r}) has {bad[0]!r}, not one of "
-                             f"E (embedding), t (decoder layer), m (MTP layer), L (loss); fix the layout string")
+            raise ProxyError(
+                f"pipeline layout {text!r}: stage {k} ({stage!r}) has {bad[0]!r}, not one of "
+                f"E (embedding), t (decoder layer), m (MTP layer), L (loss); fix the layout string"
+            )
     return stages
 
 
-def parse_pipeline_layout(text: str, pp: int, num_layers: int | None = None,
-                          mtp_layers: int | None = None) -> PipelineLayout:
+def parse_pipeline_layout(
+    text: str, pp: int, num_layers: int | None = None, mtp_layers: int | None = None
+) -> PipelineLayout:
     """Parse `--pipeline-model-parallel-layout` for `pp` pipeline ranks.
 
     With `num_layers` (and `mtp_layers`), also apply megatron-core's `validate_layer_layout`
@@ -166,16 +170,27 @@ def parse_pipeline_layout(text: str, pp: int, num_layers: int | None = None,
         raise ProxyError(f"pipeline layout {text!r}: pipeline parallel size must be >= 1, got {pp}")
     stages = split_stages(text)
     if len(stages) % pp:
-        raise ProxyError(f"pipeline layout {text!r} has {len(stages)} stages, not a multiple of "
-                         f"PP={pp}; give PP x VPP stages separated by '|'")
+        raise ProxyError(
+            f"pipeline layout {text!r} has {len(stages)} stages, not a multiple of "
+            f"PP={pp}; give PP x VPP stages separated by '|'"
+        )
     vpp = len(stages) // pp
     built, layer, depth = [], 0, 0
     for k, symbols in enumerate(stages):
         n_t, n_m = symbols.count("t"), symbols.count("m")
         pp_rank, vp = k % pp, k // pp
-        built.append(Stage(pp=pp_rank, vp=vp, index=k, decoder=tuple(range(layer, layer + n_t)),
-                           mtp=tuple(range(depth, depth + n_m)), embedding=k == 0,
-                           loss=k == len(stages) - 1, symbols=symbols))
+        built.append(
+            Stage(
+                pp=pp_rank,
+                vp=vp,
+                index=k,
+                decoder=tuple(range(layer, layer + n_t)),
+                mtp=tuple(range(depth, depth + n_m)),
+                embedding=k == 0,
+                loss=k == len(stages) - 1,
+                symbols=symbols,
+            )
+        )
         layer, depth = layer + n_t, depth + n_m
     layout = PipelineLayout(pp=pp, vpp=vpp, stages=tuple(built), source=text)
     if num_layers is not None:
@@ -199,7 +214,7 @@ def validate(layout: PipelineLayout, num_layers: int, mtp_layers: int = 0) -> No
         fail(f"it has {flat.count('t')} decoder layers (t), the model has {num_layers}")
     if flat.count("m") != mtp_layers:
         fail(f"it has {flat.count('m')} MTP layers (m), the model has {mtp_layers}")
-    if "m" in flat and "t" in flat[flat.index("m"):]:
+    if "m" in flat and "t" in flat[flat.index("m") :]:
         fail("decoder layers (t) must all come before the MTP layers (m)")
     with_mtp = [s for s in layout.stages if s.mtp]
     if len(with_mtp) > 1:
@@ -208,15 +223,21 @@ def validate(layout: PipelineLayout, num_layers: int, mtp_layers: int = 0) -> No
         fail("MTP layers (m) must be in the last virtual stage of their pipeline rank")
 
 
-def num_layer_list_stages(num_layer_list: str | list[int] | tuple[int, ...], num_layers: int,
-                          mtp_layers: int = 0) -> PipelineLayout:
+def num_layer_list_stages(
+    num_layer_list: str | list[int] | tuple[int, ...], num_layers: int, mtp_layers: int = 0
+) -> PipelineLayout:
     """Stages of MindSpeed-LLM's `--num-layer-list` (one entry per PP rank, no VPP); MTP layers,
     as in megatron-core without a layout string, on the last stage."""
-    counts = ([int(x) for x in num_layer_list.split(",")] if isinstance(num_layer_list, str)
-              else [int(x) for x in num_layer_list])
+    counts = (
+        [int(x) for x in num_layer_list.split(",")]
+        if isinstance(num_layer_list, str)
+        else [int(x) for x in num_layer_list]
+    )
     if sum(counts) != num_layers or min(counts) < 0:
-        raise ProxyError(f"num_layer_list {num_layer_list!r} sums to {sum(counts)}, the model has {num_layers} "
-                         f"layers; give one non-negative count per pipeline rank")
+        raise ProxyError(
+            f"num_layer_list {num_layer_list!r} sums to {sum(counts)}, the model has {num_layers} "
+            f"layers; give one non-negative count per pipeline rank"
+        )
     layout = chunk_stages(counts, len(counts), mtp_layers)
     return dataclasses.replace(layout, source=str(num_layer_list))
 
@@ -241,6 +262,8 @@ def noop_layer_ids(value, num_layers: int) -> frozenset[int]:
     except (TypeError, ValueError):
         raise ProxyError(f"noop_layers {value!r}: give comma-separated 0-based layer ids") from None
     if ids and (min(ids) < 0 or max(ids) >= num_layers):
-        raise ProxyError(f"noop_layers {value!r}: every id must be in 0..{num_layers - 1} "
-                         f"(0-based global layers counted in num_layers)")
+        raise ProxyError(
+            f"noop_layers {value!r}: every id must be in 0..{num_layers - 1} "
+            f"(0-based global layers counted in num_layers)"
+        )
     return ids

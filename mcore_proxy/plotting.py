@@ -4,6 +4,7 @@ matplotlib stays optional because the trace side runs on training hosts where it
 absent (DESIGN.md 5); commands that draw call `require_matplotlib` first, so a missing package
 is one sentence and exit 2, never a traceback after half the outputs are written.
 """
+
 from __future__ import annotations
 
 from mcore_proxy.optional import MissingDependency, install_command
@@ -15,7 +16,11 @@ def require_matplotlib(option: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise MissingDependency(f"{option} draws PNGs with matplotlib, which is not installed; install it "
-                                f"with {install_command(['report'])} (or `pip install matplotlib`), "
-                                f"or leave out {option}", ("matplotlib",), ("report",)) from None
+        raise MissingDependency(
+            f"{option} draws PNGs with matplotlib, which is not installed; install it "
+            f"with {install_command(['report'])} (or `pip install matplotlib`), "
+            f"or leave out {option}",
+            ("matplotlib",),
+            ("report",),
+        ) from None
     matplotlib.use("Agg")

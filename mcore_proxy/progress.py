@@ -1,4 +1,5 @@
 """Progress bars counted in bytes and shown in GiB (tqdm), for long reads and writes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,12 @@ def byte_bar(total: int, desc: str, enabled: bool = True):
     nothing is drawn (the callable still accepts updates)."""
     from tqdm import tqdm
 
-    with tqdm(total=total / GIB, unit="GiB", desc=desc, mininterval=1, disable=not enabled,
-              bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.2f}/{total:.2f} GiB "
-                         "[{elapsed}<{remaining}, {rate_fmt}]") as bar:
+    with tqdm(
+        total=total / GIB,
+        unit="GiB",
+        desc=desc,
+        mininterval=1,
+        disable=not enabled,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.2f}/{total:.2f} GiB [{elapsed}<{remaining}, {rate_fmt}]",
+    ) as bar:
         yield lambda nbytes: bar.update(nbytes / GIB)

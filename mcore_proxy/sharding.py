@@ -24,6 +24,7 @@ multi-latent attention's down projections differ: `ColumnParallelLinear` in the 
 (megatron-core 0.16.1 `transformer/multi_latent_attention.py`). Which spec saved a checkpoint is
 decided by `checkpoint/layer_spec.py`. Rows of one pattern for different specs are not an overlap.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,21 +41,24 @@ LOCAL_SPEC, TE_SPEC = "local", "transformer_engine"
 # `linear_qkv` is a `LinearNoTP`, full on every TP rank; only multi-latent attention layers have it
 MINDSPEED_SPEC = "mindspeed_llm"
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) of a block of a tensor
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a block of a tensor
 
 
 @dataclass(frozen=True)
 class ShardRule:
-    pattern: str          # canonical name with wildcards {layer} {expert} {k} {rest}
+    pattern: str  # canonical name with wildcards {layer} {expert} {k} {rest}
     kind: str
-    group: str = "tp"     # "tp" or "etp"
+    group: str = "tp"  # "tp" or "etp"
     expert: bool = False
-    overrides: str | None = None   # the pattern of a later, broader rule this one takes precedence over
-    spec: str | None = None   # LOCAL_SPEC / TE_SPEC / MINDSPEED_SPEC: the row applies to that layer spec only
+    overrides: str | None = None  # the pattern of a later, broader rule this one takes precedence over
+    spec: str | None = None  # LOCAL_SPEC / TE_SPEC / MINDSPEED_SPEC: the row applies to that layer spec only
 
     def __post_init__(self):
-        if self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN) or self.group not in ("tp", "etp") \
-                or self.spec not in (None, LOCAL_SPEC, TE_SPEC, MINDSPEED_SPEC):
+        if (
+            self.kind not in (REPLICATED, COLUMN, ROW, GLU_COLUMN)
+            or self.group not in ("tp", "etp")
+            or self.spec not in (None, LOCAL_SPEC, TE_SPEC, MINDSPEED_SPEC)
+        ):
             raise ValueError(f"bad sharding rule {self}")
 
     # -- where the rule splits ----------------------------------------------------------------
@@ -79,9 +83,11 @@ class ShardRule:
             return False
         pieces = parts * 2 if self.kind == GLU_COLUMN else parts
         if shape[self.dim] % pieces:
-            raise CheckpointError(f"dimension {self.dim} of size {shape[self.dim]} does not divide into "
-                                  f"{parts} {'expert-' if self.group == 'etp' else ''}tensor-parallel shards"
-                                  + (" of gate and up halves" if self.kind == GLU_COLUMN else ""))
+            raise CheckpointError(
+                f"dimension {self.dim} of size {shape[self.dim]} does not divide into "
+                f"{parts} {'expert-' if self.group == 'etp' else ''}tensor-parallel shards"
+                + (" of gate and up halves" if self.kind == GLU_COLUMN else "")
+            )
         return True
 
     def divides(self, shape, parts: int) -> bool:
@@ -136,8 +142,10 @@ class ShardRule:
         contiguous tensor are; row slices are not)."""
         if not isinstance(tensor, torch.Tensor):
             return [tensor]
-        return [tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-                for offsets, sizes in self.shard_boxes(tuple(tensor.shape), parts, index)]
+        return [
+            tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            for offsets, sizes in self.shard_boxes(tuple(tensor.shape), parts, index)
+        ]
 
     def shard(self, tensor, parts: int, index: int):
         """Shard `index` of `parts`: a view where possible (one copy for a GLU shard). Slices only
@@ -171,13 +179,17 @@ _EXTRA_STATE = "{rest}._extra_state"
 
 SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("embedding.word_embeddings.weight", COLUMN),
-    ShardRule("embedding.position_embeddings.weight", REPLICATED),   # learned_absolute: nn.Embedding
+    ShardRule("embedding.position_embeddings.weight", REPLICATED),  # learned_absolute: nn.Embedding
     ShardRule("output_layer.weight", COLUMN),
     # the same key is GQA's column-parallel projection and MindSpeed-LLM's fused MLA down projection
     # [q_lora + kv_lora + rope, H]; decided by layer kind: readers use the "mindspeed_llm" spec only
     # for multi-latent attention (checkpoint/mindspeed_llm.detect_naming)
-    ShardRule("{layer}.self_attention.linear_qkv.weight", REPLICATED, spec=MINDSPEED_SPEC,
-              overrides="{layer}.self_attention.linear_qkv.weight"),
+    ShardRule(
+        "{layer}.self_attention.linear_qkv.weight",
+        REPLICATED,
+        spec=MINDSPEED_SPEC,
+        overrides="{layer}.self_attention.linear_qkv.weight",
+    ),
     ShardRule("{layer}.self_attention.linear_qkv.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_qkv.bias", COLUMN),
     ShardRule("{layer}.self_attention.linear_proj.weight", ROW),
@@ -210,8 +222,9 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("{layer}.mlp.experts.{expert}.linear_fc1.bias", GLU_COLUMN, "etp", expert=True),
     ShardRule("{layer}.mlp.experts.{expert}.linear_fc2.bias", REPLICATED, "etp", expert=True),
     # an expert's TE/fp8 metadata travels with its expert (EP), not with every rank
-    ShardRule("{layer}.mlp.experts.{expert}.{rest}._extra_state", REPLICATED, "etp", expert=True,
-              overrides=_EXTRA_STATE),
+    ShardRule(
+        "{layer}.mlp.experts.{expert}.{rest}._extra_state", REPLICATED, "etp", expert=True, overrides=_EXTRA_STATE
+    ),
     # norms, router, expert bias, shared-expert gate, MTP projections' norms, biases of row layers
     ShardRule("{layer}.{rest}layernorm.weight", REPLICATED),
     ShardRule("{layer}.{rest}layer_norm_weight", REPLICATED),
@@ -235,14 +248,22 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("{layer}.self_attention.linear_kv_proj.weight", COLUMN),
     ShardRule("{layer}.self_attention.linear_o_group_proj", REPLICATED),
     ShardRule("{layer}.self_attention.core_attention.attn_sink", REPLICATED),
-    *(ShardRule(f"{{layer}}.self_attention.core_attention.{c}.{t}", REPLICATED)
-      for c in ("compressor", "indexer.compressor") for t in ("linear_wkv.weight", "linear_wgate.weight", "ape",
-                                                               "norm.weight")),
-    *(ShardRule(f"{{layer}}.{m}_hyper_connection.{t}", REPLICATED)
-      for m in ("self_attention", "mlp") for t in ("mapping_proj.weight", "bias", "alpha_pre", "alpha_post",
-                                                   "alpha_res")),
+    *(
+        ShardRule(f"{{layer}}.self_attention.core_attention.{c}.{t}", REPLICATED)
+        for c in ("compressor", "indexer.compressor")
+        for t in ("linear_wkv.weight", "linear_wgate.weight", "ape", "norm.weight")
+    ),
+    *(
+        ShardRule(f"{{layer}}.{m}_hyper_connection.{t}", REPLICATED)
+        for m in ("self_attention", "mlp")
+        for t in ("mapping_proj.weight", "bias", "alpha_pre", "alpha_post", "alpha_res")
+    ),
     ShardRule("{layer}.mlp.router.tid2eid", REPLICATED),
-    *(ShardRule(f"{p}hc_head_{t}", REPLICATED) for p in ("decoder.", "mtp.layers.{k}.") for t in ("fn", "base", "scale")),
+    *(
+        ShardRule(f"{p}hc_head_{t}", REPLICATED)
+        for p in ("decoder.", "mtp.layers.{k}.")
+        for t in ("fn", "base", "scale")
+    ),
     ShardRule("mtp.layers.{k}.e_proj.weight", COLUMN),
     ShardRule("mtp.layers.{k}.h_proj.weight", COLUMN),
     # DeepSeek-V4 under MindSpeed-LLM's names (checkpoint/mindspeed_llm_v4.py): its attention is tensor
@@ -252,31 +273,47 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule("{layer}.self_attention.linear_o_down_proj.weight", COLUMN, spec=MINDSPEED_SPEC),
     ShardRule("{layer}.self_attention.linear_o_up_proj.weight", ROW, spec=MINDSPEED_SPEC),
     ShardRule("{layer}.self_attention.attn_sink", COLUMN, spec=MINDSPEED_SPEC),
-    *(ShardRule(f"{{layer}}.self_attention.{c}.{t}", REPLICATED, spec=MINDSPEED_SPEC)
-      for c in ("compressor", "indexer.kv_compressor") for t in ("wkv.weight", "wgate.weight", "ape", "norm.weight")),
-    *(ShardRule(f"{{layer}}.self_attention.indexer.{t}.weight", REPLICATED, spec=MINDSPEED_SPEC)
-      for t in ("wq_b", "weights_proj")),
-    *(ShardRule(f"{{layer}}.{m}_mhc.{t}", REPLICATED, spec=MINDSPEED_SPEC)
-      for m in ("attn", "mlp") for t in ("hc_fn.weight", "hc_base", "hc_scale")),
-    *(ShardRule(f"{p}hc_head.{t}", REPLICATED, spec=MINDSPEED_SPEC)
-      for p in ("", "mtp.layers.{k}.") for t in ("hc_fn.weight", "hc_base", "hc_scale")),
-    ShardRule(_EXTRA_STATE, REPLICATED),   # TE/fp8 metadata: opaque, copied as is
+    *(
+        ShardRule(f"{{layer}}.self_attention.{c}.{t}", REPLICATED, spec=MINDSPEED_SPEC)
+        for c in ("compressor", "indexer.kv_compressor")
+        for t in ("wkv.weight", "wgate.weight", "ape", "norm.weight")
+    ),
+    *(
+        ShardRule(f"{{layer}}.self_attention.indexer.{t}.weight", REPLICATED, spec=MINDSPEED_SPEC)
+        for t in ("wq_b", "weights_proj")
+    ),
+    *(
+        ShardRule(f"{{layer}}.{m}_mhc.{t}", REPLICATED, spec=MINDSPEED_SPEC)
+        for m in ("attn", "mlp")
+        for t in ("hc_fn.weight", "hc_base", "hc_scale")
+    ),
+    *(
+        ShardRule(f"{p}hc_head.{t}", REPLICATED, spec=MINDSPEED_SPEC)
+        for p in ("", "mtp.layers.{k}.")
+        for t in ("hc_fn.weight", "hc_base", "hc_scale")
+    ),
+    ShardRule(_EXTRA_STATE, REPLICATED),  # TE/fp8 metadata: opaque, copied as is
 )
 
 # For a name no rule matches: (regex, the nearest supported kind), named in the refusal.
 NEAREST_KINDS: tuple[tuple[str, str], ...] = (
-    (r"\.(core_attention\.indexer|dsa_indexer)\.",
-     "the DSA indexer tensors linear_wq_b.weight, linear_wk.weight, k_norm.weight, k_norm.bias and "
-     "linear_weights_proj.weight under self_attention.core_attention.indexer (MindSpeed-LLM: "
-     "self_attention.dsa_indexer.wq_b/wk/k_norm/weights_proj)"),
-    (r"\.self_attention\.", "megatron-core's attention tensors (linear_qkv, linear_proj, q/k layernorms; MLA: "
-     "linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj)"),
+    (
+        r"\.(core_attention\.indexer|dsa_indexer)\.",
+        "the DSA indexer tensors linear_wq_b.weight, linear_wk.weight, k_norm.weight, k_norm.bias and "
+        "linear_weights_proj.weight under self_attention.core_attention.indexer (MindSpeed-LLM: "
+        "self_attention.dsa_indexer.wq_b/wk/k_norm/weights_proj)",
+    ),
+    (
+        r"\.self_attention\.",
+        "megatron-core's attention tensors (linear_qkv, linear_proj, q/k layernorms; MLA: "
+        "linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj)",
+    ),
 )
 
 # Keys present in checkpoints that are deliberately not part of the ModelView.
 IGNORED_PATTERNS: tuple[str, ...] = (
-    r".*\.local_tokens_per_expert$",   # router bookkeeping buffer (not saved by 0.16.1, but older)
-    r"rotary_pos_emb\.inv_freq$",      # recomputed from args
+    r".*\.local_tokens_per_expert$",  # router bookkeeping buffer (not saved by 0.16.1, but older)
+    r"rotary_pos_emb\.inv_freq$",  # recomputed from args
 )
 
 
@@ -286,8 +323,10 @@ _WILDCARDS = {"{expert}": r"\d+", "{k}": r"\d+", "{rest}": r".*"}
 
 
 def _compile(pattern: str) -> re.Pattern:
-    out = re.escape(pattern).replace(re.escape("{layer}"), "(?:" + "|".join(
-        re.escape(form).replace(re.escape("{n}"), r"\d+") for form in _LAYER_FORMS) + ")")
+    out = re.escape(pattern).replace(
+        re.escape("{layer}"),
+        "(?:" + "|".join(re.escape(form).replace(re.escape("{n}"), r"\d+") for form in _LAYER_FORMS) + ")",
+    )
     for wildcard, regex in _WILDCARDS.items():
         out = out.replace(re.escape(wildcard), regex)
     return re.compile(f"^{out}$")
@@ -302,8 +341,12 @@ def _tokens(pattern: str) -> tuple[tuple[tuple, ...], ...]:
     for text in alternatives:
         tokens, i = [], 0
         while i < len(text):
-            for wildcard, token in (("{n}", ("digits",)), ("{expert}", ("digits",)), ("{k}", ("digits",)),
-                                    ("{rest}", ("any",))):
+            for wildcard, token in (
+                ("{n}", ("digits",)),
+                ("{expert}", ("digits",)),
+                ("{k}", ("digits",)),
+                ("{rest}", ("any",)),
+            ):
                 if text.startswith(wildcard, i):
                     tokens.append(token)
                     i += len(wildcard)
@@ -367,7 +410,7 @@ def _literal_ends(tokens: tuple[tuple, ...]) -> tuple[str, str]:
     """The literal text before the first and after the last wildcard."""
     wild = [i for i, t in enumerate(tokens) if t[0] != "lit"]
     text = "".join(t[1] if t[0] == "lit" else "\0" for t in tokens)
-    return (text, text) if not wild else (text[:wild[0]], text[wild[-1] + 1:])
+    return (text, text) if not wild else (text[: wild[0]], text[wild[-1] + 1 :])
 
 
 def overlap(p: str, q: str) -> str | None:
@@ -398,14 +441,16 @@ def check_rules(rules: tuple[ShardRule, ...]) -> None:
     """ValueError if two rules of one layer spec match one name without the earlier one declaring
     `overrides` (rows for different specs never apply together, so they do not overlap)."""
     for i, a in enumerate(rules):
-        for b in rules[i + 1:]:
+        for b in rules[i + 1 :]:
             if a.spec is not None and b.spec is not None and a.spec != b.spec:
                 continue
             name = overlap(a.pattern, b.pattern)
             if name is not None and a.overrides != b.pattern:
-                raise ValueError(f"sharding rules {a.pattern!r} and {b.pattern!r} both match {name!r}; make "
-                                 f"them disjoint or list the narrower first with overrides={b.pattern!r}")
-        if a.overrides is not None and a.overrides not in {b.pattern for b in rules[i + 1:]}:
+                raise ValueError(
+                    f"sharding rules {a.pattern!r} and {b.pattern!r} both match {name!r}; make "
+                    f"them disjoint or list the narrower first with overrides={b.pattern!r}"
+                )
+        if a.overrides is not None and a.overrides not in {b.pattern for b in rules[i + 1 :]}:
             raise ValueError(f"sharding rule {a.pattern!r} overrides {a.overrides!r}, which is not a later rule")
 
 
@@ -432,10 +477,11 @@ def rule_for(name: str, spec: str = LOCAL_SPEC) -> ShardRule:
     if rule is not None:
         return rule
     nearest = next((kind for regex, kind in NEAREST_KINDS if re.search(regex, name)), None)
-    raise CheckpointError(f"no sharding rule for tensor {name!r}; mcore-proxy does not know how "
-                          "this tensor is split across ranks" + (f" (the nearest supported kind is {nearest})"
-                                                                 if nearest else
-                                                                 " (add a rule to mcore_proxy/sharding.py)"))
+    raise CheckpointError(
+        f"no sharding rule for tensor {name!r}; mcore-proxy does not know how "
+        "this tensor is split across ranks"
+        + (f" (the nearest supported kind is {nearest})" if nearest else " (add a rule to mcore_proxy/sharding.py)")
+    )
 
 
 @lru_cache(maxsize=1 << 14)

@@ -3,6 +3,7 @@
 Layer ids are strings: `"L"` for global 0-based decoder layer L (canonical
 `decoder.layers.{L}`), `"mtp.k"` for MTP layer k (canonical `mtp.layers.{k}.transformer_layer`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from mcore_proxy.megatron_args import DEFAULTS, arg, arg_bool, arg_int, arg_str
 from mcore_proxy.pipeline_layout import noop_layer_ids
 
 
-MAX_EXPERTS = 1 << 16   # routed experts per layer: far above any real model, bounds per-expert tables
+MAX_EXPERTS = 1 << 16  # routed experts per layer: far above any real model, bounds per-expert tables
 
 
 def layer_module_prefix(layer_id: str) -> str:
@@ -58,11 +59,11 @@ class ModelSpec:
     hidden_size: int
     num_experts: int
     topk: int
-    moe_layers: tuple[int, ...]              # global 0-based decoder layers with MoE
-    mtp_layers: int = 0                      # MTP layers (each MoE when the decoder is)
-    ffn_hidden_size: int | None = None       # dense MLP
-    moe_ffn_hidden_size: int | None = None   # routed expert F
-    shared_expert_size: int | None = None    # moe_shared_expert_intermediate_size
+    moe_layers: tuple[int, ...]  # global 0-based decoder layers with MoE
+    mtp_layers: int = 0  # MTP layers (each MoE when the decoder is)
+    ffn_hidden_size: int | None = None  # dense MLP
+    moe_ffn_hidden_size: int | None = None  # routed expert F
+    shared_expert_size: int | None = None  # moe_shared_expert_intermediate_size
     score_function: str = "softmax"
     num_groups: int | None = None
     group_topk: int | None = None
@@ -106,8 +107,11 @@ class ModelSpec:
         topk = arg_int(args, "moe_router_topk", where)
         # Megatron-LM's DeepSeek-V4 (`moe_n_hash_layers`; MindSpeed-LLM `n_hash_layers`): the first n
         # decoder layers route by a token-id table (`mlp.router.tid2eid`), MTP layers never
-        hashed = arg_int(args, "moe_n_hash_layers", where, maximum=num_layers) or \
-            arg_int(args, "n_hash_layers", where, maximum=num_layers) or 0
+        hashed = (
+            arg_int(args, "moe_n_hash_layers", where, maximum=num_layers)
+            or arg_int(args, "n_hash_layers", where, maximum=num_layers)
+            or 0
+        )
         return cls(
             num_layers=num_layers,
             hidden_size=arg_int(args, "hidden_size", where, minimum=1),

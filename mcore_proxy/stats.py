@@ -6,6 +6,7 @@ layer 0), it holds sufficient statistics (sums), so per-rank files merge by elem
 
 Tensor keys: `layer.{L}.{field}` for decoder layers, `mtp.{k}.{field}` for MTP layers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,14 @@ from mcore_proxy.errors import StatsError
 FORMAT = "mcore-proxy-stats/1"
 REQUIRED_FIELDS = ("tokens", "freq", "gate_mass", "coact", "proto_sum")
 OPTIONAL_FIELDS = ("saliency_sum",)
-DTYPES = {"tokens": np.int64, "freq": np.int64, "gate_mass": np.float64, "coact": np.int64,
-          "proto_sum": np.float64, "saliency_sum": np.float64}
+DTYPES = {
+    "tokens": np.int64,
+    "freq": np.int64,
+    "gate_mass": np.float64,
+    "coact": np.int64,
+    "proto_sum": np.float64,
+    "saliency_sum": np.float64,
+}
 
 
 def layer_prefix(layer_id: str) -> str:
@@ -84,9 +91,14 @@ class LayerStats:
         sal = None
         if self.saliency_sum is not None and other.saliency_sum is not None:
             sal = self.saliency_sum + other.saliency_sum
-        return LayerStats(self.tokens + other.tokens, self.freq + other.freq,
-                          self.gate_mass + other.gate_mass, self.coact + other.coact,
-                          self.proto_sum + other.proto_sum, sal)
+        return LayerStats(
+            self.tokens + other.tokens,
+            self.freq + other.freq,
+            self.gate_mass + other.gate_mass,
+            self.coact + other.coact,
+            self.proto_sum + other.proto_sum,
+            sal,
+        )
 
     def __repr__(self) -> str:
         return f"LayerStats(tokens={self.tokens}, E={self.num_experts}, H={self.hidden_size})"
@@ -103,8 +115,11 @@ class RoutingStats:
     def __post_init__(self):
         if not self.layers:
             raise StatsError("routing statistics hold no MoE layer")
-        shapes = self.layers.shapes() if isinstance(self.layers, StreamedLayers) else \
-            {(s.num_experts, s.hidden_size) for s in self.layers.values()}
+        shapes = (
+            self.layers.shapes()
+            if isinstance(self.layers, StreamedLayers)
+            else {(s.num_experts, s.hidden_size) for s in self.layers.values()}
+        )
         if len(shapes) != 1:
             raise StatsError(f"routing statistics mix layer shapes (E, H) {sorted(shapes)}")
         object.__setattr__(self, "_shape", next(iter(shapes)))
@@ -127,8 +142,14 @@ class RoutingStats:
 
     def sidecar(self) -> dict:
         meta = dict(self.meta)
-        meta.update(format=FORMAT, num_experts=self.num_experts, hidden_size=self.hidden_size,
-                    topk=self.topk, layers=self.layer_ids, total_tokens=self.total_tokens)
+        meta.update(
+            format=FORMAT,
+            num_experts=self.num_experts,
+            hidden_size=self.hidden_size,
+            topk=self.topk,
+            layers=self.layer_ids,
+            total_tokens=self.total_tokens,
+        )
         return meta
 
     def __repr__(self) -> str:
@@ -208,10 +229,12 @@ class StreamedLayers(Mapping):
             with safe_open(str(self.path), framework="numpy") as f:
                 t = {name: f.get_tensor(key) for name, key in keys.items()}
         except OSError as err:
-            raise StatsError(f"{self.path}: cannot be read any more ({err}); keep the statistics file in place "
-                             "while select runs") from None
-        return LayerStats(int(t["tokens"][0]), t["freq"], t["gate_mass"], t["coact"], t["proto_sum"],
-                          t.get("saliency_sum"))
+            raise StatsError(
+                f"{self.path}: cannot be read any more ({err}); keep the statistics file in place while select runs"
+            ) from None
+        return LayerStats(
+            int(t["tokens"][0]), t["freq"], t["gate_mass"], t["coact"], t["proto_sum"], t.get("saliency_sum")
+        )
 
     def __iter__(self):
         return iter(self._keys)
@@ -225,8 +248,10 @@ class StreamedLayers(Mapping):
 
 
 def _unreadable(path: Path, err: Exception) -> StatsError:
-    return StatsError(f"{path}: not a readable safetensors file ({err}); it may be truncated, "
-                      "re-run the trace or remove it from the folder")
+    return StatsError(
+        f"{path}: not a readable safetensors file ({err}); it may be truncated, "
+        "re-run the trace or remove it from the folder"
+    )
 
 
 def _fields_by_layer(path: Path, items: dict) -> dict[str, dict]:
@@ -237,14 +262,16 @@ def _fields_by_layer(path: Path, items: dict) -> dict[str, dict]:
         try:
             layer_id, name = _parse_key(key)
         except ValueError:
-            raise StatsError(f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> "
-                             "or mtp.K.<field>") from None
+            raise StatsError(
+                f"{path}: unexpected tensor key {key!r}; expected layer.L.<field> or mtp.K.<field>"
+            ) from None
         out.setdefault(layer_id, {})[name] = value
     for layer_id, fields in out.items():
         missing = [n for n in REQUIRED_FIELDS if n not in fields]
         if missing:
-            raise StatsError(f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is "
-                             "incomplete, re-run the trace")
+            raise StatsError(
+                f"{path}: layer {layer_id} lacks {', '.join(missing)}; the file is incomplete, re-run the trace"
+            )
     return out
 
 
@@ -267,8 +294,10 @@ def _streamed_layers(path: Path) -> StreamedLayers:
         bad = [n for n, shape in want.items() if n in fields and shapes[fields[n]] != shape]
         if bad or len(proto) != 2 or proto[0] != e:
             name = bad[0] if bad else "proto_sum"
-            raise StatsError(f"{path}: layer {layer_id} field {name} has shape {list(shapes[fields[name]])}, "
-                             f"which does not fit {e} experts; the file is damaged, re-run the trace")
+            raise StatsError(
+                f"{path}: layer {layer_id} field {name} has shape {list(shapes[fields[name]])}, "
+                f"which does not fit {e} experts; the file is damaged, re-run the trace"
+            )
         sizes[layer_id] = (e, proto[1])
     return StreamedLayers(path, keys, sizes)
 
@@ -281,8 +310,10 @@ def load_stats(path: str | os.PathLike, stream: bool = False) -> RoutingStats:
 
     path = Path(path)
     if not path.is_file():
-        raise StatsError(f"{path}: routing-statistics file not found; pass a file written by "
-                         "`mcore-proxy stats merge` or a trace rank file")
+        raise StatsError(
+            f"{path}: routing-statistics file not found; pass a file written by "
+            "`mcore-proxy stats merge` or a trace rank file"
+        )
     if stream:
         return _with_meta(path, _streamed_layers(path))
     try:
@@ -291,19 +322,24 @@ def load_stats(path: str | os.PathLike, stream: bool = False) -> RoutingStats:
         raise _unreadable(path, err) from None
     layers = {}
     for layer_id, f in _fields_by_layer(path, raw).items():
-        layers[layer_id] = LayerStats(int(f["tokens"][0]), f["freq"], f["gate_mass"],
-                                      f["coact"], f["proto_sum"], f.get("saliency_sum"))
+        layers[layer_id] = LayerStats(
+            int(f["tokens"][0]), f["freq"], f["gate_mass"], f["coact"], f["proto_sum"], f.get("saliency_sum")
+        )
     return _with_meta(path, layers)
 
 
 def _with_meta(path: Path, layers) -> RoutingStats:
     """RoutingStats of `layers` with the sidecar beside `path` (its `topk` required)."""
     side = sidecar_path(path)
-    meta = (read_json_object(side, "statistics sidecar", "re-run the trace or remove it", StatsError)
-            if side.is_file() else {})
+    meta = (
+        read_json_object(side, "statistics sidecar", "re-run the trace or remove it", StatsError)
+        if side.is_file()
+        else {}
+    )
     if "topk" not in meta:
-        raise StatsError(f"{side}: sidecar missing or without 'topk'; keep the .json written "
-                         "beside every statistics file")
+        raise StatsError(
+            f"{side}: sidecar missing or without 'topk'; keep the .json written beside every statistics file"
+        )
     if isinstance(meta["topk"], bool) or not isinstance(meta["topk"], int):
         raise StatsError(f"{side}: 'topk' is {meta['topk']!r}, not an integer; re-run the trace or fix the sidecar")
     try:
@@ -327,33 +363,44 @@ def merge_stats(parts: list[tuple[Path, RoutingStats]], *, allow_missing_layers:
     declared = first.meta.get("model_layers")
     layers = dict(first.layers)
     for path, s in parts[1:]:
-        for what, a, b in (("num_experts", first.num_experts, s.num_experts),
-                           ("hidden_size", first.hidden_size, s.hidden_size),
-                           ("topk", first.topk, s.topk),
-                           ("world_size", first.meta.get("world_size"), s.meta.get("world_size"))):
+        for what, a, b in (
+            ("num_experts", first.num_experts, s.num_experts),
+            ("hidden_size", first.hidden_size, s.hidden_size),
+            ("topk", first.topk, s.topk),
+            ("world_size", first.meta.get("world_size"), s.meta.get("world_size")),
+        ):
             if a != b and not (what == "world_size" and None in (a, b)):
-                raise StatsError(f"{path}: {what} is {b} but {first_path} has {a}; merge only "
-                                 "files from one model and one run")
+                raise StatsError(
+                    f"{path}: {what} is {b} but {first_path} has {a}; merge only files from one model and one run"
+                )
         if declared is not None or s.meta.get("model_layers") is not None:
             if s.meta.get("model_layers") != declared:
-                raise StatsError(f"{path}: declares MoE layers {s.meta.get('model_layers')} but "
-                                 f"{first_path} declares {declared}; merge only files from one model")
+                raise StatsError(
+                    f"{path}: declares MoE layers {s.meta.get('model_layers')} but "
+                    f"{first_path} declares {declared}; merge only files from one model"
+                )
         elif set(s.layers) != set(first.layers):
-            raise StatsError(f"{path}: layers {s.layer_ids} differ from {first.layer_ids} in "
-                             f"{first_path}; merge only files from one run")
+            raise StatsError(
+                f"{path}: layers {s.layer_ids} differ from {first.layer_ids} in "
+                f"{first_path}; merge only files from one run"
+            )
         for layer_id, ls in s.layers.items():
             layers[layer_id] = layers[layer_id] + ls if layer_id in layers else ls
     if declared is not None:
         for path, s in parts:
             extra = sorted(set(s.layers) - set(declared), key=layer_sort_key)
             if extra:
-                raise StatsError(f"{path}: holds layers {extra} that its sidecar does not declare "
-                                 f"as MoE layers {declared}; the file is inconsistent, re-run the trace")
+                raise StatsError(
+                    f"{path}: holds layers {extra} that its sidecar does not declare "
+                    f"as MoE layers {declared}; the file is inconsistent, re-run the trace"
+                )
         missing = sorted(set(declared) - set(layers), key=layer_sort_key)
         if missing and not allow_missing_layers:
-            raise StatsError(f"{first_path.parent}: no file holds statistics for MoE layers "
-                             f"{missing}; a pipeline stage's rank files are missing: copy them in, "
-                             "or if those layers really route nothing pass --allow-missing-layers")
+            raise StatsError(
+                f"{first_path.parent}: no file holds statistics for MoE layers "
+                f"{missing}; a pipeline stage's rank files are missing: copy them in, "
+                "or if those layers really route nothing pass --allow-missing-layers"
+            )
     meta = {k: v for k, v in first.meta.items() if k not in ("ranks_merged", "rank", "steps")}
     meta["ranks_merged"] = sum(int(s.meta.get("ranks_merged", 1)) for _, s in parts)
     ranks = sorted(r for _, s in parts for r in s.meta.get("ranks", [s.meta.get("rank")]) if r is not None)

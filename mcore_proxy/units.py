@@ -1,5 +1,6 @@
 """One unit convention for sizes: binary prefixes (1 KiB = 2**10, 1 MiB = 2**20, 1 GiB = 2**30
 bytes) in every text and progress bar, plain byte counts in JSON."""
+
 from __future__ import annotations
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40

@@ -1,4 +1,5 @@
 """The one post-import activation that the trace and the fault injectors share."""
+
 import sys
 
 import pytest
@@ -26,7 +27,7 @@ def test_several_callbacks_of_one_module_run_once_each(fake_module):
         import fakewatched  # noqa: F401
 
         assert seen == [("trace", 3), ("faults", 3)]
-        finder.add(fake_module, lambda m: seen.append(("late", m.VALUE)))   # already imported: now
+        finder.add(fake_module, lambda m: seen.append(("late", m.VALUE)))  # already imported: now
         assert seen[-1] == ("late", 3)
     finally:
         sys.meta_path.remove(finder)
@@ -44,8 +45,13 @@ def test_both_features_are_registered_and_inactive_without_their_variables(monke
 
 def test_a_feature_check_fails_before_anything_is_watched(monkeypatch):
     monkeypatch.setenv("MCORE_PROXY_FAULTS", "not_a_fault")
-    feature = Feature("faults-check", "MCORE_PROXY_FAULTS", "mcore_proxy.faults.runtime",
-                      {"never.imported": "patch_moe_layer_module"}, check="mcore_proxy.faults.spec:check_env")
+    feature = Feature(
+        "faults-check",
+        "MCORE_PROXY_FAULTS",
+        "mcore_proxy.faults.runtime",
+        {"never.imported": "patch_moe_layer_module"},
+        check="mcore_proxy.faults.spec:check_env",
+    )
     with pytest.raises(ProxyError, match="MCORE_PROXY_FAULTS='not_a_fault': .*unknown kind"):
         activation.activate(feature)
     assert activation._FINDER is None or "never.imported" not in activation._FINDER.callbacks

@@ -1,4 +1,5 @@
 """The documentation: links resolve, the README stays a front door, docs/cli.md matches the parser."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,7 @@ def _prose(text: str) -> str:
             fenced = not fenced
             continue
         if not fenced:
-            out.append(re.sub(r"`[^`]*`", "", line))     # nor inside inline code
+            out.append(re.sub(r"`[^`]*`", "", line))  # nor inside inline code
     return "\n".join(out)
 
 

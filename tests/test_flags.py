@@ -1,6 +1,7 @@
 """The command line as a whole: help written for users, `--version`, usage errors naming their
 subcommand, the Megatron / MindSpeed-LLM spellings of the one table accepted wherever their option
 exists, and `--json` documents that carry the numbers of the text, on a real checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -89,19 +90,23 @@ def parsed(argv: list[str]) -> dict:
 
 def test_the_spelling_table_is_what_the_commands_accept():
     leaves = leaf_parsers()
-    assert set(BASE) == set(leaves)      # a new command gets its base command line here
+    assert set(BASE) == set(leaves)  # a new command gets its base command line here
     names = {n for s in SPELLINGS for n in s.names}
     assert names == set(APPLIES)
     for name in names:
         assert {cmd for cmd, sub in leaves.items() if accepts(sub, name)} == APPLIES[name], name
 
 
-CASES = [(cmd, s, name) for s in SPELLINGS for name in s.names for cmd in sorted(APPLIES[name])
-         if accepts(leaf_parsers()[cmd], s.ours)]
+CASES = [
+    (cmd, s, name)
+    for s in SPELLINGS
+    for name in s.names
+    for cmd in sorted(APPLIES[name])
+    if accepts(leaf_parsers()[cmd], s.ours)
+]
 
 
-@pytest.mark.parametrize("command, spelling, name", CASES,
-                         ids=[f"{c}:{s.ours}={n}" for c, s, n in CASES])
+@pytest.mark.parametrize("command, spelling, name", CASES, ids=[f"{c}:{s.ours}={n}" for c, s, n in CASES])
 def test_every_spelling_means_our_option(command, spelling, name):
     value = {"--target-stage-layers": "1,3", "--expert-layout": spelling.value}.get(spelling.ours, "7")
     ours = argv_of(command, {**BASE[command], spelling.ours: value})
@@ -111,9 +116,16 @@ def test_every_spelling_means_our_option(command, spelling, name):
 
 
 def test_the_spellings_cover_the_issue_and_every_alias_is_tested():
-    for name in ("--load-dir", "--save-dir", "--target-tensor-parallel-size", "--target-pipeline-parallel-size",
-                 "--target-expert-parallel-size", "--target-expert-tensor-parallel-size", "--num-layer-list",
-                 "--moe-grouped-gemm"):
+    for name in (
+        "--load-dir",
+        "--save-dir",
+        "--target-tensor-parallel-size",
+        "--target-pipeline-parallel-size",
+        "--target-expert-parallel-size",
+        "--target-expert-tensor-parallel-size",
+        "--num-layer-list",
+        "--moe-grouped-gemm",
+    ):
         assert name in APPLIES
     assert {(c, n) for c, _, n in CASES} == {(c, n) for n, cmds in APPLIES.items() for c in cmds}
 
@@ -138,7 +150,7 @@ def test_spellings_not_supported_yet_are_refused_by_name(capsys, name):
 def test_a_usage_error_shows_the_usage_of_its_command(capsys, command):
     err = usage_error(capsys, argv_of(command, BASE[command]) + ["--bogus"])
     assert err.startswith(f"usage: mcore-proxy {command} ") and "unrecognized arguments: --bogus" in err
-    assert "COMMAND ..." not in err           # not the top level's usage
+    assert "COMMAND ..." not in err  # not the top level's usage
 
 
 def test_the_checkpoint_is_given_once_as_ckpt_or_load_dir(capsys):
@@ -156,8 +168,20 @@ def test_top_level_help_is_written_for_users(capsys):
     assert stop.value.code == 0
     assert "Mixture-of-Experts" in text and "thin argparse layer" not in text
     listed = re.findall(r"^    (\w+)\s", text.split("commands, in pipeline order:")[1], re.M)
-    assert listed == ["inspect", "estimate", "patches", "stats", "collect", "select", "convert", "verify", "fidelity",
-                      "campaign", "watch", "compare"]
+    assert listed == [
+        "inspect",
+        "estimate",
+        "patches",
+        "stats",
+        "collect",
+        "select",
+        "convert",
+        "verify",
+        "fidelity",
+        "campaign",
+        "watch",
+        "compare",
+    ]
     for code in ("0", "1", "2", "3", "128+N"):
         assert re.search(rf"^  {re.escape(code)}\s+\w", text, re.M), code
     assert "--load-dir" in text and "--json" in text and "--force" in text
@@ -167,7 +191,9 @@ def test_top_level_help_is_written_for_users(capsys):
 def test_every_command_documents_its_exit_codes(command):
     text = leaf_parsers()[command].format_help()
     assert "exit codes:" in text and re.search(r"^  2\s+bad input or usage", text, re.M)
-    assert bool(re.search(r"^  1\s+a check found a difference", text, re.M)) == (command in ("verify", "compare", "campaign", "watch"))
+    assert bool(re.search(r"^  1\s+a check found a difference", text, re.M)) == (
+        command in ("verify", "compare", "campaign", "watch")
+    )
     assert "--json" in text
 
 
@@ -208,8 +234,15 @@ def real_stats(megatron_ckpt, tmp_path):
 
     ckpt, _ = megatron_ckpt(FIXTURE)
     spec = open_checkpoint(ckpt).spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=4,
-                             hidden=spec.hidden_size, tokens=500, seed=1)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=4,
+        hidden=spec.hidden_size,
+        tokens=500,
+        seed=1,
+    )
     return ckpt, save_stats(stats, tmp_path / "routing_stats.safetensors")
 
 
@@ -225,8 +258,12 @@ def test_json_documents_carry_the_numbers_of_the_text(real_stats, tmp_path, caps
     assert d["layers"] and f"E={d['num_experts']}, top-{d['topk']}" in text
     for lid, layer in d["layers"].items():
         top = " ".join(f"{t['expert']}:{100 * t['share']:.1f}%" for t in layer["top"])
-        assert re.search(rf"^\s*{re.escape(lid)}\s+{layer['tokens']}\s+{re.escape(top)}\s.*\s{len(layer['dead'])}\s+"
-                         rf"{layer['entropy']:.3f}\s+pairs seen {layer['pairs_seen']}/{layer['pairs_total']}", text, re.M)
+        assert re.search(
+            rf"^\s*{re.escape(lid)}\s+{layer['tokens']}\s+{re.escape(top)}\s.*\s{len(layer['dead'])}\s+"
+            rf"{layer['entropy']:.3f}\s+pairs seen {layer['pairs_seen']}/{layer['pairs_total']}",
+            text,
+            re.M,
+        )
 
     plan = tmp_path / "plan.json"
     _, text = run(capsys, "select", "--ckpt", ckpt, "--stats", stats, "-k", "4", "-o", plan)
@@ -236,20 +273,30 @@ def test_json_documents_carry_the_numbers_of_the_text(real_stats, tmp_path, caps
     saved = json.loads(plan.read_text())["layers"]
     for lid, layer in d["layers"].items():
         assert layer["kept"] == saved[lid]["kept"]
-        assert re.search(rf"^{re.escape(lid)}\s+4\s+{layer['token_coverage']:.3f}\s+{layer['gate_mass_coverage']:.3f}"
-                         rf"\s+{layer['never_selected']}\s", text, re.M)
-    assert re.search(rf"^mean\s+4\s+{d['mean']['token_coverage']:.3f}\s+{d['mean']['gate_mass_coverage']:.3f}$",
-                     text, re.M)
+        assert re.search(
+            rf"^{re.escape(lid)}\s+4\s+{layer['token_coverage']:.3f}\s+{layer['gate_mass_coverage']:.3f}"
+            rf"\s+{layer['never_selected']}\s",
+            text,
+            re.M,
+        )
+    assert re.search(
+        rf"^mean\s+4\s+{d['mean']['token_coverage']:.3f}\s+{d['mean']['gate_mass_coverage']:.3f}$", text, re.M
+    )
 
     _, text = run(capsys, "convert", ckpt, "--plan", plan, "-o", tmp_path / "a", "--target-ep", "1")
     _, raw = run(capsys, "convert", ckpt, "--plan", plan, "-o", tmp_path / "b", "--target-ep", "1", "--json")
     d = json.loads(raw)
     t = d["target"]
-    assert d["num_experts"] == 4 and t["ep"] == 1 and d["files"] == len([p for p in (tmp_path / "b").rglob("*")
-                                                                         if p.is_file()])
+    assert (
+        d["num_experts"] == 4
+        and t["ep"] == 1
+        and d["files"] == len([p for p in (tmp_path / "b").rglob("*") if p.is_file()])
+    )
     assert f"4 of {d['source_experts']} experts per MoE layer, TP={t['tp']} PP={t['pp']} EP=1 ETP={t['etp']}" in text
-    assert f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}; " \
-           f"{d['files']} files in " in text
+    assert (
+        f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}; "
+        f"{d['files']} files in " in text
+    )
     assert "  " + " ".join(d["launch_flags"]) in text.splitlines()
     # a sequential-expert proxy must be launched without the source's grouped GEMM, and is told so
     assert d["remove_flags"] == ["--moe-grouped-gemm"] and "and without: --moe-grouped-gemm" in text.splitlines()
@@ -264,20 +311,80 @@ def test_megatron_spellings_run_the_pipeline_like_ours(real_stats, tmp_path, cap
     give the same plan and the same proxy as ours, and verify it."""
     ckpt, stats = real_stats
     plans = tmp_path / "ours.json", tmp_path / "theirs.json"
-    assert run(capsys, "select", "--ckpt", ckpt, "--stats", stats, "-k", "4", "--target-ep", "2", "-o", plans[0])[0] == 0
-    assert run(capsys, "select", "--load-dir", ckpt, "--stats", stats, "-k", "4", "--target-expert-parallel-size", "2",
-               "-o", plans[1])[0] == 0
+    assert (
+        run(capsys, "select", "--ckpt", ckpt, "--stats", stats, "-k", "4", "--target-ep", "2", "-o", plans[0])[0] == 0
+    )
+    assert (
+        run(
+            capsys,
+            "select",
+            "--load-dir",
+            ckpt,
+            "--stats",
+            stats,
+            "-k",
+            "4",
+            "--target-expert-parallel-size",
+            "2",
+            "-o",
+            plans[1],
+        )[0]
+        == 0
+    )
     assert plans[0].read_bytes() == plans[1].read_bytes()
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    assert run(capsys, "convert", ckpt, "--plan", plans[0], "-o", ours, "--target-tp", "1", "--target-pp", "2",
-               "--target-ep", "1", "--target-etp", "1", "--target-stage-layers", "1,3", "--expert-layout", "grouped")[0] == 0
-    assert run(capsys, "convert", "--load-dir", ckpt, "--plan", plans[1], "--save-dir", theirs,
-               "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2",
-               "--target-expert-parallel-size", "1", "--target-expert-tensor-parallel-size", "1",
-               "--num-layer-list", "1,3", "--moe-grouped-gemm")[0] == 0
+    assert (
+        run(
+            capsys,
+            "convert",
+            ckpt,
+            "--plan",
+            plans[0],
+            "-o",
+            ours,
+            "--target-tp",
+            "1",
+            "--target-pp",
+            "2",
+            "--target-ep",
+            "1",
+            "--target-etp",
+            "1",
+            "--target-stage-layers",
+            "1,3",
+            "--expert-layout",
+            "grouped",
+        )[0]
+        == 0
+    )
+    assert (
+        run(
+            capsys,
+            "convert",
+            "--load-dir",
+            ckpt,
+            "--plan",
+            plans[1],
+            "--save-dir",
+            theirs,
+            "--target-tensor-parallel-size",
+            "1",
+            "--target-pipeline-parallel-size",
+            "2",
+            "--target-expert-parallel-size",
+            "1",
+            "--target-expert-tensor-parallel-size",
+            "1",
+            "--num-layer-list",
+            "1,3",
+            "--moe-grouped-gemm",
+        )[0]
+        == 0
+    )
     files = [json.loads((p / "manifest.json").read_text())["files"] for p in (ours, theirs)]
     assert files[0] == files[1] and any("mp_rank_00_001" in f for f in files[0])
     from mcore_proxy.checkpoint import open_checkpoint
+
     layout = open_checkpoint(theirs).layout
     assert (layout.pp, layout.ep, list(layout.stage_layers), layout.expert_layout) == (2, 1, [1, 3], "grouped")
     _, text = run(capsys, "verify", "--load-dir", ckpt, "--save-dir", theirs, "--plan", plans[1])

@@ -2,6 +2,7 @@
 Megatron inputs and 30 Hugging Face ones (one per input and damage kind), each through the real CLI
 in a forked child. The campaigns themselves (>= 2000 Megatron cases, >= 500 HF cases with `--hf`)
 are run by hand; their tables are in bench/RESULTS.md."""
+
 from __future__ import annotations
 
 import collections
@@ -21,7 +22,7 @@ HF_SAMPLE = 30
 def fuzz():
     spec = importlib.util.spec_from_file_location("mcore_proxy_fuzz", BENCH)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up there
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -35,12 +36,15 @@ def test_fuzz_sample(fuzz, megatron_ckpt, tmp_path_factory):
     start = time.perf_counter()
     records = fuzz.campaign(cases, corpus, work / "cases", jobs=2, progress=False)
     seconds = time.perf_counter() - start
-    failed = [(r["case"], r["target"], r["kind"], r["command"], r["problems"], r.get("stderr", "")[-600:])
-              for r in records if r["problems"]]
+    failed = [
+        (r["case"], r["target"], r["kind"], r["command"], r["problems"], r.get("stderr", "")[-600:])
+        for r in records
+        if r["problems"]
+    ]
     assert not failed, failed
     outcomes = collections.Counter(r["outcome"] for r in records)
     assert set(outcomes) <= {"exit 0", "exit 1", "exit 2"}, outcomes
-    assert outcomes["exit 2"] > SAMPLE // 3        # most damage is found and refused
+    assert outcomes["exit 2"] > SAMPLE // 3  # most damage is found and refused
     assert {r["target"] for r in records} == set(fuzz.WEIGHTS)
     print(f"fuzz sample: {dict(outcomes)} in {seconds:.0f} s")
 
@@ -53,19 +57,34 @@ def test_fuzz_hf_sample(fuzz, fixture_root, tmp_path_factory):
     corpus = fuzz.build_corpus(work, None, hf_cache=fixture_root)
     fuzz.preload(corpus)
     cases, seen = [], set()
-    for case in fuzz.make_hf_cases(400, SEED):   # damaged quantization under --dequantize
-        if (case.target, case.kind) not in seen and len(cases) < HF_SAMPLE and \
-                (case.kind != "quant" or case.command == "convert_deq"):
+    for case in fuzz.make_hf_cases(400, SEED):  # damaged quantization under --dequantize
+        if (
+            (case.target, case.kind) not in seen
+            and len(cases) < HF_SAMPLE
+            and (case.kind != "quant" or case.command == "convert_deq")
+        ):
             seen.add((case.target, case.kind))
             cases.append(case)
     start = time.perf_counter()
     records = fuzz.campaign(cases, corpus, work / "cases", jobs=2, progress=False)
     seconds = time.perf_counter() - start
-    failed = [(r["case"], r["target"], r.get("model"), r["kind"], r["command"], r["problems"], r.get("what"),
-               r.get("stderr", "")[-600:]) for r in records if r["problems"]]
+    failed = [
+        (
+            r["case"],
+            r["target"],
+            r.get("model"),
+            r["kind"],
+            r["command"],
+            r["problems"],
+            r.get("what"),
+            r.get("stderr", "")[-600:],
+        )
+        for r in records
+        if r["problems"]
+    ]
     assert not failed, failed
     outcomes = collections.Counter(r["outcome"] for r in records)
     assert set(outcomes) <= {"exit 0", "exit 1", "exit 2"}, outcomes
-    assert outcomes["exit 2"] > len(records) // 2       # most damage is found and refused
+    assert outcomes["exit 2"] > len(records) // 2  # most damage is found and refused
     assert {r["target"] for r in records} == set(fuzz.HF_TARGETS) and len(records) == HF_SAMPLE
     print(f"fuzz HF sample: {dict(outcomes)} in {seconds:.0f} s")

@@ -1,4 +1,5 @@
 """mcore_proxy/jsonfile.py: every defect of a stranger's JSON file is one sentence naming the file."""
+
 import pytest
 
 from mcore_proxy.errors import PlanError, ProxyError
@@ -12,15 +13,20 @@ def test_reads_an_object(tmp_path):
     assert read_json_object(tmp_path / "a.json", "plan file", FIX) == {"k": [1, 2]}
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b"{not json", r"a\.json: plan file is not valid JSON .*; regenerate it$"),
-    (b"\xff\xfe{}", r"a\.json: plan file is not valid JSON .*; regenerate it$"),
-    (b"[" * 100_000 + b"]" * 100_000, r"a\.json: plan file is not valid JSON .*; regenerate it$"),
-    (b"[1, 2]", r"a\.json: plan file holds a JSON list, expected an object; regenerate it$"),
-    # past Python's int parsing limit (4300 digits) json raises a bare ValueError (fuzz: exit 3 before)
-    (b'{"num_experts": ' + b"9" * 5000 + b"}",
-     r"a\.json: plan file holds a number of thousands of digits, which no real one does; regenerate it$"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"{not json", r"a\.json: plan file is not valid JSON .*; regenerate it$"),
+        (b"\xff\xfe{}", r"a\.json: plan file is not valid JSON .*; regenerate it$"),
+        (b"[" * 100_000 + b"]" * 100_000, r"a\.json: plan file is not valid JSON .*; regenerate it$"),
+        (b"[1, 2]", r"a\.json: plan file holds a JSON list, expected an object; regenerate it$"),
+        # past Python's int parsing limit (4300 digits) json raises a bare ValueError (fuzz: exit 3 before)
+        (
+            b'{"num_experts": ' + b"9" * 5000 + b"}",
+            r"a\.json: plan file holds a number of thousands of digits, which no real one does; regenerate it$",
+        ),
+    ],
+)
 def test_defects_raise_the_callers_error_naming_the_file(tmp_path, content, expected):
     (tmp_path / "a.json").write_bytes(content)
     with pytest.raises(PlanError, match=expected):

@@ -1,4 +1,5 @@
 """The layer-pattern parser: Megatron's pattern language, nothing else, never eval."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,19 +9,22 @@ from mcore_proxy.layer_pattern import MAX_LAYERS, parse_layer_pattern
 from mcore_proxy.spec import moe_layer_pattern
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("[0]*3+[1]*5", [0, 0, 0, 1, 1, 1, 1, 1]),
-    ("([1]*3+[0])*2", [1, 1, 1, 0, 1, 1, 1, 0]),
-    ("([0]+[1]*3)", [0, 1, 1, 1]),
-    (" [1, 0,1,] ", [1, 0, 1]),
-    ("2*[1]+[0]", [1, 1, 0]),
-    ("((([1])))*2", [1, 1]),
-    ("3", 3),
-    (4, 4),
-    ([1, 0], [1, 0]),
-    ((1, 0, 1), [1, 0, 1]),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("[0]*3+[1]*5", [0, 0, 0, 1, 1, 1, 1, 1]),
+        ("([1]*3+[0])*2", [1, 1, 1, 0, 1, 1, 1, 0]),
+        ("([0]+[1]*3)", [0, 1, 1, 1]),
+        (" [1, 0,1,] ", [1, 0, 1]),
+        ("2*[1]+[0]", [1, 1, 0]),
+        ("((([1])))*2", [1, 1]),
+        ("3", 3),
+        (4, 4),
+        ([1, 0], [1, 0]),
+        ((1, 0, 1), [1, 0, 1]),
+        (None, None),
+    ],
+)
 def test_megatron_forms(text, expected):
     assert parse_layer_pattern(text) == expected
 
@@ -31,20 +35,23 @@ def test_same_results_as_python_on_valid_patterns():
         assert parse_layer_pattern(text) == eval(text)  # noqa: S307 - trusted test literals
 
 
-@pytest.mark.parametrize("text,why", [
-    ("__import__('os').system('touch /tmp/x')", "character '_' is not allowed"),
-    ("[1]*3 if 1 else 0", "character 'i' is not allowed"),
-    ("[0]*10**9", "expected a number"),
-    ("[0]*100001", f"more than {MAX_LAYERS} entries"),
-    ("([0]*1000)*1000", f"more than {MAX_LAYERS} entries"),
-    ("(" * 40 + "[1]" + ")" * 40, "nested deeper than"),
-    ("", "it is empty"),
-    ("[1]+", "found the end"),
-    ("[1]]", "unexpected ']'"),
-    ("[1.5]", "character '.' is not allowed"),
-    ("[-1]", "character '-' is not allowed"),
-    ("{1: 2}", "character '{' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("__import__('os').system('touch /tmp/x')", "character '_' is not allowed"),
+        ("[1]*3 if 1 else 0", "character 'i' is not allowed"),
+        ("[0]*10**9", "expected a number"),
+        ("[0]*100001", f"more than {MAX_LAYERS} entries"),
+        ("([0]*1000)*1000", f"more than {MAX_LAYERS} entries"),
+        ("(" * 40 + "[1]" + ")" * 40, "nested deeper than"),
+        ("", "it is empty"),
+        ("[1]+", "found the end"),
+        ("[1]]", "unexpected ']'"),
+        ("[1.5]", "character '.' is not allowed"),
+        ("[-1]", "character '-' is not allowed"),
+        ("{1: 2}", "character '{' is not allowed"),
+    ],
+)
 def test_everything_else_is_refused_in_one_sentence(text, why):
     with pytest.raises(CheckpointError, match="is not a layer pattern") as info:
         parse_layer_pattern(text, "args moe_layer_freq in ckpt/common.pt")

@@ -4,6 +4,7 @@ conversion path independent of the test helpers (issue 9).
 Every `import` statement counts, at module level or inside a function: a lazy import hides a
 cycle from the interpreter, not from a reader.
 """
+
 from __future__ import annotations
 
 import ast
@@ -45,7 +46,9 @@ def _imports(module: str) -> list[tuple[str, str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for a in node.names:
                 out.append((f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, a.name, node.lineno))
     return [(m, n, line) for m, n, line in out if m.split(".")[0] == "mcore_proxy"]
@@ -68,7 +71,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if colour.get(nxt) == "grey":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in colour and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -84,7 +87,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_checker_sees_a_cycle_and_a_private_import():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-    assert ("mcore_proxy.checkpoint.view", "ModelView") in {(m, n) for m, n, _ in _imports("mcore_proxy.checkpoint.inspect")}
+    assert ("mcore_proxy.checkpoint.view", "ModelView") in {
+        (m, n) for m, n, _ in _imports("mcore_proxy.checkpoint.inspect")
+    }
 
 
 def test_no_import_cycles():
@@ -93,15 +98,23 @@ def test_no_import_cycles():
 
 
 def test_no_module_imports_another_modules_private_names():
-    bad = [f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {name} from {imported}"
-           for module in MODULES for imported, name, line in _imports(module)
-           if name.startswith("_") and not name.startswith("__") and _resolve(imported) != module]
+    bad = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {name} from {imported}"
+        for module in MODULES
+        for imported, name, line in _imports(module)
+        if name.startswith("_") and not name.startswith("__") and _resolve(imported) != module
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_library_does_not_import_the_test_helpers():
     """`mcore_proxy.testing` builds fixtures for tests; a library module that needs megatron-core
     on CPU uses `mcore_proxy.functional`."""
-    bad = [f"{module} imports {imported}" for module in MODULES if not module.startswith("mcore_proxy.testing")
-           for imported, _, _ in _imports(module) if imported.startswith("mcore_proxy.testing")]
+    bad = [
+        f"{module} imports {imported}"
+        for module in MODULES
+        if not module.startswith("mcore_proxy.testing")
+        for imported, _, _ in _imports(module)
+        if imported.startswith("mcore_proxy.testing")
+    ]
     assert not bad, "\n".join(bad)

@@ -3,6 +3,7 @@
 megatron-core is imported but no process group is started: its parser is pure apart from one
 read of the virtual-pipeline world size, which the comparison sets and restores.
 """
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,13 @@ import random
 import pytest
 
 from mcore_proxy.errors import ProxyError
-from mcore_proxy.pipeline_layout import (noop_layer_ids, num_layer_list_stages, parse_pipeline_layout,
-                                         split_stages, unroll)
+from mcore_proxy.pipeline_layout import (
+    noop_layer_ids,
+    num_layer_list_stages,
+    parse_pipeline_layout,
+    split_stages,
+    unroll,
+)
 
 mcore_layout = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
 from megatron.core import parallel_state  # noqa: E402
@@ -21,16 +27,16 @@ Megatron = mcore_layout.PipelineParallelLayerLayout
 
 # (string, PP, decoder layers, MTP layers): real and documented layouts
 VALID = [
-    ("Et*3|(tt|)*29,m|L", 16, 61, 1),          # DeepSeek-V3 example of the megatron docs: VPP 2
-    ("Ettt|tt|m|L", 2, 5, 1),                  # the tiny DeepSeek fixture: MTP standalone, empty L stage
+    ("Et*3|(tt|)*29,m|L", 16, 61, 1),  # DeepSeek-V3 example of the megatron docs: VPP 2
+    ("Ettt|tt|m|L", 2, 5, 1),  # the tiny DeepSeek fixture: MTP standalone, empty L stage
     ("Etttt|tmL", 2, 5, 1),
-    ("E|(t|)*3,mm|L", 3, 3, 2),                # argparse help example with both m in one stage
+    ("E|(t|)*3,mm|L", 3, 3, 2),  # argparse help example with both m in one stage
     ("Ettt|tttL", 2, 6, 0),
-    ("E|t*4|t*4|L", 4, 8, 0),                  # first and last stage without decoder layers
-    ("Et|t|t|tL", 2, 4, 0),                    # PP 2 x VPP 2
+    ("E|t*4|t*4|L", 4, 8, 0),  # first and last stage without decoder layers
+    ("Et|t|t|tL", 2, 4, 0),  # PP 2 x VPP 2
     ("Et|t|tL", 3, 3, 0),
-    ("E,t*2,|,t*2,L", 2, 4, 0),                # cosmetic commas
-    ("Et*0|ttL", 2, 2, 0),                     # *0 is accepted
+    ("E,t*2,|,t*2,L", 2, 4, 0),  # cosmetic commas
+    ("Et*0|ttL", 2, 2, 0),  # *0 is accepted
     ("E(t)*2|(t)*2L", 2, 4, 0),
 ]
 
@@ -47,8 +53,14 @@ def _megatron_stages(text: str, pp: int, num_layers: int, mtp: int):
         for vp in range(vpp):
             for rank in range(pp):
                 kw = dict(vp_stage=vp if vpp > 1 else None, pp_rank=rank)
-                out.append((rank, vp, tuple(layout.get_layer_id_list(LayerType.decoder, **kw)),
-                            tuple(layout.get_layer_id_list(LayerType.mtp, **kw))))
+                out.append(
+                    (
+                        rank,
+                        vp,
+                        tuple(layout.get_layer_id_list(LayerType.decoder, **kw)),
+                        tuple(layout.get_layer_id_list(LayerType.mtp, **kw)),
+                    )
+                )
     finally:
         parallel_state.set_virtual_pipeline_model_parallel_world_size(saved)
     return out, standalone, vpp
@@ -72,15 +84,18 @@ def test_deepseek_v3_layout_reads_as_documented():
     assert layout.stage(1, 0).decoder == (3, 4) and layout.stage(0, 1).decoder == (33, 34)
     assert mtp.decoder == () and mtp.mtp == (0,) and layout.mtp_standalone
     assert last.decoder == () and last.mtp == () and last.loss and not last.empty
-    assert layout.final_norm_stage == layout.stage(13, 1)        # holds layers 59, 60
+    assert layout.final_norm_stage == layout.stage(13, 1)  # holds layers 59, 60
     assert layout.stage_of_layer(60) == (layout.stage(13, 1), 1)
 
 
 def test_tiny_fixture_layout():
     layout = parse_pipeline_layout("Ettt|tt|m|L", 2, 5, 1)
     assert [(s.pp, s.vp, s.decoder, s.mtp, s.embedding, s.loss) for s in layout.stages] == [
-        (0, 0, (0, 1, 2), (), True, False), (1, 0, (3, 4), (), False, False),
-        (0, 1, (), (0,), False, False), (1, 1, (), (), False, True)]
+        (0, 0, (0, 1, 2), (), True, False),
+        (1, 0, (3, 4), (), False, False),
+        (0, 1, (), (0,), False, False),
+        (1, 1, (), (), False, True),
+    ]
     assert layout.final_norm_stage.index == 1
 
 
@@ -96,8 +111,10 @@ def _megatron_outcome(text, pp):
         Megatron(stages, pp)
     except (AssertionError, ValueError, KeyError):
         return None
-    names = {v: k for k, v in {"E": LayerType.embedding, "t": LayerType.decoder, "m": LayerType.mtp,
-                               "L": LayerType.loss}.items()}
+    names = {
+        v: k
+        for k, v in {"E": LayerType.embedding, "t": LayerType.decoder, "m": LayerType.mtp, "L": LayerType.loss}.items()
+    }
     return ["".join(names[x] for x in s) for s in stages]
 
 
@@ -118,7 +135,7 @@ def test_random_strings_parse_like_megatron():
         expected = _megatron_outcome(text, pp)
         assert _our_outcome(text, pp) == expected, text
         accepted += expected is not None
-    assert accepted > 300                      # the comparison covered many accepted strings too
+    assert accepted > 300  # the comparison covered many accepted strings too
 
 
 def test_random_valid_layouts_validate_like_megatron():
@@ -147,15 +164,18 @@ def test_random_valid_layouts_validate_like_megatron():
         assert ours == expected, (text, pp, num_layers, mtp)
 
 
-@pytest.mark.parametrize("text,pp,layers,why", [
-    ("Ettt|tq|L", 2, 4, "not one of"),
-    ("Ettt|tt|L", 2, 5, "not a multiple"),
-    ("tttE|L", 2, 3, "first symbol must be E"),
-    ("Ett|tt", 2, 4, "last symbol must be L"),
-    ("Etm|tL", 2, 2, "before the MTP"),
-    ("Et|mL", 2, 3, "decoder layers"),
-    ("Et|m|t|L", 2, 2, "before the MTP"),
-])
+@pytest.mark.parametrize(
+    "text,pp,layers,why",
+    [
+        ("Ettt|tq|L", 2, 4, "not one of"),
+        ("Ettt|tt|L", 2, 5, "not a multiple"),
+        ("tttE|L", 2, 3, "first symbol must be E"),
+        ("Ett|tt", 2, 4, "last symbol must be L"),
+        ("Etm|tL", 2, 2, "before the MTP"),
+        ("Et|mL", 2, 3, "decoder layers"),
+        ("Et|m|t|L", 2, 2, "before the MTP"),
+    ],
+)
 def test_refusals_name_the_string(text, pp, layers, why):
     with pytest.raises(ProxyError, match=why) as err:
         parse_pipeline_layout(text, pp, layers, 1 if "m" in text else 0)
@@ -164,11 +184,11 @@ def test_refusals_name_the_string(text, pp, layers, why):
 
 def test_unroll_and_split_are_megatrons_passes():
     assert unroll("(tt|)*2,m") == "tt|tt|m"
-    assert unroll("|*3") == "|||"                    # a bare separator repeated: empty stages
-    assert unroll("(t*2)*2") == "tttt"               # '*' inside a group unrolls in the second pass
+    assert unroll("|*3") == "|||"  # a bare separator repeated: empty stages
+    assert unroll("(t*2)*2") == "tttt"  # '*' inside a group unrolls in the second pass
     assert split_stages("E||L") == ["E", "", "L"]
     with pytest.raises(ProxyError):
-        split_stages("((t)*2)*2")                    # groups do not nest
+        split_stages("((t)*2)*2")  # groups do not nest
 
 
 def test_num_layer_list_and_noop_layers():
@@ -181,6 +201,6 @@ def test_num_layer_list_and_noop_layers():
     assert noop == noop_layer_ids("0,7", 8) == frozenset({0, 7})
     assert layout.stage(0).real_layers(noop) == () and layout.stage(1).real_layers(noop) == ((0, 1), (1, 2), (2, 3))
     even = parse_pipeline_layout("Etttt|ttttL", 2)
-    assert even.stage(1).real_layers(noop_layer_ids("4,5", 8)) == ((2, 6), (3, 7))   # gap at local 0, 1
+    assert even.stage(1).real_layers(noop_layer_ids("4,5", 8)) == ((2, 6), (3, 7))  # gap at local 0, 1
     with pytest.raises(ProxyError, match="0..7"):
         noop_layer_ids("8", 8)

@@ -1,4 +1,5 @@
 """Routing-statistics files read whole or one layer at a time (stats.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_streamed_layers_equal_the_whole_file_and_are_read_when_asked(stats_file
         assert a.tokens == b.tokens
         for name in ("freq", "gate_mass", "coact", "proto_sum"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), (lid, name)
-    stats_file.unlink()   # nothing was kept: a layer asked for now is read from the missing file
+    stats_file.unlink()  # nothing was kept: a layer asked for now is read from the missing file
     with pytest.raises(StatsError, match="cannot be read any more"):
         streamed.layers["1"]
 

@@ -17,6 +17,7 @@ it was. `pip wheel --no-deps --no-build-isolation` builds with this interpreter'
 
 `tests/tools/test_wheel.py` uses `build_wheel` and `check_wheel` and installs the result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,11 +55,16 @@ def build_wheel(out: Path, repo: Path = REPO, python: str = sys.executable) -> P
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-src-") as tmp:
         src = source_copy(repo, Path(tmp) / "src")
-        proc = subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                               "-w", str(out), str(src)], check=False, capture_output=True, text=True)
+        proc = subprocess.run(
+            [python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"pip wheel failed (exit {proc.returncode}):\n"
-                               f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"pip wheel failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
     wheels = sorted(out.glob("mcore_proxy-*.whl"), key=lambda p: p.stat().st_mtime)
     if not wheels:
         raise RuntimeError(f"pip wheel wrote no mcore_proxy-*.whl into {out}")
@@ -90,12 +96,14 @@ def check_wheel(wheel: Path, repo: Path = REPO) -> dict:
         if dist_info is None:
             raise AssertionError(f"{wheel}: no .dist-info")
         metadata = zf.read(f"{dist_info}/METADATA").decode()
-        entry_points = (zf.read(f"{dist_info}/entry_points.txt").decode()
-                        if f"{dist_info}/entry_points.txt" in names else "")
+        entry_points = (
+            zf.read(f"{dist_info}/entry_points.txt").decode() if f"{dist_info}/entry_points.txt" in names else ""
+        )
         activation = zf.read(ACTIVATION) if ACTIVATION in names else None
     top = sorted({n.split("/")[0] for n in names})
-    modules = sorted(str(p.relative_to(repo).as_posix()) for p in (repo / PACKAGE).rglob("*.py")
-                     if "__pycache__" not in p.parts)
+    modules = sorted(
+        str(p.relative_to(repo).as_posix()) for p in (repo / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts
+    )
     problems += [f"{m} is not in the wheel" for m in modules if m not in names]
     problems += [f"unexpected top-level entry {t}/" for t in top if t not in (PACKAGE, dist_info)]
     problems += [f"{t}/ is in the wheel" for t in FORBIDDEN_TOP if t in top]
@@ -111,13 +119,21 @@ def check_wheel(wheel: Path, repo: Path = REPO) -> dict:
     extras = _extras(metadata)
     for package in PACKAGES.values():
         if package.extra and package.dist.lower() not in extras.get(package.extra, set()):
-            problems.append(f"extra [{package.extra}] does not require {package.dist} "
-                            "(mcore_proxy.optional names it in its sentences)")
+            problems.append(
+                f"extra [{package.extra}] does not require {package.dist} "
+                "(mcore_proxy.optional names it in its sentences)"
+            )
     if problems:
         raise AssertionError(f"{wheel.name}:\n  " + "\n  ".join(problems))
-    return {"wheel": str(wheel), "bytes": wheel.stat().st_size, "files": len(names),
-            "modules": sum(n.endswith(".py") for n in names), "top": top,
-            "activation": ACTIVATION, "extras": {k: sorted(v) for k, v in sorted(extras.items()) if k}}
+    return {
+        "wheel": str(wheel),
+        "bytes": wheel.stat().st_size,
+        "files": len(names),
+        "modules": sum(n.endswith(".py") for n in names),
+        "top": top,
+        "activation": ACTIVATION,
+        "extras": {k: sorted(v) for k, v in sorted(extras.items()) if k},
+    }
 
 
 def main(argv=None) -> int:
@@ -131,9 +147,11 @@ def main(argv=None) -> int:
         except AssertionError as err:
             print(f"check_wheel: {err}", file=sys.stderr)
             return 1
-        print(f"check_wheel: {Path(s['wheel']).name}: {s['bytes'] / 1024:.0f} KiB, {s['files']} files "
-              f"({s['modules']} modules), top level {', '.join(s['top'])}; {s['activation']} inside; extras "
-              + "; ".join(f"[{k}] {' '.join(v)}" for k, v in s["extras"].items()))
+        print(
+            f"check_wheel: {Path(s['wheel']).name}: {s['bytes'] / 1024:.0f} KiB, {s['files']} files "
+            f"({s['modules']} modules), top level {', '.join(s['top'])}; {s['activation']} inside; extras "
+            + "; ".join(f"[{k}] {' '.join(v)}" for k, v in s["extras"].items())
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ the terminal. argparse's wording differs a little between Python versions ("opti
 so `--check` compares against what the running interpreter renders: regenerate with the
 interpreter CI uses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Arg
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             seen = set()
-            for choice in action._choices_actions:          # one per subcommand, in order
+            for choice in action._choices_actions:  # one per subcommand, in order
                 sub = action.choices[choice.dest]
                 if id(sub) not in seen:
                     seen.add(id(sub))
@@ -57,7 +58,7 @@ def render() -> str:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = COLUMNS                 # argparse reads the width when it formats
+    os.environ["COLUMNS"] = COLUMNS  # argparse reads the width when it formats
     try:
         from mcore_proxy.cli import build_parser
 
@@ -85,8 +86,9 @@ def check(path: Path = OUT) -> str | None:
     if not path.is_file():
         return f"{path.relative_to(REPO)} is missing; run: python tools/cli_reference.py"
     if path.read_text() != render():
-        return (f"{path.relative_to(REPO)} is stale (the command-line options changed); "
-                "run: python tools/cli_reference.py")
+        return (
+            f"{path.relative_to(REPO)} is stale (the command-line options changed); run: python tools/cli_reference.py"
+        )
     return None
 
 

@@ -15,6 +15,7 @@ in it, and where a torch it lacks should come from. It asks no network:
   pypi    macOS and Windows (PyPI's builds there carry no CUDA libraries), or
           MCORE_PROXY_TORCH_INDEX=pip: pip's own configured index.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,8 +89,12 @@ def is_cpu_wheel(wheel: Path, version: str, supported_tags: set[str]) -> bool:
     public, _, local = m["version"].partition("+")
     if public != version:
         return False
-    tags = {f"{py}-{abi}-{plat}" for py in m["py"].split(".") for abi in m["abi"].split(".")
-            for plat in m["plat"].split(".")}
+    tags = {
+        f"{py}-{abi}-{plat}"
+        for py in m["py"].split(".")
+        for abi in m["abi"].split(".")
+        for plat in m["plat"].split(".")
+    }
     if not tags & supported_tags:
         return False
     if local:
@@ -105,8 +110,9 @@ def find_local_cpu_wheel(folders: list[Path], version: str, supported_tags: set[
     return None
 
 
-def choose_torch(torch_importable: bool, platform: str, local_wheel: Path | None,
-                 index_override: str | None) -> tuple[str, str]:
+def choose_torch(
+    torch_importable: bool, platform: str, local_wheel: Path | None, index_override: str | None
+) -> tuple[str, str]:
     """(action, source): keep / wheel PATH / index URL / pypi (see the module docstring)."""
     if torch_importable:
         return "keep", ""
@@ -132,8 +138,9 @@ def supported_tags() -> set[str]:
 
 def pip_config() -> tuple[list[str], list[str]]:
     try:
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
-                             text=True, timeout=60).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         out = ""
     return parse_pip_config(out)
@@ -167,8 +174,7 @@ def main(argv=None) -> int:
     version, file, error = probe_torch()
     folders = wheel_folders(*pip_config()) if not version else []
     wheel = find_local_cpu_wheel(folders, a.torch_version, supported_tags()) if folders else None
-    action, source = choose_torch(bool(version), sys.platform, wheel,
-                                  os.environ.get("MCORE_PROXY_TORCH_INDEX") or None)
+    action, source = choose_torch(bool(version), sys.platform, wheel, os.environ.get("MCORE_PROXY_TORCH_INDEX") or None)
     facts = {
         "python": sys.executable,
         "version": ".".join(map(str, sys.version_info[:3])),

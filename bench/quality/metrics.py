@@ -8,6 +8,7 @@
 - routing coverage: share of the original's top-k selections on the test split (traced by
   `mcore_proxy.trace`) that fall on kept experts, averaged over MoE layers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,14 +24,14 @@ from bench.quality import task
 class Reference:
     """The original model's outputs on the test split."""
 
-    log_probs: torch.Tensor      # [n_answer_positions, V] at the answer positions
-    hidden: torch.Tensor         # [n_text_positions, H] final hidden states
+    log_probs: torch.Tensor  # [n_answer_positions, V] at the answer positions
+    hidden: torch.Tensor  # [n_text_positions, H] final hidden states
     accuracy: float
 
 
 def _batches(problems, size=250):
     for start in range(0, len(problems), size):
-        tokens, mask = task.batch(problems[start:start + size])
+        tokens, mask = task.batch(problems[start : start + size])
         yield task.trim(tokens, mask)
 
 
@@ -45,7 +46,7 @@ def forward_outputs(gpt, problems) -> tuple[torch.Tensor, torch.Tensor]:
             hidden.clear()
             lg = qmodel.logits(gpt, tokens)
             lps.append(torch.log_softmax(lg[mask].double(), -1))
-            h = hidden[-1].transpose(0, 1)        # [s, b, H] -> [b, s, H]
+            h = hidden[-1].transpose(0, 1)  # [s, b, H] -> [b, s, H]
             hs.append(h[tokens != task.PAD].double())
     finally:
         hook.remove()

@@ -3,6 +3,7 @@
 Everything runs in a one-rank gloo world (`mcore_proxy.functional.cpu`): the local
 (non-Transformer-Engine) layer spec, SequentialMLP experts, RMSNorm, SwiGLU, RoPE, fp32.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,14 +19,31 @@ from mcore_proxy.functional.model import Layout, toy_from_args, ToyMoE
 # coarse: few large experts, top-2 of 16 (Mixtral-like); fine: many small experts, top-8 of
 # 64 with a shared expert (DeepSeek/Qwen3-MoE-like). Equal hidden size and depth.
 SHAPES = {
-    "coarse": ToyMoE(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
-                     num_experts=16, moe_ffn_hidden_size=128, topk=2,
-                     vocab_size=task.VOCAB_SIZE, seq_length=task.SEQ_LENGTH),
-    "fine": ToyMoE(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
-                   num_experts=64, moe_ffn_hidden_size=32, topk=8, shared_expert_size=64,
-                   vocab_size=task.VOCAB_SIZE, seq_length=task.SEQ_LENGTH),
+    "coarse": ToyMoE(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        num_experts=16,
+        moe_ffn_hidden_size=128,
+        topk=2,
+        vocab_size=task.VOCAB_SIZE,
+        seq_length=task.SEQ_LENGTH,
+    ),
+    "fine": ToyMoE(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        num_experts=64,
+        moe_ffn_hidden_size=32,
+        topk=8,
+        shared_expert_size=64,
+        vocab_size=task.VOCAB_SIZE,
+        seq_length=task.SEQ_LENGTH,
+    ),
 }
-LAYOUT = Layout()          # TP = PP = EP = 1
+LAYOUT = Layout()  # TP = PP = EP = 1
 
 
 def config(model: ToyMoE, aux_loss: float | None = None):
@@ -46,9 +64,16 @@ def build(model: ToyMoE, cfg=None):
 
     cfg = cfg or config(model)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    return GPTModel(cfg, spec, vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
-                    pre_process=True, post_process=True, parallel_output=False,
-                    position_embedding_type="rope").eval()
+    return GPTModel(
+        cfg,
+        spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=True,
+        post_process=True,
+        parallel_output=False,
+        position_embedding_type="rope",
+    ).eval()
 
 
 def _positions_and_mask(b: int, s: int):
@@ -70,8 +95,7 @@ def read_state(ckpt: str | Path) -> dict:
     from mcore_proxy.checkpoint.iteration import resolve_iteration_dir
 
     it_dir, _ = resolve_iteration_dir(root, lambda folder: False, "no tracker; pass a checkpoint train.py wrote")
-    return torch.load(it_dir / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
-                      weights_only=False)
+    return torch.load(it_dir / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu", weights_only=False)
 
 
 def load(ckpt: str | Path):
@@ -93,8 +117,15 @@ def save(gpt, model: ToyMoE, ckpt: str | Path, iteration: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     args = model.megatron_args(LAYOUT)
     args.iteration = iteration
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                "model": gpt.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
+    torch.save(
+        {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "model": gpt.state_dict_for_save_checkpoint(),
+        },
+        folder / "model_optim_rng.pt",
+    )
     (root / TRACKER).write_text(str(iteration))
     return root
 
@@ -104,7 +135,7 @@ def generate(gpt, problems: list[task.Problem], batch: int = 500) -> list[str]:
     """Greedy answers (the characters after "=", up to and including the first ".")."""
     out = []
     for start in range(0, len(problems), batch):
-        chunk = problems[start:start + batch]
+        chunk = problems[start : start + batch]
         tokens, lengths = task.prompts(chunk)
         # causal model: columns past the longest prompt plus the answer are never read
         tokens = tokens[:, : min(task.SEQ_LENGTH, int(lengths.max()) + task.MAX_ANSWER)]

@@ -9,6 +9,7 @@ and must write the integer answer and the full stop; exact match of that string 
 Splits are fixed by a seed: `split("train" | "val" | "test")` always returns the same problems,
 and no prompt of the test or validation split occurs in the train split.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,39 +19,35 @@ import torch
 
 SEED = 1234
 SPLIT_SIZES = {"train": 60_000, "val": 1_000, "test": 1_000}
-SEQ_LENGTH = 64            # every problem line fits, with room: the longest is checked below
+SEQ_LENGTH = 64  # every problem line fits, with room: the longest is checked below
 
 PAD = 0
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,?=:"
 VOCAB = {c: i + 1 for i, c in enumerate(CHARS)}
 INV_VOCAB = {i: c for c, i in VOCAB.items()}
-VOCAB_SIZE = 64            # padded: ids 0 (pad) .. len(CHARS) are used
+VOCAB_SIZE = 64  # padded: ids 0 (pad) .. len(CHARS) are used
 
 NAMES = ("tom", "ann", "bob", "eva", "sam", "mia", "leo", "zoe")
 OBJECTS = ("apples", "pens", "cards", "books", "eggs", "coins", "shells", "cups")
 
 # (kind, template); {n}, {m}: names, {o}: object, {a} {b} {c}: numbers
 TEMPLATES = {
-    "add": ("{n} has {a} {o} and gets {b} more. how many?",
-            "{a} {o} and {b} {o}. total?",
-            "{n} had {a} {o}, found {b}. now?",
-            "add {a} and {b}:"),
-    "sub": ("{n} has {a} {o} and gives {b} away. left?",
-            "{n} had {a} {o}, lost {b}. now?",
-            "take {b} from {a}:"),
-    "mul": ("{a} bags of {b} {o}. total?",
-            "{n} buys {a} packs of {b} {o}. how many?",
-            "{a} times {b}:"),
-    "div": ("{a} {o} shared by {b} kids. each?",
-            "{n} puts {a} {o} in {b} equal rows. per row?",
-            "{a} split in {b}:"),
-    "compare": ("{n} has {a} {o}, {m} has {b}. how many more has {n}?",
-                "{n} {a}, {m} {b}. difference?"),
-    "times": ("{n} has {a} {o}. {m} has twice as many. {m}?",
-              "{n} has {a} {o}, {m} has half as many. {m}?",
-              "{n} has {a} {o}, {m} has 3 times as many. {m}?"),
-    "two_step": ("{n} has {a} {o}, gets {b}, gives {c}. left?",
-                 "{a} {o} plus {b} minus {c}:"),
+    "add": (
+        "{n} has {a} {o} and gets {b} more. how many?",
+        "{a} {o} and {b} {o}. total?",
+        "{n} had {a} {o}, found {b}. now?",
+        "add {a} and {b}:",
+    ),
+    "sub": ("{n} has {a} {o} and gives {b} away. left?", "{n} had {a} {o}, lost {b}. now?", "take {b} from {a}:"),
+    "mul": ("{a} bags of {b} {o}. total?", "{n} buys {a} packs of {b} {o}. how many?", "{a} times {b}:"),
+    "div": ("{a} {o} shared by {b} kids. each?", "{n} puts {a} {o} in {b} equal rows. per row?", "{a} split in {b}:"),
+    "compare": ("{n} has {a} {o}, {m} has {b}. how many more has {n}?", "{n} {a}, {m} {b}. difference?"),
+    "times": (
+        "{n} has {a} {o}. {m} has twice as many. {m}?",
+        "{n} has {a} {o}, {m} has half as many. {m}?",
+        "{n} has {a} {o}, {m} has 3 times as many. {m}?",
+    ),
+    "two_step": ("{n} has {a} {o}, gets {b}, gives {c}. left?", "{a} {o} plus {b} minus {c}:"),
 }
 KINDS = tuple(TEMPLATES)
 
@@ -58,8 +55,8 @@ KINDS = tuple(TEMPLATES)
 @dataclass(frozen=True)
 class Problem:
     kind: str
-    prompt: str          # ends with the character before "="
-    answer: str          # the integer, as written after "="
+    prompt: str  # ends with the character before "="
+    answer: str  # the integer, as written after "="
 
     @property
     def text(self) -> str:
@@ -94,7 +91,7 @@ def _numbers(kind: str, template: str, rng: random.Random) -> tuple[dict, int]:
             return dict(a=a), a // 2
         a = r(2, 30)
         return dict(a=a), 3 * a
-    a, b = r(5, 50), r(1, 30)     # two_step
+    a, b = r(5, 50), r(1, 30)  # two_step
     c = r(1, a + b - 1)
     return dict(a=a, b=b, c=c), a + b - c
 
@@ -159,9 +156,9 @@ def batch(problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = encode(p.text)
         if len(ids) > SEQ_LENGTH:
             raise ValueError(f"problem longer than {SEQ_LENGTH} characters: {p.text!r}")
-        tokens[i, :len(ids)] = torch.tensor(ids)
+        tokens[i, : len(ids)] = torch.tensor(ids)
         eq = len(p.prompt)
-        mask[i, eq:len(ids) - 1] = True
+        mask[i, eq : len(ids) - 1] = True
     return tokens, mask
 
 
@@ -178,9 +175,9 @@ def prompts(problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = torch.empty(len(problems), dtype=torch.int64)
     for i, p in enumerate(problems):
         ids = encode(p.prompt + "=")
-        tokens[i, :len(ids)] = torch.tensor(ids)
+        tokens[i, : len(ids)] = torch.tensor(ids)
         lengths[i] = len(ids)
     return tokens, lengths
 
 
-MAX_ANSWER = 5             # digits plus the full stop: answers are below 1000
+MAX_ANSWER = 5  # digits plus the full stop: answers are below 1000

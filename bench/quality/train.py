@@ -11,6 +11,7 @@ so a change to any of them trains anew; a missing or incomplete folder is rebuil
 spawned one-rank gloo world with megatron-core's own GPTModel (local spec), AdamW, loss on the
 answer characters, Switch load balancing (aux loss), fixed seeds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     aux_loss: float = 1e-2
     seed: int = 0
-    threads: int = 1          # 2 threads on 2 shared cores ran 4x slower than 1 under load
+    threads: int = 1  # 2 threads on 2 shared cores ran 4x slower than 1 under load
 
 
 # steps chosen so each trains in well under 30 minutes on 2 shared cores (train.json has the time)
@@ -51,8 +52,7 @@ SETTINGS = {"coarse": TrainSettings(steps=2500), "fine": TrainSettings(steps=200
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MCORE_PROXY_QUALITY_CACHE",
-                               Path.home() / ".cache" / "mcore-proxy" / "quality"))
+    return Path(os.environ.get("MCORE_PROXY_QUALITY_CACHE", Path.home() / ".cache" / "mcore-proxy" / "quality"))
 
 
 # bump when the training procedure changes in a way the settings do not show
@@ -78,15 +78,14 @@ def _train_worker(rank: int, shape: str, out: str, report: str) -> None:
     from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
     from mcore_proxy.interrupts import die_with_parent
 
-    die_with_parent()   # a killed ablation must not leave a training orphan writing into the cache
+    die_with_parent()  # a killed ablation must not leave a training orphan writing into the cache
     s = SETTINGS[shape]
     torch.set_num_threads(s.threads)
     init_distributed(0, 1, free_port(), seed=s.seed)
     try:
         model = qmodel.SHAPES[shape]
         gpt = qmodel.build(model, qmodel.config(model, s.aux_loss)).train()
-        opt = torch.optim.AdamW(gpt.parameters(), lr=s.lr, weight_decay=s.weight_decay,
-                                betas=(0.9, 0.98))
+        opt = torch.optim.AdamW(gpt.parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.98))
         train = task.split("train")
         order = list(range(len(train)))
         rng = random.Random(s.seed)
@@ -96,7 +95,7 @@ def _train_worker(rank: int, shape: str, out: str, report: str) -> None:
             if pos + s.batch > len(order):
                 rng.shuffle(order)
                 pos = 0
-            tokens, mask = task.trim(*task.batch([train[i] for i in order[pos:pos + s.batch]]))
+            tokens, mask = task.trim(*task.batch([train[i] for i in order[pos : pos + s.batch]]))
             pos += s.batch
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, s)
@@ -104,21 +103,32 @@ def _train_worker(rank: int, shape: str, out: str, report: str) -> None:
             targets = torch.roll(tokens, -1, dims=1)
             loss = torch.nn.functional.cross_entropy(out_logits[mask], targets[mask])
             opt.zero_grad(set_to_none=True)
-            loss.backward()   # the routers' aux losses join here (MoEAuxLossAutoScaler)
+            loss.backward()  # the routers' aux losses join here (MoEAuxLossAutoScaler)
             torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
             opt.step()
             if step % 100 == 0 or step == s.steps - 1:
                 history.append({"step": step, "loss": float(loss), "seconds": time.time() - t0})
-                log.warning("train %s: step %d/%d loss %.4f (%.0f s)", shape, step, s.steps,
-                            float(loss), time.time() - t0)
+                log.warning(
+                    "train %s: step %d/%d loss %.4f (%.0f s)", shape, step, s.steps, float(loss), time.time() - t0
+                )
         seconds = time.time() - t0
         gpt.eval()
         acc = {name: qmodel.accuracy(gpt, task.split(name)) for name in ("val", "test")}
         qmodel.save(gpt, model, out, s.steps)
-        Path(report).write_text(json.dumps({
-            "shape": shape, "model": asdict(model), "settings": asdict(s),
-            "train_seconds": seconds, "load_average_after": os.getloadavg(),
-            "accuracy": acc, "history": history}, indent=1))
+        Path(report).write_text(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "model": asdict(model),
+                    "settings": asdict(s),
+                    "train_seconds": seconds,
+                    "load_average_after": os.getloadavg(),
+                    "accuracy": acc,
+                    "history": history,
+                },
+                indent=1,
+            )
+        )
     finally:
         destroy_distributed()
 
@@ -137,9 +147,10 @@ def trained_checkpoint(shape: str, *, retrain: bool = False) -> Path:
     staging = base.with_name(base.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    torch.multiprocessing.spawn(_train_worker, args=(shape, str(staging / "ckpt"), str(staging / "train.json")),
-                                nprocs=1, join=True)
-    os.replace(staging, base)   # complete or absent, never half-written
+    torch.multiprocessing.spawn(
+        _train_worker, args=(shape, str(staging / "ckpt"), str(staging / "train.json")), nprocs=1, join=True
+    )
+    os.replace(staging, base)  # complete or absent, never half-written
     return ckpt
 
 
@@ -156,8 +167,10 @@ def main(argv=None) -> int:
     for shape in args.shape or tuple(qmodel.SHAPES):
         ckpt = trained_checkpoint(shape, retrain=args.retrain)
         r = training_report(shape)
-        print(f"{shape}: {ckpt}  test exact match {r['accuracy']['test']:.3f}, "
-              f"val {r['accuracy']['val']:.3f}, trained {r['train_seconds'] / 60:.1f} min")
+        print(
+            f"{shape}: {ckpt}  test exact match {r['accuracy']['test']:.3f}, "
+            f"val {r['accuracy']['val']:.3f}, trained {r['train_seconds'] / 60:.1f} min"
+        )
     return 0
 
 

@@ -8,7 +8,8 @@ fault acts on generation only, and it takes one optimizer step per RL step, so t
 clock is the RL step.
 
 Per step: 32 problems of a 64-problem RL training set (the first training-split problems; the same
-draw in every run, from --seed and the step), 4 sampled answers each (temperature 1, sampling noise drawn from its own seeded generator, so two
+draw in every run, from --seed and the step), 4 sampled answers each (temperature 1, sampling noise drawn from its own
+seeded generator, so two
 runs differ only by what a fault changes); reward 1 for an exact answer; group-normalised
 advantages; one PPO-clip update (eps 0.2) on the rollout's log-probabilities with a k3 KL penalty
 to the frozen initial model. Logs verl's metric names to TensorBoard (`--out/tb`) and to JSONL
@@ -17,6 +18,7 @@ every step.
 
     python examples/rl_faults/grpo.py --ckpt CKPT --out DIR [--steps 60]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +36,13 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", required=True, help="Megatron legacy checkpoint (TP=PP=EP=1) of the policy")
     p.add_argument("--out", required=True, help="folder for tb/ and metrics.jsonl")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--dataset", type=int, default=64,
-                   help="size of the RL training set: the first N training-split problems, seen again every "
-                        "N / --prompts steps (0: the whole split)")
+    p.add_argument(
+        "--dataset",
+        type=int,
+        default=64,
+        help="size of the RL training set: the first N training-split problems, seen again every "
+        "N / --prompts steps (0: the whole split)",
+    )
     p.add_argument("--prompts", type=int, default=32, help="problems per step")
     p.add_argument("--samples", type=int, default=4, help="answers sampled per problem (group)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -78,7 +84,7 @@ def rollout(gpt, problems, samples: int, generator: torch.Generator):
             done |= nxt == task.VOCAB["."]
             if done.all():
                 break
-    answers = [task.decode(tokens[i, start[i]:lengths[i]]) for i in range(n)]
+    answers = [task.decode(tokens[i, start[i] : lengths[i]]) for i in range(n)]
     rewards = torch.tensor([float(a == p.answer + ".") for a, p in zip(answers, group)])
     return tokens[:, :width], response[:, :width], logp[:, :width], rewards, (lengths - start).float()
 
@@ -110,7 +116,7 @@ def grpo_step(gpt, ref, optimizer, batch, args) -> dict:
     clipped = torch.clamp(ratio, 1 - args.clip, 1 + args.clip)
     pg = -torch.minimum(ratio * adv, clipped * adv)
     log_ratio_ref = (ref_logp - logp) * mask
-    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1            # k3 (verl's low_var_kl)
+    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 (verl's low_var_kl)
     loss = ((pg + args.kl_coef * kl) * mask).sum() / count
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -150,7 +156,7 @@ def main(argv=None):
         writer = SummaryWriter(str(out / "tb"))
         # prompts that leave room for the longest answer within the model's sequence length
         train = [p for p in task.split("train") if len(p.prompt) + 1 + task.MAX_ANSWER <= task.SEQ_LENGTH]
-        train = train[:args.dataset] if args.dataset else train
+        train = train[: args.dataset] if args.dataset else train
         with open(out / "metrics.jsonl", "w") as jsonl:
             for step in range(args.steps):
                 t0 = time.perf_counter()
@@ -164,10 +170,13 @@ def main(argv=None):
                 jsonl.flush()
                 for key, value in metrics.items():
                     writer.add_scalar(key, value, step)
-                print(f"step {step} reward {metrics['critic/score/mean']:.3f} "
-                      f"kl {metrics['actor/kl_loss']:.5f} diff "
-                      f"{metrics['training/rollout_logprob_diff_mean']:.5f} "
-                      f"({metrics['perf/step_seconds']:.2f} s)", flush=True)
+                print(
+                    f"step {step} reward {metrics['critic/score/mean']:.3f} "
+                    f"kl {metrics['actor/kl_loss']:.5f} diff "
+                    f"{metrics['training/rollout_logprob_diff_mean']:.5f} "
+                    f"({metrics['perf/step_seconds']:.2f} s)",
+                    flush=True,
+                )
         writer.close()
     finally:
         destroy_distributed()

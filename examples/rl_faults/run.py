@@ -18,6 +18,7 @@
 
 Finished runs are kept and not repeated (delete a run's folder to redo it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,18 +37,29 @@ FAULTS = {
     "omission": "update_omission:start=5",
     "router_noise": "router_noise:std=1.0",
 }
-RUNS = [("original", None), ("original", "precision"), ("original", "omission"),
-        ("original", "router_noise"), ("proxy", None), ("proxy", "precision"), ("proxy", "omission")]
+RUNS = [
+    ("original", None),
+    ("original", "precision"),
+    ("original", "omission"),
+    ("original", "router_noise"),
+    ("proxy", None),
+    ("proxy", "precision"),
+    ("proxy", "omission"),
+]
 # name: (original's fault, proxy's fault, expected consistent, the paper's metrics of the fault,
 # the wider set chosen before the first run). The verdict is on the paper's metrics: the
 # log-prob discrepancy and the (rollout-vs-training) PPO KL for the precision fault, the reward
 # for update omission; the other two sets are reported beside it.
 PAIRS = {
-    "precision": ("precision", "precision", True, ("logprob_diff", "ppo_kl"),
-                  ("logprob_diff", "kl_loss", "ppo_kl")),
+    "precision": ("precision", "precision", True, ("logprob_diff", "ppo_kl"), ("logprob_diff", "kl_loss", "ppo_kl")),
     "omission": ("omission", "omission", True, ("reward",), ("reward", "kl_loss", "entropy")),
-    "different": ("router_noise", "omission", False, ("reward", "logprob_diff", "ppo_kl"),
-                  ("reward", "kl_loss", "entropy", "logprob_diff")),
+    "different": (
+        "router_noise",
+        "omission",
+        False,
+        ("reward", "logprob_diff", "ppo_kl"),
+        ("reward", "kl_loss", "entropy", "logprob_diff"),
+    ),
 }
 ALL_METRICS = ("reward", "kl_loss", "ppo_kl", "entropy", "logprob_diff", "clipfrac", "response_length")
 NUM_EXPERTS = 8
@@ -83,7 +95,7 @@ def _trace_worker(rank: int, ckpt: str, out: str, count: int) -> None:
         problems = task.split("train")[:count]
         with install(gpt, out), torch.no_grad():
             for start in range(0, count, 200):
-                tokens, _ = task.batch(problems[start:start + 200])
+                tokens, _ = task.batch(problems[start : start + 200])
                 tokens = task.trim(tokens)[0]
                 qmodel.logits(gpt, tokens, padding_mask=tokens == task.PAD)
     finally:
@@ -99,10 +111,23 @@ def build_proxy(original: Path, work: Path) -> Path:
     stats = work / "trace"
     shutil.rmtree(stats, ignore_errors=True)
     torch.multiprocessing.spawn(_trace_worker, args=(str(original), str(stats), 2000), nprocs=1, join=True)
-    for args in (("stats", "merge", stats, "-o", work / "routing_stats.safetensors", "--force"),
-                 ("select", "--ckpt", original, "--stats", work / "routing_stats.safetensors",
-                  "--num-experts", NUM_EXPERTS, "--target-ep", 1, "-o", work / "plan.json"),
-                 ("convert", original, "--plan", work / "plan.json", "-o", proxy, "--target-ep", 1)):
+    for args in (
+        ("stats", "merge", stats, "-o", work / "routing_stats.safetensors", "--force"),
+        (
+            "select",
+            "--ckpt",
+            original,
+            "--stats",
+            work / "routing_stats.safetensors",
+            "--num-experts",
+            NUM_EXPERTS,
+            "--target-ep",
+            1,
+            "-o",
+            work / "plan.json",
+        ),
+        ("convert", original, "--plan", work / "plan.json", "-o", proxy, "--target-ep", 1),
+    ):
         if args[0] == "select" and (work / "plan.json").exists():
             (work / "plan.json").unlink()
         proc = cli(*args)
@@ -153,50 +178,89 @@ def per_step(folder: Path) -> dict:
     import numpy as np
 
     rows = [json.loads(line)["data"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {"median_step_seconds": float(np.median([r["perf/step_seconds"] for r in rows])),
-            "peak_rss_mib": max(r["perf/max_rss_mib"] for r in rows)}
+    return {
+        "median_step_seconds": float(np.median([r["perf/step_seconds"] for r in rows])),
+        "peak_rss_mib": max(r["perf/max_rss_mib"] for r in rows),
+    }
 
 
 BEGIN, END = "<!-- rl_faults:begin (examples/rl_faults/run.py --record) -->", "<!-- rl_faults:end -->"
-PICTURES = [("precision-chosen", "logprob_diff"), ("precision-chosen", "kl_loss"),
-            ("omission-chosen", "reward"), ("omission-chosen", "kl_loss"), ("omission-chosen", "entropy"),
-            ("different-chosen", "reward"), ("different-chosen", "kl_loss")]
+PICTURES = [
+    ("precision-chosen", "logprob_diff"),
+    ("precision-chosen", "kl_loss"),
+    ("omission-chosen", "reward"),
+    ("omission-chosen", "kl_loss"),
+    ("omission-chosen", "entropy"),
+    ("different-chosen", "reward"),
+    ("different-chosen", "kl_loss"),
+]
 
 
 def results_section(results: dict) -> str:
     steps = results["per_step"]
-    lines = [BEGIN, "", "## Fault reproduction: GRPO on CPU, original vs proxy (issue 14)", "",
-             f"`{results['command']}`; {results['steps']} RL steps per run, 32 problems x 4 samples per "
-             f"step (a 64-problem RL set), two runs at a time; 2 shared CPU cores, load average at the end "
-             f"{results['load_average'][0]:.1f}; the seven GRPO runs took "
-             f"{sum(results['run_seconds'].values()) / 60:.0f} min of process time in all.", "",
-             f"Original: bench/quality's `coarse` MoE (E=16, top-2; trained "
-             f"{results['training']['train_seconds'] / 60:.0f} min, test exact match "
-             f"{results['training']['accuracy']['test']:.3f}); proxy: {results['num_experts'][1]} of 16 "
-             f"experts by trace -> stats merge -> select (multiview) -> convert. Greedy test exact match: "
-             f"original {results['test_accuracy_greedy']['original']:.3f}, proxy "
-             f"{results['test_accuracy_greedy']['proxy']:.3f}.", "",
-             "| run | fault | run min | median s/step | peak RSS MiB |", "|---|---|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        "## Fault reproduction: GRPO on CPU, original vs proxy (issue 14)",
+        "",
+        f"`{results['command']}`; {results['steps']} RL steps per run, 32 problems x 4 samples per "
+        f"step (a 64-problem RL set), two runs at a time; 2 shared CPU cores, load average at the end "
+        f"{results['load_average'][0]:.1f}; the seven GRPO runs took "
+        f"{sum(results['run_seconds'].values()) / 60:.0f} min of process time in all.",
+        "",
+        f"Original: bench/quality's `coarse` MoE (E=16, top-2; trained "
+        f"{results['training']['train_seconds'] / 60:.0f} min, test exact match "
+        f"{results['training']['accuracy']['test']:.3f}); proxy: {results['num_experts'][1]} of 16 "
+        f"experts by trace -> stats merge -> select (multiview) -> convert. Greedy test exact match: "
+        f"original {results['test_accuracy_greedy']['original']:.3f}, proxy "
+        f"{results['test_accuracy_greedy']['proxy']:.3f}.",
+        "",
+        "| run | fault | run min | median s/step | peak RSS MiB |",
+        "|---|---|---|---|---|",
+    ]
     for name, row in steps.items():
         fault = name.split("-", 1)[1]
-        lines.append(f"| {name} | {FAULTS.get(fault, '-')} | {results['run_seconds'][name] / 60:.1f} | "
-                     f"{row['median_step_seconds']:.2f} | {row['peak_rss_mib']:.0f} |")
+        lines.append(
+            f"| {name} | {FAULTS.get(fault, '-')} | {results['run_seconds'][name] / 60:.1f} | "
+            f"{row['median_step_seconds']:.2f} | {row['peak_rss_mib']:.0f} |"
+        )
     o, q = steps["original-baseline"], steps["proxy-baseline"]
-    lines += ["", f"Proxy / original, baseline runs (not side by side: each ran beside its own "
-              f"precision run): wall time per step {q['median_step_seconds'] / o['median_step_seconds']:.2f}x, "
-              f"peak RSS {q['peak_rss_mib'] / o['peak_rss_mib']:.2f}x. Peak RSS is dominated by the "
-              "process (torch, megatron-core, two model copies: policy and reference), not the "
-              "experts of these small models.", ""]
+    lines += [
+        "",
+        f"Proxy / original, baseline runs (not side by side: each ran beside its own "
+        f"precision run): wall time per step {q['median_step_seconds'] / o['median_step_seconds']:.2f}x, "
+        f"peak RSS {q['peak_rss_mib'] / o['peak_rss_mib']:.2f}x. Peak RSS is dominated by the "
+        "process (torch, megatron-core, two model copies: policy and reference), not the "
+        "experts of these small models.",
+        "",
+    ]
     for pair, v in results["verdicts"].items():
-        lines += [f"### {pair}: original `{v['faults'][0]}`, proxy `{v['faults'][1]}` "
-                  f"(expected {'consistent' if v['expected_consistent'] else 'inconsistent'}: "
-                  f"{'as expected' if v['as_expected'] else 'NOT as expected'})", "",
-                  f"Verdict on the paper's metrics of the fault, {', '.join(v['paper']['metrics'])} "
-                  f"(exit {v['paper']['exit']}):", "", "```", v["paper"]["table"], "```", "",
-                  f"On the wider set chosen before the first run, {', '.join(v['chosen']['metrics'])} "
-                  f"(exit {v['chosen']['exit']}):", "", "```", v["chosen"]["table"], "```", "",
-                  f"On all {len(ALL_METRICS)} metrics (exit {v['all']['exit']}):", "", "```",
-                  v["all"]["table"], "```", ""]
+        lines += [
+            f"### {pair}: original `{v['faults'][0]}`, proxy `{v['faults'][1]}` "
+            f"(expected {'consistent' if v['expected_consistent'] else 'inconsistent'}: "
+            f"{'as expected' if v['as_expected'] else 'NOT as expected'})",
+            "",
+            f"Verdict on the paper's metrics of the fault, {', '.join(v['paper']['metrics'])} "
+            f"(exit {v['paper']['exit']}):",
+            "",
+            "```",
+            v["paper"]["table"],
+            "```",
+            "",
+            f"On the wider set chosen before the first run, {', '.join(v['chosen']['metrics'])} "
+            f"(exit {v['chosen']['exit']}):",
+            "",
+            "```",
+            v["chosen"]["table"],
+            "```",
+            "",
+            f"On all {len(ALL_METRICS)} metrics (exit {v['all']['exit']}):",
+            "",
+            "```",
+            v["all"]["table"],
+            "```",
+            "",
+        ]
     lines += [f"![{pair} {metric}](rl_faults/{pair}-{metric}.png)" for pair, metric in PICTURES]
     return "\n".join(lines + ["", END])
 
@@ -211,7 +275,7 @@ def record(work: Path, results: dict) -> None:
     text = path.read_text()
     section = results_section(results)
     if BEGIN in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     path.write_text(text)
@@ -237,46 +301,69 @@ def main(argv=None) -> int:
     if not accuracy_file.is_file():
         import torch
 
-        torch.multiprocessing.spawn(_accuracy_worker, args=(list(map(list, ckpts.items())), str(accuracy_file)),
-                                    nprocs=1, join=True)
+        torch.multiprocessing.spawn(
+            _accuracy_worker, args=(list(map(list, ckpts.items())), str(accuracy_file)), nprocs=1, join=True
+        )
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(args.jobs) as pool:   # each run is its own process
-        futures = {run_name(m, f): pool.submit(grpo_run, ckpts[m], work / "runs" / run_name(m, f), f, args.steps)
-                   for m, f in RUNS}
+    with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own process
+        futures = {
+            run_name(m, f): pool.submit(grpo_run, ckpts[m], work / "runs" / run_name(m, f), f, args.steps)
+            for m, f in RUNS
+        }
         seconds = {name: future.result() for name, future in futures.items()}
     verdicts: dict = {}
     for pair, (orig_fault, proxy_fault, expected, metrics, wider) in PAIRS.items():
-        runs = ("--orig-base", work / "runs/original-baseline/tb",   # TensorBoard for the original,
-                "--orig-fault", work / f"runs/original-{orig_fault}/tb",
-                "--proxy-base", work / "runs/proxy-baseline/metrics.jsonl",   # JSONL for the proxy
-                "--proxy-fault", work / f"runs/proxy-{proxy_fault}/metrics.jsonl")
-        verdicts[pair] = {"faults": [FAULTS[orig_fault], FAULTS[proxy_fault]], "metrics": list(metrics),
-                          "expected_consistent": expected}
+        runs = (
+            "--orig-base",
+            work / "runs/original-baseline/tb",  # TensorBoard for the original,
+            "--orig-fault",
+            work / f"runs/original-{orig_fault}/tb",
+            "--proxy-base",
+            work / "runs/proxy-baseline/metrics.jsonl",  # JSONL for the proxy
+            "--proxy-fault",
+            work / f"runs/proxy-{proxy_fault}/metrics.jsonl",
+        )
+        verdicts[pair] = {
+            "faults": [FAULTS[orig_fault], FAULTS[proxy_fault]],
+            "metrics": list(metrics),
+            "expected_consistent": expected,
+        }
         for key, names in (("paper", metrics), ("chosen", wider), ("all", ALL_METRICS)):
             report = work / "compare" / f"{pair}-{key}"
             shutil.rmtree(report, ignore_errors=True)
             report.parent.mkdir(exist_ok=True)
             proc = cli("compare", *runs, "--metrics", *names, "-o", report)
             print(proc.stdout, proc.stderr, flush=True)
-            verdicts[pair][key] = {"exit": proc.returncode, "metrics": list(names),
-                                   "table": proc.stdout.strip().split("\nreport:")[0]}
+            verdicts[pair][key] = {
+                "exit": proc.returncode,
+                "metrics": list(names),
+                "table": proc.stdout.strip().split("\nreport:")[0],
+            }
         verdicts[pair]["as_expected"] = (verdicts[pair]["paper"]["exit"] == 0) == expected
     results = {
-        "original": str(original), "proxy": str(proxy), "num_experts": [16, NUM_EXPERTS],
+        "original": str(original),
+        "proxy": str(proxy),
+        "num_experts": [16, NUM_EXPERTS],
         "training": {k: training_report("coarse")[k] for k in ("train_seconds", "accuracy")},
         "test_accuracy_greedy": json.loads(accuracy_file.read_text()),
-        "steps": args.steps, "run_seconds": seconds,
+        "steps": args.steps,
+        "run_seconds": seconds,
         "per_step": {name: per_step(work / "runs" / name) for name in seconds},
-        "verdicts": verdicts, "total_seconds": time.time() - t_all, "load_average": os.getloadavg(),
+        "verdicts": verdicts,
+        "total_seconds": time.time() - t_all,
+        "load_average": os.getloadavg(),
         "command": "nice -n 10 python examples/rl_faults/run.py " + " ".join(argv or sys.argv[1:]),
     }
     (work / "results.json").write_text(json.dumps(results, indent=1))
     if args.record:
         record(work, results)
     ok = all(v["as_expected"] for v in verdicts.values())
-    print("demonstration", "as expected" if ok else "NOT as expected",
-          {k: v["paper"]["exit"] for k, v in verdicts.items()})
+    print(
+        "demonstration",
+        "as expected" if ok else "NOT as expected",
+        {k: v["paper"]["exit"] for k, v in verdicts.items()},
+    )
     return 0 if ok else 1
 
 

@@ -14,6 +14,7 @@
 Both are cached in the work folder: a finished original (`original/train.json`) is not trained
 again, a finished proxy (`proxy/manifest.json`) not rebuilt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,17 @@ def greedy_accuracy(model, problems, batch: int = 250) -> float:
     right = 0
     model.eval()
     for start in range(0, len(problems), batch):
-        chunk = problems[start:start + batch]
-        enc = tok([task_hf.prompt(p) for p in chunk], return_tensors="pt", padding=True,
-                  add_special_tokens=False)
+        chunk = problems[start : start + batch]
+        enc = tok([task_hf.prompt(p) for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=task.MAX_ANSWER, do_sample=False,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        for p, ids in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):
+            out = model.generate(
+                **enc,
+                max_new_tokens=task.MAX_ANSWER,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        for p, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
             right += task_hf.answer_text(ids) == p.answer + task_hf.EOS
     return right / len(problems)
 
@@ -76,7 +81,7 @@ def train_original(folder: Path, steps: int = STEPS, seed: int = 0, max_minutes:
         if pos + BATCH > len(order):
             rng.shuffle(order)
             pos = 0
-        tokens, mask = task.trim(*task.batch([train[i] for i in order[pos:pos + BATCH]]))
+        tokens, mask = task.trim(*task.batch([train[i] for i in order[pos : pos + BATCH]]))
         pos += BATCH
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps)
@@ -100,10 +105,22 @@ def train_original(folder: Path, steps: int = STEPS, seed: int = 0, max_minutes:
     acc = {name: greedy_accuracy(model, task.split(name)[:500]) for name in ("val", "test")}
     model.save_pretrained(folder)
     task_hf.tokenizer().save_pretrained(folder)
-    (folder / "train.json").write_text(json.dumps({
-        "steps": done, "planned_steps": steps, "batch": BATCH, "lr": LR, "seed": seed,
-        "train_seconds": seconds, "greedy_exact_match_500": acc, "history": history,
-        "load_average_after": os.getloadavg()}, indent=1))
+    (folder / "train.json").write_text(
+        json.dumps(
+            {
+                "steps": done,
+                "planned_steps": steps,
+                "batch": BATCH,
+                "lr": LR,
+                "seed": seed,
+                "train_seconds": seconds,
+                "greedy_exact_match_500": acc,
+                "history": history,
+                "load_average_after": os.getloadavg(),
+            },
+            indent=1,
+        )
+    )
     return folder
 
 
@@ -117,8 +134,9 @@ def calibration(path: Path, count: int = 2000) -> Path:
 def cli(*args) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     print("$ mcore-proxy", " ".join(map(str, args)), flush=True)
-    proc = subprocess.run([sys.executable, "-m", "mcore_proxy.cli", *map(str, args)], env=env, text=True,
-                          capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_proxy.cli", *map(str, args)], env=env, text=True, capture_output=True
+    )
     print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"mcore-proxy {args[0]} failed ({proc.returncode})")
@@ -132,8 +150,17 @@ def build_proxy(original: Path, work: Path, num_experts: int) -> Path:
     cli("collect", "--hf", original, "--data", data, "-o", work / "stats", "--batch-size", 100)
     plan = work / "plan.json"
     plan.unlink(missing_ok=True)
-    cli("select", "--ckpt", original, "--stats", work / "stats" / "routing_stats.safetensors",
-        "--num-experts", num_experts, "-o", plan)
+    cli(
+        "select",
+        "--ckpt",
+        original,
+        "--stats",
+        work / "stats" / "routing_stats.safetensors",
+        "--num-experts",
+        num_experts,
+        "-o",
+        plan,
+    )
     cli("convert", original, "--plan", plan, "-o", proxy)
     return proxy
 
@@ -153,9 +180,16 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
 
         acc = greedy_accuracy(AutoModelForCausalLM.from_pretrained(proxy), task.split("test")[:500])
-        report.write_text(json.dumps({"original": json.loads((original / "train.json").read_text()),
-                                      "proxy_greedy_exact_match_test_500": acc,
-                                      "num_experts": [task_hf.SHAPE["num_experts"], args.num_experts]}, indent=1))
+        report.write_text(
+            json.dumps(
+                {
+                    "original": json.loads((original / "train.json").read_text()),
+                    "proxy_greedy_exact_match_test_500": acc,
+                    "num_experts": [task_hf.SHAPE["num_experts"], args.num_experts],
+                },
+                indent=1,
+            )
+        )
     print(report.read_text())
     return 0
 

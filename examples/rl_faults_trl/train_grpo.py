@@ -34,6 +34,7 @@ with `perf/step_seconds` and `perf/max_rss_mib` (peak resident memory of the pro
     python examples/rl_faults_trl/train_grpo.py --model MODEL_DIR --out RUN_DIR [--steps 40]
     accelerate launch --num_processes 1 --cpu examples/rl_faults_trl/train_grpo.py ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,12 +79,12 @@ def trainer_class():
         _batch = None
         _step_started = None
 
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
-                                  has_tool_images=False):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
             if self.use_vllm or self.use_transformers_continuous_batching:
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
-            model = self.accelerator.unwrap_model(self.model_wrapped)   # what TRL generates with
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+            model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL generates with
             seen = {}
             generate = model.generate
 
@@ -95,14 +96,15 @@ def trainer_class():
             model.generate = generate_with_logits
             try:
                 completion_ids, logprobs = super()._generate_single_turn(
-                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
             finally:
                 del model.generate
             if logprobs is None and seen:
                 logits = torch.stack(seen["logits"], 1).float() / self.temperature
-                new = seen["sequences"][:, -logits.shape[1]:].to(logits.device)
+                new = seen["sequences"][:, -logits.shape[1] :].to(logits.device)
                 picked = torch.log_softmax(logits, -1).gather(-1, new[..., None]).squeeze(-1)
-                logprobs = [picked[i, :len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+                logprobs = [picked[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
             return completion_ids, logprobs
 
         def _compute_loss(self, model, inputs):
@@ -112,21 +114,25 @@ def trainer_class():
             finally:
                 self._batch = None
 
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                               **kwargs):
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                             *args, **kwargs)
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
             batch = self._batch
             if batch is not None and torch.is_grad_enabled() and batch.get("sampling_per_token_logps") is not None:
                 mask = batch["completion_mask"].bool()
                 # log pi_train - log pi_rollout; float64: e^r - r - 1 ~ r^2/2 cancels to noise in float32
                 r = (out[0].detach() - batch["sampling_per_token_logps"])[mask].double()
-                gathered = {"sampling/sampling_logp_difference/mean": r.abs().mean(),
-                            "rollout_corr/kl": (-r).mean(), "rollout_corr/k3_kl": (torch.expm1(r) - r).mean()}
+                gathered = {
+                    "sampling/sampling_logp_difference/mean": r.abs().mean(),
+                    "rollout_corr/kl": (-r).mean(),
+                    "rollout_corr/k3_kl": (torch.expm1(r) - r).mean(),
+                }
                 for name, value in gathered.items():
                     self._metrics["train"][name].append(self.accelerator.gather(value).mean().item())
                 self._metrics["train"]["sampling/sampling_logp_difference/max"].append(
-                    self.accelerator.gather(r.abs().max()).max().item())
+                    self.accelerator.gather(r.abs().max()).max().item()
+                )
             return out
 
         def log(self, logs, start_time=None):
@@ -175,20 +181,40 @@ def main(argv=None) -> int:
     (out / "metrics.jsonl").unlink(missing_ok=True)
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out / "tb")
     config = GRPOConfig(
-        output_dir=str(out), max_steps=args.steps, seed=args.seed, use_cpu=True,
-        per_device_train_batch_size=args.prompts * args.samples, num_generations=args.samples,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, beta=args.beta, temperature=args.temperature,
-        max_completion_length=task_hf.task.MAX_ANSWER, logging_steps=1, save_strategy="no",
-        report_to=[] if args.report_to == "none" else [args.report_to], disable_tqdm=True,
-        dataloader_num_workers=0, bf16=False, fp16=False, log_completions=False,
+        output_dir=str(out),
+        max_steps=args.steps,
+        seed=args.seed,
+        use_cpu=True,
+        per_device_train_batch_size=args.prompts * args.samples,
+        num_generations=args.samples,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=args.beta,
+        temperature=args.temperature,
+        max_completion_length=task_hf.task.MAX_ANSWER,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[] if args.report_to == "none" else [args.report_to],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
+        log_completions=False,
         model_init_kwargs={"dtype": torch.float32},
     )
     trainer = trainer_class()(
-        model=args.model, reward_funcs=task_hf.exact_match_reward, args=config,
+        model=args.model,
+        reward_funcs=task_hf.exact_match_reward,
+        args=config,
         train_dataset=task_hf.dataset(task_hf.rl_problems(args.dataset)),
-        processing_class=task_hf.tokenizer(), callbacks=[log_writer(out)],
+        processing_class=task_hf.tokenizer(),
+        callbacks=[log_writer(out)],
     )
     trainer.train()
     trainer.save_state()

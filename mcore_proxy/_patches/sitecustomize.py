@@ -34,14 +34,15 @@ Imports: the standard library here; torch only once megatron is imported anyway.
 `mcore_proxy` is not importable (a checkout that is not installed), the folder holding this
 file's `mcore_proxy` package is appended to sys.path.
 """
+
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))          # the folder on PYTHONPATH (maybe the link's)
-_REAL = os.path.realpath(__file__)                          # .../mcore_proxy/_patches/sitecustomize.py
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_REAL)))   # the folder holding mcore_proxy
+_HERE = os.path.dirname(os.path.abspath(__file__))  # the folder on PYTHONPATH (maybe the link's)
+_REAL = os.path.realpath(__file__)  # .../mcore_proxy/_patches/sitecustomize.py
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_REAL)))  # the folder holding mcore_proxy
 # The variables of mcore_proxy.activation's features (a test keeps the two lists equal); checked
 # here so that an inactive process does not even import mcore_proxy.
 _ENV_VARS = ("MCORE_PROXY_TRACE_DIR", "MCORE_PROXY_FAULTS")

@@ -26,6 +26,7 @@ fault of its spec; `schedules`, a list, makes one run per schedule and strength,
 `NAME@STRENGTH@SCHEDULE` (commas as `+`). Every spec is parsed here, so a typo fails before any
 run starts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -60,7 +61,7 @@ class Entry:
     command: tuple
     log: str
     run_dir: Path
-    env: tuple = ()                # (name, value) added to the run's environment
+    env: tuple = ()  # (name, value) added to the run's environment
 
     @property
     def is_baseline(self) -> bool:
@@ -79,7 +80,7 @@ class CampaignConfig:
     jobs: int
     patches: bool = True
     metrics: tuple | None = None
-    entries: tuple = ()            # Entry; the baseline first
+    entries: tuple = ()  # Entry; the baseline first
 
     @property
     def library(self) -> Path:
@@ -104,18 +105,26 @@ def _fill(text: str, values: dict, path: Path) -> str:
     try:
         return str(text).format(**values)
     except (KeyError, IndexError, ValueError) as err:
-        raise _fail(path, f"placeholder in {text!r} is not one of {{{'}, {'.join(values)}}} ({err}); "
-                    "write literal braces as {{ }}") from None
+        raise _fail(
+            path,
+            f"placeholder in {text!r} is not one of {{{'}, {'.join(values)}}} ({err}); "
+            "write literal braces as {{ }}",
+        ) from None
 
 
-def _entry(path: Path, work: Path, raw: dict, name: str, fault: str, strength: str, spec: str,
-           args: list) -> Entry:
+def _entry(path: Path, work: Path, raw: dict, name: str, fault: str, strength: str, spec: str, args: list) -> Entry:
     """One run; placeholders filled in its command, args, log and env values."""
     if not NAME.match(name):
         raise _fail(path, f"run name {name!r} may use only letters, digits and _.@=+-")
     run_dir = work / "runs" / name
-    values = {"run_dir": str(run_dir), "name": name, "fault": fault, "strength": strength,
-              "python": sys.executable, "config_dir": str(path.parent)}
+    values = {
+        "run_dir": str(run_dir),
+        "name": name,
+        "fault": fault,
+        "strength": strength,
+        "python": sys.executable,
+        "config_dir": str(path.parent),
+    }
     command = tuple(_fill(c, values, path) for c in [*raw["command"], *args])
     env = tuple((k, _fill(v, values, path)) for k, v in raw.get("env", {}).items())
     return Entry(name, fault, strength, spec, command, _fill(raw["log"], values, path), run_dir, env)
@@ -141,8 +150,14 @@ def parse_config(raw, path: Path) -> CampaignConfig:
     for key in ("command", "log", "faults"):
         if key not in raw:
             raise _fail(path, f'no "{key}"; a campaign needs "command" (a list), "log" and "faults"')
-    if not isinstance(raw["command"], list) or not raw["command"] or not all(isinstance(c, str) for c in raw["command"]):
-        raise _fail(path, '"command" must be a non-empty list of strings, e.g. ["torchrun", "train.py", "--out", "{run_dir}"]')
+    if (
+        not isinstance(raw["command"], list)
+        or not raw["command"]
+        or not all(isinstance(c, str) for c in raw["command"])
+    ):
+        raise _fail(
+            path, '"command" must be a non-empty list of strings, e.g. ["torchrun", "train.py", "--out", "{run_dir}"]'
+        )
     jobs = raw.get("jobs", 1)
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise _fail(path, f'"jobs" must be an integer >= 1, not {jobs!r}')
@@ -167,15 +182,24 @@ def parse_config(raw, path: Path) -> CampaignConfig:
             raise _fail(path, f"faults[{i}] ({fault['name']}): \"strengths\" must be a non-empty list")
         schedules = fault.get("schedules", [None])
         if not isinstance(schedules, list) or not schedules or "schedule" in fault and "schedules" in fault:
-            raise _fail(path, f"faults[{i}] ({fault['name']}): give \"schedule\" (one) or \"schedules\" "
-                        "(a non-empty list), not both")
+            raise _fail(
+                path,
+                f"faults[{i}] ({fault['name']}): give \"schedule\" (one) or \"schedules\" (a non-empty list), not both",
+            )
         for strength in strengths:
             for schedule in schedules:
                 label = "" if strength is None else str(strength)
-                spec = _with_schedule(str(fault["spec"]).replace("{strength}", label),
-                                      fault.get("schedule", "") if schedule is None else str(schedule))
-                name = "@".join([str(fault["name"]), *([label] if label else []),
-                                 *([str(schedule).replace(",", "+")] if schedule is not None else [])])
+                spec = _with_schedule(
+                    str(fault["spec"]).replace("{strength}", label),
+                    fault.get("schedule", "") if schedule is None else str(schedule),
+                )
+                name = "@".join(
+                    [
+                        str(fault["name"]),
+                        *([label] if label else []),
+                        *([str(schedule).replace(",", "+")] if schedule is not None else []),
+                    ]
+                )
                 _check_spec(path, name, spec)
                 entries.append(_entry(path, work, raw, name, str(fault["name"]), label, spec, fault.get("args", [])))
     names = [e.name for e in entries]
@@ -183,12 +207,14 @@ def parse_config(raw, path: Path) -> CampaignConfig:
     if duplicated:
         raise _fail(path, f"run names {duplicated} occur twice; give the faults distinct names or strengths")
     metrics = raw.get("metrics")
-    return CampaignConfig(path, work, jobs, bool(raw.get("patches", True)),
-                          tuple(metrics) if metrics else None, tuple(entries))
+    return CampaignConfig(
+        path, work, jobs, bool(raw.get("patches", True)), tuple(metrics) if metrics else None, tuple(entries)
+    )
 
 
 def load_config(path) -> CampaignConfig:
     path = Path(path).resolve()
-    raw = read_json_object(path, "campaign file", "fix it or write a new one (see `mcore-proxy campaign --help`)",
-                           ConfigError)
+    raw = read_json_object(
+        path, "campaign file", "fix it or write a new one (see `mcore-proxy campaign --help`)", ConfigError
+    )
     return parse_config(raw, path)

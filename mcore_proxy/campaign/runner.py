@@ -16,6 +16,7 @@
 - After each finished run (once the baseline has finished) the library is rebuilt from every
   finished run's log and written atomically: it is complete for the runs it lists at any moment.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,7 +45,7 @@ POLL = 0.5
 @dataclass(frozen=True)
 class RunOutcome:
     entry: Entry
-    status: str            # "done" (this time), "finished earlier", "failed"
+    status: str  # "done" (this time), "finished earlier", "failed"
     seconds: float
     returncode: int = 0
 
@@ -52,7 +53,7 @@ class RunOutcome:
 @dataclass(frozen=True)
 class CampaignResult:
     config: CampaignConfig
-    outcomes: tuple = ()               # RunOutcome, in entry order
+    outcomes: tuple = ()  # RunOutcome, in entry order
     library: Library | None = field(default=None, repr=False)
 
     @property
@@ -75,9 +76,11 @@ def run_env(config: CampaignConfig, entry: Entry, base: dict | None = None) -> d
     if config.patches:
         patches = patches_dir()
         if patches is None:
-            raise ConfigError(f"{config.path}: \"patches\": true, but this mcore-proxy install lacks its "
-                              "activation folder (mcore_proxy/_patches); reinstall mcore-proxy, or put a "
-                              'checkout\'s patches/ on PYTHONPATH yourself (in "env") and set "patches": false')
+            raise ConfigError(
+                f"{config.path}: \"patches\": true, but this mcore-proxy install lacks its "
+                "activation folder (mcore_proxy/_patches); reinstall mcore-proxy, or put a "
+                'checkout\'s patches/ on PYTHONPATH yourself (in "env") and set "patches": false'
+            )
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(patches), env.get("PYTHONPATH")]))
     if not entry.is_baseline:
         env["MCORE_PROXY_FAULTS"] = entry.spec
@@ -101,9 +104,16 @@ def _start(config: CampaignConfig, entry: Entry) -> tuple[subprocess.Popen, floa
     entry.run_dir.mkdir(parents=True)
     env = run_env(config, entry)
     with open(entry.run_dir / CONSOLE, "wb") as console:
-        proc = subprocess.Popen(list(entry.command), cwd=config.path.parent, env=env, stdout=console,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        proc = subprocess.Popen(
+            list(entry.command),
+            cwd=config.path.parent,
+            env=env,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+        )
     log.info("started %s (pid %d): %s", entry.name, proc.pid, entry.spec or "no fault")
     return proc, time.time()
 
@@ -164,8 +174,10 @@ def _locked(work: Path):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            raise ConfigError(f"{work}: another campaign (pid {lock.read().strip() or '?'}) is running on "
-                              "this work folder; wait for it or stop it first") from None
+            raise ConfigError(
+                f"{work}: another campaign (pid {lock.read().strip() or '?'}) is running on "
+                "this work folder; wait for it or stop it first"
+            ) from None
         lock.truncate(0)
         lock.write(str(os.getpid()))
         lock.flush()
@@ -180,9 +192,18 @@ def _finish(entry: Entry, proc: subprocess.Popen, t0: float) -> RunOutcome:
     if not Path(entry.log).exists():
         log.warning("%s exited 0 but wrote no log %s; see %s", entry.name, entry.log, entry.run_dir / CONSOLE)
         return RunOutcome(entry, "failed", seconds, 0)
-    record = {"name": entry.name, "fault": entry.fault, "strength": entry.strength, "spec": entry.spec,
-              "command": list(entry.command), "log": entry.log, "identity": entry.identity(),
-              "returncode": 0, "seconds": seconds, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record = {
+        "name": entry.name,
+        "fault": entry.fault,
+        "strength": entry.strength,
+        "spec": entry.spec,
+        "command": list(entry.command),
+        "log": entry.log,
+        "identity": entry.identity(),
+        "returncode": 0,
+        "seconds": seconds,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     tmp = entry.run_dir / f".{DONE}.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, entry.run_dir / DONE)
@@ -206,15 +227,14 @@ def run_campaign(config: CampaignConfig, progress: bool = True) -> CampaignResul
             log.info("resuming: %d of %d runs finished earlier", len(outcomes), len(config.entries))
         build_library(config)
         running: dict[Entry, tuple] = {}
-        bar = tqdm(total=len(config.entries), initial=len(outcomes), desc="campaign", unit="run",
-                   disable=not progress)
+        bar = tqdm(total=len(config.entries), initial=len(outcomes), desc="campaign", unit="run", disable=not progress)
         try:
             while queue or running:
                 while queue and len(running) < config.jobs:
                     entry = queue.pop(0)
                     running[entry] = _start(config, entry)
                 names = ", ".join(e.name for e in running)
-                if names != bar.postfix:      # redraw on change only: a log file gets few lines
+                if names != bar.postfix:  # redraw on change only: a log file gets few lines
                     bar.set_postfix_str(names)
                 time.sleep(POLL)
                 for entry, (proc, t0) in list(running.items()):
@@ -226,7 +246,7 @@ def run_campaign(config: CampaignConfig, progress: bool = True) -> CampaignResul
                     if outcomes[entry.name].status == "done":
                         build_library(config)
         finally:
-            for entry, (proc, t0) in list(running.items()):   # finished before the signal: keep it
+            for entry, (proc, t0) in list(running.items()):  # finished before the signal: keep it
                 if proc.poll() == 0:
                     del running[entry]
                     outcomes[entry.name] = _finish(entry, proc, t0)

@@ -7,12 +7,20 @@ one table (`formats.FORMATS`); the interface a format implements is `interface.p
 The names below are resolved on first use (PEP 562): importing a subpackage's command-line module
 must not import every reader and torch (`mcore-proxy --help`, `watch`).
 """
+
 from __future__ import annotations
 
 import importlib
 
-_HOME = {"detect_format": "formats", "open_checkpoint": "formats", "write_checkpoint": "formats",
-         "ModelView": "view", "DictModelView": "view", "ViewInfo": "view", "router_fingerprint": "view"}
+_HOME = {
+    "detect_format": "formats",
+    "open_checkpoint": "formats",
+    "write_checkpoint": "formats",
+    "ModelView": "view",
+    "DictModelView": "view",
+    "ViewInfo": "view",
+    "router_fingerprint": "view",
+}
 __all__ = list(_HOME)
 
 

@@ -1,13 +1,19 @@
 """`mcore-proxy inspect CKPT [--json]`."""
+
 from __future__ import annotations
 
 from mcore_proxy.flags import add_checkpoint_argument, add_command, emit
 
 
 def register(sub) -> None:
-    p = add_command(sub, "inspect", run_inspect, help="what a checkpoint holds: format, layout, layers, experts, bytes",
-                    description="Show a Megatron checkpoint's format, iteration, parallel layout and stage sizes, "
-                                "dense/MoE/MTP layers, experts, router settings, dtype and bytes. Reads no tensor data.")
+    p = add_command(
+        sub,
+        "inspect",
+        run_inspect,
+        help="what a checkpoint holds: format, layout, layers, experts, bytes",
+        description="Show a Megatron checkpoint's format, iteration, parallel layout and stage sizes, "
+        "dense/MoE/MTP layers, experts, router settings, dtype and bytes. Reads no tensor data.",
+    )
     add_checkpoint_argument(p, "checkpoint folder (root with the tracker file, or an iter_* folder)")
 
 

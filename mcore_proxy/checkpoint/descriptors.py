@@ -9,6 +9,7 @@ read (`borrow` is a context manager; threads may share the pool). Each descripto
 POSIX_FADV_RANDOM: readers pread exactly the bytes they need, and the kernel's readahead would
 pull in the dropped experts beside them (bench/RESULTS.md, DeepSeek-V3 scale).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,10 +20,10 @@ from pathlib import Path
 
 try:
     import resource
-except ImportError:      # not on every platform; the pool then keeps its default bound
+except ImportError:  # not on every platform; the pool then keeps its default bound
     resource = None
 
-DEFAULT_LIMIT = 128      # far below 1,024; a quarter of a lower soft limit
+DEFAULT_LIMIT = 128  # far below 1,024; a quarter of a lower soft limit
 
 
 def default_limit() -> int:
@@ -43,9 +44,9 @@ class DescriptorPool:
     def __init__(self, limit: int | None = None):
         self.limit = limit or default_limit()
         self._open: OrderedDict[Path, int] = OrderedDict()
-        self._busy: dict[Path, int] = {}          # path -> readers inside `borrow`
+        self._busy: dict[Path, int] = {}  # path -> readers inside `borrow`
         self._lock = threading.Lock()
-        self.opened = 0                           # descriptors opened so far (tests, benches)
+        self.opened = 0  # descriptors opened so far (tests, benches)
 
     def _evict(self) -> None:
         for path in list(self._open):

@@ -5,6 +5,7 @@
 `convert` (its workers and torchrun ranks) all go through it. A new format is one package and
 one row here.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,8 +43,9 @@ def writer_of(name: str):
     """The Writer of format `name`; ProxyError if it cannot be written."""
     fmt = get_format(name)
     if fmt.writer is None:
-        raise ProxyError(f"format {name!r} can be read but not written; write one of "
-                         f"{', '.join(format_names(writable=True))}")
+        raise ProxyError(
+            f"format {name!r} can be read but not written; write one of {', '.join(format_names(writable=True))}"
+        )
     return fmt.writer
 
 
@@ -60,9 +62,11 @@ def detect_format(path: str | Path) -> str:
     for fmt in FORMATS:
         if fmt.detect(path):
             return fmt.name
-    raise CheckpointError(f"{path}: not a checkpoint (no latest_checkpointed_iteration.txt, iter_*, mp_rank_* or "
-                          "torch_dist metadata of Megatron, no config.json with safetensors of Hugging Face); pass "
-                          "the folder Megatron or save_pretrained wrote")
+    raise CheckpointError(
+        f"{path}: not a checkpoint (no latest_checkpointed_iteration.txt, iter_*, mp_rank_* or "
+        "torch_dist metadata of Megatron, no config.json with safetensors of Hugging Face); pass "
+        "the folder Megatron or save_pretrained wrote"
+    )
 
 
 def open_checkpoint(path: str | Path) -> ModelView:
@@ -70,8 +74,9 @@ def open_checkpoint(path: str | Path) -> ModelView:
     return get_format(detect_format(path)).open(Path(path))
 
 
-def write_checkpoint(view: ModelView, out: str | Path, target=None, fmt: str = "legacy", *, inputs=(),
-                     progress: bool = True) -> Path:
+def write_checkpoint(
+    view: ModelView, out: str | Path, target=None, fmt: str = "legacy", *, inputs=(), progress: bool = True
+) -> Path:
     """Write `view` as a checkpoint of format `fmt` at `target` (default: the writer's for no
     options, i.e. the source's layout for Megatron formats)
     into `out` (created; must not exist), in this process: check, stage, every unit, finish, the
@@ -81,9 +86,10 @@ def write_checkpoint(view: ModelView, out: str | Path, target=None, fmt: str = "
     target = writer.target(view, TargetOptions()) if target is None else complete_target(view, target)
     writer.check(view, target)
     units = writer.units(view, target)
-    with staged_output(out, inputs, check_space=False) as tmp, \
-            byte_bar(sum(u.nbytes for u in units), f"write {fmt}", progress) as bar:
+    with (
+        staged_output(out, inputs, check_space=False) as tmp,
+        byte_bar(sum(u.nbytes for u in units), f"write {fmt}", progress) as bar,
+    ):
         results = [writer.write_unit(view, tmp, target, u, bar) for u in units]
         write_markers(tmp, writer.finish(view, tmp, target, results).markers)
     return Path(out)
-

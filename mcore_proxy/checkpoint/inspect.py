@@ -1,4 +1,5 @@
 """What a checkpoint holds: format, layout, layers, routing settings, bytes. Reads no tensor data."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,12 @@ from mcore_proxy.units import format_bytes
 
 
 _ATTENTION = {"mla": "multi-latent attention", "gqa": "grouped-query attention"}
-QUANT_NAMES = {FP8_BLOCK: "FP8 with block scales", V4_SCALE: "FP8/FP4 with E8M0 scales (DeepSeek-V4)",
-               MXFP4: "MXFP4 blocks and scales", INT4_PACKED: "compressed-tensors int4"}
+QUANT_NAMES = {
+    FP8_BLOCK: "FP8 with block scales",
+    V4_SCALE: "FP8/FP4 with E8M0 scales (DeepSeek-V4)",
+    MXFP4: "MXFP4 blocks and scales",
+    INT4_PACKED: "compressed-tensors int4",
+}
 
 
 def _compact(ids: list[int]) -> str:
@@ -33,7 +38,9 @@ def describe(view: ModelView) -> dict:
     """A JSON-ready description of a checkpoint (pure: shapes and args only)."""
     spec = view.spec
     names = view.names()
-    moe = sorted({int(m.group(1)) for n in names if (m := re.match(r"^decoder\.layers\.(\d+)\.mlp\.router\.weight$", n))})
+    moe = sorted(
+        {int(m.group(1)) for n in names if (m := re.match(r"^decoder\.layers\.(\d+)\.mlp\.router\.weight$", n))}
+    )
     layers = sorted({int(m.group(1)) for n in names if (m := re.match(r"^decoder\.layers\.(\d+)\.", n))})
     mtp = sorted({int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))})
     dtype_bytes: Counter = Counter()
@@ -45,17 +52,24 @@ def describe(view: ModelView) -> dict:
             expert_bytes += b if split_expert_name(n) is not None else 0
     info = view.info
     layout = info.layout
-    descriptor = getattr(info.format_info, "descriptor", None)   # an HF folder read by its family's descriptor
+    descriptor = getattr(info.format_info, "descriptor", None)  # an HF folder read by its family's descriptor
     files = [p for p in Path(info.path).rglob("*") if p.is_file()] if info.path else []
     return {
         "path": str(info.path or ""),
         "checkpoint_format": info.format,
         "family": view.spec.extra.get("hf_family"),
         "iteration": view.iteration,
-        "parallel": None if layout is None else {
-            "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
+        "parallel": None
+        if layout is None
+        else {
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "ep": layout.ep,
+            "etp": layout.etp,
+            "vpp": layout.vpp,
             "stage_layers": list(layout.stage_layers) if layout.stage_layers else None,
-            "pipeline_layout": layout.pipeline_layout},
+            "pipeline_layout": layout.pipeline_layout,
+        },
         "moe_tp_extend_ep": layout is not None and layout.tp_extend_ep,
         "attention": attention_kind(view.args) if view.args is not None else None,
         "layer_spec": view.layer_spec,
@@ -95,9 +109,11 @@ def family_support(family, config: dict) -> dict:
     the Megatron mapping may cover only some of the family's architectures."""
     archs = config.get("architectures") or [None]
     megatron = family.megatron if family.megatron is not None and archs[0] in family.megatron.architectures else None
-    return {"hf_to_hf": "collect, select, convert, verify, fidelity",
-            "megatron": f"HF <-> Megatron as {megatron.name}" if megatron else "no Megatron mapping (HF -> HF only)",
-            "notes": family.notes or None}
+    return {
+        "hf_to_hf": "collect, select, convert, verify, fidelity",
+        "megatron": f"HF <-> Megatron as {megatron.name}" if megatron else "no Megatron mapping (HF -> HF only)",
+        "notes": family.notes or None,
+    }
 
 
 def format_description(d: dict) -> str:
@@ -105,37 +121,70 @@ def format_description(d: dict) -> str:
     p = d["parallel"] or {}
     rows = [
         ("checkpoint", d["path"]),
-        ("format", f"{d['checkpoint_format']}, iteration {d['iteration']}"
-         + (f", {d['family']}" if d.get("family") else "")),
-        ("parallel", " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
-         + (f" layout {p['pipeline_layout']!r}" if p.get("pipeline_layout") else "")
-         + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
-         + (" tp-extend-ep (experts over EP x TP)" if d.get("moe_tp_extend_ep") else "")
-         if p else "none: safetensors shards by file, not by parallel rank"),
-        ("layers", f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
-         + (f", noop {_compact(d['noop_layers'])} (no tensors)" if d.get("noop_layers") else "")
-         + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else "")),
-        ("experts", f"{d['num_experts']} routed x F={d['moe_ffn_hidden_size']}"
-         + (f", layout {d['expert_layout']}" if d["expert_layout"] else "")
-         + (f", shared F={d['shared_expert_size']}" if d["shared_expert_size"] else "")),
-        ("router", f"top-{d['topk']} {d['score_function']}"
-         + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")
-         + (", expert bias" if d["expert_bias"] else "")
-         + (f"; hash-routed layers {', '.join(d['hash_layers'])} (token-id table)" if d.get("hash_layers") else "")),
-        ("hidden", str(d["hidden_size"])
-         + (f", {_ATTENTION[d['attention']]}" if d.get("attention") else "")
-         + (f", {d['layer_spec']} layer spec" if d.get("attention") else "")
-         + (f", {d['naming']} names" if d.get("attention") else "")
-         + (", DSA indexer" if d.get("indexer") else "")),
-        ("dtype", ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())
-         + (f"; quantized: {', '.join(QUANT_NAMES[q] for q in d['quantization'])}, pruned as stored "
-            "(--dequantize to expand)" if d.get("quantization") else "")),
-        ("bytes", f"{format_bytes(d['total_bytes'])} model ({d['tensors']} tensors), "
-         f"{format_bytes(d['expert_bytes'])} routed experts; {format_bytes(d['file_bytes'])} in {d['files']} files"),
+        (
+            "format",
+            f"{d['checkpoint_format']}, iteration {d['iteration']}" + (f", {d['family']}" if d.get("family") else ""),
+        ),
+        (
+            "parallel",
+            " ".join(f"{k.upper()}={p[k]}" for k in ("tp", "pp", "ep", "etp", "vpp") if k in p)
+            + (f" layout {p['pipeline_layout']!r}" if p.get("pipeline_layout") else "")
+            + (f" stages={p['stage_layers']}" if p.get("stage_layers") and len(set(p["stage_layers"])) > 1 else "")
+            + (" tp-extend-ep (experts over EP x TP)" if d.get("moe_tp_extend_ep") else "")
+            if p
+            else "none: safetensors shards by file, not by parallel rank",
+        ),
+        (
+            "layers",
+            f"{d['num_layers']} decoder: dense {_compact(d['dense_layers'])}, MoE {_compact(d['moe_layers'])}"
+            + (f", noop {_compact(d['noop_layers'])} (no tensors)" if d.get("noop_layers") else "")
+            + (f"; MTP {_compact(d['mtp_layers'])}" if d["mtp_layers"] else ""),
+        ),
+        (
+            "experts",
+            f"{d['num_experts']} routed x F={d['moe_ffn_hidden_size']}"
+            + (f", layout {d['expert_layout']}" if d["expert_layout"] else "")
+            + (f", shared F={d['shared_expert_size']}" if d["shared_expert_size"] else ""),
+        ),
+        (
+            "router",
+            f"top-{d['topk']} {d['score_function']}"
+            + (f", groups {d['num_groups']} top-{d['group_topk']}" if d["num_groups"] else "")
+            + (", expert bias" if d["expert_bias"] else "")
+            + (f"; hash-routed layers {', '.join(d['hash_layers'])} (token-id table)" if d.get("hash_layers") else ""),
+        ),
+        (
+            "hidden",
+            str(d["hidden_size"])
+            + (f", {_ATTENTION[d['attention']]}" if d.get("attention") else "")
+            + (f", {d['layer_spec']} layer spec" if d.get("attention") else "")
+            + (f", {d['naming']} names" if d.get("attention") else "")
+            + (", DSA indexer" if d.get("indexer") else ""),
+        ),
+        (
+            "dtype",
+            ", ".join(f"{k} {format_bytes(v)}" for k, v in d["bytes_by_dtype"].items())
+            + (
+                f"; quantized: {', '.join(QUANT_NAMES[q] for q in d['quantization'])}, pruned as stored "
+                "(--dequantize to expand)"
+                if d.get("quantization")
+                else ""
+            ),
+        ),
+        (
+            "bytes",
+            f"{format_bytes(d['total_bytes'])} model ({d['tensors']} tensors), "
+            f"{format_bytes(d['expert_bytes'])} routed experts; {format_bytes(d['file_bytes'])} in {d['files']} files",
+        ),
     ]
     if d.get("support"):
         support = d["support"]
-        rows.append(("support", f"HF -> HF: {support['hf_to_hf']}; {support['megatron']}"
-                     + (f"; {support['notes']}" if support["notes"] else "")))
+        rows.append(
+            (
+                "support",
+                f"HF -> HF: {support['hf_to_hf']}; {support['megatron']}"
+                + (f"; {support['notes']}" if support["notes"] else ""),
+            )
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

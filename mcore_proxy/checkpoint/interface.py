@@ -45,6 +45,7 @@ order), then one `finish` step:
 Writers keep no state between calls: `write_unit` may run in a spawned worker or a torchrun rank
 that reopened the same view.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,7 +56,7 @@ from typing import Callable
 
 from mcore_proxy.checkpoint.target import source_target
 
-Progress = Callable[[int], None] | None   # called with the bytes just written
+Progress = Callable[[int], None] | None  # called with the bytes just written
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,16 @@ class TargetOptions:
     pipeline_layout: str | None = None
     vpp: int | None = None
     plan_ep: int | None = None
-    naming: str | None = None          # "megatron" / "mindspeed-llm" (checkpoint/mindspeed_llm.py)
-    tp_extend_ep: bool | None = None   # MindSpeed-LLM --moe-tp-extend-ep
+    naming: str | None = None  # "megatron" / "mindspeed-llm" (checkpoint/mindspeed_llm.py)
+    tp_extend_ep: bool | None = None  # MindSpeed-LLM --moe-tp-extend-ep
 
     def given(self) -> list[str]:
         """The layout options the user set (field names; the plan's EP is not the user's)."""
-        return [f.name for f in dataclasses.fields(self)
-                if f.name not in ("plan_ep", "naming") and getattr(self, f.name) is not None]
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in ("plan_ep", "naming") and getattr(self, f.name) is not None
+        ]
 
 
 class Writer(ABC):
@@ -116,26 +120,29 @@ class Writer(ABC):
 
     def target(self, view, options: TargetOptions):
         """A Megatron ParallelLayout: the options given, else the source's TP/PP/ETP and the plan's EP."""
-        return source_target(view, tp=options.tp, pp=options.pp, ep=options.ep or options.plan_ep,
-                             etp=options.etp, expert_layout=options.expert_layout,
-                             stage_layers=options.stage_layers, pipeline_layout=options.pipeline_layout,
-                             vpp=options.vpp)
+        return source_target(
+            view,
+            tp=options.tp,
+            pp=options.pp,
+            ep=options.ep or options.plan_ep,
+            etp=options.etp,
+            expert_layout=options.expert_layout,
+            stage_layers=options.stage_layers,
+            pipeline_layout=options.pipeline_layout,
+            vpp=options.vpp,
+        )
 
     @abstractmethod
-    def check(self, view, target) -> None:
-        ...
+    def check(self, view, target) -> None: ...
 
     @abstractmethod
-    def units(self, view, target) -> list[Unit]:
-        ...
+    def units(self, view, target) -> list[Unit]: ...
 
     @abstractmethod
-    def write_unit(self, view, root: Path, target, unit: Unit, progress: Progress = None) -> list[WrittenFile]:
-        ...
+    def write_unit(self, view, root: Path, target, unit: Unit, progress: Progress = None) -> list[WrittenFile]: ...
 
     @abstractmethod
-    def finish(self, view, root: Path, target, results: list[list[WrittenFile]]) -> Finished:
-        ...
+    def finish(self, view, root: Path, target, results: list[list[WrittenFile]]) -> Finished: ...
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ A checkpoint root holds `latest_checkpointed_iteration.txt` (an integer or `rele
 iteration folder `iter_{:07d}/` (or `release/`); a reader may also be given an iteration folder
 directly. The tracker is written last by a save: it marks the checkpoint complete.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,7 +15,7 @@ from mcore_proxy.errors import CheckpointError
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
-Iteration = int | str   # a step number, "release", or (a folder not named iter_*) the folder's name
+Iteration = int | str  # a step number, "release", or (a folder not named iter_*) the folder's name
 
 
 def folder_name(iteration: Iteration | None) -> str:
@@ -49,8 +50,10 @@ def read_tracker(tracker: Path) -> str:
     try:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise CheckpointError(f"{tracker}: holds binary data, expected an iteration number or 'release'; "
-                              "fix the file or pass the iter_* folder directly") from None
+        raise CheckpointError(
+            f"{tracker}: holds binary data, expected an iteration number or 'release'; "
+            "fix the file or pass the iter_* folder directly"
+        ) from None
 
 
 def tracked_folder(root: Path) -> Path | None:
@@ -72,8 +75,9 @@ def resolve_iteration_dir(path: str | Path, holds_data, not_found: str) -> tuple
     not_found: the message when nothing fits."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder; pass the folder Megatron saved "
-                              f"(the one holding {TRACKER})")
+        raise CheckpointError(
+            f"{path}: no such checkpoint folder; pass the folder Megatron saved (the one holding {TRACKER})"
+        )
     tracker = path / TRACKER
     if tracker.is_file():
         text = read_tracker(tracker)
@@ -82,18 +86,24 @@ def resolve_iteration_dir(path: str | Path, holds_data, not_found: str) -> tuple
         elif text.isdigit():
             iteration = int(text)
         else:
-            raise CheckpointError(f"{tracker}: holds {text!r}, expected an iteration number or "
-                                  "'release'; fix the file or pass the iter_* folder directly")
+            raise CheckpointError(
+                f"{tracker}: holds {text!r}, expected an iteration number or "
+                "'release'; fix the file or pass the iter_* folder directly"
+            )
         it_dir = path / folder_name(iteration)
         if not it_dir.is_dir():
-            raise CheckpointError(f"{tracker}: names iteration {text} but {it_dir.name}/ does not "
-                                  "exist; fix the tracker or pass an existing iter_* folder")
+            raise CheckpointError(
+                f"{tracker}: names iteration {text} but {it_dir.name}/ does not "
+                "exist; fix the tracker or pass an existing iter_* folder"
+            )
         return it_dir, iteration
     if holds_data(path):
         m = _ITER_DIR.match(path.name)
         return path, int(m.group(1)) if m else ("release" if path.name == "release" else path.name)
     iters = sorted(p.name for p in path.iterdir() if is_iteration_folder_name(p.name))
     if iters:
-        raise CheckpointError(f"{path}: has {', '.join(iters)} but no {TRACKER}; pass the iteration "
-                              f"folder you mean directly (e.g. {path / iters[-1]})")
+        raise CheckpointError(
+            f"{path}: has {', '.join(iters)} but no {TRACKER}; pass the iteration "
+            f"folder you mean directly (e.g. {path / iters[-1]})"
+        )
     raise CheckpointError(f"{path}: {not_found}")

@@ -24,6 +24,7 @@ Evidence from the tensors that contradicts an explicit `args.transformer_impl` i
 then do not describe the files, and guessing would split the down projections wrongly. Without
 MLA the spec changes no split, and rules 2-3 do not apply.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,12 +39,14 @@ _DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
 # MindSpeed-LLM's MLA names (checkpoint/mindspeed_llm.py): the legacy reader maps them before it asks
 # for a spec; anywhere else (torch_dist) they are refused, since `linear_qkv` would otherwise match
 # GQA's column-parallel row and its TP copies be joined wrongly.
-_MINDSPEED_MLA = re.compile(r"\.self_attention\.(linear_qkv|linear_qb|linear_kvb|linear_qk_nope|linear_qk_rope"
-                            r"|linear_kv_nope|linear_v)\.weight$")
+_MINDSPEED_MLA = re.compile(
+    r"\.self_attention\.(linear_qkv|linear_qb|linear_kvb|linear_qk_nope|linear_qk_rope"
+    r"|linear_kv_nope|linear_v)\.weight$"
+)
 
 
 def attention_kind(args) -> str:
-    """"mla" (multi-latent attention) or "gqa" (`linear_qkv`, multi-head included)."""
+    """ "mla" (multi-latent attention) or "gqa" (`linear_qkv`, multi-head included)."""
     return "mla" if arg(args, "multi_latent_attention") else "gqa"
 
 
@@ -75,14 +78,15 @@ def _from_tensors(args, shapes: dict[str, tuple[int, ...] | None], tp: int) -> t
 def infer_layer_spec(args, shapes: dict[str, tuple[int, ...] | None], tp: int = 1, where: str = "args") -> str:
     """LOCAL_SPEC or TE_SPEC for a checkpoint with Megatron `args` and rank-local (legacy) or
     global (torch_dist: pass tp=1) `shapes` per key; see the module docstring for the rules."""
-    said = getattr(args, "transformer_impl", None)   # explicit only; arg() would give the default
+    said = getattr(args, "transformer_impl", None)  # explicit only; arg() would give the default
     if not isinstance(said, str):
         # not a name (e.g. an unpickled call kept inert): decide from the tensors; writers refuse
         # such an args field by name (safe_globals.writable_args)
         said = None
     if said not in (None, LOCAL_SPEC, TE_SPEC):
-        raise CheckpointError(f"{where}: args transformer_impl is {said!r}, expected 'local' or "
-                              "'transformer_engine'; fix the args")
+        raise CheckpointError(
+            f"{where}: args transformer_impl is {said!r}, expected 'local' or 'transformer_engine'; fix the args"
+        )
     if attention_kind(args) == "mla":
         for key in shapes:
             if _MINDSPEED_MLA.search(key):
@@ -90,13 +94,16 @@ def infer_layer_spec(args, shapes: dict[str, tuple[int, ...] | None], tp: int = 
                     f"{where}: tensor {key} is MindSpeed-LLM's naming of multi-latent attention, which "
                     "mcore-proxy maps in legacy (--ckpt-format torch) checkpoints only; the nearest supported "
                     "kind is megatron-core's MLA names (linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, "
-                    "linear_kv_up_proj) or MindSpeed-LLM's legacy checkpoint: save it with --ckpt-format torch")
+                    "linear_kv_up_proj) or MindSpeed-LLM's legacy checkpoint: save it with --ckpt-format torch"
+                )
     found = _from_tensors(args, shapes, tp)
     if found is None:
         return said or DEFAULTS["transformer_impl"]
     spec, key = found
     if said is not None and said != spec:
-        raise CheckpointError(f"{where}: tensor {key} is laid out as the {spec} layer spec saves it, but "
-                              f"args transformer_impl says {said!r}; the args do not describe these files, "
-                              "fix transformer_impl in the args")
+        raise CheckpointError(
+            f"{where}: tensor {key} is laid out as the {spec} layer spec saves it, but "
+            f"args transformer_impl says {said!r}; the args do not describe these files, "
+            "fix transformer_impl in the args"
+        )
     return spec

@@ -1,4 +1,5 @@
 """Parallel layouts: TP/PP/EP/ETP, virtual stages, the global layer offset of every stage."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +10,24 @@ from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.megatron_args import arg, arg_bool, arg_int
 
 
-def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None,
-                       num_layer_list=None, where: str = "args") -> tuple[int, ...]:
+def stage_layer_counts(
+    num_layers: int,
+    pp: int,
+    first: int | None = None,
+    last: int | None = None,
+    num_layer_list=None,
+    where: str = "args",
+) -> tuple[int, ...]:
     """Decoder layers per pipeline stage, as Megatron (first/last stage sizes) or MindSpeed
     (`num_layer_list`) define them; the middle stages split the rest evenly."""
     if num_layer_list:
-        counts = tuple(int(x) for x in (num_layer_list.split(",") if isinstance(num_layer_list, str)
-                                        else num_layer_list))
+        counts = tuple(
+            int(x) for x in (num_layer_list.split(",") if isinstance(num_layer_list, str) else num_layer_list)
+        )
         if len(counts) != pp or sum(counts) != num_layers:
-            raise ProxyError(f"{where}: num_layer_list {list(counts)} must have {pp} entries summing "
-                             f"to num_layers={num_layers}")
+            raise ProxyError(
+                f"{where}: num_layer_list {list(counts)} must have {pp} entries summing to num_layers={num_layers}"
+            )
         return counts
     if pp == 1:
         return (num_layers,)
@@ -27,8 +36,10 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last:
     middle_stages = pp - len(head) - len(tail)
     rest = num_layers - sum(head) - sum(tail)
     if middle_stages < 0 or rest < 0 or (middle_stages and rest % middle_stages) or (not middle_stages and rest):
-        raise ProxyError(f"{where}: {num_layers} layers cannot be split over {pp} pipeline stages with "
-                         f"first={first} last={last}; give sizes that add up")
+        raise ProxyError(
+            f"{where}: {num_layers} layers cannot be split over {pp} pipeline stages with "
+            f"first={first} last={last}; give sizes that add up"
+        )
     middle = [rest // middle_stages] * middle_stages if middle_stages else []
     return tuple(head + middle + tail)
 
@@ -66,8 +77,9 @@ class ParallelLayout:
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise ProxyError(f"expert layout {self.expert_layout!r} is not one of {EXPERT_LAYOUTS}")
         if self.tp_extend_ep and self.etp != 1:
-            raise ProxyError(f"--moe-tp-extend-ep keeps experts whole: expert tensor parallel size must be 1, "
-                             f"not {self.etp}")
+            raise ProxyError(
+                f"--moe-tp-extend-ep keeps experts whole: expert tensor parallel size must be 1, not {self.etp}"
+            )
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise ProxyError(f"stage_layers {self.stage_layers} must have pp={self.pp} entries")
 
@@ -92,8 +104,7 @@ class ParallelLayout:
         if len(set(counts)) != 1 or counts[0] % self.vpp:
             raise CheckpointError("virtual pipeline stages with uneven stages are not supported")
         per_chunk = counts[0] // self.vpp
-        return {(p, v): ((v * self.pp + p) * per_chunk, per_chunk)
-                for p in range(self.pp) for v in range(self.vpp)}
+        return {(p, v): ((v * self.pp + p) * per_chunk, per_chunk) for p in range(self.pp) for v in range(self.vpp)}
 
     @property
     def expert_ranks(self) -> int:
@@ -112,8 +123,9 @@ class ParallelLayout:
         if self.pipeline_layout:
             return parse_pipeline_layout(self.pipeline_layout, self.pp)
         offsets = self.chunk_offsets()
-        return chunk_stages([offsets[(k % self.pp, k // self.pp)][1] for k in range(self.pp * self.vpp)],
-                            self.pp, mtp_layers)
+        return chunk_stages(
+            [offsets[(k % self.pp, k // self.pp)][1] for k in range(self.pp * self.vpp)], self.pp, mtp_layers
+        )
 
     def describe(self) -> str:
         s = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp}"
@@ -166,16 +178,25 @@ def _layout_from_args(args, folder) -> ParallelLayout:
         return _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where)
     layer_list = arg(args, "num_layer_list", where)
     if layer_list is not None and not isinstance(layer_list, (str, list, tuple)):
-        raise CheckpointError(f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
-                              "comma-separated stage sizes; fix the args")
+        raise CheckpointError(
+            f"{folder}: args num_layer_list is a {type(layer_list).__name__}, expected "
+            "comma-separated stage sizes; fix the args"
+        )
     try:
-        counts = stage_layer_counts(num_layers, pp, size("decoder_first_pipeline_num_layers"),
-                                    size("decoder_last_pipeline_num_layers"), layer_list, where=where)
+        counts = stage_layer_counts(
+            num_layers,
+            pp,
+            size("decoder_first_pipeline_num_layers"),
+            size("decoder_last_pipeline_num_layers"),
+            layer_list,
+            where=where,
+        )
     except ProxyError:
         raise
     except (ValueError, TypeError):  # a num_layer_list entry that is not a number
-        raise CheckpointError(f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage "
-                              "sizes; fix the args") from None
+        raise CheckpointError(
+            f"{folder}: args num_layer_list {layer_list!r} is not comma-separated stage sizes; fix the args"
+        ) from None
     return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, stage_layers=counts)
 
 
@@ -185,13 +206,14 @@ def _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where) -> Paral
     from mcore_proxy.pipeline_layout import parse_pipeline_layout
 
     if not isinstance(text, str):
-        raise CheckpointError(f"{where}: args pipeline_model_parallel_layout is a {type(text).__name__}, "
-                              "expected Megatron's layout string; fix the args")
+        raise CheckpointError(
+            f"{where}: args pipeline_model_parallel_layout is a {type(text).__name__}, "
+            "expected Megatron's layout string; fix the args"
+        )
     mtp = arg_int(args, "mtp_num_layers", where) or 0
     try:
         parsed = parse_pipeline_layout(text, pp, num_layers, mtp)
     except ProxyError as err:
         raise CheckpointError(f"{where}: {err}") from None
     counts = tuple(sum(len(s.decoder) for s in parsed.stages if s.pp == p) for p in range(pp))
-    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=parsed.vpp, stage_layers=counts,
-                          pipeline_layout=text)
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=parsed.vpp, stage_layers=counts, pipeline_layout=text)

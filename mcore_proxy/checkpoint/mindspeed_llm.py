@@ -27,6 +27,7 @@ qk + rope, q_lora)` split at qk along dim 1 (MindSpeed-LLM views the outputs as 
 [.., heads, rope]), so a tensor-parallel shard of whole heads maps to the shards of its parts.
 Sharding of the MindSpeed names is in `sharding.py` (layer spec "mindspeed_llm").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,10 +59,14 @@ _SPLIT = re.compile(_ATTN + r"linear_(?P<w>qk_nope|qk_rope|kv_nope|v)\.weight$")
 _PARTS = {"qk_nope": ("q", 0), "qk_rope": ("q", 1), "kv_nope": ("kv", 0), "v": ("kv", 1)}
 _PART_NAMES = {"q": ("qk_nope", "qk_rope"), "kv": ("kv_nope", "v")}
 # keys only MindSpeed-LLM's MLA saves (a `linear_qkv` is GQA's too: see `detect_naming`)
-MINDSPEED_ONLY = re.compile(r"\.self_attention\.(linear_qb|linear_kvb|linear_qk_nope|linear_qk_rope|linear_kv_nope"
-                            r"|linear_v|dsa_indexer\.[a-z_]+)\.weight$|^mtp\.final_layernorms\.\d+\.weight$")
-_MLA_ONLY = re.compile(r"\.self_attention\.(kv_layernorm\.weight|linear_kv_up_proj\.weight|linear_kvb\.weight"
-                       r"|linear_kv_nope\.weight)$")
+MINDSPEED_ONLY = re.compile(
+    r"\.self_attention\.(linear_qb|linear_kvb|linear_qk_nope|linear_qk_rope|linear_kv_nope"
+    r"|linear_v|dsa_indexer\.[a-z_]+)\.weight$|^mtp\.final_layernorms\.\d+\.weight$"
+)
+_MLA_ONLY = re.compile(
+    r"\.self_attention\.(kv_layernorm\.weight|linear_kv_up_proj\.weight|linear_kvb\.weight"
+    r"|linear_kv_nope\.weight)$"
+)
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,9 @@ class MindSpeedNaming:
         return frozenset(out)
 
     def describe(self) -> str:
-        opts = [o for o, on in (("--mla-mm-split", self.mla_mm_split), ("linear_qb/linear_kvb", self.old_up_names))
-                if on]
+        opts = [
+            o for o, on in (("--mla-mm-split", self.mla_mm_split), ("linear_qb/linear_kvb", self.old_up_names)) if on
+        ]
         return "MindSpeed-LLM" + (f" ({', '.join(opts)})" if opts else "")
 
 
@@ -109,13 +115,23 @@ class MLADims:
 
     @classmethod
     def from_args(cls, args, where: str = "args") -> "MLADims":
-        values = {f: arg_int(args, a, where) for f, a in (
-            ("heads", "num_attention_heads"), ("q_lora", "q_lora_rank"), ("kv_lora", "kv_lora_rank"),
-            ("qk", "qk_head_dim"), ("rope", "qk_pos_emb_head_dim"), ("v", "v_head_dim"))}
+        values = {
+            f: arg_int(args, a, where)
+            for f, a in (
+                ("heads", "num_attention_heads"),
+                ("q_lora", "q_lora_rank"),
+                ("kv_lora", "kv_lora_rank"),
+                ("qk", "qk_head_dim"),
+                ("rope", "qk_pos_emb_head_dim"),
+                ("v", "v_head_dim"),
+            )
+        }
         missing = [f for f, v in values.items() if not v]
         if missing:
-            raise CheckpointError(f"{where}: MindSpeed-LLM's multi-latent attention names need args "
-                                  f"{missing} (q_lora_rank None is not mapped); fix the args")
+            raise CheckpointError(
+                f"{where}: MindSpeed-LLM's multi-latent attention names need args "
+                f"{missing} (q_lora_rank None is not mapped); fix the args"
+            )
         return cls(**values)
 
     def part_sizes(self, which: str) -> tuple[int, int]:
@@ -124,6 +140,7 @@ class MLADims:
 
 
 # -- keys ------------------------------------------------------------------------------------------
+
 
 def mindspeed_keys(name: str, naming: MindSpeedNaming) -> tuple[str, ...]:
     """Megatron canonical name -> the MindSpeed-LLM key(s) holding its values (before the
@@ -167,6 +184,7 @@ def mindspeed_to_megatron_key(key: str, mla: bool = True) -> tuple[str, ...]:
 
 # -- tensors (full, un-sharded; shards of whole heads for the split parts) ----------------------------
 
+
 def fuse_down(q_down: torch.Tensor, kv_down: torch.Tensor) -> torch.Tensor:
     """[q_lora, H], [kv_lora + rope, H] -> MindSpeed-LLM's `linear_qkv` [q_lora + kv_lora + rope, H]."""
     return torch.cat([q_down, kv_down])
@@ -175,9 +193,11 @@ def fuse_down(q_down: torch.Tensor, kv_down: torch.Tensor) -> torch.Tensor:
 def unfuse_down(fused: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear_qkv` [q_lora + kv_lora + rope, H] -> (q_down [q_lora, H], kv_down [kv_lora + rope, H])."""
     if fused.shape[0] != dims.q_lora + dims.kv_lora + dims.rope:
-        raise CheckpointError(f"fused linear_qkv has {fused.shape[0]} rows, expected q_lora + kv_lora + rope = "
-                              f"{dims.q_lora + dims.kv_lora + dims.rope}")
-    return fused[:dims.q_lora], fused[dims.q_lora:]
+        raise CheckpointError(
+            f"fused linear_qkv has {fused.shape[0]} rows, expected q_lora + kv_lora + rope = "
+            f"{dims.q_lora + dims.kv_lora + dims.rope}"
+        )
+    return fused[: dims.q_lora], fused[dims.q_lora :]
 
 
 def split_up(up: torch.Tensor, which: str, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +212,10 @@ def join_up(first: torch.Tensor, second: torch.Tensor, which: str, dims: MLADims
     a, b = dims.part_sizes(which)
     r = first.shape[-1]
     if first.shape[0] % a or second.shape[0] % b or first.shape[0] // a != second.shape[0] // b:
-        raise CheckpointError(f"--mla-mm-split parts of shapes {list(first.shape)} and {list(second.shape)} do not "
-                              f"hold the same heads of {a} + {b} rows")
+        raise CheckpointError(
+            f"--mla-mm-split parts of shapes {list(first.shape)} and {list(second.shape)} do not "
+            f"hold the same heads of {a} + {b} rows"
+        )
     return torch.cat([first.reshape(-1, a, r), second.reshape(-1, b, r)], dim=1).reshape(-1, r)
 
 
@@ -236,6 +258,7 @@ def mindspeed_to_megatron(state: Mapping[str, object], dims: MLADims) -> dict:
 
 # -- detection -------------------------------------------------------------------------------------
 
+
 def detect_naming(args, keys, where: str = "args") -> MindSpeedNaming | None:
     """MindSpeed-LLM's naming of multi-latent attention if `keys` (rank-local or global, as saved)
     show it, else None. Multi-latent attention is read from `args.multi_latent_attention`, or, when
@@ -252,14 +275,19 @@ def detect_naming(args, keys, where: str = "args") -> MindSpeedNaming | None:
         return None
     split = has(re.compile(r"\.self_attention\.linear_qk_nope\.weight$"))
     if arg(args, "mla_mm_split") is not None and bool(arg(args, "mla_mm_split")) != split:
-        raise CheckpointError(f"{where}: args mla_mm_split is {arg(args, 'mla_mm_split')!r} but the tensors are "
-                              f"{'' if split else 'not '}split into linear_qk_nope/linear_qk_rope; fix the args")
-    return MindSpeedNaming(mla_mm_split=split,
-                           old_up_names=has(re.compile(r"\.self_attention\.linear_(qb|kvb)\.weight$")),
-                           mtp=bool(arg_int(args, "mtp_num_layers")))
+        raise CheckpointError(
+            f"{where}: args mla_mm_split is {arg(args, 'mla_mm_split')!r} but the tensors are "
+            f"{'' if split else 'not '}split into linear_qk_nope/linear_qk_rope; fix the args"
+        )
+    return MindSpeedNaming(
+        mla_mm_split=split,
+        old_up_names=has(re.compile(r"\.self_attention\.linear_(qb|kvb)\.weight$")),
+        mtp=bool(arg_int(args, "mtp_num_layers")),
+    )
 
 
 # -- writing: a canonical view seen under MindSpeed-LLM's names --------------------------------------
+
 
 def written_naming(view, naming: str | None, fmt: str):
     """The naming a writer of format `fmt` writes `view` in: `naming` ("megatron" / "mindspeed-llm"),
@@ -276,14 +304,19 @@ def written_naming(view, naming: str | None, fmt: str):
     if naming == MEGATRON:
         return None
     if fmt != "legacy":
-        raise ProxyError(f"--naming {MINDSPEED_LLM} is written in the legacy format only (MindSpeed-LLM saves "
-                         "--ckpt-format torch); pass --format legacy")
+        raise ProxyError(
+            f"--naming {MINDSPEED_LLM} is written in the legacy format only (MindSpeed-LLM saves "
+            "--ckpt-format torch); pass --format legacy"
+        )
     if view.args is not None and arg(view.args, "experimental_attention_variant") == "dsv4_hybrid":
         from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming
+
         return MindSpeedV4Naming(mtp=bool(arg_int(view.args, "mtp_num_layers")))
     if view.args is None or attention_kind(view.args) != "mla":
-        raise ProxyError(f"--naming {MINDSPEED_LLM} maps multi-latent attention names; this checkpoint has "
-                         "grouped-query attention, whose names MindSpeed-LLM shares with megatron-core: drop --naming")
+        raise ProxyError(
+            f"--naming {MINDSPEED_LLM} maps multi-latent attention names; this checkpoint has "
+            "grouped-query attention, whose names MindSpeed-LLM shares with megatron-core: drop --naming"
+        )
     return source or MindSpeedNaming(mtp=bool(arg_int(view.args, "mtp_num_layers")))
 
 
@@ -294,8 +327,11 @@ class MindSpeedNamedView(ModelView):
     "mindspeed_llm" (its sharding rows)."""
 
     def __init__(self, view: ModelView, naming: MindSpeedNaming):
-        super().__init__(dataclasses.replace(view.info, naming=naming, layer_spec=MINDSPEED_SPEC,
-                                             variants=view.info.variants | naming.variants()))
+        super().__init__(
+            dataclasses.replace(
+                view.info, naming=naming, layer_spec=MINDSPEED_SPEC, variants=view.info.variants | naming.variants()
+            )
+        )
         self.source, self.dims = view, MLADims.from_args(view.args)
         self._sources: dict[str, tuple[str, ...]] = {}
         for name in view.names():
@@ -303,7 +339,7 @@ class MindSpeedNamedView(ModelView):
                 # the fused key's sources in its row order (q, then kv), whatever the names' order
                 self._sources[key] = megatron_keys(key) if _FUSED.match(key) else (name,)
         self._names = sorted(self._sources, key=canonical_sort_key)
-        self._last: tuple[str, torch.Tensor] | None = None   # the up projection both its parts read
+        self._last: tuple[str, torch.Tensor] | None = None  # the up projection both its parts read
 
     def names(self) -> list[str]:
         return list(self._names)

@@ -10,6 +10,7 @@ key per routed expert. This module holds everything that maps them:
 Data first: a new spelling is a row in one of the tables. Readers and writers both resolve names
 through the functions below.
 """
+
 from __future__ import annotations
 
 import re
@@ -67,33 +68,64 @@ def canonical_sort_key(name: str):
 def linear_extra_state(key: str) -> str | None:
     """The `_extra_state` key megatron's linear layers save beside a linear weight `key`
     (`X.linear_fc1.weight` -> `X.linear_fc1._extra_state`), None for other keys."""
-    return key[:-len(".weight")] + "._extra_state" if LINEAR_WEIGHT.match(key) else None
+    return key[: -len(".weight")] + "._extra_state" if LINEAR_WEIGHT.match(key) else None
 
 
 # -- legacy rank files: rank-local keys ----------------------------------------------------------
 
 # (variant id, source regex, canonical replacement, canonical regex, source replacement)
 NAME_VARIANTS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("shared_expert_gate", r"^(.*)\.mlp\.shared_expert_gate\.weight$", r"\1.mlp.shared_experts.gate_weight",
-     r"^(.*)\.mlp\.shared_experts\.gate_weight$", r"\1.mlp.shared_expert_gate.weight"),
-    ("mtp_final_layernorms", r"^mtp\.final_layernorms\.(\d+)\.weight$", r"mtp.layers.\1.final_layernorm.weight",
-     r"^mtp\.layers\.(\d+)\.final_layernorm\.weight$", r"mtp.final_layernorms.\1.weight"),
+    (
+        "shared_expert_gate",
+        r"^(.*)\.mlp\.shared_expert_gate\.weight$",
+        r"\1.mlp.shared_experts.gate_weight",
+        r"^(.*)\.mlp\.shared_experts\.gate_weight$",
+        r"\1.mlp.shared_expert_gate.weight",
+    ),
+    (
+        "mtp_final_layernorms",
+        r"^mtp\.final_layernorms\.(\d+)\.weight$",
+        r"mtp.layers.\1.final_layernorm.weight",
+        r"^mtp\.layers\.(\d+)\.final_layernorm\.weight$",
+        r"mtp.final_layernorms.\1.weight",
+    ),
     # MindSpeed-LLM (checkpoint/mindspeed_llm.py): up projections before tag 2.2.0, the main model's
     # final norm with MTP, the DeepSeek-V3.2 indexer (`self_attention.dsa_indexer`)
-    ("linear_qb", r"^(.*)\.self_attention\.linear_qb\.weight$", r"\1.self_attention.linear_q_up_proj.weight",
-     r"^(.*)\.self_attention\.linear_q_up_proj\.weight$", r"\1.self_attention.linear_qb.weight"),
-    ("linear_kvb", r"^(.*)\.self_attention\.linear_kvb\.weight$", r"\1.self_attention.linear_kv_up_proj.weight",
-     r"^(.*)\.self_attention\.linear_kv_up_proj\.weight$", r"\1.self_attention.linear_kvb.weight"),
-    ("final_layernorm_top", r"^final_layernorm\.(weight|bias)$", r"decoder.final_layernorm.\1",
-     r"^decoder\.final_layernorm\.(weight|bias)$", r"final_layernorm.\1"),
-    ("dsa_indexer", r"^(.*)\.self_attention\.dsa_indexer\.(wq_b|wk|weights_proj)\.weight$",
-     r"\1.self_attention.core_attention.indexer.linear_\2.weight",
-     r"^(.*)\.self_attention\.core_attention\.indexer\.linear_(wq_b|wk|weights_proj)\.weight$",
-     r"\1.self_attention.dsa_indexer.\2.weight"),
-    ("dsa_indexer", r"^(.*)\.self_attention\.dsa_indexer\.k_norm\.(weight|bias)$",
-     r"\1.self_attention.core_attention.indexer.k_norm.\2",
-     r"^(.*)\.self_attention\.core_attention\.indexer\.k_norm\.(weight|bias)$",
-     r"\1.self_attention.dsa_indexer.k_norm.\2"),
+    (
+        "linear_qb",
+        r"^(.*)\.self_attention\.linear_qb\.weight$",
+        r"\1.self_attention.linear_q_up_proj.weight",
+        r"^(.*)\.self_attention\.linear_q_up_proj\.weight$",
+        r"\1.self_attention.linear_qb.weight",
+    ),
+    (
+        "linear_kvb",
+        r"^(.*)\.self_attention\.linear_kvb\.weight$",
+        r"\1.self_attention.linear_kv_up_proj.weight",
+        r"^(.*)\.self_attention\.linear_kv_up_proj\.weight$",
+        r"\1.self_attention.linear_kvb.weight",
+    ),
+    (
+        "final_layernorm_top",
+        r"^final_layernorm\.(weight|bias)$",
+        r"decoder.final_layernorm.\1",
+        r"^decoder\.final_layernorm\.(weight|bias)$",
+        r"final_layernorm.\1",
+    ),
+    (
+        "dsa_indexer",
+        r"^(.*)\.self_attention\.dsa_indexer\.(wq_b|wk|weights_proj)\.weight$",
+        r"\1.self_attention.core_attention.indexer.linear_\2.weight",
+        r"^(.*)\.self_attention\.core_attention\.indexer\.linear_(wq_b|wk|weights_proj)\.weight$",
+        r"\1.self_attention.dsa_indexer.\2.weight",
+    ),
+    (
+        "dsa_indexer",
+        r"^(.*)\.self_attention\.dsa_indexer\.k_norm\.(weight|bias)$",
+        r"\1.self_attention.core_attention.indexer.k_norm.\2",
+        r"^(.*)\.self_attention\.core_attention\.indexer\.k_norm\.(weight|bias)$",
+        r"\1.self_attention.dsa_indexer.k_norm.\2",
+    ),
 )
 
 # Expert module types: SequentialMLP (one module per local expert), GroupedMLP (`weight1`,
@@ -116,12 +148,12 @@ class LocalKey:
     "grouped" (GroupedMLP weight1/weight2: every local expert; `fc` is 1 or 2).
     """
 
-    canonical: str            # for "grouped": the prefix `...mlp.experts`
+    canonical: str  # for "grouped": the prefix `...mlp.experts`
     kind: str = "plain"
     local_expert: int = 0
     fc: int = 0
-    expert_layout: str | None = None   # which expert module type the key reveals
-    variant: str | None = None         # which NAME_VARIANTS spelling the key used
+    expert_layout: str | None = None  # which expert module type the key reveals
+    variant: str | None = None  # which NAME_VARIANTS spelling the key used
 
 
 def to_global_layer(key: str, layer_offset: int) -> str:
@@ -180,8 +212,9 @@ def parse_local_key(key: str, layer_offset: int, expert_offset: int) -> LocalKey
     if expert is None:
         return lk
     prefix, j, rest = expert
-    return LocalKey(f"{prefix}.{expert_offset + j}.{rest}", "expert", j, expert_layout=lk.expert_layout,
-                    variant=lk.variant)
+    return LocalKey(
+        f"{prefix}.{expert_offset + j}.{rest}", "expert", j, expert_layout=lk.expert_layout, variant=lk.variant
+    )
 
 
 # Every EP (and TP) rank of a stage holds the same local keys: classified once per stage, not once
@@ -191,11 +224,15 @@ def _classify_local_key(key: str, layer_offset: int) -> tuple[LocalKey, tuple[st
     """(LocalKey, None), or for one expert's key (LocalKey without its global id, (prefix, local id, rest))."""
     key, mtp_variant = from_mtp_model_layer(to_global_layer(key, layer_offset))
     if m := _SEQ_EXPERT.match(key):
-        return (LocalKey("", "expert", expert_layout=SEQUENTIAL, variant=mtp_variant),
-                (m.group(1), int(m.group(2)), m.group(3)))
+        return (
+            LocalKey("", "expert", expert_layout=SEQUENTIAL, variant=mtp_variant),
+            (m.group(1), int(m.group(2)), m.group(3)),
+        )
     if m := _TE_EXPERT.match(key):
-        return (LocalKey("", "expert", expert_layout=TE_GROUPED, variant=mtp_variant),
-                (m.group(1), int(m.group(4)), f"{m.group(2)}.{m.group(3)}"))
+        return (
+            LocalKey("", "expert", expert_layout=TE_GROUPED, variant=mtp_variant),
+            (m.group(1), int(m.group(4)), f"{m.group(2)}.{m.group(3)}"),
+        )
     if m := _GROUPED.match(key):
         return LocalKey(m.group(1), "grouped", fc=int(m.group(2)), expert_layout=GROUPED, variant=mtp_variant), None
     canonical, variant = apply_variants(key)
@@ -225,8 +262,12 @@ LOCAL_SPEC_RENAMES: tuple[tuple[str, str], ...] = (
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
 )
 # Keys in a training checkpoint that are not model weights: deliberately not in the view.
-IGNORED_KEYS: tuple[str, ...] = (r"^optimizer[./]", r"^rng_state$", r"^rerun_state_machine",
-                                 r"\.local_tokens_per_expert$")
+IGNORED_KEYS: tuple[str, ...] = (
+    r"^optimizer[./]",
+    r"^rng_state$",
+    r"^rerun_state_machine",
+    r"\.local_tokens_per_expert$",
+)
 _IGNORED_DIST = tuple(re.compile(p) for p in IGNORED_KEYS)
 
 _DIST_DECODER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.*)$")
@@ -255,7 +296,7 @@ def _rename(rest: str, local_spec: bool, to_dist: bool) -> str:
     for canon, dist in LOCAL_SPEC_RENAMES:
         src, dst = (canon, dist) if to_dist else (dist, canon)
         if rest.startswith(src):
-            return dst + rest[len(src):]
+            return dst + rest[len(src) :]
     return rest
 
 
@@ -289,7 +330,7 @@ def parse_dist_key(key: str, local_spec: bool) -> DistName:
     else:
         return DistName(key, ())
     if rest.startswith(_DIST_EXPERTS):
-        return DistName(prefix + "mlp.experts.{expert}." + rest[len(_DIST_EXPERTS):], axes + ("expert",))
+        return DistName(prefix + "mlp.experts.{expert}." + rest[len(_DIST_EXPERTS) :], axes + ("expert",))
     return DistName(prefix + _rename(rest, local_spec, to_dist=False), axes)
 
 
@@ -310,8 +351,12 @@ class KeyStyle:
     @classmethod
     def from_args(cls, args, spec) -> "KeyStyle":
         """spec: the view's ModelSpec (its expert count is the one written)."""
-        return cls(stacked=homogeneous_layers(args), local_spec=uses_local_spec(args),
-                   num_layers=spec.num_layers, num_experts=spec.num_experts)
+        return cls(
+            stacked=homogeneous_layers(args),
+            local_spec=uses_local_spec(args),
+            num_layers=spec.num_layers,
+            num_experts=spec.num_experts,
+        )
 
     def locate(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """Canonical name -> (torch_dist key, index on the prepended axes, their sizes)."""
@@ -330,8 +375,10 @@ class KeyStyle:
         if e := _CANON_LOCAL_EXPERT.match(rest):
             expert = int(e.group(1))
             if expert >= self.num_experts:
-                raise CheckpointError(f"{name}: expert {expert} but the view has num_experts="
-                                      f"{self.num_experts}; number kept experts 0..K-1")
+                raise CheckpointError(
+                    f"{name}: expert {expert} but the view has num_experts="
+                    f"{self.num_experts}; number kept experts 0..K-1"
+                )
             return prefix + _DIST_EXPERTS + e.group(2), index + (expert,), sizes + (self.num_experts,)
         return prefix + _rename(rest, self.local_spec, to_dist=True), index, sizes
 

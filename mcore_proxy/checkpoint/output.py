@@ -21,6 +21,7 @@ folder and moved into place one by one at the end, each replacing its old versio
 A failed write (ENOSPC, EFBIG, EIO, EROFS, ...) becomes one OutputError sentence. Readers refuse
 staging folders by name (`refuse_staging`): an interrupted output is never read as a checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,9 @@ def write_failure(out: Path, err: OSError) -> OutputError:
     """One sentence for a failed write under `out`."""
     reason = _REASONS.get(err.errno, err.strerror or str(err))
     where = f" at {err.filename}" if err.filename else ""
-    return OutputError(f"{out}: writing the output failed ({reason}{where}); nothing was left behind, "
-                       "fix the cause and run again")
+    return OutputError(
+        f"{out}: writing the output failed ({reason}{where}); nothing was left behind, fix the cause and run again"
+    )
 
 
 def is_staging(path: str | Path) -> bool:
@@ -74,8 +76,10 @@ def is_staging(path: str | Path) -> bool:
 def refuse_staging(path: str | Path) -> None:
     """CheckpointError for a staging folder: it is an unfinished output, never a checkpoint."""
     if is_staging(path):
-        raise CheckpointError(f"{path}: is the staging folder of an unfinished mcore-proxy output (the run was "
-                              "interrupted), not a checkpoint; delete it and run the conversion again")
+        raise CheckpointError(
+            f"{path}: is the staging folder of an unfinished mcore-proxy output (the run was "
+            "interrupted), not a checkpoint; delete it and run the conversion again"
+        )
 
 
 def check_output_path(out: str | Path, inputs: tuple[str | Path, ...] = (), *, replace: bool = False) -> Path:
@@ -83,15 +87,18 @@ def check_output_path(out: str | Path, inputs: tuple[str | Path, ...] = (), *, r
     not lie inside (or contain) an input."""
     out = Path(out).absolute()
     if (out.exists() or out.is_symlink()) and not replace:
-        raise OutputError(f"{out}: output folder already exists; pass --force to replace it (the new output is "
-                          "written completely first, then swapped in), or choose a new path")
+        raise OutputError(
+            f"{out}: output folder already exists; pass --force to replace it (the new output is "
+            "written completely first, then swapped in), or choose a new path"
+        )
     if is_staging(out):
         raise OutputError(f"{out}: lies in an mcore-proxy staging folder; choose a path outside it")
     for src in inputs:
         src = Path(src).resolve()
         if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
-            raise OutputError(f"{out}: output must not be inside the input {src} (or hold it); "
-                              "choose a path outside it")
+            raise OutputError(
+                f"{out}: output must not be inside the input {src} (or hold it); choose a path outside it"
+            )
     if not out.parent.is_dir():
         raise OutputError(f"{out.parent}: parent folder of the output does not exist; create it first")
     if out.exists() or out.is_symlink():
@@ -100,8 +107,10 @@ def check_output_path(out: str | Path, inputs: tuple[str | Path, ...] = (), *, r
 
 
 # the file that marks a folder as one of our outputs, by its "format": what --force may replace
-OUTPUT_MARKERS = (("manifest.json", "mcore-proxy-manifest/1"),    # convert
-                  ("report.json", "mcore-proxy-compare/1"))       # compare -o
+OUTPUT_MARKERS = (
+    ("manifest.json", "mcore-proxy-manifest/1"),  # convert
+    ("report.json", "mcore-proxy-compare/1"),
+)  # compare -o
 
 
 def is_output_folder(folder: str | Path) -> bool:
@@ -120,11 +129,15 @@ def check_replaceable(out: Path) -> None:
     manifest.json, a compare report's report.json), or an empty one (a typo must not swap away a
     folder of other data)."""
     if out.is_symlink() or not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder; --force replaces only a folder written by "
-                          "mcore-proxy; remove it yourself or choose another output")
+        raise OutputError(
+            f"{out}: exists and is not a folder; --force replaces only a folder written by "
+            "mcore-proxy; remove it yourself or choose another output"
+        )
     if any(out.iterdir()) and not is_output_folder(out):
-        raise OutputError(f"{out}: holds no mcore-proxy manifest.json (or compare report.json), so --force does "
-                          "not replace it (it may hold other data); remove it yourself or choose another output")
+        raise OutputError(
+            f"{out}: holds no mcore-proxy manifest.json (or compare report.json), so --force does "
+            "not replace it (it may hold other data); remove it yourself or choose another output"
+        )
 
 
 def free_bytes(folder: Path) -> int:
@@ -136,8 +149,10 @@ def check_free_space(out: Path, needed: int) -> None:
     """Refuse early when the file system of `out` has less free space than `needed` bytes."""
     free = free_bytes(out.parent)
     if needed > free:
-        raise OutputError(f"{out}: needs about {format_bytes(needed)} but its file system has {format_bytes(free)} "
-                          "free; free space or choose another output (--no-space-check skips this check)")
+        raise OutputError(
+            f"{out}: needs about {format_bytes(needed)} but its file system has {format_bytes(free)} "
+            "free; free space or choose another output (--no-space-check skips this check)"
+        )
 
 
 def lock_path(out: Path) -> Path:
@@ -154,8 +169,10 @@ def output_lock(out: Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise OutputError(f"{out}: another mcore-proxy run is writing this output (it holds {path}); wait "
-                              "for it to finish or choose another output") from None
+            raise OutputError(
+                f"{out}: another mcore-proxy run is writing this output (it holds {path}); wait "
+                "for it to finish or choose another output"
+            ) from None
         # the holder before us may have removed the file after we opened it: lock the current one
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -195,14 +212,21 @@ def remove_stale_staging(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(out: str | Path, inputs: tuple[str | Path, ...] = (), *, needed_bytes: int = 0,
-                  check_space: bool = True, staging_id: str | None = None, replace: bool = False):
+def staged_output(
+    out: str | Path,
+    inputs: tuple[str | Path, ...] = (),
+    *,
+    needed_bytes: int = 0,
+    check_space: bool = True,
+    staging_id: str | None = None,
+    replace: bool = False,
+):
     """Yield the staging folder of `out`; move it to `out` only on success (module docstring)."""
     out = check_output_path(out, inputs, replace=replace)
     tmp = out.with_name(f".{out.name}{STAGING_TAG}{staging_id or os.getpid()}")
     try:
         with output_lock(out):
-            check_output_path(out, inputs, replace=replace)   # again, now that no other run can write it
+            check_output_path(out, inputs, replace=replace)  # again, now that no other run can write it
             remove_stale_staging(out)
             if check_space:
                 check_free_space(out, needed_bytes)
@@ -212,7 +236,7 @@ def staged_output(out: str | Path, inputs: tuple[str | Path, ...] = (), *, neede
                 move_into_place(tmp, out)
             finally:
                 if tmp.exists():
-                    remove_tree(tmp)   # on success, after a swap: the old output
+                    remove_tree(tmp)  # on success, after a swap: the old output
     except OSError as err:
         raise write_failure(out, err) from None
 
@@ -250,8 +274,14 @@ def move_into_place(new: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_files(folder: str | Path, name: str, patterns: tuple[str, ...], *, replace: bool = False,
-                 inputs: tuple[str | Path, ...] = ()):
+def staged_files(
+    folder: str | Path,
+    name: str,
+    patterns: tuple[str, ...],
+    *,
+    replace: bool = False,
+    inputs: tuple[str | Path, ...] = (),
+):
     """Yield a staging folder for an output made of files in `folder`: the files matching `patterns`
     (globs; the first one names the output in messages). At the end each written file is moved into
     `folder` in the order of `patterns`, replacing its old version, and old files matching
@@ -304,8 +334,10 @@ def _existing_files(folder: Path, patterns: tuple[str, ...], replace: bool) -> s
         if p.is_dir() and not p.is_symlink():
             raise OutputError(f"{p}: is a folder where the output writes a file; choose another output")
     if found and not replace:
-        raise OutputError(f"{found[0]}: exists; pass --force to replace it (the new output is written completely "
-                          "first, then moved into place), or choose another output")
+        raise OutputError(
+            f"{found[0]}: exists; pass --force to replace it (the new output is written completely "
+            "first, then moved into place), or choose another output"
+        )
     return set(found)
 
 
@@ -315,7 +347,7 @@ def write_synced(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

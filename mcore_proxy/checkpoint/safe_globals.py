@@ -22,6 +22,7 @@ module global `signal.SIGTERM`. The reader turns all three into the same member 
 accepts with megatron-core's safe globals, and Megatron's own loader too. `getattr` is honoured
 in that one shape only; anything else it is asked for becomes an inert `Refused` record.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,10 @@ class Unresolved:
         return (type(self), self._args, self._state) if self._state is not None else (type(self), self._args)
 
     def __eq__(self, other):
-        return type(self) is type(other) and (_freeze(self._args), _freeze(self._state)) == \
-            (_freeze(other._args), _freeze(other._state))
+        return type(self) is type(other) and (_freeze(self._args), _freeze(self._state)) == (
+            _freeze(other._args),
+            _freeze(other._state),
+        )
 
     def __hash__(self):
         return hash((self._module, self._name, _freeze(self._args), _freeze(self._state)))
@@ -102,7 +105,7 @@ class Refused:
     __slots__ = ("what", "where")
 
     def __init__(self, what: str, where: str):
-        self.what, self.where = what[:200], where   # bounded: a hostile chain may nest thousands deep
+        self.what, self.where = what[:200], where  # bounded: a hostile chain may nest thousands deep
 
     def __call__(self, *args, **kwargs):
         return Refused(f"{self.what}(...)", self.where)
@@ -111,8 +114,10 @@ class Refused:
         pass
 
     def __reduce__(self):
-        raise CheckpointError(f"refusing to write {self.what}, read from {self.where}: only enum members may "
-                              "be read by name, and mcore-proxy never writes what it refused to read")
+        raise CheckpointError(
+            f"refusing to write {self.what}, read from {self.where}: only enum members may "
+            "be read by name, and mcore-proxy never writes what it refused to read"
+        )
 
     def __repr__(self):
         return f"<refused {self.what}>"
@@ -134,8 +139,9 @@ def unresolved_class(module: str, name: str) -> type:
     """One stand-in class per original class path (classes compare by identity in pickles)."""
     key = (module, name)
     if key not in _UNRESOLVED_CLASSES:
-        _UNRESOLVED_CLASSES[key] = type(name, (Unresolved,), {
-            "_module": module, "_name": name, "__module__": module, "__qualname__": name})
+        _UNRESOLVED_CLASSES[key] = type(
+            name, (Unresolved,), {"_module": module, "_name": name, "__module__": module, "__qualname__": name}
+        )
     return _UNRESOLVED_CLASSES[key]
 
 
@@ -144,35 +150,73 @@ READ_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("argparse", "Namespace"): argparse.Namespace,
     ("torch", "Size"): torch.Size,
-    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
     ("builtins", "range"): range,
 }
 
 # megatron-core 0.16.1 `SAFE_GLOBALS`, by class path
 _MEGATRON_SAFE = {
-    ("types", "SimpleNamespace"), ("pathlib", "PosixPath"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.dtypes", "UInt32DType"), ("argparse", "Namespace"),
-    ("megatron.core.transformer.enums", "AttnBackend"), ("megatron.core.transformer.enums", "CudaGraphScope"),
-    ("megatron.core.enums", "ModelType"), ("megatron.core.optimizer", "OptimizerConfig"),
+    ("types", "SimpleNamespace"),
+    ("pathlib", "PosixPath"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.dtypes", "UInt32DType"),
+    ("argparse", "Namespace"),
+    ("megatron.core.transformer.enums", "AttnBackend"),
+    ("megatron.core.transformer.enums", "CudaGraphScope"),
+    ("megatron.core.enums", "ModelType"),
+    ("megatron.core.optimizer", "OptimizerConfig"),
     ("megatron.core.optimizer.optimizer_config", "OptimizerConfig"),
-    ("megatron.core.rerun_state_machine", "RerunDiagnostic"), ("megatron.core.rerun_state_machine", "RerunMode"),
-    ("megatron.core.rerun_state_machine", "RerunState"), ("io", "BytesIO"), ("signal", "Signals"),
+    ("megatron.core.rerun_state_machine", "RerunDiagnostic"),
+    ("megatron.core.rerun_state_machine", "RerunMode"),
+    ("megatron.core.rerun_state_machine", "RerunState"),
+    ("io", "BytesIO"),
+    ("signal", "Signals"),
 }
 # the other enums megatron-core defines for configuration (plain values, no behaviour on construction)
-_MEGATRON_ENUMS = {
-    ("megatron.core.enums", n) for n in ("Fp8Recipe", "Fp4Recipe")
-} | {
-    ("megatron.core.transformer.enums", n) for n in ("ModelType", "LayerType", "AttnType", "AttnMaskType")
-} | {("megatron.core.rerun_state_machine", "RerunValidationStatus")}
+_MEGATRON_ENUMS = (
+    {("megatron.core.enums", n) for n in ("Fp8Recipe", "Fp4Recipe")}
+    | {("megatron.core.transformer.enums", n) for n in ("ModelType", "LayerType", "AttnType", "AttnMaskType")}
+    | {("megatron.core.rerun_state_machine", "RerunValidationStatus")}
+)
 # stdlib, numpy and torch data types
 _DATA_TYPES = {
-    ("pathlib", "Path"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("pathlib", "Path"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
     ("numpy._core.multiarray", "_reconstruct"),
-} | {("numpy.dtypes", f"{t}DType") for t in (
-    "Bool", "Int8", "UInt8", "Int16", "UInt16", "Int32", "Int64", "UInt64", "Float16", "Float32", "Float64",
-    "Complex64", "Complex128", "Str", "Bytes", "Long", "ULong", "LongLong", "ULongLong")}
+} | {
+    ("numpy.dtypes", f"{t}DType")
+    for t in (
+        "Bool",
+        "Int8",
+        "UInt8",
+        "Int16",
+        "UInt16",
+        "Int32",
+        "Int64",
+        "UInt64",
+        "Float16",
+        "Float32",
+        "Float64",
+        "Complex64",
+        "Complex128",
+        "Str",
+        "Bytes",
+        "Long",
+        "ULong",
+        "LongLong",
+        "ULongLong",
+    )
+}
 
 WRITE_ALLOWED: frozenset[tuple[str, str]] = frozenset(_MEGATRON_SAFE | _MEGATRON_ENUMS | _DATA_TYPES)
 
@@ -203,15 +247,26 @@ ENUM_MEMBERS: dict[tuple[str, str], dict[str, object]] = {
     (_CORE, "Fp4Recipe"): _lowercase("nvfp4 custom"),
     (_RERUN, "RerunDiagnostic"): _lowercase("CORRECT_RESULT TRANSIENT_ERROR PERSISTENT_ERROR"),
     (_RERUN, "RerunMode"): _lowercase("DISABLED VALIDATE_RESULTS REPORT_DETERMINISM_STATS"),
-    (_RERUN, "RerunState"): _numbered("NOT_RUNNING_YET INITIAL_RUN RERUNNING_IN_PLACE WILL_RERUN_FROM_CHECKPOINT "
-                                      "RERUNNING_FROM_CHECKPOINT RERUNNING_AGAIN_FROM_CHECKPOINT", start=0),
+    (_RERUN, "RerunState"): _numbered(
+        "NOT_RUNNING_YET INITIAL_RUN RERUNNING_IN_PLACE WILL_RERUN_FROM_CHECKPOINT "
+        "RERUNNING_FROM_CHECKPOINT RERUNNING_AGAIN_FROM_CHECKPOINT",
+        start=0,
+    ),
     (_RERUN, "RerunValidationStatus"): _lowercase(
         "RERUN_DISABLED INITIAL_RUN FIRST_RERUN_NOT_REPRODUCIBLE FIRST_RERUN_REPRODUCIBLE "
-        "SECOND_RERUN_NOT_REPRODUCIBLE SECOND_RERUN_REPRODUCIBLE"),
-    ("signal", "Signals"): {**_numbered(
-        "SIGHUP SIGINT SIGQUIT SIGILL SIGTRAP SIGABRT SIGBUS SIGFPE SIGKILL SIGUSR1 SIGSEGV SIGUSR2 SIGPIPE SIGALRM "
-        "SIGTERM SIGSTKFLT SIGCHLD SIGCONT SIGSTOP SIGTSTP SIGTTIN SIGTTOU SIGURG SIGXCPU SIGXFSZ SIGVTALRM SIGPROF "
-        "SIGWINCH SIGIO SIGPWR SIGSYS"), "SIGRTMIN": 34, "SIGRTMAX": 64},
+        "SECOND_RERUN_NOT_REPRODUCIBLE SECOND_RERUN_REPRODUCIBLE"
+    ),
+    ("signal", "Signals"): {
+        **_numbered(
+            "SIGHUP SIGINT SIGQUIT SIGILL SIGTRAP SIGABRT SIGBUS SIGFPE SIGKILL SIGUSR1 SIGSEGV "
+            "SIGUSR2 SIGPIPE SIGALRM "
+            "SIGTERM SIGSTKFLT SIGCHLD SIGCONT SIGSTOP SIGTSTP SIGTTIN SIGTTOU SIGURG SIGXCPU "
+            "SIGXFSZ SIGVTALRM SIGPROF "
+            "SIGWINCH SIGIO SIGPWR SIGSYS"
+        ),
+        "SIGRTMIN": 34,
+        "SIGRTMAX": 64,
+    },
 }
 # enums that Python 3.11's `enum.global_enum` pickles as a global of their module (`signal.SIGTERM`)
 GLOBAL_ENUMS = {"signal": "Signals"}
@@ -258,6 +313,7 @@ def enum_member_name(value) -> str | None:
         return None
     return next((name for name, v in members.items() if v == value._args[0]), None)
 
+
 # what torchfile's pickler itself emits for the structure of a torch.save file
 _STRUCTURE = frozenset(set(READ_GLOBALS) | {("torch._utils", "_rebuild_tensor_v2"), ("_codecs", "encode")})
 
@@ -269,20 +325,22 @@ def is_emittable(module: str, name: str) -> bool:
     if (module, name) in WRITE_ALLOWED or (module, name) in _STRUCTURE:
         return True
     value = getattr(torch, name, None) if module == "torch" else None
-    return isinstance(value, torch.dtype) or (module == "torch" and name.endswith("Storage")
-                                              and isinstance(value, type))
+    return isinstance(value, torch.dtype) or (
+        module == "torch" and name.endswith("Storage") and isinstance(value, type)
+    )
 
 
 def _unsafe(value, depth: int = 0) -> str | None:
     """Why `value` may not be written (the first offending global), or None if it is plain data."""
     if depth > MAX_DEPTH:
         return f"data nested deeper than {MAX_DEPTH} levels"
-    if value is None or isinstance(value, (bool, numbers.Number, str, bytes, bytearray, range, slice,
-                                           torch.dtype)):
+    if value is None or isinstance(value, (bool, numbers.Number, str, bytes, bytearray, range, slice, torch.dtype)):
         return None
     if isinstance(value, Refused):
-        return (f"{value.what}, read from {value.where}, which the reader refused (only members of "
-                "allow-listed enum classes are read by name)")
+        return (
+            f"{value.what}, read from {value.where}, which the reader refused (only members of "
+            "allow-listed enum classes are read by name)"
+        )
     if isinstance(value, Unresolved):
         if (value._module, value._name) not in WRITE_ALLOWED:
             return f"{value._module}.{value._name}, a global that is not on the allow-list of data types"
@@ -291,8 +349,9 @@ def _unsafe(value, depth: int = 0) -> str | None:
         # a tensor, read or not (torchfile's LazyTensor has a torch dtype too)
         return "a tensor, which Megatron args never hold"
     if isinstance(value, dict):
-        return next((r for kv in value.items() for r in (_unsafe(kv[0], depth + 1), _unsafe(kv[1], depth + 1))
-                     if r), None)
+        return next(
+            (r for kv in value.items() for r in (_unsafe(kv[0], depth + 1), _unsafe(kv[1], depth + 1)) if r), None
+        )
     if isinstance(value, (list, tuple, set, frozenset)):
         return next((r for v in value if (r := _unsafe(v, depth + 1))), None)
     if isinstance(value, argparse.Namespace):
@@ -304,8 +363,10 @@ def check_writable(value, what: str) -> None:
     """CheckpointError unless `value` is plain data or allowed classes (`what` names the entry)."""
     why = _unsafe(value)
     if why:
-        raise CheckpointError(f"{what} holds {why}; mcore-proxy never writes a callable or unknown global "
-                              "into a proxy, remove it from the source checkpoint")
+        raise CheckpointError(
+            f"{what} holds {why}; mcore-proxy never writes a callable or unknown global "
+            "into a proxy, remove it from the source checkpoint"
+        )
 
 
 def unsafe_args(args, needed=()) -> dict[str, str]:
@@ -314,8 +375,10 @@ def unsafe_args(args, needed=()) -> dict[str, str]:
     fields = vars(args) if isinstance(args, argparse.Namespace) else {}
     found = {k: why for k, v in fields.items() if (why := _unsafe(v))}
     for name in sorted(set(found) & set(needed)):
-        raise CheckpointError(f"args {name} holds {found[name]}, and the model needs that field; mcore-proxy "
-                              "never writes a callable into a proxy, fix the source checkpoint's args")
+        raise CheckpointError(
+            f"args {name} holds {found[name]}, and the model needs that field; mcore-proxy "
+            "never writes a callable into a proxy, fix the source checkpoint's args"
+        )
     return found
 
 
@@ -324,8 +387,10 @@ def writable_args(args, needed=()):
     import copy
 
     if not isinstance(args, argparse.Namespace):
-        raise CheckpointError(f"the source args are {type(args).__name__}, not Megatron's argparse namespace; "
-                              "re-save the checkpoint with Megatron")
+        raise CheckpointError(
+            f"the source args are {type(args).__name__}, not Megatron's argparse namespace; "
+            "re-save the checkpoint with Megatron"
+        )
     dropped = unsafe_args(args, needed)
     out = copy.copy(args)
     for name, why in dropped.items():
@@ -374,8 +439,14 @@ def torch_load_allowing():
 def _enum_getattr(cls, name):
     """`getattr(cls, name)` for torch's weights_only unpickler: a member of an allowed enum class
     (the real class, which torch resolved), else UnpicklingError."""
-    if isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__qualname__) in ENUM_MEMBERS \
-            and isinstance(name, str) and name in cls.__members__:
+    if (
+        isinstance(cls, enum.EnumMeta)
+        and (cls.__module__, cls.__qualname__) in ENUM_MEMBERS
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
         return cls.__members__[name]
-    raise pickle.UnpicklingError(f"getattr({_describe(cls)}, {str(name)[:60]!r}) refused: only members of "
-                                 "allow-listed enum classes are read by name")
+    raise pickle.UnpicklingError(
+        f"getattr({_describe(cls)}, {str(name)[:60]!r}) refused: only members of "
+        "allow-listed enum classes are read by name"
+    )

@@ -31,6 +31,7 @@ proven correct. So:
 Non-expert TE linears (`linear_qkv`, `linear_proj`, dense `linear_fc1`/`linear_fc2`) are not
 affected by dropping experts: their states are copied byte for byte.
 """
+
 from __future__ import annotations
 
 import torch

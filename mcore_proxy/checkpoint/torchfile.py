@@ -10,6 +10,7 @@ Writing streams: `TorchFileWriter` writes each tensor's bytes as soon as it is a
 pickled structure last, so a rank file never has to exist in memory as a whole (the zip layout
 itself is `zipwrite`'s).
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,27 +31,42 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.descriptors import POOL
-from mcore_proxy.checkpoint.safe_globals import (READ_GLOBALS, Unresolved, enum_by_name, global_enum_member,
-                                                 is_emittable, torch_load_allowing, unresolved_class)
+from mcore_proxy.checkpoint.safe_globals import (
+    READ_GLOBALS,
+    Unresolved,
+    enum_by_name,
+    global_enum_member,
+    is_emittable,
+    torch_load_allowing,
+    unresolved_class,
+)
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
 from mcore_proxy.errors import CheckpointError
 
 # -- reading -------------------------------------------------------------------------------
 
 _STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "UntypedStorage": torch.uint8,
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "UntypedStorage": torch.uint8,
 }
 _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
 
+
 @dataclass(frozen=True, repr=False, slots=True)  # one per tensor a reader keeps
 class _StorageRef:
-    member: str          # zip member holding the bytes
+    member: str  # zip member holding the bytes
     dtype: torch.dtype
     numel: int
-    header_offset: int   # of the member's local header: where its bytes are, once the zip index is gone
+    header_offset: int  # of the member's local header: where its bytes are, once the zip index is gone
 
 
 class LazyTensor:
@@ -80,7 +96,7 @@ class LazyTensor:
     def read_flat(self, start: int, count: int) -> torch.Tensor:
         """Elements [start, start+count) of this (contiguous) tensor's memory, 1-D."""
         if not self.is_contiguous():
-            return self.load().reshape(-1)[start:start + count].clone()
+            return self.load().reshape(-1)[start : start + count].clone()
         return self.file.read_elements(self.storage, self.offset + start, count)
 
     def byte_range(self, start: int = 0, count: int | None = None) -> tuple[int, int]:
@@ -125,8 +141,9 @@ def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks
         raise pickle.UnpicklingError(f"a tensor with offset {offset!r}, shape {size!r}, stride {stride!r}")
     span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
     if offset + span > storage[1].numel:
-        raise pickle.UnpicklingError(f"a tensor of shape {tuple(size)} beyond its storage of "
-                                     f"{storage[1].numel} elements")
+        raise pickle.UnpicklingError(
+            f"a tensor of shape {tuple(size)} beyond its storage of {storage[1].numel} elements"
+        )
     return LazyTensor(storage[0], storage[1], offset, size, stride)
 
 
@@ -184,8 +201,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         header_offset, size = self._members.get(member, (0, 0))
         if size < numel * _itemsize(dtype):
             # checked before anything is allocated: a declared size must fit the bytes in the file
-            raise pickle.UnpicklingError(f"storage {key} declares {numel} elements but its member holds "
-                                         f"{size} bytes")
+            raise pickle.UnpicklingError(f"storage {key} declares {numel} elements but its member holds {size} bytes")
         return (self._file, _StorageRef(member, dtype, numel, header_offset))
 
 
@@ -207,17 +223,35 @@ def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
     end = zf.fp.seek(0, os.SEEK_END)  # a member's declared size must fit inside the file
     zf.fp.seek(pos)
     # only stored members whose bytes fit in the file can back a storage: torch never compresses
-    members = {i.filename: (i.header_offset, i.file_size) for i in infos
-               if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end}
+    members = {
+        i.filename: (i.header_offset, i.file_size)
+        for i in infos
+        if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end
+    }
     return _RestrictedUnpickler(zf.read(name), owner, members).load()
 
 
 # What parsing a damaged or hostile zip/pickle can raise: zipfile and pickle raise many types
 # (struct.error, KeyError from the memo, TypeError from a bad REDUCE, RecursionError, MemoryError
 # for absurd declared sizes), all meaning "this file is not what it claims".
-UNREADABLE = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, pickle.UnpicklingError, OSError, ValueError,
-              TypeError, KeyError, IndexError, AttributeError, struct.error, RecursionError, MemoryError,
-              OverflowError, NotImplementedError, UnicodeDecodeError)
+UNREADABLE = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    pickle.UnpicklingError,
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    struct.error,
+    RecursionError,
+    MemoryError,
+    OverflowError,
+    NotImplementedError,
+    UnicodeDecodeError,
+)
 
 
 def brief_error(err: BaseException) -> str:
@@ -251,7 +285,8 @@ class TorchFile:
         except UNREADABLE as err:
             raise CheckpointError(
                 f"{self.path}: not a readable torch checkpoint ({brief_error(err)}); the file is truncated or "
-                "damaged, copy it again from the source") from None
+                "damaged, copy it again from the source"
+            ) from None
 
     def drop_structure(self) -> None:
         """Forget `obj` (the args, optimizer state and every record of the file): the LazyTensors
@@ -265,8 +300,10 @@ class TorchFile:
             with POOL.borrow(self.path) as fd:
                 yield fd
         except OSError as err:
-            raise CheckpointError(f"{self.path}: cannot be read any more ({err.strerror}); the checkpoint changed "
-                                  "while it was read, copy it again from the source") from None
+            raise CheckpointError(
+                f"{self.path}: cannot be read any more ({err.strerror}); the checkpoint changed "
+                "while it was read, copy it again from the source"
+            ) from None
 
     def _data_offset(self, storage: _StorageRef) -> int:
         """Byte offset of a stored member's data: torch writes members uncompressed, so a
@@ -277,8 +314,10 @@ class TorchFile:
             with self._fd() as fd:
                 header = os.pread(fd, 30, storage.header_offset)
             if len(header) != 30 or header[:4] != b"PK\x03\x04":
-                raise CheckpointError(f"{self.path}: bad local header of {member}; the file is truncated "
-                                      "or damaged, copy it again from the source")
+                raise CheckpointError(
+                    f"{self.path}: bad local header of {member}; the file is truncated "
+                    "or damaged, copy it again from the source"
+                )
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             self._offsets[member] = storage.header_offset + 30 + name_len + extra_len
         return self._offsets[member]
@@ -288,8 +327,10 @@ class TorchFile:
         item = _itemsize(storage.dtype)
         offset = self._data_offset(storage)
         if start + count > storage.numel:
-            raise CheckpointError(f"{self.path}: a read of elements {start}..{start + count} lies beyond the "
-                                  f"{storage.numel} of {storage.member}; the file is damaged, copy it again")
+            raise CheckpointError(
+                f"{self.path}: a read of elements {start}..{start + count} lies beyond the "
+                f"{storage.numel} of {storage.member}; the file is damaged, copy it again"
+            )
         out = torch.empty(count, dtype=storage.dtype)
         buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
         done = 0
@@ -297,8 +338,10 @@ class TorchFile:
             while done < len(buf):  # pread may return short counts on large reads
                 n = os.preadv(fd, [buf[done:]], offset + start * item + done)
                 if n <= 0:
-                    raise CheckpointError(f"{self.path}: {storage.member} ends early; the file is truncated, "
-                                          "copy it again from the source")
+                    raise CheckpointError(
+                        f"{self.path}: {storage.member} ends early; the file is truncated, "
+                        "copy it again from the source"
+                    )
                 done += n
         return out
 
@@ -332,6 +375,7 @@ def materialize(obj):
 
 # -- writing -------------------------------------------------------------------------------
 
+
 class _TensorRecord:
     __slots__ = ("key", "dtype", "shape", "numel")
 
@@ -359,8 +403,10 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
     def reducer_override(self, obj):
         if isinstance(obj, _TensorRecord):
             stride = torch.empty(obj.shape, device="meta").stride()
-            return (torch._utils._rebuild_tensor_v2,
-                    (_StoragePid(obj), 0, obj.shape, stride, False, collections.OrderedDict()))
+            return (
+                torch._utils._rebuild_tensor_v2,
+                (_StoragePid(obj), 0, obj.shape, stride, False, collections.OrderedDict()),
+            )
         if isinstance(obj, enum.Enum):
             # by value, whatever this Python's own form (3.11.2: by name): docs/safe-loading.md
             return type(obj), (obj.value,)
@@ -368,12 +414,17 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
 
     def save_global(self, obj, name=None):
         unresolved = isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved
-        module = obj._module if unresolved else (getattr(obj, "__module__", None) if name is None
-                                                  else pickle.whichmodule(obj, name))
+        module = (
+            obj._module
+            if unresolved
+            else (getattr(obj, "__module__", None) if name is None else pickle.whichmodule(obj, name))
+        )
         qualname = obj._name if unresolved else (name or getattr(obj, "__qualname__", "?"))
         if not is_emittable(str(module), str(qualname)):
-            raise CheckpointError(f"refusing to write the global {module}.{qualname}: it is not on the "
-                                  "allow-list of data types, and the next reader of the file would run it")
+            raise CheckpointError(
+                f"refusing to write the global {module}.{qualname}: it is not on the "
+                "allow-list of data types, and the next reader of the file would run it"
+            )
         if unresolved:
             self.write(pickle.GLOBAL + f"{obj._module}\n{obj._name}\n".encode("utf-8"))
             self.memoize(obj)
@@ -414,8 +465,9 @@ class TorchFileWriter:
         rows of a GLU shard): the same bytes as their concatenation, without making it."""
         pieces = [p.detach().cpu() for p in pieces]
         pieces = [p if p.is_contiguous() else p.contiguous() for p in pieces]
-        shape = torch.Size([sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]]) if len(pieces) > 1 \
-            else pieces[0].shape
+        shape = (
+            torch.Size([sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]]) if len(pieces) > 1 else pieces[0].shape
+        )
         key = str(self._count)
         self._count += 1
         try:

@@ -10,6 +10,7 @@ of them cannot be instantiated (ABC), so it fails at construction, not by readin
 through a default. `shape` and `dtype` read no tensor data. `groups` (streaming units) and
 `prefetch` (a hint: these tensors are read next) have defaults.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -128,8 +129,10 @@ class ModelView(ABC):
         (`convert --dequantize`); a view that holds none refuses."""
         from mcore_proxy.errors import ProxyError
 
-        raise ProxyError(f"--dequantize: {self.info.path or 'the checkpoint'} holds no FP8 weights with block "
-                         "scales; leave the option out")
+        raise ProxyError(
+            f"--dequantize: {self.info.path or 'the checkpoint'} holds no FP8 weights with block "
+            "scales; leave the option out"
+        )
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
@@ -139,8 +142,9 @@ class ModelView(ABC):
 class DictModelView(ModelView):
     """A ModelView over an in-memory dict (tests, small models, pruned results)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], spec: ModelSpec, args=None, iteration=None,
-                 info: ViewInfo | None = None):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], spec: ModelSpec, args=None, iteration=None, info: ViewInfo | None = None
+    ):
         super().__init__(info or ViewInfo(spec=spec, format="memory", args=args, iteration=iteration))
         self._tensors = dict(tensors)
 
@@ -159,7 +163,7 @@ class DictModelView(ModelView):
         return self._tensors[name]
 
 
-READ_AHEAD = 64 << 20   # bytes of the next tensors a stream asks the reader to fetch ahead
+READ_AHEAD = 64 << 20  # bytes of the next tensors a stream asks the reader to fetch ahead
 
 
 def stream(view: ModelView, names: list[str], ahead: int = READ_AHEAD) -> Iterator[tuple[str, object]]:
@@ -197,8 +201,11 @@ def router_fingerprint(view: ModelView) -> str:
     return h.hexdigest()
 
 
-FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                      if hasattr(torch, n))
+FLOAT8_DTYPES = tuple(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
 
 
 def holds_fp8(view: ModelView) -> bool:

@@ -20,6 +20,7 @@ to wait for. A write error is a plain OSError (ENOSPC, EFBIG, EIO) from `write` 
 Zip64 records are written for members or offsets past `ZIP64_LIMIT` (a module constant, so tests
 can lower it).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ALIGNMENT = 64
-ZIP64_LIMIT = 0xFFFFFFFF      # sizes and offsets from here on get zip64 records (tests lower it)
-_FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF   # the values that tell a reader "see the zip64 record"
-WRITEBACK_EVERY = 32 << 20    # start the kernel's writeback after this many hashed bytes
-_FB_EXTRA = 0x4246            # torch's padding extra field ("FB")
-_CRC_AT = 14                  # offset of the CRC-32 field in a local file header
+ZIP64_LIMIT = 0xFFFFFFFF  # sizes and offsets from here on get zip64 records (tests lower it)
+_FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF  # the values that tell a reader "see the zip64 record"
+WRITEBACK_EVERY = 32 << 20  # start the kernel's writeback after this many hashed bytes
+_FB_EXTRA = 0x4246  # torch's padding extra field ("FB")
+_CRC_AT = 14  # offset of the CRC-32 field in a local file header
 
 
 def _sync_file_range():
@@ -58,7 +59,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 def as_bytes(buf) -> memoryview:
     """A flat byte view of a buffer: bytes, bytearray, memoryview, a numpy array, or a contiguous
     CPU tensor (any dtype, bf16 too: viewed as uint8; nothing is copied)."""
-    if hasattr(buf, "untyped_storage"):   # a torch tensor
+    if hasattr(buf, "untyped_storage"):  # a torch tensor
         import torch
 
         if not buf.is_contiguous() or buf.device.type != "cpu":
@@ -88,15 +89,15 @@ class HashingSink:
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if isinstance(item, threading.Event):
-                item.set()          # `drain`: everything before it is done
-            elif self._error is None:   # after an error: keep draining so the writer never blocks
+                item.set()  # `drain`: everything before it is done
+            elif self._error is None:  # after an error: keep draining so the writer never blocks
                 try:
                     self._digest(*item)
                 except BaseException as err:  # noqa: BLE001 - re-raised in the writing thread
                     self._error = err
 
     def _digest(self, offset: int, header, buffers, member) -> None:
-        if member is not None:      # a member written with a placeholder CRC: compute it, patch it
+        if member is not None:  # a member written with a placeholder CRC: compute it, patch it
             crc = 0
             for b in buffers:
                 crc = zlib.crc32(b, crc)
@@ -123,7 +124,7 @@ class HashingSink:
         parts = ([memoryview(header)] if header is not None else []) + views
         total = sum(len(p) for p in parts)
         done = 0
-        while done < total:   # os.writev may write less than asked
+        while done < total:  # os.writev may write less than asked
             n = os.writev(self._fd, _rest(parts, done))
             done += n
         self._queue.put((self.position, header if header is not None else b"", views, member))
@@ -185,9 +186,9 @@ def _rest(parts: list[memoryview], skip: int) -> list[memoryview]:
 @dataclass
 class _Member:
     name: bytes
-    offset: int      # of its local header, relative to the archive's start
+    offset: int  # of its local header, relative to the archive's start
     size: int
-    crc: int | None = None   # filled in by the sink's helper thread
+    crc: int | None = None  # filled in by the sink's helper thread
 
 
 class TorchZipWriter:
@@ -216,15 +217,31 @@ class TorchZipWriter:
         pad = (-(offset + head)) % ALIGNMENT  # relative to the archive, as torch aligns
         extra += struct.pack("<HH", _FB_EXTRA, pad) + b"Z" * pad
         small = _FULL32 if zip64 else size
-        header = bytearray(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0,
-                                       0, small, small, len(encoded), len(extra)) + encoded + extra)
+        header = bytearray(
+            struct.pack(
+                "<IHHHHHIIIHH",
+                0x04034B50,
+                45 if zip64 else 20,
+                0x0800,
+                0,
+                0,
+                0,
+                0,
+                small,
+                small,
+                len(encoded),
+                len(extra),
+            )
+            + encoded
+            + extra
+        )
         member = _Member(encoded, offset, size)
         self.sink.write(*views, header=header, member=member)
         self.members.append(member)
 
     def finish(self) -> None:
         """The central directory and end records (zip64 ones when sizes or offsets need them)."""
-        self.sink.drain()   # every member's CRC is known
+        self.sink.drain()  # every member's CRC is known
         start = self.sink.position - self.base
         out = bytearray()
         for m in self.members:
@@ -237,9 +254,30 @@ class TorchZipWriter:
             extra = struct.pack("<HH", 0x0001, len(fields)) + fields if fields else b""
             size = _FULL32 if m.size >= ZIP64_LIMIT else m.size
             offset = _FULL32 if m.offset >= ZIP64_LIMIT else m.offset
-            out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if big else 20, 45 if big else 20,
-                               0x0800, 0, 0, 0, m.crc, size, size, len(m.name), len(extra), 0, 0, 0, 0,
-                               offset) + m.name + extra
+            out += (
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    45 if big else 20,
+                    45 if big else 20,
+                    0x0800,
+                    0,
+                    0,
+                    0,
+                    m.crc,
+                    size,
+                    size,
+                    len(m.name),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    offset,
+                )
+                + m.name
+                + extra
+            )
         size = len(out)
         count = len(self.members)
         zip64 = count >= _FULL16 or start >= ZIP64_LIMIT or size >= ZIP64_LIMIT
@@ -248,8 +286,9 @@ class TorchZipWriter:
             out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, size, start)
             out += struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1)
         entries = _FULL16 if zip64 else count
-        out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, entries, entries,
-                           _FULL32 if zip64 else size, _FULL32 if zip64 else start, 0)
+        out += struct.pack(
+            "<IHHHHIIH", 0x06054B50, 0, 0, entries, entries, _FULL32 if zip64 else size, _FULL32 if zip64 else start, 0
+        )
         self.sink.write(bytes(out))
 
 

@@ -1,4 +1,5 @@
 """`mcore-proxy convert` and `mcore-proxy verify`: thin layers over convert.pipeline / convert.verify."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,82 +23,159 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def register(sub) -> None:
-    p = add_command(sub, "convert", run_convert, help="write the proxy checkpoint (or only re-shard)",
-                    writes="output folder (an earlier mcore-proxy output)",
-                    description="Write the proxy checkpoint: kept experts renumbered, router rows subset, "
-                                "everything else copied bit for bit, at the target parallel layout, with "
-                                "manifest.json (sha256 of every file) and the launch flags to change. "
-                                "Without --plan it only re-shards.")
+    p = add_command(
+        sub,
+        "convert",
+        run_convert,
+        help="write the proxy checkpoint (or only re-shard)",
+        writes="output folder (an earlier mcore-proxy output)",
+        description="Write the proxy checkpoint: kept experts renumbered, router rows subset, "
+        "everything else copied bit for bit, at the target parallel layout, with "
+        "manifest.json (sha256 of every file) and the launch flags to change. "
+        "Without --plan it only re-shards.",
+    )
     add_checkpoint_argument(p, "source checkpoint folder (legacy, torch_dist or Hugging Face)", type=Path)
     p.add_argument("--plan", type=Path, help="plan.json from `mcore-proxy select`")
-    add_option(p, "-o", "--out", type=Path, required=True, metavar="OUT",
-               help="output folder (must not exist unless --force)")
+    add_option(
+        p, "-o", "--out", type=Path, required=True, metavar="OUT", help="output folder (must not exist unless --force)"
+    )
     add_option(p, "--target-tp", dest="tp", type=int, metavar="N", help="default: the source's TP")
     add_option(p, "--target-pp", dest="pp", type=int, metavar="N", help="default: the source's PP")
-    add_option(p, "--target-ep", dest="ep", type=int, metavar="N",
-               help="any divisor of K; default: the plan's expert-parallel degree (the source's without a plan)")
-    add_option(p, "--target-etp", dest="etp", type=int, metavar="N",
-               help="default: the source's ETP when it is 1 or TP, else equal to TP")
-    add_option(p, "--target-stage-layers", type=_int_list, metavar="N,N,..",
-               help="decoder layers per pipeline stage, e.g. 1,3 (default: the source's when PP is kept, else even)")
-    add_option(p, "--target-pipeline-layout", metavar="STR",
-               help="Megatron's --pipeline-model-parallel-layout for the proxy, e.g. 'Et|tt|m|L' (E embedding, "
-                    "t decoder layer, m MTP layer, L loss; stages split by '|', PP x VPP of them; default: the "
-                    "source's when PP is kept)")
-    add_option(p, "--target-vpp", dest="vpp", type=int, metavar="N",
-               help="virtual pipeline stages per rank, Megatron's even interleaved split: chunk (pp, vp) holds "
-                    "layers (vp*PP + pp)*n .. +n (default: the source's when PP is kept; 1: none)")
-    add_option(p, "--expert-layout", choices=("sequential", "grouped"),
-               help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's")
-    p.add_argument("--naming", choices=("megatron", "mindspeed-llm"),
-               help="tensor names of multi-latent attention: megatron-core's or MindSpeed-LLM's (fused linear_qkv, "
-                    "--mla-mm-split parts as the source has them); default: the source's (legacy output)")
-    p.add_argument("--moe-tp-extend-ep", dest="tp_extend_ep", action=argparse.BooleanOptionalAction, default=None,
-               help="MindSpeed-LLM --moe-tp-extend-ep: whole experts over EP x TP rank folders; default: the "
-                    "source's when writing MindSpeed-LLM names")
-    p.add_argument("--format", choices=WRITABLE_FORMATS, default=None,
-                   help="output format (default: the source's)")
-    p.add_argument("--dequantize", "--dequantize-fp8", dest="dequantize", action="store_true",
-                   help="read a quantized Hugging Face checkpoint's weights as bf16: FP8 with block scales, "
-                        "DeepSeek-V4's FP4 experts, gpt-oss's MXFP4 (default: copy them and their scales bit for "
-                        "bit; Megatron output needs this)")
+    add_option(
+        p,
+        "--target-ep",
+        dest="ep",
+        type=int,
+        metavar="N",
+        help="any divisor of K; default: the plan's expert-parallel degree (the source's without a plan)",
+    )
+    add_option(
+        p,
+        "--target-etp",
+        dest="etp",
+        type=int,
+        metavar="N",
+        help="default: the source's ETP when it is 1 or TP, else equal to TP",
+    )
+    add_option(
+        p,
+        "--target-stage-layers",
+        type=_int_list,
+        metavar="N,N,..",
+        help="decoder layers per pipeline stage, e.g. 1,3 (default: the source's when PP is kept, else even)",
+    )
+    add_option(
+        p,
+        "--target-pipeline-layout",
+        metavar="STR",
+        help="Megatron's --pipeline-model-parallel-layout for the proxy, e.g. 'Et|tt|m|L' (E embedding, "
+        "t decoder layer, m MTP layer, L loss; stages split by '|', PP x VPP of them; default: the "
+        "source's when PP is kept)",
+    )
+    add_option(
+        p,
+        "--target-vpp",
+        dest="vpp",
+        type=int,
+        metavar="N",
+        help="virtual pipeline stages per rank, Megatron's even interleaved split: chunk (pp, vp) holds "
+        "layers (vp*PP + pp)*n .. +n (default: the source's when PP is kept; 1: none)",
+    )
+    add_option(
+        p,
+        "--expert-layout",
+        choices=("sequential", "grouped"),
+        help="SequentialMLP or GroupedMLP (--moe-grouped-gemm) experts; default: the source's",
+    )
+    p.add_argument(
+        "--naming",
+        choices=("megatron", "mindspeed-llm"),
+        help="tensor names of multi-latent attention: megatron-core's or MindSpeed-LLM's (fused linear_qkv, "
+        "--mla-mm-split parts as the source has them); default: the source's (legacy output)",
+    )
+    p.add_argument(
+        "--moe-tp-extend-ep",
+        dest="tp_extend_ep",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="MindSpeed-LLM --moe-tp-extend-ep: whole experts over EP x TP rank folders; default: the "
+        "source's when writing MindSpeed-LLM names",
+    )
+    p.add_argument("--format", choices=WRITABLE_FORMATS, default=None, help="output format (default: the source's)")
+    p.add_argument(
+        "--dequantize",
+        "--dequantize-fp8",
+        dest="dequantize",
+        action="store_true",
+        help="read a quantized Hugging Face checkpoint's weights as bf16: FP8 with block scales, "
+        "DeepSeek-V4's FP4 experts, gpt-oss's MXFP4 (default: copy them and their scales bit for "
+        "bit; Megatron output needs this)",
+    )
     p.add_argument("--workers", type=int, default=1, help="writer processes")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run every check the conversion runs (including the output's lock and free space), "
-                        "print the plan, write nothing")
-    p.add_argument("--no-space-check", action="store_true",
-                   help="skip the comparison of the bytes to write with the free space of the target")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check the conversion runs (including the output's lock and free space), "
+        "print the plan, write nothing",
+    )
+    p.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="skip the comparison of the bytes to write with the free space of the target",
+    )
     add_not_yet(p, "convert")
 
-    v = add_command(sub, "verify", run_verify, help="check a proxy against its source and plan",
-                    checks="a tensor, an args field, a manifest hash or the functional check differs",
-                    description="Check every tensor of the proxy bit for bit against its source, the args "
-                                "against the plan, the files against manifest.json, and with --functional "
-                                "that both compute the same in megatron-core.")
+    v = add_command(
+        sub,
+        "verify",
+        run_verify,
+        help="check a proxy against its source and plan",
+        checks="a tensor, an args field, a manifest hash or the functional check differs",
+        description="Check every tensor of the proxy bit for bit against its source, the args "
+        "against the plan, the files against manifest.json, and with --functional "
+        "that both compute the same in megatron-core.",
+    )
     add_option(v, "--orig", type=Path, required=True, metavar="CKPT", help="source checkpoint")
     add_option(v, "--proxy", type=Path, required=True, metavar="OUT", help="proxy checkpoint written by convert")
     v.add_argument("--plan", type=Path, required=True, help="plan.json used for the conversion")
-    v.add_argument("--functional", action="store_true",
-                   help="also run both in megatron-core on CPU (small models only)")
+    v.add_argument(
+        "--functional", action="store_true", help="also run both in megatron-core on CPU (small models only)"
+    )
 
 
 def convert_dict(r, dry_run: bool) -> dict:
     """The `--json` document of convert: the numbers of the text, sizes in bytes. `target` is None for
     Hugging Face output, which is sharded by file, not by parallel rank."""
     t = r.target
-    return {"out": str(r.out), "dry_run": dry_run, "output_format": r.format, "num_experts": r.num_experts,
-            "source_experts": r.source_experts,
-            "target": None if t is None else {"tp": t.tp, "pp": t.pp, "ep": t.ep, "etp": t.etp,
-                                              "expert_layout": t.expert_layout, "stage_layers": list(t.stage_layers),
-                                              "vpp": t.vpp, "pipeline_layout": t.pipeline_layout,
-                                              "naming": t.naming.describe() if t.naming else "megatron-core",
-                                              "moe_tp_extend_ep": t.tp_extend_ep},
-            "read_bytes": r.bytes_read, "output_bytes": r.output_bytes,
-            "files": None if dry_run else r.files, "seconds": None if dry_run else r.seconds,
-            "dropped_args": dict(r.dropped_args),
-            "launch_flags": [f for f in r.launch_flags if not f.startswith("(")],
-            # flags of the source's launch that the proxy's must not carry: "(no --moe-grouped-gemm)"
-            "remove_flags": [f[4:-1] for f in r.launch_flags if f.startswith("(no ")]}
+    return {
+        "out": str(r.out),
+        "dry_run": dry_run,
+        "output_format": r.format,
+        "num_experts": r.num_experts,
+        "source_experts": r.source_experts,
+        "target": None
+        if t is None
+        else {
+            "tp": t.tp,
+            "pp": t.pp,
+            "ep": t.ep,
+            "etp": t.etp,
+            "expert_layout": t.expert_layout,
+            "stage_layers": list(t.stage_layers),
+            "vpp": t.vpp,
+            "pipeline_layout": t.pipeline_layout,
+            "naming": t.naming.describe() if t.naming else "megatron-core",
+            "moe_tp_extend_ep": t.tp_extend_ep,
+        },
+        "read_bytes": r.bytes_read,
+        "output_bytes": r.output_bytes,
+        "files": None if dry_run else r.files,
+        "seconds": None if dry_run else r.seconds,
+        "dropped_args": dict(r.dropped_args),
+        "launch_flags": [f for f in r.launch_flags if not f.startswith("(")],
+        # flags of the source's launch that the proxy's must not carry: "(no --moe-grouped-gemm)"
+        "remove_flags": [f[4:-1] for f in r.launch_flags if f.startswith("(no ")],
+    }
 
 
 def convert_text(d: dict) -> str:
@@ -116,18 +194,25 @@ def convert_text(d: dict) -> str:
         if t.get("moe_tp_extend_ep"):
             layout += ", --moe-tp-extend-ep"
         layout += f", {t.get('naming', 'megatron-core')} names"
-    lines = [f"{'would write' if dry else 'wrote'} {d['out']} ({d['output_format']}): {d['num_experts']} of "
-             f"{d['source_experts']} experts per MoE layer, {layout}",
-             f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}"
-             + ("" if dry else f"; {d['files']} files in {d['seconds']:.1f} s; manifest.json lists sha256 of each")]
-    lines += [f"args {name} {'would be' if dry else 'was'} dropped: it holds {why} (recorded in manifest.json)"
-              for name, why in d["dropped_args"].items()]
+    lines = [
+        f"{'would write' if dry else 'wrote'} {d['out']} ({d['output_format']}): {d['num_experts']} of "
+        f"{d['source_experts']} experts per MoE layer, {layout}",
+        f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}"
+        + ("" if dry else f"; {d['files']} files in {d['seconds']:.1f} s; manifest.json lists sha256 of each"),
+    ]
+    lines += [
+        f"args {name} {'would be' if dry else 'was'} dropped: it holds {why} (recorded in manifest.json)"
+        for name, why in d["dropped_args"].items()
+    ]
     if t is None:
-        lines.append("config.json holds the expert count, top-k and routing groups: load it with transformers "
-                     "or vLLM as is")
+        lines.append(
+            "config.json holds the expert count, top-k and routing groups: load it with transformers or vLLM as is"
+        )
     else:
-        lines += ["optimizer and RNG state are not carried over; launch the proxy with these flags changed:",
-                  "  " + " ".join(d["launch_flags"])]
+        lines += [
+            "optimizer and RNG state are not carried over; launch the proxy with these flags changed:",
+            "  " + " ".join(d["launch_flags"]),
+        ]
         if d["remove_flags"]:
             lines.append("and without: " + ", ".join(d["remove_flags"]))
     return "\n".join(lines)
@@ -137,11 +222,28 @@ def run_convert(args) -> int:
     from mcore_proxy.checkpoint.interface import TargetOptions
     from mcore_proxy.convert.pipeline import ConvertRequest, convert
 
-    target = TargetOptions(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, expert_layout=args.expert_layout,
-                           stage_layers=args.target_stage_layers, pipeline_layout=args.target_pipeline_layout,
-                           vpp=args.vpp, naming=args.naming, tp_extend_ep=args.tp_extend_ep)
-    req = ConvertRequest(ckpt=args.ckpt, out=args.out, plan=args.plan, target=target, format=args.format,
-                         workers=args.workers, force=args.force, dequantize=args.dequantize)
+    target = TargetOptions(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        expert_layout=args.expert_layout,
+        stage_layers=args.target_stage_layers,
+        pipeline_layout=args.target_pipeline_layout,
+        vpp=args.vpp,
+        naming=args.naming,
+        tp_extend_ep=args.tp_extend_ep,
+    )
+    req = ConvertRequest(
+        ckpt=args.ckpt,
+        out=args.out,
+        plan=args.plan,
+        target=target,
+        format=args.format,
+        workers=args.workers,
+        force=args.force,
+        dequantize=args.dequantize,
+    )
     result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
     doc = convert_dict(result, args.dry_run)
     emit(args, "convert", doc, convert_text(doc))
@@ -149,22 +251,32 @@ def run_convert(args) -> int:
 
 
 def verify_dict(report) -> dict:
-    return {"ok": report.ok, "checked_tensors": report.checked_tensors, "checked_bytes": report.checked_bytes,
-            "problems": list(report.problems), "functional": report.functional}
+    return {
+        "ok": report.ok,
+        "checked_tensors": report.checked_tensors,
+        "checked_bytes": report.checked_bytes,
+        "problems": list(report.problems),
+        "functional": report.functional,
+    }
 
 
 def verify_text(d: dict) -> str:
     checked = f"{d['checked_tensors']} tensors ({format_bytes(d['checked_bytes'])})"
-    lines = [f"checked {checked} bit for bit, args and manifest" if d["ok"] else
-             f"verify: {len(d['problems'])} difference(s) found, checking {checked}, args and manifest:"]
+    lines = [
+        f"checked {checked} bit for bit, args and manifest"
+        if d["ok"]
+        else f"verify: {len(d['problems'])} difference(s) found, checking {checked}, args and manifest:"
+    ]
     if not d["ok"]:
         shown = d["problems"][:MAX_PROBLEMS_SHOWN]
         lines += [f"  {p}" for p in shown]
         if len(d["problems"]) > len(shown):
             lines.append(f"  (and {len(d['problems']) - len(shown)} more; --json lists them all)")
     if f := d["functional"]:
-        lines.append(f"functional: max |logit difference| {f['max_abs_diff']:.3g} over {f['tokens']} tokens "
-                     f"against the source restricted to the kept experts (tolerance {f['atol']:.1g})")
+        lines.append(
+            f"functional: max |logit difference| {f['max_abs_diff']:.3g} over {f['tokens']} tokens "
+            f"against the source restricted to the kept experts (tolerance {f['atol']:.1g})"
+        )
     if d["ok"]:
         lines.append("verify: OK")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ moved together with its inputs (a workspace copied to another node or mount poin
 them. They are provenance only, never read back: `verify` takes its inputs on its command line,
 and an input's identity is its sha256 or router fingerprint, beside the path.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,9 +17,11 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 FORMAT = "mcore-proxy-manifest/1"
-PATHS_NOTE = ("relative to this folder: the files, and source.path and plan.path (where the inputs were when "
-              "convert ran); provenance only, never read back: an input's identity is its sha256 or "
-              "router_fingerprint")
+PATHS_NOTE = (
+    "relative to this folder: the files, and source.path and plan.path (where the inputs were when "
+    "convert ran); provenance only, never read back: an input's identity is its sha256 or "
+    "router_fingerprint"
+)
 
 
 def relative_to_output(path: str | os.PathLike, out: str | os.PathLike) -> str:
@@ -57,8 +60,11 @@ def write_manifest(folder: Path, info: dict, files: dict[str, dict], pending: di
     from mcore_proxy.checkpoint.output import write_synced
     from mcore_proxy.errors import InternalError
 
-    on_disk = {str(p.relative_to(folder)): p.stat().st_size for p in Path(folder).rglob("*")
-               if p.is_file() and p.name != MANIFEST}
+    on_disk = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in Path(folder).rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    }
     reported = {rel: entry["size"] for rel, entry in files.items()}
     if on_disk != reported:
         extra = sorted(set(on_disk) - set(reported)) + sorted(r for r in reported if on_disk.get(r) != reported[r])
@@ -80,13 +86,16 @@ def check_manifest(folder: Path) -> list[str]:
     try:
         recorded = json.loads(path.read_bytes()).get("files", {})
         recorded = {k: v for k, v in recorded.items() if isinstance(v, dict)}
-    except (ValueError, AttributeError, RecursionError):   # a damaged manifest is a difference, not a crash
+    except (ValueError, AttributeError, RecursionError):  # a damaged manifest is a difference, not a crash
         return [f"{path}: not a readable manifest"]
     found = file_table(folder)
     problems = [f"{name}: listed in the manifest but missing" for name in sorted(set(recorded) - set(found))]
     problems += [f"{name}: not listed in the manifest" for name in sorted(set(found) - set(recorded))]
-    problems += [f"{name}: sha256 differs from the manifest" for name in sorted(set(found) & set(recorded))
-                 if found[name]["sha256"] != recorded[name].get("sha256")]
+    problems += [
+        f"{name}: sha256 differs from the manifest"
+        for name in sorted(set(found) & set(recorded))
+        if found[name]["sha256"] != recorded[name].get("sha256")
+    ]
     return problems
 
 

@@ -11,6 +11,7 @@ The pipeline knows no format, only the Writer interface (`checkpoint/interface.p
              output is never read back), listing the markers with the hashes they will have;
   markers    the completeness markers, the tracker last; then the staging folder is renamed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ from mcore_proxy.megatron_args import DEFAULTS
 from mcore_proxy.memory import return_freed_buffers_to_os
 from mcore_proxy.progress import byte_bar
 
-FILE_OVERHEAD = 64 << 10   # bytes allowed per output file beyond its tensors (zip headers, pickles)
+FILE_OVERHEAD = 64 << 10  # bytes allowed per output file beyond its tensors (zip headers, pickles)
 PLANNED_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-router-num-groups", "--moe-router-group-topk")
 
 
@@ -53,10 +54,10 @@ class ConvertRequest:
     out: Path
     plan: Path | None = None
     target: TargetOptions = TargetOptions()
-    format: str | None = None          # None: the source's format
+    format: str | None = None  # None: the source's format
     workers: int = 1
-    dequantize: bool = False           # a quantized source (FP8, FP4, MXFP4): read its weights as bf16
-    force: bool = False                # replace an existing earlier output (swapped in when the new one is complete)
+    dequantize: bool = False  # a quantized source (FP8, FP4, MXFP4): read its weights as bf16
+    force: bool = False  # replace an existing earlier output (swapped in when the new one is complete)
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -75,20 +76,21 @@ class ConvertRequest:
 @dataclass
 class ConvertResult:
     out: Path
-    target: ParallelLayout | None      # None: a format not sharded by parallel rank (Hugging Face)
+    target: ParallelLayout | None  # None: a format not sharded by parallel rank (Hugging Face)
     num_experts: int
     source_experts: int
     bytes_read: int
     files: int
     seconds: float
     launch_flags: list[str] = field(default_factory=list)
-    dropped_args: dict[str, str] = field(default_factory=dict)   # args field -> why it was not written
-    output_bytes: int = 0                                          # estimated size of the output
+    dropped_args: dict[str, str] = field(default_factory=dict)  # args field -> why it was not written
+    output_bytes: int = 0  # estimated size of the output
     format: str = "legacy"
 
 
-def open_views(ckpt: Path, plan_path: Path | None, dequantize: bool = False,
-               fmt: str | None = None) -> tuple[ModelView, ModelView, object]:
+def open_views(
+    ckpt: Path, plan_path: Path | None, dequantize: bool = False, fmt: str | None = None
+) -> tuple[ModelView, ModelView, object]:
     """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file.
     With `dequantize` the source is read with its quantized weights as bf16 (`ModelView.dequantized`);
     with an output format `fmt`, under the names its framework's writer reads (`ModelView.named_for`:
@@ -121,8 +123,10 @@ def output_format(req: ConvertRequest) -> str:
         return req.format
     source = detect_format(req.ckpt)
     if source not in format_names(writable=True):
-        raise ProxyError(f"{req.ckpt}: its format {source!r} cannot be written; pass --format "
-                         f"{' or '.join(format_names(writable=True))}")
+        raise ProxyError(
+            f"{req.ckpt}: its format {source!r} cannot be written; pass --format "
+            f"{' or '.join(format_names(writable=True))}"
+        )
     return source
 
 
@@ -130,8 +134,12 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
     """Megatron launch flags that must change to train or evaluate the proxy. A source without a
     parallel layout (Hugging Face, in memory) was not saved by a Megatron launch: every model
     flag its args hold comes first."""
-    flags = [f"--tensor-model-parallel-size {target.tp}", f"--pipeline-model-parallel-size {target.pp}",
-             f"--expert-model-parallel-size {target.ep}", f"--expert-tensor-parallel-size {target.etp}"]
+    flags = [
+        f"--tensor-model-parallel-size {target.tp}",
+        f"--pipeline-model-parallel-size {target.pp}",
+        f"--expert-model-parallel-size {target.ep}",
+        f"--expert-tensor-parallel-size {target.etp}",
+    ]
     if plan is not None:
         r = plan.router
         flags = [f"--num-experts {plan.num_experts}", f"--moe-router-topk {r.topk}"] + flags
@@ -139,13 +147,16 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
             flags += [f"--moe-router-num-groups {r.num_groups}", f"--moe-router-group-topk {r.group_topk}"]
     if view.layout is None and view.args is not None:
         # the source's args hold its expert count and routing; with a plan, the plan's say what the proxy has
-        shape = mindspeed_v4.launch_flags(mindspeed_v4.mindspeed_args(view.args)) \
-            if isinstance(target.naming, mindspeed_v4.MindSpeedV4Naming) else model_flags(view.args)
+        shape = (
+            mindspeed_v4.launch_flags(mindspeed_v4.mindspeed_args(view.args))
+            if isinstance(target.naming, mindspeed_v4.MindSpeedV4Naming)
+            else model_flags(view.args)
+        )
         flags = [f for f in shape if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
     flags += pipeline_flags(view.layout, target)
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
     if target.expert_layout == "grouped" and view.layer_spec == "transformer_engine":
-        flags.append("--moe-use-legacy-grouped-gemm")   # GroupedMLP, not TE's TEGroupedMLP
+        flags.append("--moe-use-legacy-grouped-gemm")  # GroupedMLP, not TE's TEGroupedMLP
     # the proxy carries no optimizer or RNG state: load weights only
     flags += ["--no-load-optim", "--no-load-rng"]
     return flags
@@ -164,8 +175,9 @@ def pipeline_flags(src: ParallelLayout | None, target: ParallelLayout) -> list[s
         flags = [f"--num-layers-per-virtual-pipeline-stage {target.stage_layers[0] // target.vpp}"]
     elif target.uneven:
         first, last = first_last(target.stage_layers)
-        flags = ([f"--decoder-first-pipeline-num-layers {first}"] if first else []) + \
-                ([f"--decoder-last-pipeline-num-layers {last}"] if last else [])
+        flags = ([f"--decoder-first-pipeline-num-layers {first}"] if first else []) + (
+            [f"--decoder-last-pipeline-num-layers {last}"] if last else []
+        )
     else:
         flags = []
     if src is None:
@@ -188,22 +200,46 @@ def hold(phase: str) -> None:
     time.sleep(300)
 
 
-def _manifest_info(req: ConvertRequest, fmt: str, source: ModelView, view: ModelView, target: ParallelLayout | None,
-                   plan) -> dict:
+def _manifest_info(
+    req: ConvertRequest, fmt: str, source: ModelView, view: ModelView, target: ParallelLayout | None, plan
+) -> dict:
     from mcore_proxy import __version__
 
     return {
         "created_by": f"mcore-proxy {__version__}",
-        "source": {"path": relative_to_output(req.ckpt, req.out), "format": source.info.format,
-                   "iteration": source.iteration, "num_experts": source.spec.num_experts,
-                   "router_fingerprint": router_fingerprint(source)},
-        "plan": None if plan is None else {"path": relative_to_output(req.plan, req.out),
-                                           "sha256": plan_fingerprint(req.plan), "method": plan.method},
+        "source": {
+            "path": relative_to_output(req.ckpt, req.out),
+            "format": source.info.format,
+            "iteration": source.iteration,
+            "num_experts": source.spec.num_experts,
+            "router_fingerprint": router_fingerprint(source),
+        },
+        "plan": None
+        if plan is None
+        else {
+            "path": relative_to_output(req.plan, req.out),
+            "sha256": plan_fingerprint(req.plan),
+            "method": plan.method,
+        },
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
-        "target": {"format": fmt, "num_experts": view.spec.num_experts, **({} if target is None else {
-                   "tp": target.tp, "pp": target.pp, "ep": target.ep, "etp": target.etp,
-                   "expert_layout": target.expert_layout, "stage_layers": list(target.stage_layers),
-                   "vpp": target.vpp, "pipeline_layout": target.pipeline_layout})},
+        "target": {
+            "format": fmt,
+            "num_experts": view.spec.num_experts,
+            **(
+                {}
+                if target is None
+                else {
+                    "tp": target.tp,
+                    "pp": target.pp,
+                    "ep": target.ep,
+                    "etp": target.etp,
+                    "expert_layout": target.expert_layout,
+                    "stage_layers": list(target.stage_layers),
+                    "vpp": target.vpp,
+                    "pipeline_layout": target.pipeline_layout,
+                }
+            ),
+        },
     }
 
 
@@ -232,7 +268,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
 
     fmt = output_format(req)
     source, view, plan = open_views(req.ckpt, req.plan, req.dequantize, fmt)
-    written_naming(view, req.target.naming, fmt)   # MindSpeed-LLM names: legacy output of MLA models only
+    written_naming(view, req.target.naming, fmt)  # MindSpeed-LLM names: legacy output of MLA models only
     if req.target.tp_extend_ep and fmt != "legacy":
         raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
     writer = writer_of(fmt)
@@ -241,8 +277,18 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     units = writer.units(view, target)
     read = sum(tensor_nbytes(view, n) for n in view.names())
     flags = [] if target is None else launch_flags(view, target, plan)
-    result = ConvertResult(req.out, target, view.spec.num_experts, source.spec.num_experts, read, 0, 0.0,
-                           flags, unsafe_args(source.args, needed=DEFAULTS), format=fmt)
+    result = ConvertResult(
+        req.out,
+        target,
+        view.spec.num_experts,
+        source.spec.num_experts,
+        read,
+        0,
+        0.0,
+        flags,
+        unsafe_args(source.args, needed=DEFAULTS),
+        format=fmt,
+    )
     needed = result.output_bytes = sum(u.nbytes for u in units) + (len(units) + 3) * FILE_OVERHEAD
     prep = Prepared(source, view, plan, target, fmt, writer, units, result, needed)
     out = check_output_path(req.out, req.inputs, replace=req.force)
@@ -258,8 +304,9 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     return prep
 
 
-def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
-            check_space: bool = True) -> ConvertResult:
+def convert(
+    req: ConvertRequest, progress: bool = True, dry_run: bool = False, check_space: bool = True
+) -> ConvertResult:
     """Run one conversion; every check happens before the first byte is written (`prepare`)."""
     return_freed_buffers_to_os()
     start = time.perf_counter()
@@ -269,9 +316,12 @@ def convert(req: ConvertRequest, progress: bool = True, dry_run: bool = False,
     if _torchrun_world() > 1:
         _convert_under_torchrun(req, prep, check_space)
     else:
-        with staged_output(req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes,
-                           check_space=check_space, replace=req.force) as tmp, \
-                byte_bar(sum(u.nbytes for u in prep.units), "convert", progress) as bar:
+        with (
+            staged_output(
+                req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes, check_space=check_space, replace=req.force
+            ) as tmp,
+            byte_bar(sum(u.nbytes for u in prep.units), "convert", progress) as bar,
+        ):
             results = _write_units(req, prep, tmp, bar)
             if req.workers == 1:
                 hold("write")
@@ -285,8 +335,12 @@ def _finish(req: ConvertRequest, prep: Prepared, root: Path, results: list[list[
     """The writer's finish, manifest.json from the units' hashes, then the markers (tracker last)."""
     finished = prep.writer.finish(prep.view, root, prep.target, results)
     files = [f for unit in results for f in unit] + list(finished.files)
-    write_manifest(root, _manifest_info(req, prep.format, prep.source, prep.view, prep.target, prep.plan),
-                   files={f.path: {"size": f.size, "sha256": f.sha256} for f in files}, pending=finished.markers)
+    write_manifest(
+        root,
+        _manifest_info(req, prep.format, prep.source, prep.view, prep.target, prep.plan),
+        files={f.path: {"size": f.size, "sha256": f.sha256} for f in files},
+        pending=finished.markers,
+    )
     hold("manifest")
     write_markers(root, finished.markers)
 
@@ -301,13 +355,22 @@ def balance(units: list[Unit], parts: int) -> list[list[int]]:
     return [sorted(load[2]) for load in loads if load[2]]
 
 
-def _write_here(view: ModelView, writer, root: Path, target: ParallelLayout, units: list[Unit],
-                progress=None) -> list[list[WrittenFile]]:
+def _write_here(
+    view: ModelView, writer, root: Path, target: ParallelLayout, units: list[Unit], progress=None
+) -> list[list[WrittenFile]]:
     return [writer.write_unit(view, root, target, unit, progress) for unit in units]
 
 
-def _unit_worker(ckpt: str, plan: str | None, dequantize: bool, fmt: str, target: ParallelLayout | None, root: str,
-                 units: list[Unit], progress=None) -> list[list[dict]]:
+def _unit_worker(
+    ckpt: str,
+    plan: str | None,
+    dequantize: bool,
+    fmt: str,
+    target: ParallelLayout | None,
+    root: str,
+    units: list[Unit],
+    progress=None,
+) -> list[list[dict]]:
     """One worker process: reopen the views (cheap: metadata only) and write its units."""
     return_freed_buffers_to_os()
     _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize, fmt)
@@ -323,8 +386,18 @@ def _write_units(req: ConvertRequest, prep: Prepared, root: Path, progress) -> l
     from mcore_proxy.convert.workers import run_workers
 
     shares = balance(prep.units, req.workers)
-    jobs = [(str(req.ckpt), str(req.plan) if req.plan else None, req.dequantize, prep.format, prep.target, str(root),
-             [prep.units[i] for i in share]) for share in shares]
+    jobs = [
+        (
+            str(req.ckpt),
+            str(req.plan) if req.plan else None,
+            req.dequantize,
+            prep.format,
+            prep.target,
+            str(root),
+            [prep.units[i] for i in share],
+        )
+        for share in shares
+    ]
     done = run_workers(_unit_worker, jobs, on_progress=progress)
     return _in_unit_order(shares, done)
 
@@ -339,9 +412,13 @@ def _in_unit_order(shares: list[list[int]], done: list[list[list[dict]]]) -> lis
 
 # -- torchrun: each rank writes a disjoint share of the units -------------------------------------
 
+
 def _torchrun_world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ or \
-        os.environ.get("MCORE_PROXY_DISTRIBUTED") == "1" else 1
+    return (
+        int(os.environ.get("WORLD_SIZE", "1"))
+        if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("MCORE_PROXY_DISTRIBUTED") == "1"
+        else 1
+    )
 
 
 class _Ranks:
@@ -397,8 +474,14 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
             raise ProxyError(f"{req.out}: the conversion failed on another rank ({verdict}); nothing was left behind")
         return
     try:
-        with staged_output(req.out, inputs=req.inputs, needed_bytes=prep.needed_bytes, check_space=check_space,
-                           staging_id=f"torchrun-{os.getpid()}", replace=req.force) as tmp:
+        with staged_output(
+            req.out,
+            inputs=req.inputs,
+            needed_bytes=prep.needed_bytes,
+            check_space=check_space,
+            staging_id=f"torchrun-{os.getpid()}",
+            replace=req.force,
+        ) as tmp:
             ranks.put("staging", str(tmp))
             reports = {0: write_mine(tmp)}
             for r in range(1, ranks.world):

@@ -8,6 +8,7 @@ other tensor is the source's, bit for bit. Dropped experts are never read. The h
 `mlp.router.hash_table` in a Hugging Face view (checkpoint/hf/native.py) and `mlp.router.tid2eid`
 under Megatron-LM's names (HF -> Megatron, and Megatron checkpoints): one rule for both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,13 +34,22 @@ class PrunedView(ModelView):
     def __init__(self, source: ModelView, plan):
         plan.check_matches(source)
         self.source, self.plan = source, plan
-        super().__init__(dataclasses.replace(source.info, spec=dataclasses.replace(
-            source.spec, num_experts=plan.num_experts, topk=plan.router.topk,
-            num_groups=plan.router.num_groups, group_topk=plan.router.group_topk)))
+        super().__init__(
+            dataclasses.replace(
+                source.info,
+                spec=dataclasses.replace(
+                    source.spec,
+                    num_experts=plan.num_experts,
+                    topk=plan.router.topk,
+                    num_groups=plan.router.num_groups,
+                    group_topk=plan.router.group_topk,
+                ),
+            )
+        )
         self._kept = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
-        self._origin: dict[str, str] = {}      # proxy name -> source name, in the source's order
+        self._origin: dict[str, str] = {}  # proxy name -> source name, in the source's order
         self._rows: dict[str, list[int]] = {}  # router tensors -> rows (entries) to take
-        self._tables: dict[str, str] = {}      # hash tables -> their layer id
+        self._tables: dict[str, str] = {}  # hash tables -> their layer id
         for name in source.names():
             self._map(name)
 
@@ -76,7 +86,7 @@ class PrunedView(ModelView):
             return value[rows].clone() if name.endswith(".weight") else value[..., rows].clone()
         layer_id = self._tables.get(name)
         if layer_id is not None:
-            where = f"{self.source.info.path}: {name}"      # names the checkpoint
+            where = f"{self.source.info.path}: {name}"  # names the checkpoint
             rows = substitute_rows(value, self.plan, layer_id, self.source.spec.num_experts, where)
             return new_ids(self.plan.kept(layer_id), self.source.spec.num_experts)[rows.long()].to(value.dtype)
         return value
@@ -85,8 +95,11 @@ class PrunedView(ModelView):
         shape = self.source.shape(self._origin[name])
         if name in self._rows and shape is not None:
             shape = tuple(shape)
-            return ((len(self._rows[name]),) + shape[1:] if name.endswith(".weight")
-                    else shape[:-1] + (len(self._rows[name]),))
+            return (
+                (len(self._rows[name]),) + shape[1:]
+                if name.endswith(".weight")
+                else shape[:-1] + (len(self._rows[name]),)
+            )
         return shape
 
     def dtype(self, name: str):
@@ -113,15 +126,19 @@ def substitute_rows(table: torch.Tensor, plan, layer_id: str, num_experts: int, 
 
     ids = table.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise CheckpointError(f"{where}: holds expert ids {int(ids.min())}..{int(ids.max())}, but the layer has "
-                              f"{num_experts} experts; the checkpoint is damaged, copy it again")
+        raise CheckpointError(
+            f"{where}: holds expert ids {int(ids.min())}..{int(ids.max())}, but the layer has "
+            f"{num_experts} experts; the checkpoint is damaged, copy it again"
+        )
     kept, subs = plan.kept(layer_id), plan.layers[layer_id].substitutes
     is_kept = torch.zeros(num_experts, dtype=torch.bool)
     is_kept[list(kept)] = True
     missing = sorted(set(ids[~is_kept[ids]].unique().tolist()) - set(subs))
     if missing:
-        raise PlanError(f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
-                        f"dropped expert {missing[0]}; make the plan again with this version of select")
+        raise PlanError(
+            f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
+            f"dropped expert {missing[0]}; make the plan again with this version of select"
+        )
     ranking = torch.zeros((num_experts, len(kept)), dtype=torch.int64)
     for e, ranked in subs.items():
         ranking[e] = torch.tensor(ranked)
@@ -131,9 +148,9 @@ def substitute_rows(table: torch.Tensor, plan, layer_id: str, num_experts: int, 
     for slot in range(ids.shape[1]):
         rows = (~is_kept[ids[:, slot]]).nonzero().squeeze(1)
         if rows.numel():
-            candidates = ranking[ids[rows, slot]]                              # [n, K], preferred first
+            candidates = ranking[ids[rows, slot]]  # [n, K], preferred first
             free = ~used[rows.unsqueeze(1), candidates]
-            pick = candidates[torch.arange(rows.numel()), free.int().argmax(1)]   # the first free one
+            pick = candidates[torch.arange(rows.numel()), free.int().argmax(1)]  # the first free one
             out[rows, slot] = pick
             used[rows, pick] = True
     return out.to(table.dtype)

@@ -1,5 +1,6 @@
 """Verify a proxy against its source and plan: bit-exact tensors, consistent args, manifest hashes,
 and optionally the same outputs as the source restricted to the kept experts."""
+
 from __future__ import annotations
 
 import argparse
@@ -64,13 +65,16 @@ def compare_tensors(expected: ModelView, proxy: ModelView, report: VerifyReport,
 
 def compare_args(plan, proxy: ModelView, source: ModelView, report: VerifyReport) -> None:
     got, router = proxy.spec, plan.router
-    checks = [("num_experts", got.num_experts, plan.num_experts), ("moe_router_topk", got.topk, router.topk),
-              ("moe_router_num_groups", got.num_groups, router.num_groups),
-              ("moe_router_group_topk", got.group_topk, router.group_topk),
-              ("moe_router_score_function", got.score_function, source.spec.score_function),
-              ("MoE layers", got.moe_layer_ids, source.spec.moe_layer_ids),
-              ("num_layers", got.num_layers, source.spec.num_layers),
-              ("hidden_size", got.hidden_size, source.spec.hidden_size)]
+    checks = [
+        ("num_experts", got.num_experts, plan.num_experts),
+        ("moe_router_topk", got.topk, router.topk),
+        ("moe_router_num_groups", got.num_groups, router.num_groups),
+        ("moe_router_group_topk", got.group_topk, router.group_topk),
+        ("moe_router_score_function", got.score_function, source.spec.score_function),
+        ("MoE layers", got.moe_layer_ids, source.spec.moe_layer_ids),
+        ("num_layers", got.num_layers, source.spec.num_layers),
+        ("hidden_size", got.hidden_size, source.spec.hidden_size),
+    ]
     report.problems += [f"args {what} is {have!r}, expected {want!r}" for what, have, want in checks if have != want]
 
 
@@ -83,8 +87,9 @@ def compare_arg_fields(source: ModelView, proxy: ModelView, dropped, report: Ver
     for name, value in sorted(vars(source.args).items()):
         if name not in have:
             if name not in recorded:
-                report.problems.append(f"args {name}: missing from the proxy and not recorded as dropped in its "
-                                       "manifest")
+                report.problems.append(
+                    f"args {name}: missing from the proxy and not recorded as dropped in its manifest"
+                )
         elif enum_member_name(value) is not None and have[name] != value:
             report.problems.append(f"args {name} is {have[name]!r}, expected the source's {value!r}")
 
@@ -111,13 +116,13 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     source = open_checkpoint(orig)
     proxy_view = open_checkpoint(proxy)
     frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
-    if len(frameworks) > 1:   # compared under the one naming both have: megatron-core's
+    if len(frameworks) > 1:  # compared under the one naming both have: megatron-core's
         source, proxy_view = source.named_for("megatron-core"), proxy_view.named_for("megatron-core")
     if holds_quantized(source) and not holds_quantized(proxy_view):
-        source = source.dequantized()   # the proxy was written with --dequantize
+        source = source.dequantized()  # the proxy was written with --dequantize
     try:
         expected = PrunedView(source, plan)
-    except PlanError as err:   # as convert says it: the plan file and the checkpoint
+    except PlanError as err:  # as convert says it: the plan file and the checkpoint
         raise PlanError(f"{plan_path}: {err} (checkpoint {orig})") from None
     report = VerifyReport()
     compare_args(plan, proxy_view, source, report)
@@ -129,19 +134,24 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     if functional and report.ok:
         frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
         if len(frameworks) > 1:
-            raise ProxyError(f"--functional runs both models in one framework, but {orig} is "
-                             f"{source.info.format} and {proxy} is {proxy_view.info.format}; the tensors were "
-                             "compared bit for bit, convert one side to the other's format to run both")
+            raise ProxyError(
+                f"--functional runs both models in one framework, but {orig} is "
+                f"{source.info.format} and {proxy} is {proxy_view.info.format}; the tensors were "
+                "compared bit for bit, convert one side to the other's format to run both"
+            )
         if source.spec.noop_layers:
-            raise ProxyError(f"--functional builds the models in megatron-core, which has no noop layer, but {orig} "
-                             f"has noop layers {list(source.spec.noop_layers)} (MindSpeed --noop-layers); the tensors "
-                             "were compared bit for bit, leave out --functional")
+            raise ProxyError(
+                f"--functional builds the models in megatron-core, which has no noop layer, but {orig} "
+                f"has noop layers {list(source.spec.noop_layers)} (MindSpeed --noop-layers); the tensors "
+                "were compared bit for bit, leave out --functional"
+            )
         check = {"megatron-core": functional_check, "transformers": hf_functional_check}[frameworks.pop()]
         report.functional = check(source, proxy_view, plan)
         if not report.functional["match"]:
             report.problems.append(
                 f"functional: proxy logits differ from the source restricted to kept experts by "
-                f"{report.functional['max_abs_diff']:.3g} (tolerance {report.functional['atol']:.1g})")
+                f"{report.functional['max_abs_diff']:.3g} (tolerance {report.functional['atol']:.1g})"
+            )
     return report
 
 
@@ -158,8 +168,12 @@ def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     got = run(proxy_model, tokens)
     atol = 1e-5 if next(orig_model.parameters()).dtype == torch.float32 else 2e-2
     diff = (ref - got).abs().max().item()
-    return {"max_abs_diff": diff, "atol": atol, "match": bool(diff <= atol + atol * ref.abs().max().item()),
-            "tokens": int(tokens.numel())}
+    return {
+        "max_abs_diff": diff,
+        "atol": atol,
+        "match": bool(diff <= atol + atol * ref.abs().max().item()),
+        "tokens": int(tokens.numel()),
+    }
 
 
 def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
@@ -178,15 +192,19 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     for label, view in (("the source", source), ("the proxy", proxy)):
         toy_from_args(view.args, str(view.info.path or label))
     # the families' builder: GQA or multi-latent attention, MTP, learned or rope positions
-    models = {label: family_from_args(view.args, tied=embeddings_tied(view.args, OUTPUT_LAYER in view.names()))
-              for label, view in (("source", source), ("proxy", proxy))}
+    models = {
+        label: family_from_args(view.args, tied=embeddings_tied(view.args, OUTPUT_LAYER in view.names()))
+        for label, view in (("source", source), ("proxy", proxy))
+    }
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
         tmp = Path(tmp)
         for label, view in (("source", source), ("proxy", proxy)):
             write_checkpoint(view, tmp / label, resolve_target(view, expert_layout="sequential"), progress=False)
         try:
-            ref, got = load_legacy_and_run([(models[label], StagedLayout(), tmp / label, tmp / f"{label}.pt")
-                                     for label in ("source", "proxy")], keeps=[keep, None])
+            ref, got = load_legacy_and_run(
+                [(models[label], StagedLayout(), tmp / label, tmp / f"{label}.pt") for label in ("source", "proxy")],
+                keeps=[keep, None],
+            )
         except torch.multiprocessing.ProcessRaisedException as err:
             # not a difference found by the check (exit 1): the check could not run (exit 3)
             last = str(err).strip().splitlines()[-1]
@@ -194,5 +212,9 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     floating = {source.dtype(n) for n in source.names() if source.dtype(n) is not None}
     atol = 1e-5 if floating <= {torch.float32} else 2e-2
     diff = (ref.float() - got.float()).abs().max().item()
-    return {"max_abs_diff": diff, "atol": atol, "match": bool(diff <= atol + atol * ref.abs().max().item()),
-            "tokens": int(ref.shape[-3] * ref.shape[-2])}   # logits [1 + mtp, b, s, V]: every head compared
+    return {
+        "max_abs_diff": diff,
+        "atol": atol,
+        "match": bool(diff <= atol + atol * ref.abs().max().item()),
+        "tokens": int(ref.shape[-3] * ref.shape[-2]),
+    }  # logits [1 + mtp, b, s, V]: every head compared

@@ -9,6 +9,7 @@ exit, every worker still running is killed and reaped before this returns, so th
 remove the staging folder knowing nothing writes into it any more. Workers also die with the
 parent if the parent is killed outright (`interrupts.as_worker`).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,6 +29,7 @@ def _main(conn, parent_pid: int, fn, args, with_progress: bool) -> None:
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which decides
         try:
             import pickle
+
             pickle.dumps(err)
             result = ("error", err)
         except Exception:  # noqa: BLE001 - an exception that does not pickle: keep its text
@@ -51,8 +53,7 @@ def run_workers(fn, jobs: list[tuple], on_done=None, on_progress=None) -> list:
         results: dict[int, object] = {}
         waiting = dict(enumerate(conns))
         while waiting:
-            ready = multiprocessing.connection.wait(list(waiting.values()) +
-                                                    [procs[i].sentinel for i in waiting])
+            ready = multiprocessing.connection.wait(list(waiting.values()) + [procs[i].sentinel for i in waiting])
             for i, conn in list(waiting.items()):
                 if conn not in ready and procs[i].sentinel not in ready:
                     continue
@@ -60,8 +61,9 @@ def run_workers(fn, jobs: list[tuple], on_done=None, on_progress=None) -> list:
                     status, value = conn.recv()
                 except EOFError:
                     procs[i].join()
-                    raise InternalError(f"writer process {i} died with exit code {procs[i].exitcode} "
-                                        "before reporting") from None
+                    raise InternalError(
+                        f"writer process {i} died with exit code {procs[i].exitcode} before reporting"
+                    ) from None
                 if status == "progress":
                     on_progress(value)
                     continue

@@ -10,6 +10,7 @@
 Importing this package imports nothing heavy (numpy on use; scipy, ruptures, tensorboard and
 matplotlib inside the functions that need them; a missing one is `optional.MissingDependency`, exit 2).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -18,26 +18,57 @@ Sources (docs/logs.md has the table):
   Trainer's `grad_norm`; written to TensorBoard under `train/`;
 - Megatron's console and TensorBoard (`grad norm`, `grad-norm`).
 """
+
 from __future__ import annotations
 
 ALIASES: dict[str, tuple[str, ...]] = {
-    "reward": ("critic/score/mean", "grpo/score/mean", "critic/rewards/mean", "grpo/rewards/mean",
-               "rewards/mean", "reward/mean", "reward", "train/reward", "score/mean", "score"),
+    "reward": (
+        "critic/score/mean",
+        "grpo/score/mean",
+        "critic/rewards/mean",
+        "grpo/rewards/mean",
+        "rewards/mean",
+        "reward/mean",
+        "reward",
+        "train/reward",
+        "score/mean",
+        "score",
+    ),
     "kl_loss": ("actor/kl_loss", "kl_loss", "train/kl_loss", "kl", "train/kl"),
     "ppo_kl": ("actor/ppo_kl", "ppo_kl", "actor/approx_kl", "approx_kl"),
     "entropy": ("actor/entropy", "actor/entropy_loss", "entropy", "train/entropy"),
     "grad_norm": ("actor/grad_norm", "grad_norm", "train/grad_norm"),
-    "logprob_diff": ("training/rollout_probs_diff_mean", "training/rollout_logprob_diff_mean",
-                     "rollout/logprob_diff", "logprob_diff", "rollout_logprob_diff",
-                     "sampling/sampling_logp_difference/mean", "train/sampling/sampling_logp_difference/mean",
-                     "rollout_corr/log_ppl_abs_diff"),
+    "logprob_diff": (
+        "training/rollout_probs_diff_mean",
+        "training/rollout_logprob_diff_mean",
+        "rollout/logprob_diff",
+        "logprob_diff",
+        "rollout_logprob_diff",
+        "sampling/sampling_logp_difference/mean",
+        "train/sampling/sampling_logp_difference/mean",
+        "rollout_corr/log_ppl_abs_diff",
+    ),
     # k3 first: non-negative per token, so its mean is a low-noise KL estimate (k1 can go negative)
-    "rollout_kl": ("rollout_corr/k3_kl", "train/rollout_corr/k3_kl", "rollout_corr/kl", "train/rollout_corr/kl",
-                   "rollout_kl"),
-    "response_length": ("response_length/mean", "completions/mean_length", "train/completions/mean_length",
-                        "response_length"),
-    "clipfrac": ("actor/pg_clipfrac", "pg_clipfrac", "clipfrac", "clip_ratio/region_mean",
-                 "train/clip_ratio/region_mean"),
+    "rollout_kl": (
+        "rollout_corr/k3_kl",
+        "train/rollout_corr/k3_kl",
+        "rollout_corr/kl",
+        "train/rollout_corr/kl",
+        "rollout_kl",
+    ),
+    "response_length": (
+        "response_length/mean",
+        "completions/mean_length",
+        "train/completions/mean_length",
+        "response_length",
+    ),
+    "clipfrac": (
+        "actor/pg_clipfrac",
+        "pg_clipfrac",
+        "clipfrac",
+        "clip_ratio/region_mean",
+        "train/clip_ratio/region_mean",
+    ),
     "pg_loss": ("actor/pg_loss", "pg_loss", "policy_loss", "train/policy_loss"),
 }
 
@@ -59,8 +90,9 @@ def normalise(name: str) -> str:
     return name.strip().lower().replace(" ", "_").replace("-", "_")
 
 
-_LOOKUP = {normalise(alias): (canonical, rank) for canonical, names in ALIASES.items()
-           for rank, alias in enumerate(names)}
+_LOOKUP = {
+    normalise(alias): (canonical, rank) for canonical, names in ALIASES.items() for rank, alias in enumerate(names)
+}
 
 
 def canonical_metrics(raw_names) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """`mcore-proxy compare` (original vs proxy, or triage of a run against a signature library) and
 `mcore-proxy watch LOG` (early warnings while a run grows)."""
+
 from __future__ import annotations
 
 import re
@@ -7,36 +8,55 @@ import re
 from mcore_proxy.errors import CheckFailed, ProxyError
 from mcore_proxy.flags import add_command, emit
 
-ROLE_ARGS = (("orig-base", "original, baseline"), ("orig-fault", "original, with the fault"),
-             ("proxy-base", "proxy, baseline"), ("proxy-fault", "proxy, with the fault"))
+ROLE_ARGS = (
+    ("orig-base", "original, baseline"),
+    ("orig-fault", "original, with the fault"),
+    ("proxy-base", "proxy, baseline"),
+    ("proxy-fault", "proxy, with the fault"),
+)
 
 
 def register(subparsers) -> None:
-    register_watch(subparsers)      # watch a run, then compare it (pipeline order in the help)
-    p = add_command(subparsers, "compare", run_compare,
-                    help="does the proxy reproduce the original's fault signature? / triage a run",
-                    checks="the proxy's fault signature differs from the original's, or is inconclusive",
-                    writes="report folder (an earlier compare report)",
-                    description="Two modes. (1) --orig-base/--orig-fault/--proxy-base/--proxy-fault: compare "
-                                "the fault signatures (faulted run against its baseline) of the original and "
-                                "the proxy, metric by metric: direction and size of the shift, trend, onset, "
-                                "correlation of the shift curves. (2) Triage, --run/--baseline/--library: rank "
-                                "the faults of a signature library (written by `mcore-proxy campaign`) by how "
-                                "well their signatures match the run's departure from its baseline, with the "
-                                "evidence per metric (it checks nothing: exit 0).")
+    register_watch(subparsers)  # watch a run, then compare it (pipeline order in the help)
+    p = add_command(
+        subparsers,
+        "compare",
+        run_compare,
+        help="does the proxy reproduce the original's fault signature? / triage a run",
+        checks="the proxy's fault signature differs from the original's, or is inconclusive",
+        writes="report folder (an earlier compare report)",
+        description="Two modes. (1) --orig-base/--orig-fault/--proxy-base/--proxy-fault: compare "
+        "the fault signatures (faulted run against its baseline) of the original and "
+        "the proxy, metric by metric: direction and size of the shift, trend, onset, "
+        "correlation of the shift curves. (2) Triage, --run/--baseline/--library: rank "
+        "the faults of a signature library (written by `mcore-proxy campaign`) by how "
+        "well their signatures match the run's departure from its baseline, with the "
+        "evidence per metric (it checks nothing: exit 0).",
+    )
     for role, what in ROLE_ARGS:
-        p.add_argument(f"--{role}", metavar="LOG",
-                       help=f"metric log of the {what} run: TensorBoard folder, .jsonl, .csv, console log (Megatron, "
-                            "MindSpeed-RL, verl, TRL), trainer_state.json, MLflow run, W&B/SwanLab offline run")
+        p.add_argument(
+            f"--{role}",
+            metavar="LOG",
+            help=f"metric log of the {what} run: TensorBoard folder, .jsonl, .csv, console log (Megatron, "
+            "MindSpeed-RL, verl, TRL), trainer_state.json, MLflow run, W&B/SwanLab offline run",
+        )
     p.add_argument("--run", metavar="LOG", help="triage: the metric log of the run to diagnose")
     p.add_argument("--baseline", metavar="LOG", help="triage: the log of a healthy run of the same setting")
     p.add_argument("--library", metavar="LIB", help="triage: library.json written by `mcore-proxy campaign`")
-    p.add_argument("--metrics", nargs="+", metavar="NAME",
-                   help="canonical (reward, kl_loss, ppo_kl, entropy, grad_norm, logprob_diff, rollout_kl, "
-                        "response_length, clipfrac, pg_loss) or raw names (default: every known "
-                        "metric the logs have)")
-    p.add_argument("--onset-window", type=int, metavar="STEPS",
-                   help="onsets this close agree (default: 10%% of the compared steps, at least 3)")
+    p.add_argument(
+        "--metrics",
+        nargs="+",
+        metavar="NAME",
+        help="canonical (reward, kl_loss, ppo_kl, entropy, grad_norm, logprob_diff, rollout_kl, "
+        "response_length, clipfrac, pg_loss) or raw names (default: every known "
+        "metric the logs have)",
+    )
+    p.add_argument(
+        "--onset-window",
+        type=int,
+        metavar="STEPS",
+        help="onsets this close agree (default: 10%% of the compared steps, at least 3)",
+    )
     p.add_argument("-o", "--output", metavar="DIR", help="write report.json, report.md and PNG curves here")
 
 
@@ -44,22 +64,25 @@ def run_compare(args) -> int:
     roles = [r for r, _ in ROLE_ARGS if getattr(args, r.replace("-", "_"))]
     triage = [n for n in ("run", "baseline", "library") if getattr(args, n)]
     if triage and roles:
-        raise ProxyError(f"compare: --{', --'.join(triage)} (triage) and --{', --'.join(roles)} "
-                         "(original vs proxy) are two modes; pass one set")
+        raise ProxyError(
+            f"compare: --{', --'.join(triage)} (triage) and --{', --'.join(roles)} "
+            "(original vs proxy) are two modes; pass one set"
+        )
     if triage:
         if len(triage) < 3:
             raise ProxyError("compare: triage needs --run, --baseline and --library together")
         return run_triage(args)
     if len(roles) < 4:
-        raise ProxyError("compare: pass --orig-base, --orig-fault, --proxy-base and --proxy-fault "
-                         "(or --run, --baseline and --library to triage a run)")
+        raise ProxyError(
+            "compare: pass --orig-base, --orig-fault, --proxy-base and --proxy-fault "
+            "(or --run, --baseline and --library to triage a run)"
+        )
     from mcore_proxy.diagnose.compare import ROLES, compare_runs
     from mcore_proxy.diagnose.readers import read_log
     from mcore_proxy.diagnose.report import as_dict, summary_table, write_report
 
     paths = {role: getattr(args, role) for role in ROLES}
-    comparison = compare_runs({role: read_log(path) for role, path in paths.items()}, args.metrics,
-                              args.onset_window)
+    comparison = compare_runs({role: read_log(path) for role, path in paths.items()}, args.metrics, args.onset_window)
     report = None
     if args.output:
         report = str(write_report(args.output, comparison, inputs=tuple(paths.values()), replace=args.force))
@@ -77,20 +100,24 @@ def run_triage(args) -> int:
     from mcore_proxy.diagnose.triage import rank_faults, triage_dict, triage_table
 
     if args.output:
-        raise ProxyError("compare: -o/--output is for the original-vs-proxy comparison; with triage "
-                         "use --json and redirect it")
+        raise ProxyError(
+            "compare: -o/--output is for the original-vs-proxy comparison; with triage use --json and redirect it"
+        )
     library = load_library(args.library)
     signature, left_out = pair_signature(read_log(args.baseline), read_log(args.run), args.metrics)
     ranks = rank_faults(signature, library, args.onset_window)
     if not ranks:
-        raise ProxyError(f"{args.library}: no library entry departs from its baseline in any metric; "
-                         "rerun the campaign with stronger faults or more steps")
+        raise ProxyError(
+            f"{args.library}: no library entry departs from its baseline in any metric; "
+            "rerun the campaign with stronger faults or more steps"
+        )
     text = "\n".join([triage_table(signature, ranks, library), *(f"left out: {n}" for n in left_out)])
     emit(args, "compare", {**triage_dict(signature, ranks), "library": args.library, "left_out": left_out}, text)
     return 0
 
 
 # -- watch ----------------------------------------------------------------------------------------
+
 
 def duration(text: str) -> float:
     """'30s', '5m', '1h' or plain seconds -> seconds."""
@@ -104,50 +131,90 @@ def register_watch(subparsers) -> None:
     from mcore_proxy.diagnose.detect import DETECTORS, Settings
 
     d = Settings()
-    p = add_command(subparsers, "watch", run_watch,
-                    help="follow a run's metric log and warn early, with the step each trouble began",
-                    checks="an alert of a --fail-on detector; the watch stops at the first",
-                    description="Follow a growing metric log (TensorBoard folder, JSONL, CSV, console log of "
-                                "Megatron/MindSpeed-RL/verl/TRL, TRL trainer state, MLflow run, W&B/SwanLab offline run) "
-                                "and report early signs of trouble with the step where each began: reward "
-                                "plateau, log-prob difference, rollout-vs-training KL or PPO KL rising, entropy collapse, grad-norm "
-                                "spikes, and with --baseline a significant divergence from it in any metric. "
-                                "One JSON line per alert on stdout (mcore-proxy-alert/1) as it comes, or with "
-                                "--json one document at the end; a live one-screen view on stderr when it is "
-                                "a terminal. It stops with --once, --idle, at a --fail-on alert, or on a "
-                                "signal.")
-    p.add_argument("log", metavar="LOGDIR", help="the run's log (any format compare reads, docs/logs.md); it "
-                                                 "may not exist yet")
+    p = add_command(
+        subparsers,
+        "watch",
+        run_watch,
+        help="follow a run's metric log and warn early, with the step each trouble began",
+        checks="an alert of a --fail-on detector; the watch stops at the first",
+        description="Follow a growing metric log (TensorBoard folder, JSONL, CSV, console log of "
+        "Megatron/MindSpeed-RL/verl/TRL, TRL trainer state, MLflow run, W&B/SwanLab offline run) "
+        "and report early signs of trouble with the step where each began: reward "
+        "plateau, log-prob difference, rollout-vs-training KL or PPO KL rising, entropy collapse, grad-norm "
+        "spikes, and with --baseline a significant divergence from it in any metric. "
+        "One JSON line per alert on stdout (mcore-proxy-alert/1) as it comes, or with "
+        "--json one document at the end; a live one-screen view on stderr when it is "
+        "a terminal. It stops with --once, --idle, at a --fail-on alert, or on a "
+        "signal.",
+    )
+    p.add_argument(
+        "log", metavar="LOGDIR", help="the run's log (any format compare reads, docs/logs.md); it may not exist yet"
+    )
     p.add_argument("--baseline", metavar="LOG", help="a healthy run's log to diverge from")
     p.add_argument("--every", default="30s", metavar="DURATION", help="check interval (default 30s)")
     p.add_argument("--once", action="store_true", help="check once and stop")
-    p.add_argument("--idle", metavar="DURATION",
-                   help="stop when the log has not grown (or not appeared) for this long (default: follow "
-                        "until stopped)")
-    p.add_argument("--fail-on", default="", metavar="DETECTORS",
-                   help=f"comma-separated detectors ({', '.join(DETECTORS)}, or 'any') whose first alert "
-                        "stops the watch with exit 1")
-    p.add_argument("--detectors", default=",".join(DETECTORS), metavar="LIST",
-                   help="detectors to run (default: all)")
+    p.add_argument(
+        "--idle",
+        metavar="DURATION",
+        help="stop when the log has not grown (or not appeared) for this long (default: follow until stopped)",
+    )
+    p.add_argument(
+        "--fail-on",
+        default="",
+        metavar="DETECTORS",
+        help=f"comma-separated detectors ({', '.join(DETECTORS)}, or 'any') whose first alert "
+        "stops the watch with exit 1",
+    )
+    p.add_argument("--detectors", default=",".join(DETECTORS), metavar="LIST", help="detectors to run (default: all)")
     p.add_argument("--alerts", metavar="FILE", help="append the JSON alert lines to FILE instead of stdout")
     p.add_argument("--no-view", action="store_true", help="no live view even on a terminal")
     p.add_argument("--window", type=int, default=d.window, help=f"rolling-mean window, steps (default {d.window})")
-    p.add_argument("--warmup", type=int, default=d.warmup,
-                   help=f"first points taken as the healthy level (default {d.warmup})")
-    p.add_argument("--patience", type=int, default=d.patience,
-                   help=f"plateau: steps without a new best mean reward (default {d.patience})")
-    p.add_argument("--collapse", type=float, default=d.collapse,
-                   help=f"entropy: alert below this fraction of its early level (default {d.collapse})")
-    p.add_argument("--spike", type=float, default=d.spike,
-                   help=f"grad norm: alert above this multiple of its recent median (default {d.spike:g})")
-    p.add_argument("--rise", type=float, default=d.rise,
-                   help=f"rising: the shift must exceed this many warm-up standard deviations (default {d.rise:g})")
-    p.add_argument("--persist", type=int, default=d.persist,
-                   help=f"rising, diverge: a shift must cover this many logged steps (default {d.persist})")
-    p.add_argument("--effect", type=float, default=d.effect,
-                   help=f"diverge: a shift must be this many baseline noise units (default {d.effect:g})")
-    p.add_argument("--rising", nargs="+", default=list(d.rising_metrics), metavar="METRIC",
-                   help=f"metrics watched for rising from their early level (default {' '.join(d.rising_metrics)})")
+    p.add_argument(
+        "--warmup", type=int, default=d.warmup, help=f"first points taken as the healthy level (default {d.warmup})"
+    )
+    p.add_argument(
+        "--patience",
+        type=int,
+        default=d.patience,
+        help=f"plateau: steps without a new best mean reward (default {d.patience})",
+    )
+    p.add_argument(
+        "--collapse",
+        type=float,
+        default=d.collapse,
+        help=f"entropy: alert below this fraction of its early level (default {d.collapse})",
+    )
+    p.add_argument(
+        "--spike",
+        type=float,
+        default=d.spike,
+        help=f"grad norm: alert above this multiple of its recent median (default {d.spike:g})",
+    )
+    p.add_argument(
+        "--rise",
+        type=float,
+        default=d.rise,
+        help=f"rising: the shift must exceed this many warm-up standard deviations (default {d.rise:g})",
+    )
+    p.add_argument(
+        "--persist",
+        type=int,
+        default=d.persist,
+        help=f"rising, diverge: a shift must cover this many logged steps (default {d.persist})",
+    )
+    p.add_argument(
+        "--effect",
+        type=float,
+        default=d.effect,
+        help=f"diverge: a shift must be this many baseline noise units (default {d.effect:g})",
+    )
+    p.add_argument(
+        "--rising",
+        nargs="+",
+        default=list(d.rising_metrics),
+        metavar="METRIC",
+        help=f"metrics watched for rising from their early level (default {' '.join(d.rising_metrics)})",
+    )
     p.set_defaults(func=run_watch)
 
 
@@ -159,8 +226,10 @@ def _detectors(text: str, flag: str, allow_any: bool) -> tuple:
         return DETECTORS
     unknown = [n for n in names if n not in DETECTORS]
     if unknown:
-        raise ProxyError(f"{flag} {text!r}: unknown detector(s) {unknown}; known: {', '.join(DETECTORS)}"
-                         + (", any" if allow_any else ""))
+        raise ProxyError(
+            f"{flag} {text!r}: unknown detector(s) {unknown}; known: {', '.join(DETECTORS)}"
+            + (", any" if allow_any else "")
+        )
     return names
 
 
@@ -175,9 +244,17 @@ def run_watch(args) -> int:
 
     every, idle = duration(args.every), duration(args.idle) if args.idle else None
     try:
-        settings = Settings(window=args.window, warmup=args.warmup, patience=args.patience,
-                            collapse=args.collapse, spike=args.spike, rise=args.rise, persist=args.persist,
-                            effect=args.effect, rising_metrics=tuple(args.rising))
+        settings = Settings(
+            window=args.window,
+            warmup=args.warmup,
+            patience=args.patience,
+            collapse=args.collapse,
+            spike=args.spike,
+            rise=args.rise,
+            persist=args.persist,
+            effect=args.effect,
+            rising_metrics=tuple(args.rising),
+        )
     except ValueError as err:
         raise ProxyError(f"watch: {err}") from None
     enabled = _detectors(args.detectors, "--detectors", False)
@@ -204,15 +281,27 @@ def run_watch(args) -> int:
         if args.alerts:
             out.close()
     if watcher.run is None:
-        raise LogError(f"{args.log}: nothing readable {'' if args.once else 'before the watch stopped'}"
-                       f" ({watcher.waiting})")
+        raise LogError(
+            f"{args.log}: nothing readable {'' if args.once else 'before the watch stopped'} ({watcher.waiting})"
+        )
     if not live:
         sys.stderr.write(view(watcher, every))
     if args.json:
-        emit(args, "watch", {"log": args.log, "baseline": args.baseline, "last_step": watcher.last_step,
-                             "ok": failed is None, "alerts": [a.to_dict() for a in watcher.alerts]}, "")
+        emit(
+            args,
+            "watch",
+            {
+                "log": args.log,
+                "baseline": args.baseline,
+                "last_step": watcher.last_step,
+                "ok": failed is None,
+                "alerts": [a.to_dict() for a in watcher.alerts],
+            },
+            "",
+        )
     if failed is not None:
         f = failed.finding
-        raise CheckFailed(f"{f.detector} alert on {f.metric} (since step {f.onset}, noticed at step "
-                          f"{failed.step}): {f.message}")
+        raise CheckFailed(
+            f"{f.detector} alert on {f.metric} (since step {f.onset}, noticed at step {failed.step}): {f.message}"
+        )
     return 0

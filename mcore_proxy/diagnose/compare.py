@@ -17,6 +17,7 @@ metric one run lacks, steps beyond the shortest run) is said in `Comparison.left
 `match_signatures` is the one rule of agreement; a later triage can rank stored signatures with
 `MetricMatch.score`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,8 +52,7 @@ class MetricMatch:
 
     @property
     def correlation_ok(self) -> bool:
-        return not self.correlation_required or (self.correlation is not None
-                                                 and self.correlation >= MIN_CORRELATION)
+        return not self.correlation_required or (self.correlation is not None and self.correlation >= MIN_CORRELATION)
 
     @property
     def match(self) -> bool:
@@ -102,21 +102,30 @@ def signs_agree(a: int, a_estimate: float, a_p: float, b: int, b_estimate: float
 def match_signatures(orig: MetricSignature, proxy: MetricSignature, onset_window: int) -> MetricMatch:
     """The rule of agreement of two signatures of one metric."""
     shifted = orig.shifted or proxy.shifted
-    onset = (not shifted or (orig.onset is not None and proxy.onset is not None
-                             and abs(orig.onset - proxy.onset) <= onset_window))
-    direction = signs_agree(orig.direction, orig.shift, orig.p_shift,
-                            proxy.direction, proxy.shift, proxy.p_shift)
+    onset = not shifted or (
+        orig.onset is not None and proxy.onset is not None and abs(orig.onset - proxy.onset) <= onset_window
+    )
+    direction = signs_agree(orig.direction, orig.shift, orig.p_shift, proxy.direction, proxy.shift, proxy.p_shift)
     trend = signs_agree(orig.trend, orig.tau, orig.p_trend, proxy.trend, proxy.tau, proxy.p_trend)
-    return MetricMatch(orig.metric, orig, proxy, direction, trend, onset, curve_correlation(orig, proxy),
-                       orig.trend != 0 or proxy.trend != 0, onset_window)
+    return MetricMatch(
+        orig.metric,
+        orig,
+        proxy,
+        direction,
+        trend,
+        onset,
+        curve_correlation(orig, proxy),
+        orig.trend != 0 or proxy.trend != 0,
+        onset_window,
+    )
 
 
 @dataclass(frozen=True)
 class Comparison:
-    sources: dict                                        # role -> log path
-    matches: dict = field(default_factory=dict)          # metric -> MetricMatch
-    raw_names: dict = field(default_factory=dict)        # metric -> role -> raw name in that log
-    series: dict = field(default_factory=dict, repr=False)   # metric -> role -> Series (window)
+    sources: dict  # role -> log path
+    matches: dict = field(default_factory=dict)  # metric -> MetricMatch
+    raw_names: dict = field(default_factory=dict)  # metric -> role -> raw name in that log
+    series: dict = field(default_factory=dict, repr=False)  # metric -> role -> Series (window)
     left_out: list = field(default_factory=list)
 
     @property
@@ -133,20 +142,27 @@ class Comparison:
 
     def verdict(self) -> str:
         if self.mismatched:
-            return ("NOT CONSISTENT: the proxy's signature differs in "
-                    + "; ".join(f"{m} ({', '.join(self.matches[m].reasons())})" for m in self.mismatched))
+            return "NOT CONSISTENT: the proxy's signature differs in " + "; ".join(
+                f"{m} ({', '.join(self.matches[m].reasons())})" for m in self.mismatched
+            )
         if not self.shifted:
-            return ("NOT CONSISTENT (inconclusive): the original's faulted run shows no significant "
-                    "shift in any compared metric, so there is nothing to reproduce")
-        return (f"CONSISTENT: the proxy reproduces the original's fault signature in all "
-                f"{len(self.matches)} compared metrics (shifted in the original: {', '.join(self.shifted)})")
+            return (
+                "NOT CONSISTENT (inconclusive): the original's faulted run shows no significant "
+                "shift in any compared metric, so there is nothing to reproduce"
+            )
+        return (
+            f"CONSISTENT: the proxy reproduces the original's fault signature in all "
+            f"{len(self.matches)} compared metrics (shifted in the original: {', '.join(self.shifted)})"
+        )
 
     def signatures(self) -> tuple[FaultSignature, FaultSignature]:
         """The (original, proxy) fault signatures, e.g. to store in a library."""
-        orig = FaultSignature(self.sources["orig_base"], self.sources["orig_fault"],
-                              {m: x.orig for m, x in self.matches.items()})
-        proxy = FaultSignature(self.sources["proxy_base"], self.sources["proxy_fault"],
-                               {m: x.proxy for m, x in self.matches.items()})
+        orig = FaultSignature(
+            self.sources["orig_base"], self.sources["orig_fault"], {m: x.orig for m, x in self.matches.items()}
+        )
+        proxy = FaultSignature(
+            self.sources["proxy_base"], self.sources["proxy_fault"], {m: x.proxy for m, x in self.matches.items()}
+        )
         return orig, proxy
 
 
@@ -163,8 +179,9 @@ def _pick_metrics(logs: dict[str, RunLog], requested) -> tuple[dict, list[str]]:
         raw = {role: resolve(name, log.metrics) for role, log in logs.items()}
         missing = [r for r, v in raw.items() if v is None]
         if missing:
-            left_out.append(f"{name}: not in " + ", ".join(f"{role_name(r)} ({logs[r].source})"
-                                                            for r in missing) + "; left out")
+            left_out.append(
+                f"{name}: not in " + ", ".join(f"{role_name(r)} ({logs[r].source})" for r in missing) + "; left out"
+            )
         else:
             chosen[name] = raw
     return chosen, left_out
@@ -197,22 +214,32 @@ def compare_runs(logs: dict[str, RunLog], metrics=None, onset_window: int | None
         lo, hi = _window(series)
         cut = {role: s.window(lo, hi) for role, s in series.items()}
         if min(len(s) for s in cut.values()) < MIN_POINTS:
-            left_out.append(f"{name}: the four runs share only steps {lo}-{hi} "
-                            f"({min(len(s) for s in cut.values())} points, need {MIN_POINTS}); left out")
+            left_out.append(
+                f"{name}: the four runs share only steps {lo}-{hi} "
+                f"({min(len(s) for s in cut.values())} points, need {MIN_POINTS}); left out"
+            )
             continue
-        beyond = [f"{role_name(r)} {s.steps[0]}-{s.steps[-1]}" for r, s in series.items()
-                  if s.steps[0] < lo or s.steps[-1] > hi]
+        beyond = [
+            f"{role_name(r)} {s.steps[0]}-{s.steps[-1]}"
+            for r, s in series.items()
+            if s.steps[0] < lo or s.steps[-1] > hi
+        ]
         if beyond:
             longest = max(int(s.steps[-1] - s.steps[0]) for s in series.values()) or 1
             very = " (runs of very different lengths)" if (hi - lo) < 0.5 * longest else ""
-            left_out.append(f"{name}: compared steps {lo}-{hi}, the overlap of the four runs{very}; "
-                            f"steps outside it left out (logged: {', '.join(beyond)})")
+            left_out.append(
+                f"{name}: compared steps {lo}-{hi}, the overlap of the four runs{very}; "
+                f"steps outside it left out (logged: {', '.join(beyond)})"
+            )
         window = onset_window if onset_window is not None else max(3, int(round(0.1 * (hi - lo))))
         orig = metric_signature(name, cut["orig_base"], cut["orig_fault"])
         proxy = metric_signature(name, cut["proxy_base"], cut["proxy_fault"])
         matches[name] = match_signatures(orig, proxy, window)
         used[name], raw_names[name] = cut, raw
     if not matches:
-        raise LogError("no metric can be compared: " + ("; ".join(left_out) or "the logs share no "
-                       "known metric") + "; pass --metrics with names all four logs have")
+        raise LogError(
+            "no metric can be compared: "
+            + ("; ".join(left_out) or "the logs share no known metric")
+            + "; pass --metrics with names all four logs have"
+        )
     return Comparison({role: logs[role].source for role in ROLES}, matches, raw_names, used, left_out)

@@ -7,7 +7,8 @@ table). They look at the whole curve so far, so re-running them on a grown log i
 - `plateau` (reward): the reward's rolling mean (window `window`) has not exceeded its best value
   for `patience` steps; onset: the first step of the best window. A plateau is normal late in
   training, so the patience is long; with a baseline, `diverge` is the sharper test.
-- `rising` (log-prob difference, rollout-vs-training KL, PPO KL): the curve departs upwards from its own early level (the
+- `rising` (log-prob difference, rollout-vs-training KL, PPO KL): the curve departs upwards from its own early level
+(the
   median of the first `warmup` points, which are taken to be healthy). This is the signature of
   `signature.metric_signature` against that constant level: a change point (PELT) marks the
   onset, a t-test on block means from there on gives the significance, and the shift must exceed
@@ -29,6 +30,7 @@ so little that a shift of 0.1 % of a metric is "significant" without mattering.
 The thresholds are guesses stated as defaults, not tuned on the acceptance runs; bench/RESULTS.md
 records how they did on the demonstration.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,14 +45,14 @@ DETECTORS = ("plateau", "rising", "collapse", "spike", "diverge")
 
 @dataclass(frozen=True)
 class Settings:
-    window: int = 5                  # rolling-mean window (steps of the log)
-    warmup: int = 5                  # first points taken as the run's healthy level
-    patience: int = 20               # plateau: steps without a new best rolling reward
-    collapse: float = 0.5            # entropy: alert below this fraction of its early level
-    spike: float = 10.0              # grad norm: alert above this multiple of its recent median
-    rise: float = 3.0                # rising: the shift must exceed this many warm-up standard deviations
-    persist: int = 3                 # rising, diverge: the shift must cover this many logged steps
-    effect: float = 1.0              # diverge: |shift| in units of the baseline's step-to-step noise
+    window: int = 5  # rolling-mean window (steps of the log)
+    warmup: int = 5  # first points taken as the run's healthy level
+    patience: int = 20  # plateau: steps without a new best rolling reward
+    collapse: float = 0.5  # entropy: alert below this fraction of its early level
+    spike: float = 10.0  # grad norm: alert above this multiple of its recent median
+    rise: float = 3.0  # rising: the shift must exceed this many warm-up standard deviations
+    persist: int = 3  # rising, diverge: the shift must cover this many logged steps
+    effect: float = 1.0  # diverge: |shift| in units of the baseline's step-to-step noise
     rising_metrics: tuple = ("logprob_diff", "rollout_kl", "ppo_kl")
 
     def __post_init__(self):
@@ -63,9 +65,9 @@ class Settings:
 @dataclass(frozen=True)
 class Finding:
     detector: str
-    metric: str           # canonical name
-    onset: int            # step where the trouble began
-    value: float          # the value that made the detector fire (its units below)
+    metric: str  # canonical name
+    onset: int  # step where the trouble began
+    value: float  # the value that made the detector fire (its units below)
     message: str
 
 
@@ -79,13 +81,18 @@ def plateau(series: Series, s: Settings) -> Finding | None:
     if len(series) < s.window + s.patience:
         return None
     rolled = _rolling(series.values, s.window)
-    best = int(np.argmax(rolled))          # first index of the best value
+    best = int(np.argmax(rolled))  # first index of the best value
     since = len(rolled) - 1 - best
     if since < s.patience:
         return None
-    onset = int(series.steps[best])        # the first step of the best window
-    return Finding("plateau", "reward", onset, float(rolled[best]),
-                   f"no new best {s.window}-step mean reward ({rolled[best]:.4g}) for {since} steps")
+    onset = int(series.steps[best])  # the first step of the best window
+    return Finding(
+        "plateau",
+        "reward",
+        onset,
+        float(rolled[best]),
+        f"no new best {s.window}-step mean reward ({rolled[best]:.4g}) for {since} steps",
+    )
 
 
 def rising(metric: str, series: Series, s: Settings) -> Finding | None:
@@ -93,44 +100,62 @@ def rising(metric: str, series: Series, s: Settings) -> Finding | None:
 
     if len(series) < max(MIN_POINTS, s.warmup + 3):
         return None
-    early = series.values[:s.warmup]
+    early = series.values[: s.warmup]
     level, spread = float(np.median(early)), float(np.std(early, ddof=1))
     sig = metric_signature(metric, Series(series.steps, np.full(len(series), level)), series)
-    if (sig.direction <= 0 or sig.onset is None or sig.shift <= s.rise * spread
-            or not _persists(series, sig.onset, s.persist)):
+    if (
+        sig.direction <= 0
+        or sig.onset is None
+        or sig.shift <= s.rise * spread
+        or not _persists(series, sig.onset, s.persist)
+    ):
         return None
-    return Finding("rising", metric, sig.onset, sig.shift,
-                   f"up by {sig.shift:.3g} from its early level {level:.3g} since step {sig.onset} "
-                   f"(p {sig.p_shift:.2g})")
+    return Finding(
+        "rising",
+        metric,
+        sig.onset,
+        sig.shift,
+        f"up by {sig.shift:.3g} from its early level {level:.3g} since step {sig.onset} (p {sig.p_shift:.2g})",
+    )
 
 
 def collapse(metric: str, series: Series, s: Settings) -> Finding | None:
     if len(series) < s.warmup + s.window:
         return None
-    level = float(np.median(series.values[:s.warmup]))
+    level = float(np.median(series.values[: s.warmup]))
     if level <= 0:
         return None
     rolled = _rolling(series.values, s.window)
     below = rolled < s.collapse * level
     if not below[-1]:
         return None
-    first = len(below) - int(np.argmin(below[::-1])) if not below.all() else 0   # start of the last stretch
+    first = len(below) - int(np.argmin(below[::-1])) if not below.all() else 0  # start of the last stretch
     onset = int(series.steps[first])
-    return Finding("collapse", metric, onset, float(rolled[-1]),
-                   f"{s.window}-step mean {rolled[-1]:.3g} below {s.collapse:g} x its early level {level:.3g}")
+    return Finding(
+        "collapse",
+        metric,
+        onset,
+        float(rolled[-1]),
+        f"{s.window}-step mean {rolled[-1]:.3g} below {s.collapse:g} x its early level {level:.3g}",
+    )
 
 
 def spike(metric: str, series: Series, s: Settings) -> Finding | None:
     history = 4 * s.window
     v = series.values
     for i in range(max(history, s.warmup), len(v)):
-        past = v[i - history:i]
+        past = v[i - history : i]
         median = float(np.median(past))
         spread = 1.4826 * float(np.median(np.abs(past - median)))
         if v[i] > s.spike * median and v[i] > median + s.spike * spread:
-            return Finding("spike", metric, int(series.steps[i]), float(v[i]),
-                           f"{v[i]:.3g} at step {series.steps[i]}, {v[i] / median:.0f}x the median "
-                           f"{median:.3g} of the {history} steps before")
+            return Finding(
+                "spike",
+                metric,
+                int(series.steps[i]),
+                float(v[i]),
+                f"{v[i]:.3g} at step {series.steps[i]}, {v[i] / median:.0f}x the median "
+                f"{median:.3g} of the {history} steps before",
+            )
     return None
 
 
@@ -145,18 +170,31 @@ def diverge(baseline: RunLog, run: RunLog, s: Settings) -> list[Finding]:
     from mcore_proxy.diagnose.compare import pair_signature
 
     signature, _ = pair_signature(baseline, run)
-    signature = {m: sig for m, sig in signature.metrics.items() if sig.shifted and sig.onset is not None
-                 and (sig.effect is None or abs(sig.effect) >= s.effect)
-                 and _persists(run.metrics[resolve(m, run.metrics)], sig.onset, s.persist)}
-    return [Finding("diverge", m, sig.onset, sig.shift,
-                    f"{'above' if sig.direction > 0 else 'below'} the baseline by {sig.shift:+.3g}"
-                    f"{'' if sig.relative_shift is None else f' ({sig.relative_shift:+.0%})'} since step "
-                    f"{sig.onset} (p {sig.p_shift:.2g})")
-            for m, sig in signature.items()]
+    signature = {
+        m: sig
+        for m, sig in signature.metrics.items()
+        if sig.shifted
+        and sig.onset is not None
+        and (sig.effect is None or abs(sig.effect) >= s.effect)
+        and _persists(run.metrics[resolve(m, run.metrics)], sig.onset, s.persist)
+    }
+    return [
+        Finding(
+            "diverge",
+            m,
+            sig.onset,
+            sig.shift,
+            f"{'above' if sig.direction > 0 else 'below'} the baseline by {sig.shift:+.3g}"
+            f"{'' if sig.relative_shift is None else f' ({sig.relative_shift:+.0%})'} since step "
+            f"{sig.onset} (p {sig.p_shift:.2g})",
+        )
+        for m, sig in signature.items()
+    ]
 
 
-def detect(run: RunLog, baseline: RunLog | None = None, settings: Settings = Settings(),
-           enabled=DETECTORS) -> list[Finding]:
+def detect(
+    run: RunLog, baseline: RunLog | None = None, settings: Settings = Settings(), enabled=DETECTORS
+) -> list[Finding]:
     """Every finding of the enabled detectors on `run` (and against `baseline`)."""
     names = canonical_metrics(run.metrics)
     series = {m: run.metrics[raw] for m, raw in names.items()}

@@ -10,6 +10,7 @@ logs stay where the campaign wrote them, so a library can be rebuilt from them w
 metric set. An entry's *earliest warning* is the shifted metric with the first onset (ties: the
 larger effect), the metric to watch for that fault.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +39,11 @@ def earliest_warning(signature: FaultSignature) -> MetricSignature | None:
 
 @dataclass(frozen=True)
 class LibraryEntry:
-    name: str               # unique in the library, e.g. "router_noise@1.0"
-    fault: str              # the fault family the entry is a strength of, e.g. "router_noise"
+    name: str  # unique in the library, e.g. "router_noise@1.0"
+    fault: str  # the fault family the entry is a strength of, e.g. "router_noise"
     strength: str
-    spec: str               # the MCORE_PROXY_FAULTS text the run had
-    log: str                # the run's metric log
+    spec: str  # the MCORE_PROXY_FAULTS text the run had
+    log: str  # the run's metric log
     signature: FaultSignature = field(repr=False)
 
     @property
@@ -51,31 +52,50 @@ class LibraryEntry:
         return any(m.shifted for m in self.signature.metrics.values())
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "fault": self.fault, "strength": self.strength, "spec": self.spec,
-                "log": self.log, "signature": self.signature.to_dict()}
+        return {
+            "name": self.name,
+            "fault": self.fault,
+            "strength": self.strength,
+            "spec": self.spec,
+            "log": self.log,
+            "signature": self.signature.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "LibraryEntry":
-        return cls(data["name"], data["fault"], str(data["strength"]), data["spec"], data["log"],
-                   FaultSignature.from_dict(data["signature"]))
+        return cls(
+            data["name"],
+            data["fault"],
+            str(data["strength"]),
+            data["spec"],
+            data["log"],
+            FaultSignature.from_dict(data["signature"]),
+        )
 
 
 @dataclass(frozen=True)
 class Library:
     baseline_name: str
     baseline_log: str
-    entries: tuple = ()             # LibraryEntry, in campaign order
-    campaign: str = ""              # the campaign config that built it
+    entries: tuple = ()  # LibraryEntry, in campaign order
+    campaign: str = ""  # the campaign config that built it
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "campaign": self.campaign,
-                "baseline": {"name": self.baseline_name, "log": self.baseline_log},
-                "entries": [e.to_dict() for e in self.entries]}
+        return {
+            "format": FORMAT,
+            "campaign": self.campaign,
+            "baseline": {"name": self.baseline_name, "log": self.baseline_log},
+            "entries": [e.to_dict() for e in self.entries],
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "Library":
-        return cls(data["baseline"]["name"], data["baseline"]["log"],
-                   tuple(LibraryEntry.from_dict(e) for e in data["entries"]), data.get("campaign", ""))
+        return cls(
+            data["baseline"]["name"],
+            data["baseline"]["log"],
+            tuple(LibraryEntry.from_dict(e) for e in data["entries"]),
+            data.get("campaign", ""),
+        )
 
     def save(self, path) -> Path:
         """Write atomically (a reader never sees half a library)."""
@@ -89,15 +109,23 @@ class Library:
 
 def load_library(path) -> Library:
     path = Path(path)
-    data = read_json_object(path, "signature library", "rebuild it with `mcore-proxy campaign CONFIG`",
-                            LibraryError, missing_fix="build one with `mcore-proxy campaign CONFIG` (it writes "
-                            "library.json in the campaign's work folder)")
+    data = read_json_object(
+        path,
+        "signature library",
+        "rebuild it with `mcore-proxy campaign CONFIG`",
+        LibraryError,
+        missing_fix="build one with `mcore-proxy campaign CONFIG` (it writes "
+        "library.json in the campaign's work folder)",
+    )
     if data.get("format") != FORMAT:
         found = data.get("format")
-        raise LibraryError(f"{path}: format {found!r} is not {FORMAT!r}; pass the library.json that "
-                           "`mcore-proxy campaign` wrote")
+        raise LibraryError(
+            f"{path}: format {found!r} is not {FORMAT!r}; pass the library.json that `mcore-proxy campaign` wrote"
+        )
     try:
         return Library.from_dict(data)
     except (KeyError, TypeError, ValueError) as err:
-        raise LibraryError(f"{path}: incomplete signature library ({type(err).__name__}: {err}); "
-                           "rebuild it with `mcore-proxy campaign CONFIG`") from None
+        raise LibraryError(
+            f"{path}: incomplete signature library ({type(err).__name__}: {err}); "
+            "rebuild it with `mcore-proxy campaign CONFIG`"
+        ) from None

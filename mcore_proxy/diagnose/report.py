@@ -6,6 +6,7 @@ verdict, the pictures) and one `{metric}.png` per metric: the original's baselin
 curves, the proxy's, side by side, and both normalised shift curves overlaid with their onsets.
 matplotlib is imported inside.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ def _fmt(value, spec=".3g") -> str:
 
 
 def _sig(sig) -> str:
-    return (f"{sig.direction:+d} {_fmt(sig.shift)} / {sig.trend:+d} / "
-            f"{'-' if sig.onset is None else sig.onset}")
+    return f"{sig.direction:+d} {_fmt(sig.shift)} / {sig.trend:+d} / {'-' if sig.onset is None else sig.onset}"
 
 
 def summary_table(comparison: Comparison) -> str:
@@ -46,11 +46,20 @@ def as_dict(comparison: Comparison) -> dict:
         "consistent": comparison.consistent,
         "verdict": comparison.verdict(),
         "left_out": comparison.left_out,
-        "metrics": {m: {"match": x.match, "direction": x.direction, "trend": x.trend, "onset": x.onset,
-                        "onset_window": x.onset_window, "correlation": x.correlation,
-                        "correlation_required": x.correlation_required, "score": x.score,
-                        "raw_names": {role_name(r): n for r, n in comparison.raw_names[m].items()}}
-                    for m, x in comparison.matches.items()},
+        "metrics": {
+            m: {
+                "match": x.match,
+                "direction": x.direction,
+                "trend": x.trend,
+                "onset": x.onset,
+                "onset_window": x.onset_window,
+                "correlation": x.correlation,
+                "correlation_required": x.correlation_required,
+                "score": x.score,
+                "raw_names": {role_name(r): n for r, n in comparison.raw_names[m].items()},
+            }
+            for m, x in comparison.matches.items()
+        },
         "signatures": {"original": orig.to_dict(), "proxy": proxy.to_dict()},
     }
 
@@ -68,8 +77,10 @@ def metric_figure(comparison: Comparison, metric: str):
     match, series = comparison.matches[metric], comparison.series[metric]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, model in zip(axes[:2], ("orig", "proxy")):
-        for role, style in ((f"{model}_base", dict(color="tab:blue", label="baseline")),
-                            (f"{model}_fault", dict(color="tab:red", label="fault"))):
+        for role, style in (
+            (f"{model}_base", dict(color="tab:blue", label="baseline")),
+            (f"{model}_fault", dict(color="tab:red", label="fault")),
+        ):
             s = series[role]
             ax.plot(s.steps, s.values, lw=1.2, **style)
         sig = match.orig if model == "orig" else match.proxy
@@ -80,12 +91,16 @@ def metric_figure(comparison: Comparison, metric: str):
         ax.legend(fontsize=8)
     ax = axes[2]
     for sig, color, label in ((match.orig, "black", "original"), (match.proxy, "tab:green", "proxy")):
-        ax.plot(sig.curve_steps, sig.curve, color=color, lw=1.5,
-                label=f"{label}: dir {sig.direction:+d}, trend {sig.trend:+d}")
+        ax.plot(
+            sig.curve_steps,
+            sig.curve,
+            color=color,
+            lw=1.5,
+            label=f"{label}: dir {sig.direction:+d}, trend {sig.trend:+d}",
+        )
     ax.axhline(0, color="gray", lw=0.5)
     r = "n/a" if match.correlation is None else f"{match.correlation:.2f}"
-    ax.set_title(f"normalised shift (fault - baseline), r = {r}: "
-                 f"{'match' if match.match else 'MISMATCH'}")
+    ax.set_title(f"normalised shift (fault - baseline), r = {r}: {'match' if match.match else 'MISMATCH'}")
     ax.set_xlabel("step")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -105,8 +120,7 @@ def write_report(out, comparison: Comparison, *, inputs: tuple = (), replace: bo
     out = Path(out)
     with staged_output(out, inputs, replace=replace) as tmp:
         (tmp / "report.json").write_text(json.dumps(as_dict(comparison), indent=1))
-        lines = ["# mcore-proxy compare", "", comparison.verdict(), "", "```",
-                 summary_table(comparison), "```", ""]
+        lines = ["# mcore-proxy compare", "", comparison.verdict(), "", "```", summary_table(comparison), "```", ""]
         for metric in comparison.matches:
             fig = metric_figure(comparison, metric)
             name = f"{_safe(metric)}.png"
@@ -137,14 +151,22 @@ def library_figure(library):
                 continue
             size = 1.0 if sig.effect is None else min(abs(sig.effect) / 5, 1.0)
             grid[i, j] = sig.direction * max(size, 0.15)
-            ax.text(j, i, str(sig.onset), ha="center", va="center", fontsize=8,
-                    color="white" if abs(grid[i, j]) > 0.6 else "black")
+            ax.text(
+                j,
+                i,
+                str(sig.onset),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if abs(grid[i, j]) > 0.6 else "black",
+            )
     ax.set_facecolor("#e8e8e8")
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
     ax.set_xticks(range(len(metrics)), metrics, rotation=35, ha="right")
     ax.set_yticks(range(len(library.entries)), [f"{e.name}" for e in library.entries])
-    ax.set_title(f"signature library against {library.baseline_name}: shift per metric "
-                 "(number: onset step)", fontsize=10)
+    ax.set_title(
+        f"signature library against {library.baseline_name}: shift per metric (number: onset step)", fontsize=10
+    )
     fig.colorbar(image, ax=ax, label="direction x min(|effect| / 5, 1)", shrink=0.8)
     fig.tight_layout()
     return fig

@@ -1,4 +1,5 @@
 """The data of a metric log: one `Series` (steps, values) per metric, and the `RunLog` of one run."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class RunLog:
 
     source: str
     format: str
-    metrics: dict = field(default_factory=dict, repr=False)   # raw name -> Series
+    metrics: dict = field(default_factory=dict, repr=False)  # raw name -> Series
 
     def __repr__(self) -> str:
         return f"RunLog({self.source!r}, {self.format}, {len(self.metrics)} metrics)"

@@ -19,6 +19,7 @@ A `FaultSignature` is these per metric, JSON-serialisable and versioned
 (`mcore-proxy-signature/1`), so a library of them can be stored and matched later.
 scipy and ruptures are imported inside the functions that need them.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -39,21 +40,21 @@ class MetricSignature:
     """The signature of one metric (shift = fault - baseline). Steps are the logs' own steps."""
 
     metric: str
-    points: int                       # aligned steps used
+    points: int  # aligned steps used
     first_step: int | None
     last_step: int | None
-    direction: int                    # +1 up, -1 down, 0 no significant shift
-    shift: float                      # mean of d from the onset on, in the metric's units
-    relative_shift: float | None      # shift / mean |baseline| (None if the baseline is 0)
-    effect: float | None              # shift / baseline step-to-step noise (None if noiseless)
+    direction: int  # +1 up, -1 down, 0 no significant shift
+    shift: float  # mean of d from the onset on, in the metric's units
+    relative_shift: float | None  # shift / mean |baseline| (None if the baseline is 0)
+    effect: float | None  # shift / baseline step-to-step noise (None if noiseless)
     p_shift: float
-    trend: int                        # +1 growing shift, -1 shrinking, 0 none
+    trend: int  # +1 growing shift, -1 shrinking, 0 none
     tau: float
     p_trend: float
-    slope: float                      # Theil-Sen slope of d per step
-    onset: int | None                 # step where the shift begins; None without one
+    slope: float  # Theil-Sen slope of d per step
+    onset: int | None  # step where the shift begins; None without one
     curve_steps: list = field(default_factory=list, repr=False)
-    curve: list = field(default_factory=list, repr=False)   # normalised smoothed shift
+    curve: list = field(default_factory=list, repr=False)  # normalised smoothed shift
     note: str = ""
 
     @property
@@ -74,20 +75,28 @@ class FaultSignature:
 
     baseline: str
     fault: str
-    metrics: dict = field(default_factory=dict)      # metric -> MetricSignature
-    label: str = ""                                  # e.g. the fault spec, for a library
+    metrics: dict = field(default_factory=dict)  # metric -> MetricSignature
+    label: str = ""  # e.g. the fault spec, for a library
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "baseline": self.baseline, "fault": self.fault, "label": self.label,
-                "metrics": {k: v.to_dict() for k, v in self.metrics.items()}}
+        return {
+            "format": FORMAT,
+            "baseline": self.baseline,
+            "fault": self.fault,
+            "label": self.label,
+            "metrics": {k: v.to_dict() for k, v in self.metrics.items()},
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "FaultSignature":
         if data.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} signature (format {data.get('format')!r})")
-        return cls(data["baseline"], data["fault"],
-                   {k: MetricSignature.from_dict(v) for k, v in data["metrics"].items()},
-                   data.get("label", ""))
+        return cls(
+            data["baseline"],
+            data["fault"],
+            {k: MetricSignature.from_dict(v) for k, v in data["metrics"].items()},
+            data.get("label", ""),
+        )
 
 
 def align(base: Series, fault: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,8 +142,9 @@ def onset_index(d: np.ndarray, sigma: float) -> int | None:
     if not np.any(d):
         return None
     min_size = max(2, n // 20)
-    ends = ruptures.Pelt(model="l2", min_size=min_size, jump=1).fit(d.reshape(-1, 1)).predict(
-        pen=3 * scale ** 2 * np.log(n))
+    ends = (
+        ruptures.Pelt(model="l2", min_size=min_size, jump=1).fit(d.reshape(-1, 1)).predict(pen=3 * scale**2 * np.log(n))
+    )
     starts = [0, *ends[:-1]]
     means = [float(np.mean(d[a:b])) for a, b in zip(starts, ends)]
     largest = max(abs(m) for m in means)
@@ -153,49 +163,82 @@ def metric_signature(metric: str, base: Series, fault: Series, *, alpha: float =
     """The signature of `fault` against `base` for one metric."""
     stats = require("scipy.stats", why="fault signatures (statistical tests)")
 
-    empty = dict(direction=0, shift=0.0, relative_shift=None, effect=None, p_shift=1.0,
-                 trend=0, tau=0.0, p_trend=1.0, slope=0.0, onset=None)
+    empty = dict(
+        direction=0,
+        shift=0.0,
+        relative_shift=None,
+        effect=None,
+        p_shift=1.0,
+        trend=0,
+        tau=0.0,
+        p_trend=1.0,
+        slope=0.0,
+        onset=None,
+    )
     if not len(base) or not len(fault):
         return MetricSignature(metric, 0, None, None, **empty, note="no points")
     steps, b, f = align(base, fault)
     if len(steps) < MIN_POINTS:
-        return MetricSignature(metric, len(steps), int(steps[0]) if len(steps) else None,
-                               int(steps[-1]) if len(steps) else None, **empty,
-                               note=f"only {len(steps)} common steps (need {MIN_POINTS})")
+        return MetricSignature(
+            metric,
+            len(steps),
+            int(steps[0]) if len(steps) else None,
+            int(steps[-1]) if len(steps) else None,
+            **empty,
+            note=f"only {len(steps)} common steps (need {MIN_POINTS})",
+        )
     d = f - b
     sigma_d, sigma_b = noise_scale(d), noise_scale(b)
     smoothed = smooth(d)
     peak = float(np.max(np.abs(smoothed)))
     curve = (smoothed / peak if peak > 0 else smoothed).tolist()
-    common = dict(metric=metric, points=len(steps), first_step=int(steps[0]), last_step=int(steps[-1]),
-                  curve_steps=steps.tolist(), curve=curve)
+    common = dict(
+        metric=metric,
+        points=len(steps),
+        first_step=int(steps[0]),
+        last_step=int(steps[-1]),
+        curve_steps=steps.tolist(),
+        curve=curve,
+    )
     start = onset_index(d, sigma_d)
     if start is None:
         return MetricSignature(**common, **empty, note="no departure from the baseline")
     post, post_b = d[start:], b[start:]
     shift = float(np.mean(post))
     blocks = _blocks(post)
-    if np.all(blocks == blocks[0]):          # an exactly constant shift: no sampling noise at all
+    if np.all(blocks == blocks[0]):  # an exactly constant shift: no sampling noise at all
         p_shift = 0.0 if blocks[0] != 0 else 1.0
     else:
-        with warnings.catch_warnings():   # nearly equal block means: scipy warns, the p is still right
+        with warnings.catch_warnings():  # nearly equal block means: scipy warns, the p is still right
             warnings.simplefilter("ignore", RuntimeWarning)
             p_shift = float(stats.ttest_1samp(blocks, 0.0).pvalue)
     direction = int(np.sign(shift)) if p_shift < alpha else 0
-    tau, p_trend = (stats.kendalltau(np.arange(len(blocks)), blocks) if len(blocks) >= 3
-                    and not np.all(blocks == blocks[0]) else (0.0, 1.0))
+    tau, p_trend = (
+        stats.kendalltau(np.arange(len(blocks)), blocks)
+        if len(blocks) >= 3 and not np.all(blocks == blocks[0])
+        else (0.0, 1.0)
+    )
     tau, p_trend = float(np.nan_to_num(tau)), float(np.nan_to_num(p_trend, nan=1.0))
     trend = int(np.sign(tau)) if p_trend < alpha else 0
     slope = float(stats.theilslopes(post, steps[start:])[0]) if len(post) >= 2 else 0.0
     level = float(np.mean(np.abs(post_b)))
     return MetricSignature(
-        **common, direction=direction, shift=shift,
+        **common,
+        direction=direction,
+        shift=shift,
         relative_shift=shift / level if level > 0 else None,
         effect=shift / sigma_b if sigma_b > 0 else None,
-        p_shift=p_shift, trend=trend, tau=tau, p_trend=p_trend, slope=slope, onset=int(steps[start]))
+        p_shift=p_shift,
+        trend=trend,
+        tau=tau,
+        p_trend=p_trend,
+        slope=slope,
+        onset=int(steps[start]),
+    )
 
 
 def fault_signature(baseline, fault, metrics: dict[str, tuple[Series, Series]], label: str = "") -> FaultSignature:
     """metrics: name -> (baseline series, fault series), already restricted to the steps to use."""
-    return FaultSignature(str(baseline), str(fault),
-                          {m: metric_signature(m, b, f) for m, (b, f) in metrics.items()}, label)
+    return FaultSignature(
+        str(baseline), str(fault), {m: metric_signature(m, b, f) for m, (b, f) in metrics.items()}, label
+    )

@@ -11,6 +11,7 @@ tells faults apart no better than chance. An entry's score is the mean over thos
 (0 when none is shared); a fault's score is its best entry's. Faults are ranked by score, ties by
 the number of matching metrics.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,16 +38,18 @@ class MetricEvidence:
     def describe(self) -> str:
         lib, run = self.match.orig, self.match.proxy
         r = self.match.correlation
-        return (f"{self.match.metric}: library {lib.direction:+d} {lib.shift:+.3g} onset {lib.onset}, "
-                f"run {run.direction:+d} {run.shift:+.3g} onset {run.onset}, "
-                f"trend {lib.trend:+d}/{run.trend:+d}, r {'-' if r is None else format(r, '.2f')}, "
-                f"size {self.size:.2f} -> {self.score:.2f}")
+        return (
+            f"{self.match.metric}: library {lib.direction:+d} {lib.shift:+.3g} onset {lib.onset}, "
+            f"run {run.direction:+d} {run.shift:+.3g} onset {run.onset}, "
+            f"trend {lib.trend:+d}/{run.trend:+d}, r {'-' if r is None else format(r, '.2f')}, "
+            f"size {self.size:.2f} -> {self.score:.2f}"
+        )
 
 
 @dataclass(frozen=True)
 class EntryScore:
     entry: LibraryEntry
-    evidence: dict = field(default_factory=dict)     # metric -> MetricEvidence (shifted in either)
+    evidence: dict = field(default_factory=dict)  # metric -> MetricEvidence (shifted in either)
 
     @property
     def score(self) -> float:
@@ -61,7 +64,7 @@ class EntryScore:
 class FaultRank:
     fault: str
     best: EntryScore
-    entries: tuple = ()                               # every EntryScore of this fault, best first
+    entries: tuple = ()  # every EntryScore of this fault, best first
 
     @property
     def score(self) -> float:
@@ -74,8 +77,7 @@ def score_entry(entry: LibraryEntry, run: FaultSignature, onset_window: int) -> 
         theirs = entry.signature.metrics.get(metric)
         if theirs is None or not (theirs.shifted or mine.shifted):
             continue
-        evidence[metric] = MetricEvidence(match_signatures(theirs, mine, onset_window),
-                                          size_agreement(theirs, mine))
+        evidence[metric] = MetricEvidence(match_signatures(theirs, mine, onset_window), size_agreement(theirs, mine))
     return EntryScore(entry, evidence)
 
 
@@ -102,14 +104,18 @@ def rank_faults(run: FaultSignature, library: Library, onset_window: int | None 
 
 def triage_table(run: FaultSignature, ranks: list[FaultRank], library: Library) -> str:
     shifted = [m for m, s in run.metrics.items() if s.shifted]
-    lines = [f"run {run.fault} against baseline {run.baseline}: shifted in "
-             f"{', '.join(shifted) if shifted else 'no metric (nothing to triage)'}", "",
-             f"{'rank':>4}  {'fault':<16} {'score':>5}  {'best entry':<22} {'matching':>8}  evidence"]
+    lines = [
+        f"run {run.fault} against baseline {run.baseline}: shifted in "
+        f"{', '.join(shifted) if shifted else 'no metric (nothing to triage)'}",
+        "",
+        f"{'rank':>4}  {'fault':<16} {'score':>5}  {'best entry':<22} {'matching':>8}  evidence",
+    ]
     for i, r in enumerate(ranks, 1):
         ev = list(r.best.evidence.values())
         first = ev[0].describe() if ev else "no metric shifted in either"
-        lines.append(f"{i:>4}  {r.fault:<16} {r.score:>5.2f}  {r.best.entry.name:<22} "
-                     f"{r.best.matching:>4}/{len(ev):<3}  {first}")
+        lines.append(
+            f"{i:>4}  {r.fault:<16} {r.score:>5.2f}  {r.best.entry.name:<22} {r.best.matching:>4}/{len(ev):<3}  {first}"
+        )
         lines += [f"{'':>62}{e.describe()}" for e in ev[1:]]
     skipped = [e.name for e in library.entries if not e.informative]
     if skipped:
@@ -119,16 +125,39 @@ def triage_table(run: FaultSignature, ranks: list[FaultRank], library: Library) 
 
 def triage_dict(run: FaultSignature, ranks: list[FaultRank]) -> dict:
     """The `compare --json` document of a triage (the CLI adds `"format": "mcore-proxy-compare/1"`)."""
-    return {"mode": "triage", "run": run.fault, "baseline": run.baseline,
-            "shifted": [m for m, s in run.metrics.items() if s.shifted],
-            "ranking": [{"fault": r.fault, "score": r.score, "best_entry": r.best.entry.name,
-                         "entries": {s.entry.name: s.score for s in r.entries},
-                         "evidence": {m: {"score": e.score, "direction": e.match.direction,
-                                          "trend": e.match.trend, "onset": e.match.onset,
-                                          "correlation": e.match.correlation, "size": e.size,
-                                          "library": {"direction": e.match.orig.direction, "shift": e.match.orig.shift,
-                                                      "onset": e.match.orig.onset},
-                                          "run": {"direction": e.match.proxy.direction, "shift": e.match.proxy.shift,
-                                                  "onset": e.match.proxy.onset}}
-                                      for m, e in r.best.evidence.items()}}
-                        for r in ranks]}
+    return {
+        "mode": "triage",
+        "run": run.fault,
+        "baseline": run.baseline,
+        "shifted": [m for m, s in run.metrics.items() if s.shifted],
+        "ranking": [
+            {
+                "fault": r.fault,
+                "score": r.score,
+                "best_entry": r.best.entry.name,
+                "entries": {s.entry.name: s.score for s in r.entries},
+                "evidence": {
+                    m: {
+                        "score": e.score,
+                        "direction": e.match.direction,
+                        "trend": e.match.trend,
+                        "onset": e.match.onset,
+                        "correlation": e.match.correlation,
+                        "size": e.size,
+                        "library": {
+                            "direction": e.match.orig.direction,
+                            "shift": e.match.orig.shift,
+                            "onset": e.match.orig.onset,
+                        },
+                        "run": {
+                            "direction": e.match.proxy.direction,
+                            "shift": e.match.proxy.shift,
+                            "onset": e.match.proxy.onset,
+                        },
+                    }
+                    for m, e in r.best.evidence.items()
+                },
+            }
+            for r in ranks
+        ],
+    }

@@ -12,6 +12,7 @@ Alert line (`mcore-proxy-alert/1`):
      "detector": "rising", "metric": "logprob_diff", "raw_name": "training/rollout_logprob_diff_mean",
      "onset": 15, "step": 19, "value": 0.0013, "message": "..."}
 """
+
 from __future__ import annotations
 
 import json
@@ -34,14 +35,23 @@ class Alert:
     finding: Finding
     log: str
     raw_name: str
-    step: int             # last step of the log when noticed
-    time: float           # seconds since the epoch
+    step: int  # last step of the log when noticed
+    time: float  # seconds since the epoch
 
     def to_dict(self) -> dict:
         f = self.finding
-        return {"format": FORMAT, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time)),
-                "log": self.log, "detector": f.detector, "metric": f.metric, "raw_name": self.raw_name,
-                "onset": f.onset, "step": self.step, "value": f.value, "message": f.message}
+        return {
+            "format": FORMAT,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time)),
+            "log": self.log,
+            "detector": f.detector,
+            "metric": f.metric,
+            "raw_name": self.raw_name,
+            "onset": f.onset,
+            "step": self.step,
+            "value": f.value,
+            "message": f.message,
+        }
 
 
 @dataclass
@@ -57,12 +67,12 @@ class Watcher:
     alerts: list = field(default_factory=list)
     last_step: int | None = None
     last_growth: float = field(default_factory=time.time)
-    waiting: str = ""          # why nothing could be read yet
+    waiting: str = ""  # why nothing could be read yet
 
     def _read(self) -> bool:
         try:
             run = read_log(self.log)
-        except LogError as err:       # not there yet, or nothing complete in it yet
+        except LogError as err:  # not there yet, or nothing complete in it yet
             self.waiting = str(err)
             return False
         self.waiting = ""
@@ -74,15 +84,17 @@ class Watcher:
 
     def check(self) -> list[Alert]:
         """Re-read the log(s), run the detectors, return the alerts that are new."""
-        if self.baseline is not None:      # re-read too: the baseline may still be running
+        if self.baseline is not None:  # re-read too: the baseline may still be running
             self.base = read_log(self.baseline)
         if not self._read():
             return []
         seen = {(a.finding.detector, a.finding.metric) for a in self.alerts}
         names = canonical_metrics(self.run.metrics)
-        new = [Alert(f, str(self.log), names.get(f.metric, f.metric), self.last_step, time.time())
-               for f in detect(self.run, self.base, self.settings, self.enabled)
-               if (f.detector, f.metric) not in seen]
+        new = [
+            Alert(f, str(self.log), names.get(f.metric, f.metric), self.last_step, time.time())
+            for f in detect(self.run, self.base, self.settings, self.enabled)
+            if (f.detector, f.metric) not in seen
+        ]
         self.alerts += new
         return new
 
@@ -105,20 +117,29 @@ def view(w: Watcher, every: float) -> str:
     if w.run is None:
         return f"{head}\nwaiting for the log: {w.waiting}\n"
     when = time.strftime("%H:%M:%S")
-    lines = [head, f"{w.run.format}, last step {w.last_step}, checked {when}, every {every:g} s; "
-                   f"{len(w.alerts)} alert(s) (JSON lines on stdout)", "",
-             f"{'metric':<16} {'last':>10} {'min':>10} {'max':>10}  {'last 40 steps':<40}  status"]
+    lines = [
+        head,
+        f"{w.run.format}, last step {w.last_step}, checked {when}, every {every:g} s; "
+        f"{len(w.alerts)} alert(s) (JSON lines on stdout)",
+        "",
+        f"{'metric':<16} {'last':>10} {'min':>10} {'max':>10}  {'last 40 steps':<40}  status",
+    ]
     by_metric: dict = {}
     for a in w.alerts:
         by_metric.setdefault(a.finding.metric, []).append(a)
     for metric, raw in canonical_metrics(w.run.metrics).items():
         s = w.run.metrics[raw]
-        status = "; ".join(f"ALERT {a.finding.detector} since {a.finding.onset}" for a in by_metric.get(metric, [])) or "ok"
-        lines.append(f"{metric:<16} {s.values[-1]:>10.4g} {s.values.min():>10.4g} {s.values.max():>10.4g}  "
-                     f"{sparkline(s.values):<40}  {status}")
+        status = (
+            "; ".join(f"ALERT {a.finding.detector} since {a.finding.onset}" for a in by_metric.get(metric, [])) or "ok"
+        )
+        lines.append(
+            f"{metric:<16} {s.values[-1]:>10.4g} {s.values.min():>10.4g} {s.values.max():>10.4g}  "
+            f"{sparkline(s.values):<40}  {status}"
+        )
     if w.alerts:
-        lines += ["", "alerts:"] + [f"  step {a.step}: {a.finding.detector} {a.finding.metric}: {a.finding.message}"
-                                    for a in w.alerts[-8:]]
+        lines += ["", "alerts:"] + [
+            f"  step {a.step}: {a.finding.detector} {a.finding.metric}: {a.finding.message}" for a in w.alerts[-8:]
+        ]
     return "\n".join(lines) + "\n"
 
 

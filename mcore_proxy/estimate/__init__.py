@@ -5,6 +5,7 @@ layer): parameter counts, bytes of weights, gradients, distributed-optimizer sta
 activations on the most loaded device, the fewest devices each fits on, and the ratios.
 Architectures come from `sources` (presets, HF config.json, a checkpoint's metadata).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ class Request:
 
     def __post_init__(self):
         if self.device_memory <= 0 or not 0 < self.memory_fraction <= 1:
-            raise ProxyError(f"--device-memory must be positive and --memory-fraction in (0, 1], got "
-                             f"{self.device_memory} bytes and {self.memory_fraction}")
+            raise ProxyError(
+                f"--device-memory must be positive and --memory-fraction in (0, 1], got "
+                f"{self.device_memory} bytes and {self.memory_fraction}"
+            )
 
     @property
     def budget(self) -> int:
@@ -73,13 +76,12 @@ class Estimate:
 def check_k(arch: Architecture, k: int, ep: int | None) -> None:
     """K as `select` will accept it (fewer than E, at least top-k, whole routing groups) and, with
     a fixed EP, divisible by it; ProxyError with the nearest feasible choices otherwise."""
-    from mcore_proxy.select.constraints import check_sizes, resolve_groups   # numpy: loaded here only
+    from mcore_proxy.select.constraints import check_sizes, resolve_groups  # numpy: loaded here only
 
     def problem(value: int) -> str | None:
         try:
             check_sizes(arch.num_experts, value, arch.topk, 1)
-            resolve_groups(arch.num_experts, value, arch.topk, arch.num_groups, arch.group_topk,
-                           arch.score_function)
+            resolve_groups(arch.num_experts, value, arch.topk, arch.num_groups, arch.group_topk, arch.score_function)
         except PlanError as err:
             return str(err)
         return None
@@ -89,10 +91,12 @@ def check_k(arch: Architecture, k: int, ep: int | None) -> None:
         raise ProxyError(f"{err} (nearest feasible: {nearest(k, ok, '--num-experts')})")
     if ep and k % ep:
         eps = [d for d in range(1, k + 1) if k % d == 0 and arch.num_experts % d == 0]
-        raise ProxyError(f"--num-experts {k} is not divisible by --ep {ep}, so the proxy's experts cannot be "
-                         f"split evenly over the expert-parallel ranks; nearest feasible: "
-                         f"{nearest(k, [v for v in ok if v % ep == 0], '--num-experts')}, or "
-                         f"{nearest(ep, eps, '--ep')}")
+        raise ProxyError(
+            f"--num-experts {k} is not divisible by --ep {ep}, so the proxy's experts cannot be "
+            f"split evenly over the expert-parallel ranks; nearest feasible: "
+            f"{nearest(k, [v for v in ok if v % ep == 0], '--num-experts')}, or "
+            f"{nearest(ep, eps, '--ep')}"
+        )
 
 
 def _plan(arch: Architecture, req: Request) -> VariantPlan:
@@ -110,17 +114,22 @@ DEVICE_SIZES_GIB = (8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 141, 192, 288)
 
 def _no_fit(arch: Architecture, req: Request) -> str:
     c = req.constraints
-    fixed = " ".join(f"{k.upper()}={v}" for k, v in (("tp", c.tp), ("pp", c.pp), ("ep", c.ep), ("etp", c.etp),
-                                                     ("dp", c.dp)) if v)
-    what = (f"no layout{' with ' + fixed if fixed else ''} of at most {c.max_devices} devices fits "
-            f"{arch.name} with {arch.num_experts} experts in {req.budget / GIB:.1f} GiB per device "
-            f"({req.memory_fraction:.0%} of {req.device_memory / GIB:.1f} GiB)")
+    fixed = " ".join(
+        f"{k.upper()}={v}" for k, v in (("tp", c.tp), ("pp", c.pp), ("ep", c.ep), ("etp", c.etp), ("dp", c.dp)) if v
+    )
+    what = (
+        f"no layout{' with ' + fixed if fixed else ''} of at most {c.max_devices} devices fits "
+        f"{arch.name} with {arch.num_experts} experts in {req.budget / GIB:.1f} GiB per device "
+        f"({req.memory_fraction:.0%} of {req.device_memory / GIB:.1f} GiB)"
+    )
     if fixed:
         free = Constraints(devices_per_node=c.devices_per_node, max_devices=c.max_devices)
         found = fitting_layouts(arch, req.training, req.budget, free)
         if found:
             layout, mem = found[0]
-            return f"{what}; nearest feasible: {layout.describe()} on {layout.devices} devices ({mem.total / GIB:.1f} GiB)"
+            return (
+                f"{what}; nearest feasible: {layout.describe()} on {layout.devices} devices ({mem.total / GIB:.1f} GiB)"
+            )
     best = least_memory(arch, req.training, c)
     if best is None:
         return f"{what}; no valid layout exists within that device bound, raise --max-devices"
@@ -129,8 +138,10 @@ def _no_fit(arch: Architecture, req: Request) -> str:
         found = fitting_layouts(arch, req.training, int(size * GIB * req.memory_fraction), c)
         if found:
             layout, mem = found[0]
-            return (f"{what}; nearest feasible: --device-memory {size}GiB, on {layout.devices} devices "
-                    f"({layout.describe()}), or a shorter --seq-len or --recompute full")
+            return (
+                f"{what}; nearest feasible: --device-memory {size}GiB, on {layout.devices} devices "
+                f"({layout.describe()}), or a shorter --seq-len or --recompute full"
+            )
     return f"{what}; even the least loaded layout needs {need:.1f} GiB per device"
 
 
@@ -140,5 +151,15 @@ def estimate(arch: Architecture, req: Request) -> Estimate:
     return Estimate(req, _plan(arch, req), _plan(arch.with_experts(req.num_experts), req))
 
 
-__all__ = ["Estimate", "Request", "VariantPlan", "Training", "Constraints", "Architecture", "estimate",
-           "check_k", "FORMAT", "GIB"]
+__all__ = [
+    "Estimate",
+    "Request",
+    "VariantPlan",
+    "Training",
+    "Constraints",
+    "Architecture",
+    "estimate",
+    "check_k",
+    "FORMAT",
+    "GIB",
+]

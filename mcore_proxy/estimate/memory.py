@@ -16,18 +16,25 @@ streams, whose mappings keep their n x H input per sublayer). Under the 1F1B
 schedule stage s holds PP - s micro-batches in flight; the last stage adds the fp32 logits.
 `recompute="full"` keeps only each layer's input plus one layer's working set.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
 from mcore_proxy.errors import ProxyError
-from mcore_proxy.estimate.model import (Architecture, Params, all_mtp_params, embedding_params, final_params,
-                                        layer_params)
+from mcore_proxy.estimate.model import (
+    Architecture,
+    Params,
+    all_mtp_params,
+    embedding_params,
+    final_params,
+    layer_params,
+)
 
 # bytes per parameter: (weight, gradient, optimizer state = fp32 main weights and grads + moments)
 _PRECISION = {"bf16": (2, 4, 4), "fp16": (2, 2, 8), "fp32": (4, 4, 0)}
-_MOMENTS = {"adam": 8, "sgd": 4}     # fp32 exp_avg + exp_avg_sq; SGD momentum
+_MOMENTS = {"adam": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; SGD momentum
 PRECISIONS, OPTIMIZERS, RECOMPUTE = tuple(_PRECISION), tuple(_MOMENTS), ("none", "full")
 
 
@@ -66,7 +73,7 @@ class Layout:
     ep: int
     etp: int
     dp: int
-    stages: tuple[int, ...]          # decoder layers per pipeline stage
+    stages: tuple[int, ...]  # decoder layers per pipeline stage
 
     @property
     def devices(self) -> int:
@@ -80,13 +87,20 @@ class Layout:
         text = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp} DP={self.dp}"
         if len(set(self.stages)) == 1:
             return text
-        head = self.stages[:-1]   # Megatron's uneven split: equal stages and a smaller last one
+        head = self.stages[:-1]  # Megatron's uneven split: equal stages and a smaller last one
         equal = f"{head[0]}x{len(head)}" if len(set(head)) == 1 else "+".join(map(str, head))
         return f"{text} stages={equal}+{self.stages[-1]}"
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp, "dp": self.dp,
-                "devices": self.devices, "stage_layers": list(self.stages)}
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "ep": self.ep,
+            "etp": self.etp,
+            "dp": self.dp,
+            "devices": self.devices,
+            "stage_layers": list(self.stages),
+        }
 
 
 def stage_layers(num_layers: int, pp: int) -> tuple[int, ...] | None:
@@ -117,8 +131,14 @@ class DeviceMemory:
         return self.weights + self.gradients + self.optimizer + self.activations
 
     def to_dict(self) -> dict:
-        return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": self.activations, "total": self.total, "stage": self.stage}
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+            "stage": self.stage,
+        }
 
 
 @lru_cache(maxsize=1024)
@@ -155,9 +175,9 @@ def _attention_activations(a: Architecture, layer: int) -> int:
         ratio = a.compress_ratio(layer)
         # norm in; wq_a in and q_norm in/out; q, the shared kv; core out = wo_a in; wo_a out = wo_b in
         kept = 2 * h + 2 * v.q_lora_rank + 2 * nh * v.head_dim + 2 * v.head_dim + v.o_groups * v.o_lora_rank
-        if ratio:                    # the compressor's kv and gate series
+        if ratio:  # the compressor's kv and gate series
             kept += 2 * (2 if ratio == 4 else 1) * v.head_dim
-        if ratio == 4:               # the indexer's queries, its compressor and head weights
+        if ratio == 4:  # the indexer's queries, its compressor and head weights
             kept += v.index_n_heads * v.index_head_dim + 4 * v.index_head_dim + v.index_n_heads
         return kept
     if layer in a.linear_layers:
@@ -169,10 +189,10 @@ def _attention_activations(a: Architecture, layer: int) -> int:
         m, nh = a.mla, a.num_attention_heads
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
         latents = 2 * (m.q_lora_rank or 0) + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
-        return 2 * h + latents + 2 * nh * qk + 2 * nh * m.v_head_dim   # q, k; v, proj in
+        return 2 * h + latents + 2 * nh * qk + 2 * nh * m.v_head_dim  # q, k; v, proj in
     q, kv = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
-    gate = 2 * q if a.attention_output_gate else 0                       # the gate, and the gated output
-    return 2 * h + q + 2 * kv + q + gate          # norm in, qkv in, q k v, proj in
+    gate = 2 * q if a.attention_output_gate else 0  # the gate, and the gated output
+    return 2 * h + q + 2 * kv + q + gate  # norm in, qkv in, q k v, proj in
 
 
 def layer_activations(a: Architecture, layer: int, tokens: int, tp: int, etp: int) -> tuple[int, int]:
@@ -180,14 +200,14 @@ def layer_activations(a: Architecture, layer: int, tokens: int, tp: int, etp: in
     keeps per micro-batch on one device (see the module docstring)."""
     h = a.hidden_size
     attention = _attention_activations(a, layer)
-    fp32 = a.num_attention_heads                     # flash attention's log-sum-exp
-    if a.hyper_connections:                          # each mHC mapping keeps its n x H input (fp32)
+    fp32 = a.num_attention_heads  # flash attention's log-sum-exp
+    if a.hyper_connections:  # each mHC mapping keeps its n x H input (fp32)
         fp32 += 2 * a.hyper_connections * h
     glu = 2 if a.gated_linear_unit else 1
     if a.is_moe(layer):
         f, k = a.moe_ffn_hidden_size, a.topk
         mlp = 2 * h + k * (etp * 2 * h + (glu + 1) * f) + (glu + 1) * a.shared_expert_size
-        fp32 += 2 * a.num_experts                    # router logits and scores
+        fp32 += 2 * a.num_experts  # router logits and scores
     else:
         mlp = 2 * h + (glu + 1) * a.ffn_hidden_size  # norm in, fc1 in; fc1 out, fc2 in
     return tokens * (attention + mlp) // tp, tokens * fp32 // tp
@@ -198,7 +218,7 @@ def stage_activations(a: Architecture, layout: Layout, train: Training) -> list[
     tokens = train.micro_batch * train.seq_len
     item = 4 if train.precision == "fp32" else 2
     out, start = [], 0
-    streams = max(1, a.hyper_connections)            # a layer's input: the residual's streams
+    streams = max(1, a.hyper_connections)  # a layer's input: the residual's streams
     for s, n in enumerate(layout.stages):
         layers = list(range(start, start + n))
         start += n
@@ -206,12 +226,12 @@ def stage_activations(a: Architecture, layout: Layout, train: Training) -> list[
         layers += [a.num_layers + k for k in range(a.mtp_layers)] if last else []
         per_layer = [layer_activations(a, layer, tokens, layout.tp, layout.etp) for layer in layers]
         per_layer = [item * e + 4 * f for e, f in per_layer]
-        if train.recompute == "full":   # each layer's input, plus one layer rebuilt at a time
+        if train.recompute == "full":  # each layer's input, plus one layer rebuilt at a time
             kept = len(per_layer) * item * tokens * streams * a.hidden_size // layout.tp + max(per_layer)
         else:
             kept = sum(per_layer)
-        total = (len(layout.stages) - s) * kept      # 1F1B: PP - s micro-batches in flight
-        if last:    # fp32 logits of one micro-batch for the main head and each MTP depth
+        total = (len(layout.stages) - s) * kept  # 1F1B: PP - s micro-batches in flight
+        if last:  # fp32 logits of one micro-batch for the main head and each MTP depth
             total += (1 + a.mtp_layers) * 4 * tokens * a.vocab_size // layout.tp
         out.append(total)
     return out
@@ -228,7 +248,9 @@ def device_memory(a: Architecture, layout: Layout, train: Training) -> DeviceMem
             weights=(dense + expert) * weight_b + 4 * buffers,
             gradients=(dense + expert) * grad_b,
             optimizer=-(-dense * optim_b // layout.dp) + -(-expert * optim_b // layout.edp),
-            activations=acts[s], stage=s)
+            activations=acts[s],
+            stage=s,
+        )
         if best is None or mem.total > best.total:
             best = mem
     return best

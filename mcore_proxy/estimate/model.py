@@ -19,6 +19,7 @@ and out_proj over TP, the norm whole); DeepSeek-V4's attention as DeepSeek's inf
 splits it over model-parallel ranks (wq_b, wo_a, wo_b, the sinks and the indexer's wq_b and
 weights_proj over TP; wq_a, wkv, the compressors, norms and the mHC mappings whole).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,11 +32,11 @@ from mcore_proxy.errors import ProxyError
 class MLA:
     """Multi-latent attention sizes (Megatron argument names; DeepSeek's config names in brackets)."""
 
-    q_lora_rank: int | None      # [q_lora_rank]; None: no query compression (linear_q_proj)
-    kv_lora_rank: int            # [kv_lora_rank]
-    qk_head_dim: int             # [qk_nope_head_dim]
-    qk_pos_emb_head_dim: int     # [qk_rope_head_dim]
-    v_head_dim: int              # [v_head_dim]
+    q_lora_rank: int | None  # [q_lora_rank]; None: no query compression (linear_q_proj)
+    kv_lora_rank: int  # [kv_lora_rank]
+    qk_head_dim: int  # [qk_nope_head_dim]
+    qk_pos_emb_head_dim: int  # [qk_rope_head_dim]
+    v_head_dim: int  # [v_head_dim]
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,11 @@ class LinearAttention:
     gate z and the per-head beta and alpha, a depthwise causal conv over q, k, v, per-head
     dt_bias and A_log, a gated RMSNorm over the value head dim, out_proj."""
 
-    num_key_heads: int      # [linear_num_key_heads]
-    num_value_heads: int    # [linear_num_value_heads]
-    key_head_dim: int       # [linear_key_head_dim]
-    value_head_dim: int     # [linear_value_head_dim]
-    conv_kernel: int        # [linear_conv_kernel_dim]
+    num_key_heads: int  # [linear_num_key_heads]
+    num_value_heads: int  # [linear_num_value_heads]
+    key_head_dim: int  # [linear_key_head_dim]
+    value_head_dim: int  # [linear_value_head_dim]
+    conv_kernel: int  # [linear_conv_kernel_dim]
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,13 @@ class V4Attention:
     overlap, else 1; ape [r, c*head_dim]; norm), and r = 4 (compressed sparse attention) a
     lightning indexer (its own compressor at index_head_dim, wq_b, weights_proj)."""
 
-    head_dim: int                       # [head_dim]
-    q_lora_rank: int                    # [q_lora_rank]
-    o_groups: int                       # [o_groups]
-    o_lora_rank: int                    # [o_lora_rank]
-    index_n_heads: int                  # [index_n_heads]
-    index_head_dim: int                 # [index_head_dim]
-    compress_ratios: tuple[int, ...]    # [compress_ratios]: per decoder layer, then per MTP layer
+    head_dim: int  # [head_dim]
+    q_lora_rank: int  # [q_lora_rank]
+    o_groups: int  # [o_groups]
+    o_lora_rank: int  # [o_lora_rank]
+    index_n_heads: int  # [index_n_heads]
+    index_head_dim: int  # [index_head_dim]
+    compress_ratios: tuple[int, ...]  # [compress_ratios]: per decoder layer, then per MTP layer
 
 
 @dataclass(frozen=True)
@@ -82,63 +83,81 @@ class Architecture:
     """What fixes the parameter count and the activation size of a GPT MoE model."""
 
     name: str
-    num_layers: int                  # decoder layers (MTP layers not included)
+    num_layers: int  # decoder layers (MTP layers not included)
     hidden_size: int
-    vocab_size: int                  # the embedding's rows (Megatron's padded_vocab_size)
+    vocab_size: int  # the embedding's rows (Megatron's padded_vocab_size)
     num_attention_heads: int
-    num_query_groups: int            # key/value heads (GQA); equal to the heads for MHA
-    kv_channels: int                 # head dimension of q, k, v (not used with MLA)
-    ffn_hidden_size: int             # dense layers' MLP width
-    num_experts: int                 # routed experts per MoE layer
+    num_query_groups: int  # key/value heads (GQA); equal to the heads for MHA
+    kv_channels: int  # head dimension of q, k, v (not used with MLA)
+    ffn_hidden_size: int  # dense layers' MLP width
+    num_experts: int  # routed experts per MoE layer
     moe_ffn_hidden_size: int
     topk: int
-    moe_layers: tuple[int, ...]      # 0-based decoder layers with MoE
-    shared_expert_size: int = 0      # moe_shared_expert_intermediate_size (all shared experts)
+    moe_layers: tuple[int, ...]  # 0-based decoder layers with MoE
+    shared_expert_size: int = 0  # moe_shared_expert_intermediate_size (all shared experts)
     shared_expert_gate: bool = False
     mtp_layers: int = 0
     tied_embeddings: bool = False
     qk_layernorm: bool = False
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
-    gated_linear_unit: bool = True   # SwiGLU: fc1 holds gate and up
-    layernorm_bias: bool = False     # LayerNorm (weight and bias) instead of RMSNorm
-    expert_bias: bool = False        # aux-loss-free routing: an fp32 bias per expert
-    num_groups: int | None = None    # group-limited routing
+    gated_linear_unit: bool = True  # SwiGLU: fc1 holds gate and up
+    layernorm_bias: bool = False  # LayerNorm (weight and bias) instead of RMSNorm
+    expert_bias: bool = False  # aux-loss-free routing: an fp32 bias per expert
+    num_groups: int | None = None  # group-limited routing
     group_topk: int | None = None
     score_function: str = "softmax"
     mla: MLA | None = None
     indexer: Indexer | None = None
     linear_attention: LinearAttention | None = None
-    linear_layers: tuple[int, ...] = ()   # 0-based decoder layers with linear attention (MTP: full)
-    attention_output_gate: bool = False   # gated attention: q_proj also yields a per-channel gate
-    attention_sinks: bool = False         # a learnable softmax sink per head
+    linear_layers: tuple[int, ...] = ()  # 0-based decoder layers with linear attention (MTP: full)
+    attention_output_gate: bool = False  # gated attention: q_proj also yields a per-channel gate
+    attention_sinks: bool = False  # a learnable softmax sink per head
     v4_attention: V4Attention | None = None
-    hyper_connections: int = 0            # mHC residual streams (hc_mult); 0: a plain residual
-    hash_layers: tuple[int, ...] = ()     # MoE layers routed by a [vocab, top-k] token-id table
-    source: str = ""                 # where these numbers come from
+    hyper_connections: int = 0  # mHC residual streams (hc_mult); 0: a plain residual
+    hash_layers: tuple[int, ...] = ()  # MoE layers routed by a [vocab, top-k] token-id table
+    source: str = ""  # where these numbers come from
 
     def __post_init__(self):
-        for f in ("num_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_query_groups",
-                  "kv_channels", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "topk"):
+        for f in (
+            "num_layers",
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "ffn_hidden_size",
+            "num_experts",
+            "moe_ffn_hidden_size",
+            "topk",
+        ):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ProxyError(f"{self.source or self.name}: {f} is {getattr(self, f)!r}, expected a "
-                                 "positive integer; give a complete model configuration")
+                raise ProxyError(
+                    f"{self.source or self.name}: {f} is {getattr(self, f)!r}, expected a "
+                    "positive integer; give a complete model configuration"
+                )
         if not self.moe_layers or not all(0 <= L < self.num_layers for L in self.moe_layers):
-            raise ProxyError(f"{self.source or self.name}: MoE layers {list(self.moe_layers)} are not a "
-                             f"non-empty subset of 0..{self.num_layers - 1}; estimate needs a MoE model")
+            raise ProxyError(
+                f"{self.source or self.name}: MoE layers {list(self.moe_layers)} are not a "
+                f"non-empty subset of 0..{self.num_layers - 1}; estimate needs a MoE model"
+            )
         if self.topk > self.num_experts:
-            raise ProxyError(f"{self.source or self.name}: top-k {self.topk} exceeds the "
-                             f"{self.num_experts} experts")
+            raise ProxyError(f"{self.source or self.name}: top-k {self.topk} exceeds the {self.num_experts} experts")
         where = self.source or self.name
-        if self.linear_layers and (self.linear_attention is None
-                                   or not all(0 <= L < self.num_layers for L in self.linear_layers)):
-            raise ProxyError(f"{where}: linear-attention layers {list(self.linear_layers)} need the linear_* "
-                             f"head sizes and must lie in 0..{self.num_layers - 1}")
+        if self.linear_layers and (
+            self.linear_attention is None or not all(0 <= L < self.num_layers for L in self.linear_layers)
+        ):
+            raise ProxyError(
+                f"{where}: linear-attention layers {list(self.linear_layers)} need the linear_* "
+                f"head sizes and must lie in 0..{self.num_layers - 1}"
+            )
         if not set(self.hash_layers) <= set(self.moe_layers):
             raise ProxyError(f"{where}: hash-routed layers {list(self.hash_layers)} are not all MoE layers")
         if self.v4_attention is not None and len(self.v4_attention.compress_ratios) < self.num_layers:
-            raise ProxyError(f"{where}: {len(self.v4_attention.compress_ratios)} compress ratios for "
-                             f"{self.num_layers} layers; give one per decoder layer")
+            raise ProxyError(
+                f"{where}: {len(self.v4_attention.compress_ratios)} compress ratios for "
+                f"{self.num_layers} layers; give one per decoder layer"
+            )
 
     def with_experts(self, k: int) -> "Architecture":
         """The proxy: the same model with K routed experts per MoE layer."""
@@ -171,14 +190,18 @@ class Architecture:
 class Params:
     """Parameter elements grouped by how Megatron shards them."""
 
-    tp: int = 0           # split over tensor-parallel ranks
-    replicated: int = 0   # whole on every tensor-parallel rank
-    expert: int = 0       # routed experts: split over EP (by expert) x ETP
-    buffers: int = 0      # not trained (router expert bias, fp32)
+    tp: int = 0  # split over tensor-parallel ranks
+    replicated: int = 0  # whole on every tensor-parallel rank
+    expert: int = 0  # routed experts: split over EP (by expert) x ETP
+    buffers: int = 0  # not trained (router expert bias, fp32)
 
     def __add__(self, other: "Params") -> "Params":
-        return Params(self.tp + other.tp, self.replicated + other.replicated,
-                      self.expert + other.expert, self.buffers + other.buffers)
+        return Params(
+            self.tp + other.tp,
+            self.replicated + other.replicated,
+            self.expert + other.expert,
+            self.buffers + other.buffers,
+        )
 
     def times(self, n: int) -> "Params":
         return Params(self.tp * n, self.replicated * n, self.expert * n, self.buffers * n)
@@ -210,37 +233,37 @@ def _hyper_head(a: Architecture) -> int:
 
 def _v4_attention(a: Architecture, layer: int) -> Params:
     v, h, nh = a.v4_attention, a.hidden_size, a.num_attention_heads
-    replicated = v.q_lora_rank * h + v.q_lora_rank + v.head_dim * h + v.head_dim   # wq_a, q_norm, wkv, kv_norm
-    tp = nh * v.head_dim * v.q_lora_rank                                           # wq_b
+    replicated = v.q_lora_rank * h + v.q_lora_rank + v.head_dim * h + v.head_dim  # wq_a, q_norm, wkv, kv_norm
+    tp = nh * v.head_dim * v.q_lora_rank  # wq_b
     tp += v.o_groups * v.o_lora_rank * (nh * v.head_dim // v.o_groups) + h * v.o_groups * v.o_lora_rank  # wo_a, wo_b
     ratio = a.compress_ratio(layer)
 
     def compressor(dim: int) -> int:
-        c = 2 if ratio == 4 else 1       # ratio 4 windows overlap: two series per token
-        return ratio * c * dim + 2 * c * dim * h + dim    # ape, wkv, wgate, norm
+        c = 2 if ratio == 4 else 1  # ratio 4 windows overlap: two series per token
+        return ratio * c * dim + 2 * c * dim * h + dim  # ape, wkv, wgate, norm
 
     if ratio:
         replicated += compressor(v.head_dim)
-    if ratio == 4:                       # compressed sparse attention: the lightning indexer
+    if ratio == 4:  # compressed sparse attention: the lightning indexer
         replicated += compressor(v.index_head_dim)
-        tp += v.index_n_heads * v.index_head_dim * v.q_lora_rank + v.index_n_heads * h   # wq_b, weights_proj
+        tp += v.index_n_heads * v.index_head_dim * v.q_lora_rank + v.index_n_heads * h  # wq_b, weights_proj
     return Params(tp=tp, replicated=replicated)
 
 
 def _linear_attention(a: Architecture) -> Params:
     g, h = a.linear_attention, a.hidden_size
     kd, vd = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
-    conv = 2 * kd + vd                   # the channels the causal conv runs over: q, k, v
-    tp = h * (conv + vd + 2 * g.num_value_heads)        # in_proj: q, k, v, z (gate), b (beta), a (alpha)
-    tp += conv * g.conv_kernel + 2 * g.num_value_heads + vd * h    # conv1d, dt_bias, A_log, out_proj
-    return Params(tp=tp, replicated=g.value_head_dim)   # the gated RMSNorm over a value head
+    conv = 2 * kd + vd  # the channels the causal conv runs over: q, k, v
+    tp = h * (conv + vd + 2 * g.num_value_heads)  # in_proj: q, k, v, z (gate), b (beta), a (alpha)
+    tp += conv * g.conv_kernel + 2 * g.num_value_heads + vd * h  # conv1d, dt_bias, A_log, out_proj
+    return Params(tp=tp, replicated=g.value_head_dim)  # the gated RMSNorm over a value head
 
 
 def attention_params(a: Architecture, layer: int = 0) -> Params:
     """Input norm and token mixer of layer `layer` (num_layers + k: MTP layer k), with its mHC
     mappings when the residual has several streams."""
     h = a.hidden_size
-    replicated = _norm(a, h) + 2 * _hyper_connection(a)     # mHC before attention and before the MLP
+    replicated = _norm(a, h) + 2 * _hyper_connection(a)  # mHC before attention and before the MLP
     tp = 0
     if a.v4_attention is not None:
         p = _v4_attention(a, layer)
@@ -251,7 +274,7 @@ def attention_params(a: Architecture, layer: int = 0) -> Params:
     elif a.mla is not None:
         m, nh = a.mla, a.num_attention_heads
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
-        if m.q_lora_rank:      # down-projections are replicated (TE spec, MindSpeed's LinearNoTP)
+        if m.q_lora_rank:  # down-projections are replicated (TE spec, MindSpeed's LinearNoTP)
             replicated += m.q_lora_rank * h + (_norm(a, m.q_lora_rank) if a.qk_layernorm else 0)
             tp = nh * qk * m.q_lora_rank
         else:
@@ -261,14 +284,14 @@ def attention_params(a: Architecture, layer: int = 0) -> Params:
         tp += nh * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank + h * nh * m.v_head_dim
     else:
         q, kv = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
-        qkv = q * (2 if a.attention_output_gate else 1) + 2 * kv     # the gate rides in linear_qkv
+        qkv = q * (2 if a.attention_output_gate else 1) + 2 * kv  # the gate rides in linear_qkv
         tp = qkv * h + q * h
         tp += qkv if (a.add_bias_linear or a.add_qkv_bias) else 0
         replicated += 2 * _norm(a, a.kv_channels) if a.qk_layernorm else 0
     if a.attention_sinks or a.v4_attention is not None:
         tp += a.num_attention_heads
     if a.v4_attention is None and layer not in a.linear_layers:
-        replicated += h if a.add_bias_linear else 0                 # linear_proj bias
+        replicated += h if a.add_bias_linear else 0  # linear_proj bias
     if a.indexer is not None:
         i, q_rank = a.indexer, (a.mla.q_lora_rank if a.mla and a.mla.q_lora_rank else h)
         replicated += i.n_heads * i.head_dim * q_rank + i.head_dim * h + 2 * i.head_dim + i.n_heads * h
@@ -287,14 +310,14 @@ def mlp_params(a: Architecture, moe: bool, hashed: bool = False) -> Params:
     h = a.hidden_size
     norm = Params(replicated=_norm(a, h))
     if not moe:
-        bias_fc2 = h if a.add_bias_linear else 0   # the row-parallel bias is replicated
+        bias_fc2 = h if a.add_bias_linear else 0  # the row-parallel bias is replicated
         return norm + Params(tp=_mlp(a, a.ffn_hidden_size, a.add_bias_linear) - bias_fc2, replicated=bias_fc2)
     router = a.num_experts * (h + (1 if a.add_bias_linear else 0))
     buffers = a.vocab_size * a.topk if hashed else a.num_experts if a.expert_bias else 0
-    block = Params(replicated=router,
-                   expert=a.num_experts * _mlp(a, a.moe_ffn_hidden_size, a.add_bias_linear),
-                   buffers=buffers)
-    if a.shared_expert_size:   # megatron-core refuses biases in shared experts
+    block = Params(
+        replicated=router, expert=a.num_experts * _mlp(a, a.moe_ffn_hidden_size, a.add_bias_linear), buffers=buffers
+    )
+    if a.shared_expert_size:  # megatron-core refuses biases in shared experts
         block += Params(tp=_mlp(a, a.shared_expert_size, False), replicated=h if a.shared_expert_gate else 0)
     return norm + block
 
@@ -334,10 +357,10 @@ def final_params(a: Architecture) -> Params:
 class ParameterCount:
     """Unique parameters of a model (embedding counted once), in elements."""
 
-    total: int        # everything a checkpoint stores, buffers included
-    experts: int      # routed experts
-    non_expert: int   # everything else (attention, norms, router, shared experts, embeddings, MTP)
-    buffers: int      # of non_expert: not trained (router expert bias)
+    total: int  # everything a checkpoint stores, buffers included
+    experts: int  # routed experts
+    non_expert: int  # everything else (attention, norms, router, shared experts, embeddings, MTP)
+    buffers: int  # of non_expert: not trained (router expert bias)
 
 
 def count_parameters(a: Architecture) -> ParameterCount:

@@ -1,4 +1,5 @@
 """An Estimate as a plain-text table and as JSON (the same numbers; bytes in JSON, GiB in text)."""
+
 from __future__ import annotations
 
 from mcore_proxy.estimate import FORMAT, GIB, Estimate, VariantPlan
@@ -8,8 +9,12 @@ def _variant_dict(v: VariantPlan) -> dict:
     layout, mem = v.best
     return {
         "num_experts": v.arch.num_experts,
-        "parameters": {"total": v.params.total, "experts": v.params.experts,
-                       "non_expert": v.params.non_expert, "buffers": v.params.buffers},
+        "parameters": {
+            "total": v.params.total,
+            "experts": v.params.experts,
+            "non_expert": v.params.non_expert,
+            "buffers": v.params.buffers,
+        },
         "devices": v.devices,
         "layout": layout.to_dict(),
         "memory_bytes": mem.to_dict(),
@@ -23,21 +28,37 @@ def to_dict(e: Estimate) -> dict:
     t = r.training
     return {
         "format": FORMAT,
-        "model": {"name": a.name, "source": a.source, "num_layers": a.num_layers, "moe_layers": len(a.moe_layers),
-                  "mtp_layers": a.mtp_layers, "hidden_size": a.hidden_size, "num_experts": a.num_experts,
-                  "topk": a.topk, "moe_ffn_hidden_size": a.moe_ffn_hidden_size,
-                  "attention": a.attention_kind},
-        "training": {"micro_batch": t.micro_batch, "seq_len": t.seq_len, "precision": t.precision,
-                     "optimizer": t.optimizer, "recompute": t.recompute, "distributed_optimizer": True},
+        "model": {
+            "name": a.name,
+            "source": a.source,
+            "num_layers": a.num_layers,
+            "moe_layers": len(a.moe_layers),
+            "mtp_layers": a.mtp_layers,
+            "hidden_size": a.hidden_size,
+            "num_experts": a.num_experts,
+            "topk": a.topk,
+            "moe_ffn_hidden_size": a.moe_ffn_hidden_size,
+            "attention": a.attention_kind,
+        },
+        "training": {
+            "micro_batch": t.micro_batch,
+            "seq_len": t.seq_len,
+            "precision": t.precision,
+            "optimizer": t.optimizer,
+            "recompute": t.recompute,
+            "distributed_optimizer": True,
+        },
         "device_memory_bytes": r.device_memory,
         "memory_fraction": r.memory_fraction,
         "budget_bytes": r.budget,
         "devices_per_node": r.constraints.devices_per_node,
         "original": _variant_dict(e.original),
         "proxy": _variant_dict(e.proxy),
-        "ratios": {"devices": e.device_ratio,
-                   "expert_flops_per_token": flops[0] / flops[1],
-                   "expert_flops_per_token_per_device": (flops[1] / e.proxy.devices) / (flops[0] / e.original.devices)},
+        "ratios": {
+            "devices": e.device_ratio,
+            "expert_flops_per_token": flops[0] / flops[1],
+            "expert_flops_per_token_per_device": (flops[1] / e.proxy.devices) / (flops[0] / e.original.devices),
+        },
         "expert_flops_per_token": {"original": flops[0], "proxy": flops[1]},
     }
 
@@ -68,15 +89,20 @@ def format_text(e: Estimate) -> str:
         ("smallest layout", o.best[0].describe(), p.best[0].describe()),
         ("devices", str(o.devices), str(p.devices)),
     ]
-    for key, label in (("weights", "weights / device"), ("gradients", "gradients / device"),
-                       ("optimizer", "optimizer state / device"), ("activations", "activations / device"),
-                       ("total", "total / device")):
+    for key, label in (
+        ("weights", "weights / device"),
+        ("gradients", "gradients / device"),
+        ("optimizer", "optimizer state / device"),
+        ("activations", "activations / device"),
+        ("total", "total / device"),
+    ):
         rows.append((label, _gib(d["original"]["memory_bytes"][key]), _gib(d["proxy"]["memory_bytes"][key])))
     w0 = max(len(x[0]) for x in rows)
     w1 = max(len(x[1]) for x in rows)
     head = [
         f"model     {a.name} ({a.source}): {a.num_layers} layers ({len(a.moe_layers)} MoE"
-        + (f", {a.mtp_layers} MTP" if a.mtp_layers else "") + f"), H={a.hidden_size}, {d['model']['attention']}, "
+        + (f", {a.mtp_layers} MTP" if a.mtp_layers else "")
+        + f"), H={a.hidden_size}, {d['model']['attention']}, "
         f"{a.num_experts} experts x F={a.moe_ffn_hidden_size}, top-{a.topk}",
         f"training {t.precision}, {t.optimizer} with the distributed optimizer, micro-batch {t.micro_batch} x "
         f"{t.seq_len} tokens, recompute {t.recompute}, 1F1B pipeline",
@@ -96,6 +122,8 @@ def format_text(e: Estimate) -> str:
     ]
     for name, v in (("original", o), ("proxy", p)):
         if len(v.layouts) > 1:
-            tail.append(f"also on {v.devices} devices ({name}): " + "; ".join(
-                f"{lo.describe()} {_gib(m.total)}" for lo, m in v.layouts[1:]))
+            tail.append(
+                f"also on {v.devices} devices ({name}): "
+                + "; ".join(f"{lo.describe()} {_gib(m.total)}" for lo, m in v.layouts[1:])
+            )
     return "\n".join(head + table + tail)

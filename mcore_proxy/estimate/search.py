@@ -7,6 +7,7 @@ EP x ETP divides TP x DP; the device count is a divisor or a multiple of the dev
 Memory falls with DP only through the distributed optimizer's shards, so for every (TP, PP, EP,
 ETP) the smallest DP that fits is solved for directly instead of tried one by one.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mcore_proxy.errors import ProxyError
-from mcore_proxy.estimate.memory import (DeviceMemory, Layout, Training, device_memory, device_params,
-                                         stage_activations, stage_layers, stage_params)
+from mcore_proxy.estimate.memory import (
+    DeviceMemory,
+    Layout,
+    Training,
+    device_memory,
+    device_params,
+    stage_activations,
+    stage_layers,
+    stage_params,
+)
 from mcore_proxy.estimate.model import Architecture
 
 TP_CHOICES = (1, 2, 4, 8)
@@ -40,9 +49,8 @@ def _divisors(n: int) -> list[int]:
 
 def tp_problem(a: Architecture, tp: int) -> str | None:
     """Why Megatron cannot split this model over `tp` tensor-parallel ranks (None: it can)."""
-    sizes = {"attention heads": a.num_attention_heads, "vocabulary rows": a.vocab_size,
-             "MLP width": a.ffn_hidden_size}
-    if a.mla is None and a.v4_attention is None:    # MLA's latent and V4's one shared head are whole
+    sizes = {"attention heads": a.num_attention_heads, "vocabulary rows": a.vocab_size, "MLP width": a.ffn_hidden_size}
+    if a.mla is None and a.v4_attention is None:  # MLA's latent and V4's one shared head are whole
         sizes["key/value groups"] = a.num_query_groups
     if a.v4_attention is not None:
         sizes["output-projection groups"] = a.v4_attention.o_groups
@@ -93,13 +101,13 @@ def _smallest_dp(terms, budget: int, tp: int, ep: int, etp: int, base: int) -> i
 def _shapes(a: Architecture, c: Constraints):
     """Every valid (TP, PP stages, EP, ETP) under the constraints, with the DP step they need:
     EP x ETP must divide TP x DP, so DP is a multiple of lcm(TP, EP x ETP) / TP."""
-    for tp in ([c.tp] if c.tp else valid_tps(a, c.devices_per_node)):
-        for pp in ([c.pp] if c.pp else range(1, a.num_layers + 1)):
+    for tp in [c.tp] if c.tp else valid_tps(a, c.devices_per_node):
+        for pp in [c.pp] if c.pp else range(1, a.num_layers + 1):
             stages = stage_layers(a.num_layers, pp)
             if stages is None or tp * pp > c.max_devices:
                 continue
-            for etp in ([c.etp] if c.etp else [1]):
-                for ep in ([c.ep] if c.ep else _divisors(a.num_experts)):
+            for etp in [c.etp] if c.etp else [1]:
+                for ep in [c.ep] if c.ep else _divisors(a.num_experts):
                     yield tp, stages, ep, etp, math.lcm(tp, ep * etp) // tp
 
 
@@ -117,7 +125,7 @@ def fitting_layouts(a: Architecture, train: Training, budget: int, c: Constraint
             if mem.total <= budget and allowed_devices(layout.devices, c.devices_per_node):
                 found.append((layout, mem))
                 break
-            dp = None if c.dp else dp + base    # rounding, or a device count that is not whole nodes
+            dp = None if c.dp else dp + base  # rounding, or a device count that is not whole nodes
     found.sort(key=lambda lm: (lm[0].devices, lm[1].total, lm[0].tp, lm[0].pp))
     return found
 
@@ -146,19 +154,27 @@ def check_constraints(a: Architecture, c: Constraints) -> None:
         raise ProxyError(f"--tp {c.tp}: {problem}; nearest valid: {nearest(c.tp, valid_tps(a, 64), '--tp')}")
     if c.pp and stage_layers(a.num_layers, c.pp) is None:
         ok = [p for p in range(1, a.num_layers + 1) if stage_layers(a.num_layers, p)]
-        raise ProxyError(f"--pp {c.pp} cannot split {a.num_layers} decoder layers into stages of at least "
-                         f"one layer; nearest valid: {nearest(c.pp, ok, '--pp')}")
+        raise ProxyError(
+            f"--pp {c.pp} cannot split {a.num_layers} decoder layers into stages of at least "
+            f"one layer; nearest valid: {nearest(c.pp, ok, '--pp')}"
+        )
     if c.ep and a.num_experts % c.ep:
-        raise ProxyError(f"--ep {c.ep} does not divide the {a.num_experts} experts of {a.name}; "
-                         f"nearest valid: {nearest(c.ep, _divisors(a.num_experts), '--ep')}")
+        raise ProxyError(
+            f"--ep {c.ep} does not divide the {a.num_experts} experts of {a.name}; "
+            f"nearest valid: {nearest(c.ep, _divisors(a.num_experts), '--ep')}"
+        )
     if c.etp and a.moe_ffn_hidden_size % c.etp:
-        raise ProxyError(f"--etp {c.etp} does not divide the expert width {a.moe_ffn_hidden_size}; nearest "
-                         f"valid: {nearest(c.etp, _divisors(a.moe_ffn_hidden_size), '--etp')}")
+        raise ProxyError(
+            f"--etp {c.etp} does not divide the expert width {a.moe_ffn_hidden_size}; nearest "
+            f"valid: {nearest(c.etp, _divisors(a.moe_ffn_hidden_size), '--etp')}"
+        )
     tp, ep, etp = c.tp or 1, c.ep or 1, c.etp or 1
     if c.dp and (tp * c.dp) % (ep * etp):
         base = math.lcm(tp, ep * etp) // tp
-        raise ProxyError(f"--dp {c.dp}: TP x DP = {tp * c.dp} is not a multiple of EP x ETP = {ep * etp}; "
-                         f"nearest valid: {nearest(c.dp, list(range(base, 4 * max(base, c.dp) + 1, base)), '--dp')}")
+        raise ProxyError(
+            f"--dp {c.dp}: TP x DP = {tp * c.dp} is not a multiple of EP x ETP = {ep * etp}; "
+            f"nearest valid: {nearest(c.dp, list(range(base, 4 * max(base, c.dp) + 1, base)), '--dp')}"
+        )
 
 
 def nearest(value: int, valid: list[int], flag: str) -> str:

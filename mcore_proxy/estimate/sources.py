@@ -9,6 +9,7 @@ config is read through its `text_config`; transformers is not needed.
 A checkpoint contributes its Megatron/MindSpeed `args` and, where an argument is absent, the
 tensor names it holds (metadata only: no tensor bytes are read).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,27 +23,65 @@ from mcore_proxy.estimate.presets import PRESETS
 # (configuration_qwen3_moe.py, configuration_qwen2_moe.py, configuration_qwen3_next.py,
 # configuration_qwen3_5_moe.py, configuration_deepseek_v3.py, configuration_glm4_moe.py,
 # configuration_deepseek_v4.py, configuration_gpt_oss.py of transformers 5)
-_LINEAR_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                    "linear_num_key_heads": 16, "full_attention_interval": 4}
+_LINEAR_DEFAULTS = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "full_attention_interval": 4,
+}
 _HF_DEFAULTS = {
-    "qwen3_moe": {"tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                  "attention_bias": False},
+    "qwen3_moe": {
+        "tie_word_embeddings": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+    },
     "qwen2_moe": {"tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "qwen3_next": {"tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                   "attention_bias": False, "linear_num_value_heads": 32, **_LINEAR_DEFAULTS},
-    "qwen3_5_moe_text": {"tie_word_embeddings": False, "attention_bias": False, "linear_num_value_heads": 32,
-                         **_LINEAR_DEFAULTS},
-    "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-                    "n_shared_experts": 1, "attention_bias": False},
-    "glm4_moe": {"tie_word_embeddings": False, "first_k_dense_replace": 1, "n_shared_experts": 1,
-                 "attention_bias": False, "use_qk_norm": False, "num_nextn_predict_layers": 1},
-    "deepseek_v4": {"tie_word_embeddings": False, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
-                    "hc_mult": 4, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
-                    "num_nextn_predict_layers": 1},
+    "qwen3_next": {
+        "tie_word_embeddings": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "linear_num_value_heads": 32,
+        **_LINEAR_DEFAULTS,
+    },
+    "qwen3_5_moe_text": {
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "linear_num_value_heads": 32,
+        **_LINEAR_DEFAULTS,
+    },
+    "deepseek_v3": {
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "n_shared_experts": 1,
+        "attention_bias": False,
+    },
+    "glm4_moe": {
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+        "n_shared_experts": 1,
+        "attention_bias": False,
+        "use_qk_norm": False,
+        "num_nextn_predict_layers": 1,
+    },
+    "deepseek_v4": {
+        "tie_word_embeddings": False,
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "hc_mult": 4,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "num_nextn_predict_layers": 1,
+    },
     "gpt_oss": {"tie_word_embeddings": False, "attention_bias": True},
 }
 _HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"]
-_HF_DEFAULTS["kimi_k2"] = _HF_DEFAULTS["deepseek_v3"]        # Kimi-K2 is built as DeepseekV3 by transformers
+_HF_DEFAULTS["kimi_k2"] = _HF_DEFAULTS["deepseek_v3"]  # Kimi-K2 is built as DeepseekV3 by transformers
 _HF_DEFAULTS["qwen3_5_moe"] = _HF_DEFAULTS["qwen3_5_moe_text"]
 # DeepSeek-V4's attention kinds as its config spells them (layer_types) and their compress ratios
 # (DeepseekV4Config.default_compress_rates), and its default count of hash-routed layers
@@ -60,7 +99,7 @@ def read_hf_config(path: str | Path) -> dict:
 
 def from_hf_config(cfg: dict, source: str) -> dict:
     """Architecture fields from transformers-style config values."""
-    if isinstance(cfg.get("text_config"), dict):     # a vision-language model: its language model
+    if isinstance(cfg.get("text_config"), dict):  # a vision-language model: its language model
         outer = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
         cfg = {**outer, **cfg["text_config"]}
     kind = cfg.get("model_type", "")
@@ -78,45 +117,59 @@ def from_hf_config(cfg: dict, source: str) -> dict:
     if topk is None:
         need("num_experts_per_tok")
     out = dict(
-        num_layers=layers, hidden_size=hidden, vocab_size=int(need("vocab_size")),
-        num_attention_heads=heads, num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        num_layers=layers,
+        hidden_size=hidden,
+        vocab_size=int(need("vocab_size")),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
         kv_channels=int(cfg.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(cfg.get("intermediate_size") or moe_ffn), num_experts=int(experts),
-        moe_ffn_hidden_size=moe_ffn, topk=int(topk),
+        ffn_hidden_size=int(cfg.get("intermediate_size") or moe_ffn),
+        num_experts=int(experts),
+        moe_ffn_hidden_size=moe_ffn,
+        topk=int(topk),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         # Qwen2-MoE's q/k/v projections always carry biases; the others follow attention_bias
         add_qkv_bias=bool(cfg.get("attention_bias")) or kind == "qwen2_moe",
         # MTP modules: DeepSeek, GLM, Qwen3-Next spell them num_nextn_predict_layers, Qwen3.5
         # mtp_num_hidden_layers (transformers' Glm4MoeConfig: num_mtp_layers)
-        mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers")
-                       or cfg.get("num_mtp_layers") or 0), source=source,
+        mtp_layers=int(
+            cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or cfg.get("num_mtp_layers") or 0
+        ),
+        source=source,
     )
     if kind == "deepseek_v4" or "o_groups" in cfg:
         out.update(_deepseek_v4(cfg, out, need, source))
-    elif "n_routed_experts" in cfg:   # DeepSeek-V3 style: dense first layers, shared experts, groups, bias
+    elif "n_routed_experts" in cfg:  # DeepSeek-V3 style: dense first layers, shared experts, groups, bias
         first, freq = int(cfg["first_k_dense_replace"]), int(cfg.get("moe_layer_freq") or 1)
         out["moe_layers"] = tuple(i for i in range(layers) if i >= first and i % freq == 0)
         out["shared_expert_size"] = int(cfg.get("n_shared_experts") or 0) * moe_ffn
-        out.update(num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"),
-                   score_function=cfg.get("scoring_func", "sigmoid"),
-                   expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc")
-        if cfg.get("kv_lora_rank"):   # MLA (DeepSeek, Kimi-K2): q_a/kv_a norms are Megatron's qk_layernorm
-            out["mla"] = MLA(q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=int(cfg["kv_lora_rank"]),
-                             qk_head_dim=int(need("qk_nope_head_dim")),
-                             qk_pos_emb_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")))
+        out.update(
+            num_groups=cfg.get("n_group"),
+            group_topk=cfg.get("topk_group"),
+            score_function=cfg.get("scoring_func", "sigmoid"),
+            expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+        )
+        if cfg.get("kv_lora_rank"):  # MLA (DeepSeek, Kimi-K2): q_a/kv_a norms are Megatron's qk_layernorm
+            out["mla"] = MLA(
+                q_lora_rank=cfg.get("q_lora_rank") or None,
+                kv_lora_rank=int(cfg["kv_lora_rank"]),
+                qk_head_dim=int(need("qk_nope_head_dim")),
+                qk_pos_emb_head_dim=int(need("qk_rope_head_dim")),
+                v_head_dim=int(need("v_head_dim")),
+            )
             out["qk_layernorm"] = True
-        else:                         # GQA (GLM-4.5/4.6/4.7): q/k norms when use_qk_norm
+        else:  # GQA (GLM-4.5/4.6/4.7): q/k norms when use_qk_norm
             out["qk_layernorm"] = bool(cfg.get("use_qk_norm"))
         if cfg.get("index_n_heads"):
             out["indexer"] = Indexer(n_heads=int(cfg["index_n_heads"]), head_dim=int(need("index_head_dim")))
-    else:                           # Qwen-MoE: every decoder_sparse_step-th layer outside mlp_only_layers
+    else:  # Qwen-MoE: every decoder_sparse_step-th layer outside mlp_only_layers
         step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
         out["moe_layers"] = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         out["shared_expert_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
-        out["shared_expert_gate"] = bool(out["shared_expert_size"])   # Qwen2-MoE's sigmoid gate
+        out["shared_expert_gate"] = bool(out["shared_expert_size"])  # Qwen2-MoE's sigmoid gate
         out["qk_layernorm"] = kind.startswith("qwen3")
         out.update(_linear_attention(cfg, layers, kind, source))
-        if kind == "gpt_oss":         # biased o_proj, experts and router (Megatron: add_bias_linear); sinks
+        if kind == "gpt_oss":  # biased o_proj, experts and router (Megatron: add_bias_linear); sinks
             out.update(add_bias_linear=True, attention_sinks=True)
     return out
 
@@ -126,8 +179,11 @@ def _linear_attention(cfg: dict, layers: int, kind: str, source: str) -> dict:
     full_attention_interval-th) beside gated full attention. Sliding-window layers (gpt-oss's
     layer_types) hold the same parameters as full attention and change nothing here."""
     types = cfg.get("layer_types")
-    hybrid = kind in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text") or "linear_num_value_heads" in cfg \
+    hybrid = (
+        kind in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+        or "linear_num_value_heads" in cfg
         or (types is not None and "linear_attention" in types)
+    )
     if not hybrid:
         return {}
     if types is None:
@@ -135,12 +191,19 @@ def _linear_attention(cfg: dict, layers: int, kind: str, source: str) -> dict:
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     linear = tuple(i for i, t in enumerate(types[:layers]) if t == "linear_attention")
     need = lambda key: _require(cfg, key, source)  # noqa: E731
-    return dict(linear_layers=linear, attention_output_gate=bool(cfg.get("attn_output_gate", True)),
-                linear_attention=LinearAttention(
-                    num_key_heads=int(need("linear_num_key_heads")),
-                    num_value_heads=int(need("linear_num_value_heads")),
-                    key_head_dim=int(need("linear_key_head_dim")), value_head_dim=int(need("linear_value_head_dim")),
-                    conv_kernel=int(need("linear_conv_kernel_dim"))) if linear else None)
+    return dict(
+        linear_layers=linear,
+        attention_output_gate=bool(cfg.get("attn_output_gate", True)),
+        linear_attention=LinearAttention(
+            num_key_heads=int(need("linear_num_key_heads")),
+            num_value_heads=int(need("linear_num_value_heads")),
+            key_head_dim=int(need("linear_key_head_dim")),
+            value_head_dim=int(need("linear_value_head_dim")),
+            conv_kernel=int(need("linear_conv_kernel_dim")),
+        )
+        if linear
+        else None,
+    )
 
 
 def _deepseek_v4(cfg: dict, out: dict, need, source: str) -> dict:
@@ -157,22 +220,33 @@ def _deepseek_v4(cfg: dict, out: dict, need, source: str) -> dict:
         ratios = tuple(int(r) for r in cfg["compress_ratios"])
     else:
         rates = {**_V4_RATIOS, **(cfg.get("compress_rates") or {})}
-        types = cfg.get("layer_types") or (["heavily_compressed_attention"] * min(layers, 2) + [
-            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)])
+        types = cfg.get("layer_types") or (
+            ["heavily_compressed_attention"] * min(layers, 2)
+            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)]
+        )
         unknown = sorted(set(types[:layers]) - set(rates))
         if unknown:
             raise ProxyError(f"{source}: DeepSeek-V4 layer_types {unknown} are not among {sorted(rates)}")
         ratios = tuple(int(rates[t]) for t in types[:layers])
     return dict(
-        moe_layers=tuple(range(layers)), hash_layers=hashed, ffn_hidden_size=moe_ffn,
+        moe_layers=tuple(range(layers)),
+        hash_layers=hashed,
+        ffn_hidden_size=moe_ffn,
         shared_expert_size=int(cfg.get("n_shared_experts") or 0) * moe_ffn,
         score_function=cfg.get("scoring_func", "sqrtsoftplus"),
         expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
-        attention_sinks=True, hyper_connections=int(cfg.get("hc_mult") or 0),
-        v4_attention=V4Attention(head_dim=int(need("head_dim")), q_lora_rank=int(need("q_lora_rank")),
-                                 o_groups=int(need("o_groups")), o_lora_rank=int(need("o_lora_rank")),
-                                 index_n_heads=int(need("index_n_heads")), index_head_dim=int(need("index_head_dim")),
-                                 compress_ratios=ratios))
+        attention_sinks=True,
+        hyper_connections=int(cfg.get("hc_mult") or 0),
+        v4_attention=V4Attention(
+            head_dim=int(need("head_dim")),
+            q_lora_rank=int(need("q_lora_rank")),
+            o_groups=int(need("o_groups")),
+            o_lora_rank=int(need("o_lora_rank")),
+            index_n_heads=int(need("index_n_heads")),
+            index_head_dim=int(need("index_head_dim")),
+            compress_ratios=ratios,
+        ),
+    )
 
 
 def _require(cfg: dict, key: str, source: str):
@@ -202,34 +276,48 @@ def from_megatron_args(args, names: list[str], source: str) -> dict:
     groups = get("num_query_groups") if get("group_query_attention") else heads
     has = lambda text: any(text in n for n in names)  # noqa: E731
     out = dict(
-        num_layers=len(real), hidden_size=hidden,
+        num_layers=len(real),
+        hidden_size=hidden,
         vocab_size=_int(get("padded_vocab_size") or get("vocab_size")),
-        num_attention_heads=heads, num_query_groups=_int(groups),
+        num_attention_heads=heads,
+        num_query_groups=_int(groups),
         kv_channels=_int(get("kv_channels") or (hidden // heads if heads else None)),
-        ffn_hidden_size=_int(get("ffn_hidden_size")), num_experts=spec.num_experts,
-        moe_ffn_hidden_size=_int(spec.moe_ffn_hidden_size), topk=spec.topk,
+        ffn_hidden_size=_int(get("ffn_hidden_size")),
+        num_experts=spec.num_experts,
+        moe_ffn_hidden_size=_int(spec.moe_ffn_hidden_size),
+        topk=spec.topk,
         moe_layers=tuple(i for i, L in enumerate(real) if L in spec.moe_layers),
         shared_expert_size=_int(spec.shared_expert_size) or _n_shared(args),
-        shared_expert_gate=bool(get("moe_shared_expert_gate")) or has("shared_expert_gate")
+        shared_expert_gate=bool(get("moe_shared_expert_gate"))
+        or has("shared_expert_gate")
         or has("shared_experts.gate_weight"),
         mtp_layers=spec.mtp_layers,
         tied_embeddings=_flag(get("untie_embeddings_and_output_weights"), not has("output_layer.weight"), invert=True),
         qk_layernorm=_flag(get("qk_layernorm"), has("q_layernorm")),
         add_bias_linear=_flag(get("add_bias_linear"), has("linear_proj.bias")),
         add_qkv_bias=_flag(get("add_qkv_bias"), has("linear_qkv.bias")),
-        gated_linear_unit=spec.gated_linear_unit, layernorm_bias=get("normalization") == "LayerNorm",
-        expert_bias=spec.expert_bias or has("router.expert_bias"), score_function=spec.score_function,
+        gated_linear_unit=spec.gated_linear_unit,
+        layernorm_bias=get("normalization") == "LayerNorm",
+        expert_bias=spec.expert_bias or has("router.expert_bias"),
+        score_function=spec.score_function,
         source=source,
     )
-    out = {k: v for k, v in out.items() if v is not None}   # unknown here: left to a preset
+    out = {k: v for k, v in out.items() if v is not None}  # unknown here: left to a preset
     # decided even when absent: a checkpoint says whether it has MLA and routing groups
     mla = get("multi_latent_attention") or get("multi_head_latent_attention")
     if mla is None:
         mla = has("linear_kv_down_proj") or has("kv_layernorm")
-    out["mla"] = MLA(q_lora_rank=_int(get("q_lora_rank")), kv_lora_rank=_int(get("kv_lora_rank")),
-                     qk_head_dim=_int(get("qk_head_dim") or get("qk_nope_head_dim")),
-                     qk_pos_emb_head_dim=_int(get("qk_pos_emb_head_dim") or get("qk_rope_head_dim")),
-                     v_head_dim=_int(get("v_head_dim"))) if mla else None
+    out["mla"] = (
+        MLA(
+            q_lora_rank=_int(get("q_lora_rank")),
+            kv_lora_rank=_int(get("kv_lora_rank")),
+            qk_head_dim=_int(get("qk_head_dim") or get("qk_nope_head_dim")),
+            qk_pos_emb_head_dim=_int(get("qk_pos_emb_head_dim") or get("qk_rope_head_dim")),
+            v_head_dim=_int(get("v_head_dim")),
+        )
+        if mla
+        else None
+    )
     out["num_groups"], out["group_topk"] = spec.num_groups or get("n_group"), spec.group_topk or get("topk_group")
     return out
 

@@ -10,6 +10,7 @@ Launch pipelines need no code change: put `patches/` on PYTHONPATH and set `MCOR
 
 Importing this package imports nothing heavy; torch loads on first use.
 """
+
 from __future__ import annotations
 
 import importlib

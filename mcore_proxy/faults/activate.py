@@ -11,6 +11,7 @@ Standard library only. When the watched modules are imported, `mcore_proxy.fault
     mindspeed.patch_utils                     -> register the __init__ wrappers with
                                                  MindSpeedPatchesManager
 """
+
 from __future__ import annotations
 
 from mcore_proxy.activation import Feature
@@ -26,5 +27,6 @@ WATCHED = {
     "mindspeed.patch_utils": "patch_mindspeed_module",
 }
 
-FEATURE = Feature("faults", ENV_FAULTS, "mcore_proxy.faults.runtime", WATCHED,
-                  check="mcore_proxy.faults.spec:check_env")
+FEATURE = Feature(
+    "faults", ENV_FAULTS, "mcore_proxy.faults.runtime", WATCHED, check="mcore_proxy.faults.spec:check_env"
+)

@@ -5,6 +5,7 @@ An injector never changes anything while its schedule is off: its hooks return t
 untouched (the same tensor objects), so a run with an injector switched off is bit-identical to a
 run without it.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -25,8 +26,7 @@ class Record:
     active_steps: set = field(default_factory=set)
 
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "active_calls": self.active_calls,
-                "active_steps": sorted(self.active_steps)}
+        return {"calls": self.calls, "active_calls": self.active_calls, "active_steps": sorted(self.active_steps)}
 
 
 class Injector:
@@ -74,8 +74,9 @@ class Injector:
 
     def randn_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """N(0, 1) noise shaped like `tensor`, drawn in fp32 then cast (reproducible across dtypes)."""
-        noise = torch.randn(tensor.shape, generator=self.generator(tensor.device),
-                            device=tensor.device, dtype=torch.float32)
+        noise = torch.randn(
+            tensor.shape, generator=self.generator(tensor.device), device=tensor.device, dtype=torch.float32
+        )
         return noise.to(tensor.dtype)
 
     # -- attachment points (see sites.py) -------------------------------------------------------

@@ -10,6 +10,7 @@ the optimizers no longer move the clock.
 The *phase*: inside `with rollout():` forward passes are rollout passes (what the
 `logprob_precision` fault's `when=rollout` acts on).
 """
+
 from __future__ import annotations
 
 import contextlib

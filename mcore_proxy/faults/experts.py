@@ -1,5 +1,6 @@
 """`expert_noise`: relative element-wise noise on the routed experts' output, out * (1 + std * N(0, 1)),
 the error model of a lower-precision or non-deterministic expert kernel."""
+
 from __future__ import annotations
 
 from mcore_proxy.faults.base import Injector
@@ -14,6 +15,7 @@ class ExpertNoise(Injector):
 
     def attach_experts(self, site):
         """megatron `MoELayer.experts`: output `(out [routed tokens, H], bias)`."""
+
         def hook(module, args, output):
             if not self.wants_layer(site.layer()) or not self.on():
                 return None

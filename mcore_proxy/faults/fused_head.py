@@ -16,6 +16,7 @@ the log-probs are computed here in plain torch from the full logits, which the f
 (e.g. round to bf16) before TRL's transform (x logit_scale, softcap, / temperature); the outputs
 are TRL's: log-probs, and entropy, log sum p^2, mean logit and is-top-1 when asked for.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ from mcore_proxy.faults.base import CallbackHandle
 log = logging.getLogger(__name__)
 
 _MARK = "__mcore_proxy_fused_head__"
-_HEADS: dict[int, tuple] = {}     # id(head) -> (weakref to the head, registered functions)
+_HEADS: dict[int, tuple] = {}  # id(head) -> (weakref to the head, registered functions)
 TRL_MODULE = "trl.trainer.utils"
 TRL_NAME = "_ChunkedLogProbFunction"
 
@@ -42,7 +43,7 @@ def register(head: torch.nn.Module, fn) -> CallbackHandle:
     entry = _HEADS.get(key)
     if entry is None:
         entry = _HEADS[key] = (weakref.ref(head), [])
-        weakref.finalize(head, _HEADS.pop, key, None)   # nothing stored on the module or tensor
+        weakref.finalize(head, _HEADS.pop, key, None)  # nothing stored on the module or tensor
     chain = entry[1]
     chain.append(fn)
 
@@ -63,12 +64,14 @@ def active_transforms(weight) -> list:
     return []
 
 
-def logprob_outputs(hidden, weight, bias, targets, temperature, final_logit_softcapping=None,
-                    logit_scale=1.0, outputs=(), transforms=()):
+def logprob_outputs(
+    hidden, weight, bias, targets, temperature, final_logit_softcapping=None, logit_scale=1.0, outputs=(), transforms=()
+):
     """TRL's `ChunkedLogProbFunction` outputs `(log_probs, entropy, log_sum_sq_probs, mean_logits,
     is_top1)` [N] from full logits, each `transforms` applied to the logits first."""
-    logits = torch.nn.functional.linear(hidden, weight.to(hidden.dtype),
-                                        None if bias is None else bias.to(hidden.dtype))
+    logits = torch.nn.functional.linear(
+        hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+    )
     for transform in transforms:
         logits = transform(logits)
     z = logits.float() * logit_scale
@@ -91,17 +94,32 @@ class FusedLogProb:
         self.original = original
         setattr(self, _MARK, True)
 
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=None, *rest):
+    def apply(
+        self,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        chunk_size,
+        final_logit_softcapping=None,
+        logit_scale=1.0,
+        outputs=None,
+        *rest,
+    ):
         transforms = active_transforms(weight)
         if not transforms or rest:
-            args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                    logit_scale) + (() if outputs is None else (outputs,)) + rest
+            args = (
+                (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale)
+                + (() if outputs is None else (outputs,))
+                + rest
+            )
             return self.original.apply(*args)
         if outputs is None:
             outputs = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-        return logprob_outputs(hidden, weight, bias, targets, temperature, final_logit_softcapping,
-                               logit_scale, outputs, transforms)
+        return logprob_outputs(
+            hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, outputs, transforms
+        )
 
     def __getattr__(self, name):
         return getattr(self.original, name)
@@ -112,8 +130,12 @@ def patch_trl_module(module) -> bool:
     whether TRL's fused head was found."""
     original = getattr(module, TRL_NAME, None)
     if original is None or not hasattr(original, "apply"):
-        log.warning("faults: %s.%s not found: output-logit faults (logprob_precision) do not reach "
-                    "TRL's fused log-prob passes, only the passes that call lm_head", TRL_MODULE, TRL_NAME)
+        log.warning(
+            "faults: %s.%s not found: output-logit faults (logprob_precision) do not reach "
+            "TRL's fused log-prob passes, only the passes that call lm_head",
+            TRL_MODULE,
+            TRL_NAME,
+        )
         return False
     if not getattr(original, _MARK, False):
         setattr(module, TRL_NAME, FusedLogProb(original))

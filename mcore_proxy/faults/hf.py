@@ -7,6 +7,7 @@ Routers are changed by a forward hook on the router module: logit faults re-deri
 from the corrupted logits with the router's own rule (softmax, top-k, `norm_topk_prob`); top-k
 faults alter the indices. Expert noise acts on the block's combined routed-experts output.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,11 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def is_hf_router(module) -> bool:
-    return (hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), torch.Tensor)
-            and getattr(module, "num_experts", None) is not None)
+    return (
+        hasattr(module, "top_k")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and getattr(module, "num_experts", None) is not None
+    )
 
 
 def topk_from_logits(router, logits: torch.Tensor):

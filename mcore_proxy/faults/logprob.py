@@ -10,6 +10,7 @@ call), or `always`. Training forward passes are left in full precision. Log-prob
 read the head's weight without calling the module (TRL's fused LM head) are reached through
 `faults/fused_head.py`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,11 @@ class LogprobPrecision(Injector):
 
     def applies_now(self) -> bool:
         when = self.spec["when"]
-        return (when == "always" or (when == "no_grad" and not torch.is_grad_enabled())
-                or (when == "rollout" and in_rollout()))
+        return (
+            when == "always"
+            or (when == "no_grad" and not torch.is_grad_enabled())
+            or (when == "rollout" and in_rollout())
+        )
 
     def attach_output(self, site):
         dtype = DTYPES[self.spec["dtype"]]
@@ -45,13 +49,12 @@ class LogprobPrecision(Injector):
         def hook(module, args, output):
             if not self.applies_now() or not self.on():
                 return None
-            if isinstance(output, tuple):      # megatron ColumnParallelLinear: (logits, bias)
+            if isinstance(output, tuple):  # megatron ColumnParallelLinear: (logits, bias)
                 return (round_to(output[0], dtype), *output[1:])
             return round_to(output, dtype)
 
         handles = [site.module.register_forward_hook(hook)]
         # a fused head reading the weight without calling the module (fused_head.py)
         rounding = lambda logits: round_to(logits, dtype)  # noqa: E731
-        handles.append(fused_head.register(
-            site.module, lambda: rounding if self.applies_now() and self.on() else None))
+        handles.append(fused_head.register(site.module, lambda: rounding if self.applies_now() and self.on() else None))
         return handles

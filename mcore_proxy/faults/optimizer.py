@@ -10,6 +10,7 @@ parameters (`param.allreduce is False`, or a param group flagged `is_expert_para
 how the fp32 main copies of megatron's mixed-precision optimizers are recognised); `dense` the
 others.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -50,8 +51,11 @@ class UpdateOmission(Injector):
         self._expert_params = {id(p) for m in list(self._expert_modules.values()) for p in m.parameters()}
 
     def is_expert(self, param, group: dict) -> bool:
-        return (id(param) in self._expert_params or bool(group.get("is_expert_parallel", False))
-                or getattr(param, "allreduce", True) is False)
+        return (
+            id(param) in self._expert_params
+            or bool(group.get("is_expert_parallel", False))
+            or getattr(param, "allreduce", True) is False
+        )
 
     def omitted(self, param, group: dict) -> bool:
         which = self.spec["group"]

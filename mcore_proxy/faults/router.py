@@ -8,6 +8,7 @@ logits as they would with a corrupted router. Choices are changed on the router'
 `(probs [tokens, E], routing_map [tokens, E] bool)` by a forward hook, which every forward
 replacement passes through. For transformers the gate `nn.Linear`'s output is changed by a hook.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,6 +46,7 @@ def add_logit_fault(router, fn) -> CallbackHandle:
 
 def _logit_site_handles(injector, site, transform) -> list:
     """Attach `transform(input, logits, layer_id)` to a megatron router or a transformers gate."""
+
     def fn(input, logits):
         lid = site.layer()
         if not injector.wants_layer(lid) or not injector.on():
@@ -54,7 +56,7 @@ def _logit_site_handles(injector, site, transform) -> list:
     if site.kind == "router":
         return [add_logit_fault(site.module, fn)]
 
-    def hook(router, args, output):              # transformers: (logits, top-k scores, indices)
+    def hook(router, args, output):  # transformers: (logits, top-k scores, indices)
         logits = fn(args[0].reshape(-1, router.weight.shape[1]), output[0])
         if logits is output[0]:
             return None
@@ -113,21 +115,21 @@ class RouterWeight(Injector):
     attach_router = attach_gate = _attach
 
 
-def alter_topk(probs: torch.Tensor, routing_map: torch.Tensor, rate: float, mode: str,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def alter_topk(
+    probs: torch.Tensor, routing_map: torch.Tensor, rate: float, mode: str, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Alter each chosen (token, expert) with probability `rate`.
 
     probs [T, E] float (0 where not chosen), routing_map [T, E] bool -> new (probs, routing_map).
     drop: the choice is removed (probability 0). swap: it moves to an expert the token had not
     chosen, chosen at random, which takes its probability; every token keeps its expert count.
     """
-    hit = routing_map & (torch.rand(routing_map.shape, generator=generator,
-                                    device=routing_map.device) < rate)
+    hit = routing_map & (torch.rand(routing_map.shape, generator=generator, device=routing_map.device) < rate)
     if mode == "drop":
         return probs.masked_fill(hit, 0.0), routing_map & ~hit
     t, e = routing_map.shape
     free = ~routing_map
-    hit &= hit.cumsum(dim=1) <= free.sum(dim=1, keepdim=True)   # never more swaps than free experts
+    hit &= hit.cumsum(dim=1) <= free.sum(dim=1, keepdim=True)  # never more swaps than free experts
     lost = hit.sum(dim=1, keepdim=True)
     k = int(lost.max()) if t else 0
     if k == 0:
@@ -137,7 +139,7 @@ def alter_topk(probs: torch.Tensor, routing_map: torch.Tensor, rate: float, mode
     new = free & (scores.argsort(dim=1, descending=True).argsort(dim=1) < lost)
     # the j-th lost choice of a token hands its probability to the token's j-th new expert
     index = torch.arange(e, device=probs.device)
-    src = torch.where(hit, index, e).sort(dim=1).values[:, :k]      # e: padding
+    src = torch.where(hit, index, e).sort(dim=1).values[:, :k]  # e: padding
     dst = torch.where(new, index, e).sort(dim=1).values[:, :k]
     padded = torch.cat([probs.masked_fill(hit, 0.0), probs.new_zeros(t, 1)], dim=1)
     moved = torch.cat([probs, probs.new_zeros(t, 1)], dim=1).gather(1, src)
@@ -161,8 +163,9 @@ class TopK(Injector):
             t, e = logits.shape[0], router.num_experts
             routing_map = torch.zeros((t, e), dtype=torch.bool, device=index.device).scatter(1, index, True)
             probs = torch.zeros((t, e), dtype=scores.dtype, device=scores.device).scatter(1, index, scores)
-            probs, routing_map = alter_topk(probs, routing_map, self.spec["rate"], self.spec["mode"],
-                                            self.generator(index.device))
+            probs, routing_map = alter_topk(
+                probs, routing_map, self.spec["rate"], self.spec["mode"], self.generator(index.device)
+            )
             if self.spec["mode"] == "drop":
                 return (logits, probs.gather(1, index), index)
             new_index = routing_map.nonzero()[:, 1].view(t, -1)

@@ -22,6 +22,7 @@ its callback runs while `import torch` is still under way.
 - `MCORE_PROXY_FAULTS_REPORT=FILE`: at exit, write what each fault did as JSON (rank-suffixed
   `FILE.rank{R}` when several ranks run).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -177,5 +178,6 @@ def patch_torch_optimizer_module(module) -> None:
 
 def patch_mindspeed_module(module) -> None:
     """Called once `mindspeed.patch_utils` is imported."""
-    register_with_mindspeed(module, {MOE_LAYER_INIT: faults_moe_layer_init_wrapper,
-                                     GPT_MODEL_INIT: faults_gpt_model_init_wrapper}, "faults")
+    register_with_mindspeed(
+        module, {MOE_LAYER_INIT: faults_moe_layer_init_wrapper, GPT_MODEL_INIT: faults_gpt_model_init_wrapper}, "faults"
+    )

@@ -9,6 +9,7 @@ every hook handle (removed on `close()` / leaving the `with` block).
 Environment activation (`MCORE_PROXY_FAULTS`, `mcore_proxy.faults.runtime`) uses the same session
 class, attaching to each MoE layer, GPT model and optimizer as the run builds them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,8 +25,7 @@ from mcore_proxy.faults.spec import FaultSpec, parse
 
 log = logging.getLogger(__name__)
 
-INJECTORS = {cls.kind: cls for cls in (RouterNoise, RouterWeight, TopK, ExpertNoise,
-                                       LogprobPrecision, UpdateOmission)}
+INJECTORS = {cls.kind: cls for cls in (RouterNoise, RouterWeight, TopK, ExpertNoise, LogprobPrecision, UpdateOmission)}
 _ATTACHED = "_mcore_proxy_fault_sessions"
 _TOKENS = itertools.count()
 
@@ -73,8 +73,7 @@ class FaultSession:
                 continue
             for injector in self.injectors:
                 self._handles += injector.attach_optimizer(opt)
-            self._handles.append(opt.register_step_post_hook(
-                lambda o, args, kwargs: self.clock.advance(o)))
+            self._handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.clock.advance(o)))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -103,8 +102,9 @@ def inject(specs, *, model=None, optimizer=None, clock: StepClock = CLOCK) -> Fa
     from mcore_proxy.faults import activate
 
     if activate.FEATURE.active():
-        raise RuntimeError(f"faults are already injected through {activate.FEATURE.env_var}; "
-                           "unset it or do not call inject()")
+        raise RuntimeError(
+            f"faults are already injected through {activate.FEATURE.env_var}; unset it or do not call inject()"
+        )
     session = FaultSession(specs, clock)
     if model is not None:
         if not session.attach_model(model):

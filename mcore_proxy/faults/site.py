@@ -1,4 +1,5 @@
 """`Site`: one module of a model an injector attaches to (the kinds: `faults/sites.py`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ id (resolved at call time: megatron sets `layer_number` after the MoE layer is b
     hf_expert transformers: one expert module of a sparse MoE block (output [tokens, H])
     output    megatron `GPTModel.output_layer` (output `(logits, bias)`), transformers `lm_head`
 """
+
 from __future__ import annotations
 
 from typing import Iterable

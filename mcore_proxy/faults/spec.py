@@ -17,6 +17,7 @@ sets with `mcore_proxy.faults.set_step` (see `mcore_proxy.faults.clock`).
 `layers` are global 0-based layer ids, the L of `decoder.layers.{L}` (megatron's layer_number - 1)
 and `mtp.{k}` for MTP layers, as in the routing statistics; default: every MoE layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ KINDS: dict[str, dict] = {
     "expert_noise": {"std": (_float, 0.01, False), **LAYERS},
     # Output logits rounded to bf16/fp16/fp8 (E4M3) in rollout forward passes (training stays fp32):
     # `when=no_grad` forward passes without autograd, `rollout` inside `faults.rollout()`, `always`.
-    "logprob_precision": {"dtype": (_choice("bf16", "fp16", "fp8"), "bf16", False),
-                          "when": (_choice("no_grad", "rollout", "always"), "no_grad", False)},
+    "logprob_precision": {
+        "dtype": (_choice("bf16", "fp16", "fp8"), "bf16", False),
+        "when": (_choice("no_grad", "rollout", "always"), "no_grad", False),
+    },
     # Optimizer steps left out: for every parameter, the expert parameters, or the others.
     "update_omission": {"group": (_choice("all", "experts", "dense"), "all", False)},
 }
@@ -143,8 +146,10 @@ class FaultSpec:
             raise FaultSpecError(f"unknown fault kind {self.kind!r}; known: {', '.join(KINDS)}")
         unknown = set(self.params) - set(KINDS[self.kind])
         if unknown:
-            raise FaultSpecError(f"fault {self.kind!r} takes no parameter {sorted(unknown)[0]!r}; "
-                                 f"it takes {', '.join([*KINDS[self.kind], *SCHEDULE_PARAMS])}")
+            raise FaultSpecError(
+                f"fault {self.kind!r} takes no parameter {sorted(unknown)[0]!r}; "
+                f"it takes {', '.join([*KINDS[self.kind], *SCHEDULE_PARAMS])}"
+            )
         full = {name: default for name, (_, default, _) in KINDS[self.kind].items()}
         full.update(self.params)
         object.__setattr__(self, "params", full)
@@ -200,8 +205,7 @@ def parse_one(text: str) -> FaultSpec:
     params, schedule = {}, {}
     for key, values in _split_params(rest, where).items():
         if key not in table:
-            raise FaultSpecError(f"{where}: unknown parameter {key!r}; {kind} takes "
-                                 f"{', '.join(table)}")
+            raise FaultSpecError(f"{where}: unknown parameter {key!r}; {kind} takes {', '.join(table)}")
         parser, _, is_list = table[key]
         if len(values) > 1 and not is_list:
             raise FaultSpecError(f"{where}: {key} takes one value, got {','.join(values)}")

@@ -1,4 +1,5 @@
 """`mcore-proxy fidelity --orig MODEL --proxy MODEL --plan plan.json --data FILE [-o DIR]`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +12,20 @@ REPORT, PICTURE = "fidelity.json", "fidelity.png"
 
 
 def register(sub) -> None:
-    p = add_command(sub, "fidelity", run_fidelity, help="how closely a proxy follows its original on calibration data",
-                    writes=f"{REPORT} and {PICTURE} in DIR",
-                    description="Run original and proxy in transformers over JSONL records (as for collect) and "
-                                "measure per MoE layer the share of the original top-k gate mass on kept experts and "
-                                "top-1 routing agreement, per layer the hidden-state cosine, and the next-token KL "
-                                "and top-1 agreement. Megatron checkpoints are measured through their HF conversion.")
-    p.add_argument("--orig", type=Path, required=True, metavar="MODEL", help="original: HF folder or Megatron checkpoint")
+    p = add_command(
+        sub,
+        "fidelity",
+        run_fidelity,
+        help="how closely a proxy follows its original on calibration data",
+        writes=f"{REPORT} and {PICTURE} in DIR",
+        description="Run original and proxy in transformers over JSONL records (as for collect) and "
+        "measure per MoE layer the share of the original top-k gate mass on kept experts and "
+        "top-1 routing agreement, per layer the hidden-state cosine, and the next-token KL "
+        "and top-1 agreement. Megatron checkpoints are measured through their HF conversion.",
+    )
+    p.add_argument(
+        "--orig", type=Path, required=True, metavar="MODEL", help="original: HF folder or Megatron checkpoint"
+    )
     p.add_argument("--proxy", type=Path, required=True, metavar="MODEL", help="proxy: HF folder or Megatron checkpoint")
     p.add_argument("--plan", type=Path, required=True, help="the plan.json the proxy was made with")
     p.add_argument("--data", type=Path, required=True, metavar="FILE", help="JSONL data")
@@ -29,14 +37,19 @@ def register(sub) -> None:
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['tokens']} tokens; next-token KL {report['next_token_kl']:.4g} nats, "
-             f"top-1 agreement {report['next_token_top1_agreement']:.3f}",
-             "layer  kept   gate-mass share  top-1 routing  hidden cosine"]
+    lines = [
+        f"{report['tokens']} tokens; next-token KL {report['next_token_kl']:.4g} nats, "
+        f"top-1 agreement {report['next_token_top1_agreement']:.3f}",
+        "layer  kept   gate-mass share  top-1 routing  hidden cosine",
+    ]
     moe = {m["layer"]: m for m in report["moe_layers"]}
     for i, cos in enumerate(report["hidden_cosine"]):
         m = moe.get(str(i))
-        route = (f"{m['kept']:>3}/{m['experts']:<3} {m['gate_mass_share']:>15.3f}  {m['top1_routing_agreement']:>13.3f}"
-                 if m else f"{'dense':<7} {'':>15}  {'':>13}")
+        route = (
+            f"{m['kept']:>3}/{m['experts']:<3} {m['gate_mass_share']:>15.3f}  {m['top1_routing_agreement']:>13.3f}"
+            if m
+            else f"{'dense':<7} {'':>15}  {'':>13}"
+        )
         lines.append(f"{i:>5}  {route}  {cos:>13.4f}")
     return "\n".join(lines)
 
@@ -58,11 +71,17 @@ def draw(report: dict, path: Path) -> None:
     left.legend(loc="lower left")
     cos = report["hidden_cosine"]
     right.plot(range(len(cos)), cos, "o-", color="tab:green")
-    right.set(xlabel="decoder layer", ylabel="hidden-state cosine (proxy vs original)",
-              xticks=list(range(len(cos))), ylim=(min(0.0, min(cos)), 1.02))
-    fig.suptitle(f"proxy {_short(report['proxy'])} vs original {_short(report['orig'])}: next-token KL "
-                 f"{report['next_token_kl']:.3g} nats, top-1 agreement {report['next_token_top1_agreement']:.2f} "
-                 f"({report['tokens']} tokens)")
+    right.set(
+        xlabel="decoder layer",
+        ylabel="hidden-state cosine (proxy vs original)",
+        xticks=list(range(len(cos))),
+        ylim=(min(0.0, min(cos)), 1.02),
+    )
+    fig.suptitle(
+        f"proxy {_short(report['proxy'])} vs original {_short(report['orig'])}: next-token KL "
+        f"{report['next_token_kl']:.3g} nats, top-1 agreement {report['next_token_top1_agreement']:.2f} "
+        f"({report['tokens']} tokens)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,22 +91,39 @@ def run_fidelity(args) -> int:
     from mcore_proxy.optional import check
 
     # both models run in transformers; -o draws with matplotlib: one sentence for all that is missing
-    check("transformers", *(["matplotlib"] if args.out is not None else []),
-          why="fidelity" + (" -o" if args.out is not None else ""))
+    check(
+        "transformers",
+        *(["matplotlib"] if args.out is not None else []),
+        why="fidelity" + (" -o" if args.out is not None else ""),
+    )
     from mcore_proxy.checkpoint.output import staged_files
     from mcore_proxy.fidelity.measure import measure
 
-    with contextlib.ExitStack() as outputs:   # refused before the models run if the report exists
+    with contextlib.ExitStack() as outputs:  # refused before the models run if the report exists
         report_dir = None
         if args.out is not None:
             from mcore_proxy.plotting import require_matplotlib
 
             require_matplotlib("fidelity -o")
-            report_dir = outputs.enter_context(staged_files(
-                args.out, "fidelity", (REPORT, PICTURE), replace=args.force,
-                inputs=(args.orig, args.proxy, args.plan, args.data)))
-        report = measure(args.orig, args.proxy, args.plan, args.data, max_tokens=args.max_tokens,
-                         batch_size=args.batch_size, max_length=args.max_length, device=args.device)
+            report_dir = outputs.enter_context(
+                staged_files(
+                    args.out,
+                    "fidelity",
+                    (REPORT, PICTURE),
+                    replace=args.force,
+                    inputs=(args.orig, args.proxy, args.plan, args.data),
+                )
+            )
+        report = measure(
+            args.orig,
+            args.proxy,
+            args.plan,
+            args.data,
+            max_tokens=args.max_tokens,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            device=args.device,
+        )
         if report_dir is not None:
             (report_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
             draw(report, report_dir / PICTURE)

@@ -13,6 +13,7 @@ Megatron checkpoints are measured through their Hugging Face conversion (`conver
 into a temporary folder; exact for Qwen3-MoE, tests/checkpoint/hf/test_hf_megatron.py), so
 they must be small enough to run on this machine, as for `verify --functional`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,13 +65,17 @@ class _Routes:
 
     def __init__(self, routers: dict[str, torch.nn.Module]):
         self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.handles = [g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
-                        for lid, g in routers.items()]
+        self.handles = [
+            g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
+            for lid, g in routers.items()
+        ]
 
     def _keep(self, lid: str, router, out) -> None:
         weights, experts = routing(router, out)
-        self.seen[lid] = (weights.detach().reshape(-1, weights.shape[-1]).float(),
-                          experts.detach().reshape(-1, experts.shape[-1]))
+        self.seen[lid] = (
+            weights.detach().reshape(-1, weights.shape[-1]).float(),
+            experts.detach().reshape(-1, experts.shape[-1]),
+        )
 
     def close(self) -> None:
         for h in self.handles:
@@ -92,35 +97,53 @@ def as_hf(path: Path, what: str):
         try:
             convert(ConvertRequest(ckpt=Path(path), out=out, format="hf"), progress=False, check_space=False)
         except ProxyError as err:
-            raise ProxyError(f"{what} {path}: is not a Hugging Face folder and does not convert to one ({err})") from None
+            raise ProxyError(
+                f"{what} {path}: is not a Hugging Face folder and does not convert to one ({err})"
+            ) from None
         yield out
 
 
 def _check_pair(orig, proxy, plan, paths) -> dict[str, torch.Tensor]:
     """The plan's kept-expert masks per MoE layer, after checking the two models fit it."""
     og, pg = mark_routers(orig), mark_routers(proxy)
-    decoder = sorted((lid for lid in plan.layer_ids if not lid.startswith("mtp.")), key=int)   # MTP: not run
+    decoder = sorted((lid for lid in plan.layer_ids if not lid.startswith("mtp.")), key=int)  # MTP: not run
     if sorted(og, key=int) != decoder or sorted(pg, key=int) != decoder:
-        raise ProxyError(f"{paths[2]}: plan layers {decoder} do not match the MoE layers of "
-                         f"{paths[0]} ({sorted(og, key=int)}) and {paths[1]} ({sorted(pg, key=int)})")
+        raise ProxyError(
+            f"{paths[2]}: plan layers {decoder} do not match the MoE layers of "
+            f"{paths[0]} ({sorted(og, key=int)}) and {paths[1]} ({sorted(pg, key=int)})"
+        )
     vocab = text_config_of(orig).vocab_size, text_config_of(proxy).vocab_size
     if vocab[0] != vocab[1]:
-        raise ProxyError(f"{paths[1]}: vocabulary of {vocab[1]} differs from the original's {vocab[0]} ({paths[0]}); "
-                         "compare a proxy with its own original")
+        raise ProxyError(
+            f"{paths[1]}: vocabulary of {vocab[1]} differs from the original's {vocab[0]} ({paths[0]}); "
+            "compare a proxy with its own original"
+        )
     masks = {}
     for lid in og:
         kept = plan.kept(lid)
         if pg[lid].weight.shape[0] != len(kept) or og[lid].weight.shape[0] <= max(kept):
-            raise ProxyError(f"{paths[2]}: layer {lid} keeps {len(kept)} of {og[lid].weight.shape[0]} experts, but "
-                             f"{paths[1]} has {pg[lid].weight.shape[0]}; use the plan the proxy was made with")
+            raise ProxyError(
+                f"{paths[2]}: layer {lid} keeps {len(kept)} of {og[lid].weight.shape[0]} experts, but "
+                f"{paths[1]} has {pg[lid].weight.shape[0]}; use the plan the proxy was made with"
+            )
         mask = torch.zeros(og[lid].weight.shape[0], dtype=torch.bool)
         mask[kept] = True
         masks[lid] = mask
     return masks
 
 
-def measure(orig_path: Path, proxy_path: Path, plan_path: Path, data: Path, *, max_tokens: int | None = None,
-            batch_size: int = 8, max_length: int | None = None, device: str = "cpu", progress: bool = True) -> dict:
+def measure(
+    orig_path: Path,
+    proxy_path: Path,
+    plan_path: Path,
+    data: Path,
+    *,
+    max_tokens: int | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict:
     """Load both models (converting Megatron checkpoints to HF) and measure them over `data`;
     returns the report (JSON-ready, see the module docstring)."""
     from mcore_proxy.calibration import data_batches
@@ -134,8 +157,9 @@ def measure(orig_path: Path, proxy_path: Path, plan_path: Path, data: Path, *, m
         # a Megatron checkpoint carries no tokenizer: text is tokenised by whichever side has one
         words = next((d for d in (o_dir, p_dir) if any((d / n).is_file() for n in TOKENIZER_FILES)), o_dir)
         batches = data_batches(data, words, int(config.vocab_size), batch_size, length, max_tokens)
-        report = compare_models(orig, proxy, plan, batches, (orig_path, proxy_path, plan_path),
-                                max_tokens=max_tokens, progress=progress)
+        report = compare_models(
+            orig, proxy, plan, batches, (orig_path, proxy_path, plan_path), max_tokens=max_tokens, progress=progress
+        )
     if not report["tokens"]:
         raise ProxyError(f"{data}: holds no tokens; give at least one record")
     report.update(orig=str(orig_path), proxy=str(proxy_path), plan=str(plan_path), data=str(data))
@@ -143,8 +167,15 @@ def measure(orig_path: Path, proxy_path: Path, plan_path: Path, data: Path, *, m
 
 
 @torch.no_grad()
-def compare_models(orig, proxy, plan, batches, paths=("original", "proxy", "plan"), max_tokens: int | None = None,
-                   progress: bool = True) -> dict:
+def compare_models(
+    orig,
+    proxy,
+    plan,
+    batches,
+    paths=("original", "proxy", "plan"),
+    max_tokens: int | None = None,
+    progress: bool = True,
+) -> dict:
     """Two transformers models run on the same `batches` (calibration.Batch) -> the report's
     measurements; `paths` (original, proxy, plan) name the inputs in errors."""
     from tqdm import tqdm
@@ -161,7 +192,10 @@ def compare_models(orig, proxy, plan, batches, paths=("original", "proxy", "plan
                 lp, hp = run(proxy, batch.input_ids, batch.attention_mask, hidden=True)
                 for i, (a, b) in enumerate(zip(ho, hp)):
                     # per token: [H], or every stream of a hyper-connected layer ([hc, H], DeepSeek-V4) as one vector
-                    a, b = a.reshape(real.numel(), -1).float().cpu()[real], b.reshape(real.numel(), -1).float().cpu()[real]
+                    a, b = (
+                        a.reshape(real.numel(), -1).float().cpu()[real],
+                        b.reshape(real.numel(), -1).float().cpu()[real],
+                    )
                     sums.add(f"cos.{i}", torch.nn.functional.cosine_similarity(a, b, dim=-1))
                 for lid, mask in masks.items():
                     (wo, eo), (wp, ep) = o_routes.seen[lid], p_routes.seen[lid]
@@ -180,9 +214,17 @@ def compare_models(orig, proxy, plan, batches, paths=("original", "proxy", "plan
         return {"tokens": 0}
     return {
         "tokens": tokens,
-        "moe_layers": [{"layer": lid, "kept": int(masks[lid].sum()), "experts": int(masks[lid].numel()),
-                        "gate_mass_share": sums.mean(f"mass.{lid}"), "top1_routing_agreement": sums.mean(f"top1.{lid}")}
-                       for lid in sorted(masks, key=int)],
+        "moe_layers": [
+            {
+                "layer": lid,
+                "kept": int(masks[lid].sum()),
+                "experts": int(masks[lid].numel()),
+                "gate_mass_share": sums.mean(f"mass.{lid}"),
+                "top1_routing_agreement": sums.mean(f"top1.{lid}"),
+            }
+            for lid in sorted(masks, key=int)
+        ],
         "hidden_cosine": [sums.mean(f"cos.{i}") for i in range(text_config_of(orig).num_hidden_layers)],
-        "next_token_kl": sums.mean("kl"), "next_token_top1_agreement": sums.mean("next_top1"),
+        "next_token_kl": sums.mean("kl"),
+        "next_token_top1_agreement": sums.mean("next_top1"),
     }

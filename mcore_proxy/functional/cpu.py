@@ -4,11 +4,13 @@ This is the only place that patches megatron-core (DESIGN.md 5). It replaces exa
 torch.cuda.current_device / synchronize (router weight placement, dist-checkpoint save), the
 CUDA RNG tracker's `fork` (dropout regions), the TE-only symbols megatron's MoE utilities
 reference even without Transformer Engine, the `grouped_gemm` op GroupedMLP calls (with a
-pure-torch grouped GEMM), and the `.cuda()` of the MTP stage's tied embedding. Call `patch_megatron_for_cpu()` before building a model.
+pure-torch grouped GEMM), and the `.cuda()` of the MTP stage's tied embedding. Call `patch_megatron_for_cpu()` before
+building a model.
 
 Multi-latent attention without Transformer Engine (not installable here) needs two more, one a
 patch (`multi_latent_attention.HAVE_TE`) and one a spec edit (`local_mla_spec`); see there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +27,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, t
     outs, start = [], 0
     for g, n in enumerate(batch_sizes.tolist()):
         w = b[g].t() if trans_b else b[g]
-        outs.append(a[start:start + n] @ w)
+        outs.append(a[start : start + n] @ w)
         start += n
     return torch.cat(outs) if outs else a.new_zeros(0, b.shape[-1])
 
@@ -56,14 +58,23 @@ def patch_megatron_for_cpu() -> None:
     mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.states_.__setitem__(name, seed)
 
     from megatron.core.transformer.moe import moe_utils
-    for symbol in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute",
-                   "fused_unpermute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-                   "fused_sort_chunks_by_index_with_probs", "fused_compute_score_for_moe_aux_loss",
-                   "fused_moe_aux_loss"):
+
+    for symbol in (
+        "te_general_gemm",
+        "fused_topk_with_score_function",
+        "fused_permute",
+        "fused_unpermute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+    ):
         if not hasattr(moe_utils, symbol):
             setattr(moe_utils, symbol, None)
 
     from megatron.core.transformer.moe import experts, grouped_gemm_util
+
     grouped_gemm_util.grouped_gemm = _GroupedGemmModule
     grouped_gemm_util.ops = _GroupedGemmOps
     grouped_gemm_util.grouped_gemm_is_available = lambda: True
@@ -183,8 +194,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, port: int, *, tp=1, pp=1, ep=1, etp=None,
-                     vpp=None, seed: int = 1234) -> None:
+def init_distributed(
+    rank: int, world_size: int, port: int, *, tp=1, pp=1, ep=1, etp=None, vpp=None, seed: int = 1234
+) -> None:
     """gloo process group and megatron parallel state for one CPU rank."""
     import warnings
 
@@ -199,9 +211,12 @@ def init_distributed(rank: int, world_size: int, port: int, *, tp=1, pp=1, ep=1,
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp)
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 

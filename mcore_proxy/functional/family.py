@@ -13,6 +13,7 @@ checkpoints strictly (weights only, nothing in them may run) and returns their l
 
 Shipped on purpose (issue 9); `mcore_proxy.testing.families` builds its fixtures on it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,12 +53,12 @@ class Family(ToyMoE):
     position_embedding_type: str = "rope"
     mtp_layers: int = 0
     topk_scaling_factor: float | None = None
-    pre_softmax: bool = False            # softmax over all experts, then top-k (no renormalisation)
-    norm_epsilon: float = 1e-5           # megatron's default layernorm_epsilon
+    pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
+    norm_epsilon: float = 1e-5  # megatron's default layernorm_epsilon
     rotary_base: float = 10000.0
-    rotary_percent: float = 1.0          # RoPE on this share of each head's channels (GLM-4.5: 0.5)
-    add_qkv_bias: bool = False           # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
-    tied_embeddings: bool = False        # megatron's default: the output layer is the word embeddings
+    rotary_percent: float = 1.0  # RoPE on this share of each head's channels (GLM-4.5: 0.5)
+    add_qkv_bias: bool = False  # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
+    tied_embeddings: bool = False  # megatron's default: the output layer is the word embeddings
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
@@ -73,18 +74,32 @@ class Family(ToyMoE):
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
         # SwiGLU as the args say (`swiglu`) and both families compute: TransformerConfig's default
         # activation is gelu, which with gated_linear_unit would be GeGLU
-        values.update(pipeline_model_parallel_size=layout.pp, qk_layernorm=self.qk_layernorm, mtp_num_layers=self.mtp_layers or None,
-                      layernorm_epsilon=self.norm_epsilon, activation_func=torch.nn.functional.silu,
-                      add_qkv_bias=self.add_qkv_bias, moe_router_pre_softmax=self.pre_softmax,
-                      moe_router_topk_scaling_factor=self.topk_scaling_factor,
-                      pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
-                      num_layers_in_first_pipeline_stage=layout.first_stage_layers)
+        values.update(
+            pipeline_model_parallel_size=layout.pp,
+            qk_layernorm=self.qk_layernorm,
+            mtp_num_layers=self.mtp_layers or None,
+            layernorm_epsilon=self.norm_epsilon,
+            activation_func=torch.nn.functional.silu,
+            add_qkv_bias=self.add_qkv_bias,
+            moe_router_pre_softmax=self.pre_softmax,
+            moe_router_topk_scaling_factor=self.topk_scaling_factor,
+            pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
+            num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        )
         if self.attention == "gqa":
             values.update(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
             return type(base)(**values)
-        values.update(multi_latent_attention=True, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                      qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
-                      v_head_dim=self.v_head_dim, rope_type="rope", num_query_groups=None, kv_channels=None)
+        values.update(
+            multi_latent_attention=True,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_head_dim=self.qk_head_dim,
+            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope_type="rope",
+            num_query_groups=None,
+            kv_channels=None,
+        )
         return MLATransformerConfig(**values)
 
     def megatron_args(self, layout: Layout):
@@ -95,22 +110,35 @@ class Family(ToyMoE):
         vpp = getattr(layout, "vpp", None)
         heads = self.num_attention_heads
         vars(args).update(
-            multi_latent_attention=mla, qk_layernorm=self.qk_layernorm,
+            multi_latent_attention=mla,
+            qk_layernorm=self.qk_layernorm,
             group_query_attention=not mla and self.num_query_groups not in (None, heads),
             num_query_groups=(self.num_query_groups or heads) if not mla else heads,
             kv_channels=self.kv_channels or self.hidden_size // heads,
-            q_lora_rank=self.q_lora_rank if mla else None, kv_lora_rank=self.kv_lora_rank,
-            qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim,
-            rope_type="rope" if mla else None, rotary_scaling_factor=1.0, rotary_base=self.rotary_base,
-            rotary_percent=self.rotary_percent, add_qkv_bias=self.add_qkv_bias,
+            q_lora_rank=self.q_lora_rank if mla else None,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_head_dim=self.qk_head_dim,
+            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope_type="rope" if mla else None,
+            rotary_scaling_factor=1.0,
+            rotary_base=self.rotary_base,
+            rotary_percent=self.rotary_percent,
+            add_qkv_bias=self.add_qkv_bias,
             norm_epsilon=self.norm_epsilon,
-            position_embedding_type=self.position_embedding_type, max_position_embeddings=self.seq_length,
+            position_embedding_type=self.position_embedding_type,
+            max_position_embeddings=self.seq_length,
             untie_embeddings_and_output_weights=not self.tied_embeddings,
-            mtp_num_layers=self.mtp_layers or None, mtp_loss_scaling_factor=0.1,
-            moe_router_topk_scaling_factor=self.topk_scaling_factor, moe_router_pre_softmax=self.pre_softmax,
-            pipeline_model_parallel_layout=text, virtual_pipeline_model_parallel_size=vpp,
-            num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
-            overlap_p2p_comm=vpp is not None)
+            mtp_num_layers=self.mtp_layers or None,
+            mtp_loss_scaling_factor=0.1,
+            moe_router_topk_scaling_factor=self.topk_scaling_factor,
+            moe_router_pre_softmax=self.pre_softmax,
+            pipeline_model_parallel_layout=text,
+            virtual_pipeline_model_parallel_size=vpp,
+            num_layers_per_virtual_pipeline_stage=None,
+            num_virtual_stages_per_pipeline_rank=None,
+            overlap_p2p_comm=vpp is not None,
+        )
         return args
 
 
@@ -140,28 +168,42 @@ def build_chunks(model: Family, layout: Layout) -> list:
     decoder layer, also on a stage without decoder layers (`gpt_builders.py`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
-                                                          get_gpt_mtp_block_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
 
     config = model.transformer_config(layout)
     vpp = vpp_of(layout)
     chunks = []
-    for vp in (range(vpp) if vpp else [None]):
-        spec = local_mla_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                         normalization="RMSNorm", vp_stage=vp))
+    for vp in range(vpp) if vpp else [None]:
+        spec = local_mla_spec(
+            get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp)
+        )
         mtp = None
         if model.mtp_layers:
             last = local_mla_spec(get_gpt_decoder_layer_specs(config, False, "RMSNorm", vp_stage=vp)[-1])
             mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp)
-        chunks.append(GPTModel(
-            config, spec, vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            parallel_output=False, share_embeddings_and_output_weights=model.tied_embeddings,
-            position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
-            rotary_percent=model.rotary_percent,
-            mtp_block_spec=mtp, vp_stage=vp).eval())
+        chunks.append(
+            GPTModel(
+                config,
+                spec,
+                vocab_size=model.vocab_size,
+                max_sequence_length=model.seq_length,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                parallel_output=False,
+                share_embeddings_and_output_weights=model.tied_embeddings,
+                position_embedding_type=model.position_embedding_type,
+                rotary_base=model.rotary_base,
+                rotary_percent=model.rotary_percent,
+                mtp_block_spec=mtp,
+                vp_stage=vp,
+            ).eval()
+        )
     return chunks
+
 
 def _send(t: torch.Tensor, dst: int) -> None:
     """Tensor with its shape first: an MTP stage sends [(1 + mtp) * s, b, h], the others [s, b, h]."""
@@ -189,8 +231,11 @@ def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tenso
     labels = {"labels": tokens} if model.mtp_layers else {}
     vpp = len(chunks) > 1
     seen: list[torch.Tensor] = []
-    hooks = [c.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
-             for c in chunks if c.post_process]
+    hooks = [
+        c.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
+        for c in chunks
+        if c.post_process
+    ]
     try:
         with torch.no_grad():
             for vp, chunk in enumerate(chunks):
@@ -210,9 +255,11 @@ def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tenso
     # megatron's post-processing applies the output layer to the MTP depths first, the main head last
     return torch.stack([x.transpose(0, 1) for x in [seen[-1], *seen[:-1]]])
 
+
 def state_keys(chunks: list) -> list[str]:
     """Megatron-LM's generate_state_dict: `model`, or `model0`, `model1`, ... with virtual stages."""
     return ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
+
 
 def embedding_ranks(model: Family, layout: Layout):
     """Megatron-LM's `get_embedding_ranks` (pretrain_gpt.py) for this model: the ranks whose word
@@ -227,7 +274,7 @@ def embedding_ranks(model: Family, layout: Layout):
     else:
         copies = {layout.pp - 1} if model.mtp_layers else set()
     if model.tied_embeddings:
-        copies.add(layout.pp - 1)   # the last stage's output layer is the embeddings' copy
+        copies.add(layout.pp - 1)  # the last stage's output layer is the embeddings' copy
 
     def ranks(pp_ranks: list[int]) -> list[int]:
         if len(pp_ranks) == 1:
@@ -246,10 +293,14 @@ def enter_layout(rank: int, world: int, port: int, model: Family, layout: Layout
     if not torch.distributed.is_initialized():
         init_distributed(rank, world, port)
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                 virtual_pipeline_model_parallel_size=vpp_of(layout),
-                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
-                                 get_embedding_ranks=embedding_ranks(model, layout))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vpp_of(layout),
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        get_embedding_ranks=embedding_ranks(model, layout),
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
@@ -309,24 +360,44 @@ def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Fa
     freq = parse_layer_pattern(arg(args, "moe_layer_freq"), "args moe_layer_freq")
     mla = bool(getattr(args, "multi_latent_attention", False))
     fields = dict(
-        attention="mla" if mla else "gqa", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        num_attention_heads=int(args.num_attention_heads), ffn_hidden_size=ffn_hidden_size(args),
-        num_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size, topk=spec.topk,
-        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq, shared_expert_size=spec.shared_expert_size,
-        score_function=spec.score_function, expert_bias=spec.expert_bias, num_groups=spec.num_groups,
-        group_topk=spec.group_topk, vocab_size=int(args.padded_vocab_size), seq_length=seq_length,
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)), mtp_layers=spec.mtp_layers,
+        attention="mla" if mla else "gqa",
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=int(args.num_attention_heads),
+        ffn_hidden_size=ffn_hidden_size(args),
+        num_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        topk=spec.topk,
+        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+        shared_expert_size=spec.shared_expert_size,
+        score_function=spec.score_function,
+        expert_bias=spec.expert_bias,
+        num_groups=spec.num_groups,
+        group_topk=spec.group_topk,
+        vocab_size=int(args.padded_vocab_size),
+        seq_length=seq_length,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        mtp_layers=spec.mtp_layers,
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         position_embedding_type=getattr(args, "position_embedding_type", "rope"),
-        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)), rotary_base=float(getattr(args, "rotary_base", 10000)),
+        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
+        rotary_base=float(getattr(args, "rotary_base", 10000)),
         rotary_percent=float(getattr(args, "rotary_percent", None) or 1.0),
         add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-        tied_embeddings=(getattr(args, "untie_embeddings_and_output_weights", True) is False) if tied is None else tied)
+        tied_embeddings=(getattr(args, "untie_embeddings_and_output_weights", True) is False) if tied is None else tied,
+    )
     if mla:
-        fields.update(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-                      qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+        fields.update(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+        )
     else:
-        fields.update(num_query_groups=getattr(args, "num_query_groups", None), kv_channels=getattr(args, "kv_channels", None))
+        fields.update(
+            num_query_groups=getattr(args, "num_query_groups", None), kv_channels=getattr(args, "kv_channels", None)
+        )
     return Family(**fields)

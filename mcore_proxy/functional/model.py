@@ -4,6 +4,7 @@
 `megatron_args` writes back), `Layout` the parallel layout of one run, `build_gpt` this rank's
 stage of the model (call `functional.cpu.init_distributed` first).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ class ToyMoE:
     num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
-    ffn_hidden_size: int = 64            # dense layers
+    ffn_hidden_size: int = 64  # dense layers
     num_experts: int = 8
     moe_ffn_hidden_size: int = 16
     topk: int = 2
@@ -36,9 +37,9 @@ class ToyMoE:
     group_topk: int | None = None
     vocab_size: int = 128
     seq_length: int = 16
-    router_std: float = 1.0              # wide router rows: decisive, diverse routing
-    weight_seed: int = 0                 # different seeds: different router and expert weights
-    activation: str = "swiglu"           # experts' and dense MLPs': "swiglu", "geglu" or "gelu"
+    router_std: float = 1.0  # wide router rows: decisive, diverse routing
+    weight_seed: int = 0  # different seeds: different router and expert weights
+    activation: str = "swiglu"  # experts' and dense MLPs': "swiglu", "geglu" or "gelu"
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -49,25 +50,39 @@ class ToyMoE:
 
         freq = list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
         return TransformerConfig(
-            num_layers=self.num_layers, hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
-            num_moe_experts=self.num_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_topk=self.topk, moe_layer_freq=freq,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_moe_experts=self.num_experts,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_topk=self.topk,
+            moe_layer_freq=freq,
             moe_shared_expert_intermediate_size=self.shared_expert_size,
             moe_shared_expert_gate=self.shared_expert_gate,
             moe_router_score_function=self.score_function,
             moe_router_enable_expert_bias=self.expert_bias,
-            moe_router_num_groups=self.num_groups, moe_router_group_topk=self.group_topk,
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=layout.grouped,
+            moe_router_num_groups=self.num_groups,
+            moe_router_group_topk=self.group_topk,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=layout.grouped,
             # Megatron-LM's --swiglu: SiLU-gated (core_transformer_config_from_args); GELU otherwise
             gated_linear_unit=self.activation != "gelu",
             activation_func=torch.nn.functional.silu if self.activation == "swiglu" else torch.nn.functional.gelu,
-            add_bias_linear=False, normalization="RMSNorm",
-            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-            params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False,
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+            add_bias_linear=False,
+            normalization="RMSNorm",
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            bf16=False,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
             num_layers_in_first_pipeline_stage=layout.first_stage_layers,
             sequence_parallel=False,
         )
@@ -80,28 +95,48 @@ class ToyMoE:
 
         freq = list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
         return argparse.Namespace(
-            num_layers=self.num_layers, hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
-            num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_topk=self.topk, moe_layer_freq=freq,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_experts=self.num_experts,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_topk=self.topk,
+            moe_layer_freq=freq,
             moe_shared_expert_intermediate_size=self.shared_expert_size,
             moe_shared_expert_gate=self.shared_expert_gate,
             moe_router_score_function=self.score_function,
             moe_router_enable_expert_bias=self.expert_bias,
-            moe_router_num_groups=self.num_groups, moe_router_group_topk=self.group_topk,
-            moe_grouped_gemm=layout.grouped, moe_token_dispatcher_type="allgather",
-            swiglu=self.activation == "swiglu", gated_linear_unit=self.activation != "gelu",
-            add_bias_linear=False, normalization="RMSNorm",
-            padded_vocab_size=self.vocab_size, seq_length=self.seq_length,
-            max_position_embeddings=self.seq_length, position_embedding_type="rope",
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+            moe_router_num_groups=self.num_groups,
+            moe_router_group_topk=self.group_topk,
+            moe_grouped_gemm=layout.grouped,
+            moe_token_dispatcher_type="allgather",
+            swiglu=self.activation == "swiglu",
+            gated_linear_unit=self.activation != "gelu",
+            add_bias_linear=False,
+            normalization="RMSNorm",
+            padded_vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            max_position_embeddings=self.seq_length,
+            position_embedding_type="rope",
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
             decoder_first_pipeline_num_layers=layout.first_stage_layers,
-            decoder_last_pipeline_num_layers=None, num_layers_per_virtual_pipeline_stage=None,
-            use_distributed_optimizer=False, bf16=False, fp16=False, params_dtype=torch.float32,
-            attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, transformer_impl="local",
-            world_size=layout.world_size, data_parallel_size=layout.world_size // (layout.tp * layout.pp),
-            ckpt_format="torch", iteration=0,
+            decoder_last_pipeline_num_layers=None,
+            num_layers_per_virtual_pipeline_stage=None,
+            use_distributed_optimizer=False,
+            bf16=False,
+            fp16=False,
+            params_dtype=torch.float32,
+            attention_backend=AttnBackend.auto,
+            exit_signal=signal.SIGTERM,
+            transformer_impl="local",
+            world_size=layout.world_size,
+            data_parallel_size=layout.world_size // (layout.tp * layout.pp),
+            ckpt_format="torch",
+            iteration=0,
         )
 
 
@@ -112,8 +147,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    etp: int | None = None               # None: equal to tp, as Megatron defaults
-    grouped: bool = False                # GroupedMLP (weight1/weight2) instead of SequentialMLP
+    etp: int | None = None  # None: equal to tp, as Megatron defaults
+    grouped: bool = False  # GroupedMLP (weight1/weight2) instead of SequentialMLP
     first_stage_layers: int | None = None
 
     def __post_init__(self):
@@ -133,9 +168,16 @@ def build_gpt(model: ToyMoE, layout: Layout):
 
     config = model.transformer_config(layout)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    gpt = GPTModel(config, spec, vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
-                   pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                   parallel_output=False, position_embedding_type="rope")
+    gpt = GPTModel(
+        config,
+        spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=False,
+        position_embedding_type="rope",
+    )
     return gpt.eval()
 
 
@@ -150,14 +192,21 @@ def toy_from_args(args, where: str | None = None) -> ToyMoE:
     spec = ModelSpec.from_args(args, where)
     freq = parse_layer_pattern(arg(args, "moe_layer_freq", where), "args moe_layer_freq")
     return ToyMoE(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
         num_attention_heads=arg_int(args, "num_attention_heads", where, minimum=1),
-        ffn_hidden_size=ffn_hidden_size(args, where), num_experts=spec.num_experts,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, topk=spec.topk,
+        ffn_hidden_size=ffn_hidden_size(args, where),
+        num_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        topk=spec.topk,
         moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
         shared_expert_size=spec.shared_expert_size,
         shared_expert_gate=arg_bool(args, "moe_shared_expert_gate", where),
-        score_function=spec.score_function, expert_bias=spec.expert_bias,
-        num_groups=spec.num_groups, group_topk=spec.group_topk,
+        score_function=spec.score_function,
+        expert_bias=spec.expert_bias,
+        num_groups=spec.num_groups,
+        group_topk=spec.group_topk,
         vocab_size=arg_int(args, "padded_vocab_size", where, minimum=1),
-        seq_length=arg_int(args, "seq_length", where, minimum=1), activation=activation_of_args(args, where))
+        seq_length=arg_int(args, "seq_length", where, minimum=1),
+        activation=activation_of_args(args, where),
+    )

@@ -3,6 +3,7 @@
 `load_and_run` is what `verify --functional` does with a checkpoint: spawn the ranks of a
 layout over gloo, build the model, load a legacy checkpoint strictly, run `fixed_tokens`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,11 @@ def forward_logits(gpt, tokens: torch.Tensor) -> torch.Tensor | None:
 def rank_coords(layout: Layout) -> tuple[int, int, int]:
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_expert_model_parallel_rank())
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+    )
 
 
 def writes_folder(coords, world: int) -> bool:
@@ -108,13 +112,17 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None
         destroy_distributed()
 
 
-def load_and_run(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, out_path,
-                 keep: dict[str, list[int]] | None = None) -> torch.Tensor:
+def load_and_run(
+    model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, out_path, keep: dict[str, list[int]] | None = None
+) -> torch.Tensor:
     """Load a legacy checkpoint into megatron-core models built at `layout` in spawned gloo ranks
     (strict; with `torch.load(weights_only=True)` and the allow-list of safe globals), run the
     fixed tokens, and return the logits [b, s, vocab]. `keep` restricts the routers to those
     experts (see `restrict_routers`)."""
-    torch.multiprocessing.spawn(_load_worker, args=(layout.world_size, free_port(), model, layout,
-                                                    str(ckpt_dir), str(out_path), keep),
-                                nprocs=layout.world_size, join=True)
+    torch.multiprocessing.spawn(
+        _load_worker,
+        args=(layout.world_size, free_port(), model, layout, str(ckpt_dir), str(out_path), keep),
+        nprocs=layout.world_size,
+        join=True,
+    )
     return torch.load(out_path)

@@ -3,6 +3,7 @@
 Each scorer maps a layer's statistics to a score per expert, [E] float64; `top_k` keeps the
 highest scores, ties going to the lowest id, so every baseline is deterministic.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,9 @@ from mcore_proxy.stats import LayerStats
 RANKING_METHODS = ("frequency", "gate-mass", "saliency", "random", "first-k")
 
 
-def top_k(scores: np.ndarray, k: int, candidates: np.ndarray | None = None,
-          live: np.ndarray | None = None) -> list[int]:
+def top_k(
+    scores: np.ndarray, k: int, candidates: np.ndarray | None = None, live: np.ndarray | None = None
+) -> list[int]:
     """Sorted ids of the k highest scores among `candidates` (default: all); ties -> lowest id.
 
     live [E] bool (experts some token selected): live experts come before dead ones whatever
@@ -37,8 +39,10 @@ def gate_mass_scores(s: LayerStats) -> np.ndarray:
 def saliency_scores(s: LayerStats, layer_id: str = "?") -> np.ndarray:
     """Mean saliency per activation, saliency_sum / freq; never-selected experts rank last."""
     if s.saliency_sum is None:
-        raise StatsError(f"the statistics hold no saliency_sum for layer {layer_id}; collect "
-                         "them with saliency enabled or choose another --method")
+        raise StatsError(
+            f"the statistics hold no saliency_sum for layer {layer_id}; collect "
+            "them with saliency enabled or choose another --method"
+        )
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(s.freq > 0, s.saliency_sum / np.maximum(s.freq, 1), -1.0)
 

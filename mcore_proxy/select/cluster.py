@@ -1,4 +1,5 @@
 """K-Medoids on a precomputed distance matrix and the frequency-aware representative rule."""
+
 from __future__ import annotations
 
 import logging
@@ -78,11 +79,22 @@ def kmedoids(d: np.ndarray, k: int, seed: int = 0, restarts: int = 8) -> Cluster
         if best is None or res.loss < best[1] - 1e-12:
             best = (np.asarray(res.medoids, dtype=np.int64), float(res.loss))
     if short:
-        log.info("K-Medoids (%d points, k=%d): %d of %d restarts returned fewer than k distinct "
-                 "medoids (many equal distances) and were not used", n, k, short, max(restarts, 1))
+        log.info(
+            "K-Medoids (%d points, k=%d): %d of %d restarts returned fewer than k distinct "
+            "medoids (many equal distances) and were not used",
+            n,
+            k,
+            short,
+            max(restarts, 1),
+        )
     if len(losses) > 1:
-        log.info("K-Medoids (%d points, k=%d): restarts disagree, losses %.4g..%.4g; the lowest "
-                 "is kept", n, k, min(losses), max(losses))
+        log.info(
+            "K-Medoids (%d points, k=%d): restarts disagree, losses %.4g..%.4g; the lowest is kept",
+            n,
+            k,
+            min(losses),
+            max(losses),
+        )
     medoids = best[0] if best is not None else complete_medoids(d, longest, k)
     labels, loss = assign(d, medoids)
     return Clustering(labels=labels, medoids=medoids, loss=loss)

@@ -5,6 +5,7 @@ inside them) the proxy either keeps G groups of K/G experts (`per-group`) or dro
 (`flatten`, G = 1). Megatron scores a group by its best top-k/g experts, so every kept group
 needs at least top-k/g experts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,20 +37,32 @@ class GroupSetup:
 def check_sizes(num_experts: int, k: int, topk: int, target_ep: int) -> None:
     """K < E, K divisible by the target EP degree, top-k <= K."""
     if not 0 < k < num_experts:
-        raise PlanError(f"--num-experts {k} must be in 1..{num_experts - 1}: the checkpoint has "
-                        f"{num_experts} experts per layer and a proxy keeps fewer (to keep all of them and only "
-                        "re-shard, run `mcore-proxy convert` without --plan)")
+        raise PlanError(
+            f"--num-experts {k} must be in 1..{num_experts - 1}: the checkpoint has "
+            f"{num_experts} experts per layer and a proxy keeps fewer (to keep all of them and only "
+            "re-shard, run `mcore-proxy convert` without --plan)"
+        )
     if target_ep < 1 or k % target_ep:
-        raise PlanError(f"--num-experts {k} is not divisible by --target-ep {target_ep}; choose K "
-                        f"as a multiple of the expert-parallel degree")
+        raise PlanError(
+            f"--num-experts {k} is not divisible by --target-ep {target_ep}; choose K "
+            f"as a multiple of the expert-parallel degree"
+        )
     if topk > k:
-        raise PlanError(f"--num-experts {k} is smaller than the router top-k {topk}; a token "
-                        f"needs at least {topk} experts, choose K >= {topk}")
+        raise PlanError(
+            f"--num-experts {k} is smaller than the router top-k {topk}; a token "
+            f"needs at least {topk} experts, choose K >= {topk}"
+        )
 
 
-def resolve_groups(num_experts: int, k: int, topk: int, num_groups: int | None,
-                   group_topk: int | None, score_function: str = "softmax",
-                   policy: str | None = None) -> GroupSetup:
+def resolve_groups(
+    num_experts: int,
+    k: int,
+    topk: int,
+    num_groups: int | None,
+    group_topk: int | None,
+    score_function: str = "softmax",
+    policy: str | None = None,
+) -> GroupSetup:
     """Decide the proxy's routing groups; PlanError when the policy cannot be met."""
     if policy is not None and policy not in GROUP_POLICIES:
         raise PlanError(f"--group-policy {policy!r} is not one of {GROUP_POLICIES}")
@@ -61,20 +74,31 @@ def resolve_groups(num_experts: int, k: int, topk: int, num_groups: int | None,
         return GroupSetup(all_ids, k, "none", RouterSettings(topk, num_groups, group_topk, score_function))
     G, g = int(num_groups), int(group_topk)
     if num_experts % G:
-        raise PlanError(f"the checkpoint has {num_experts} experts in {G} routing groups, which "
-                        "does not divide; check moe_router_num_groups in its args")
+        raise PlanError(
+            f"the checkpoint has {num_experts} experts in {G} routing groups, which "
+            "does not divide; check moe_router_num_groups in its args"
+        )
     if (policy or "per-group") == "flatten":
-        log.warning("--group-policy flatten: the proxy routes over its %d experts without "
-                    "groups (num_groups=1, group_topk=1) instead of %d groups / top-%d", k, G, g)
+        log.warning(
+            "--group-policy flatten: the proxy routes over its %d experts without "
+            "groups (num_groups=1, group_topk=1) instead of %d groups / top-%d",
+            k,
+            G,
+            g,
+        )
         return GroupSetup(all_ids, k, "flatten", RouterSettings(topk, 1, 1, score_function))
     if k % G:
-        raise PlanError(f"--num-experts {k} is not divisible by the {G} routing groups; choose a "
-                        f"multiple of {G} or pass --group-policy flatten")
+        raise PlanError(
+            f"--num-experts {k} is not divisible by the {G} routing groups; choose a "
+            f"multiple of {G} or pass --group-policy flatten"
+        )
     if (k // G) * g < topk:
         need = -(-topk // g)
-        raise PlanError(f"--num-experts {k} leaves {k // G} experts per routing group, but top-{topk} "
-                        f"over {g} groups needs at least {need} per group; choose K >= {need * G} "
-                        "or pass --group-policy flatten")
+        raise PlanError(
+            f"--num-experts {k} leaves {k // G} experts per routing group, but top-{topk} "
+            f"over {g} groups needs at least {need} per group; choose K >= {need * G} "
+            "or pass --group-policy flatten"
+        )
     groups = tuple(np.arange(num_experts).reshape(G, num_experts // G))
     return GroupSetup(groups, k // G, "per-group", RouterSettings(topk, G, g, score_function))
 
@@ -83,26 +107,37 @@ def check_stats_match(stats: RoutingStats, spec, stats_name: str = "the statisti
     """The statistics describe the checkpoint's model: E, H, top-k and exactly its MoE layers
     (MTP included). spec: a ModelSpec."""
     if stats.num_experts != spec.num_experts:
-        raise StatsError(f"{stats_name}: {stats.num_experts} experts per layer but the checkpoint "
-                         f"has {spec.num_experts}; use statistics traced on this model")
+        raise StatsError(
+            f"{stats_name}: {stats.num_experts} experts per layer but the checkpoint "
+            f"has {spec.num_experts}; use statistics traced on this model"
+        )
     if stats.hidden_size != spec.hidden_size:
-        raise StatsError(f"{stats_name}: hidden size {stats.hidden_size} but the checkpoint has "
-                         f"{spec.hidden_size}; use statistics traced on this model")
+        raise StatsError(
+            f"{stats_name}: hidden size {stats.hidden_size} but the checkpoint has "
+            f"{spec.hidden_size}; use statistics traced on this model"
+        )
     if stats.topk != spec.topk:
-        raise StatsError(f"{stats_name}: traced with top-{stats.topk} but the checkpoint routes "
-                         f"top-{spec.topk}; use statistics traced on this model")
+        raise StatsError(
+            f"{stats_name}: traced with top-{stats.topk} but the checkpoint routes "
+            f"top-{spec.topk}; use statistics traced on this model"
+        )
     want = set(spec.moe_layer_ids)
     # layers the collector could not run (e.g. MTP layers transformers does not build) are selected
     # without statistics (selector.select_unobserved); any other missing layer is an error
     missing = sorted(want - set(stats.layers) - set(stats.meta.get("unobserved_layers", {})), key=layer_sort_key)
     extra = sorted(set(stats.layers) - want, key=layer_sort_key)
     if missing:
-        raise StatsError(f"{stats_name}: no statistics for MoE layers {', '.join(missing)} of the "
-                         "checkpoint; trace every MoE layer (MTP included) and merge all rank files")
+        raise StatsError(
+            f"{stats_name}: no statistics for MoE layers {', '.join(missing)} of the "
+            "checkpoint; trace every MoE layer (MTP included) and merge all rank files"
+        )
     if extra:
-        raise StatsError(f"{stats_name}: layers {', '.join(extra)} are not MoE layers of the "
-                         "checkpoint; use statistics traced on this model")
+        raise StatsError(
+            f"{stats_name}: layers {', '.join(extra)} are not MoE layers of the "
+            "checkpoint; use statistics traced on this model"
+        )
     empty = [lid for lid in stats.layer_ids if stats.layers[lid].freq.sum() <= 0]
     if empty:
-        raise StatsError(f"{stats_name}: MoE layers {', '.join(empty)} routed no tokens; collect "
-                         "statistics over some data")
+        raise StatsError(
+            f"{stats_name}: MoE layers {', '.join(empty)} routed no tokens; collect statistics over some data"
+        )

@@ -3,6 +3,7 @@
 Views live on different scales (cosine distances near 1 for high-dimensional router rows,
 co-activation shares near 0), so each is mapped to [0, 1] before the weighted sum.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@
 expert j is original `kept[j]`), how they were chosen, and what the proxy's router must be set
 to. Everything needed to reproduce the selection is recorded under `method` and `params`.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ class Cluster:
         object.__setattr__(self, "members", _ids(self.members, "cluster members"))
         object.__setattr__(self, "representative", int(self.representative))
         if self.representative not in self.members:
-            raise PlanError(f"cluster representative {self.representative} is not among its "
-                            f"members {list(self.members)}")
+            raise PlanError(
+                f"cluster representative {self.representative} is not among its members {list(self.members)}"
+            )
 
     def to_json(self) -> dict:
         return {"members": list(self.members), "representative": self.representative}
@@ -93,8 +95,10 @@ class LayerPlan:
         for e, ranked in dict(self.substitutes).items():
             ranked = _ids([ranked] if isinstance(ranked, int) else ranked, f"substitutes of expert {e}")
             if int(e) in kept or not set(ranked) <= set(kept) or len(set(ranked)) != len(ranked):
-                raise PlanError(f"substitutes {list(ranked)} for expert {e}: the expert must be dropped and its "
-                                "substitutes distinct kept experts")
+                raise PlanError(
+                    f"substitutes {list(ranked)} for expert {e}: the expert must be dropped and its "
+                    "substitutes distinct kept experts"
+                )
             subs[int(e)] = ranked + tuple(k for k in kept if k not in ranked)
         object.__setattr__(self, "substitutes", subs)
         for name in ("token_coverage", "gate_mass_coverage"):
@@ -109,22 +113,27 @@ class LayerPlan:
             "clusters": [c.to_json() for c in self.clusters],
             "coverage": {"tokens": self.token_coverage, "gate_mass": self.gate_mass_coverage},
             "never_selected": list(self.never_selected),
-            "dead_kept": {"count": len(self.dead_kept), "experts": list(self.dead_kept),
-                          "why": self.dead_note},
-            **({"substitutes": {str(e): list(r) for e, r in sorted(self.substitutes.items())}}
-               if self.substitutes else {}),
+            "dead_kept": {"count": len(self.dead_kept), "experts": list(self.dead_kept), "why": self.dead_note},
+            **(
+                {"substitutes": {str(e): list(r) for e, r in sorted(self.substitutes.items())}}
+                if self.substitutes
+                else {}
+            ),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> "LayerPlan":
         cov = d.get("coverage", {})
-        return cls(kept=d["kept"], clusters=tuple(Cluster(**c) for c in d.get("clusters", [])),
-                   token_coverage=cov.get("tokens", 0.0),
-                   gate_mass_coverage=cov.get("gate_mass", 0.0),
-                   never_selected=d.get("never_selected", []),
-                   dead_kept=d.get("dead_kept", {}).get("experts", []),
-                   dead_note=d.get("dead_kept", {}).get("why", ""),
-                   substitutes={int(e): r for e, r in d.get("substitutes", {}).items()})
+        return cls(
+            kept=d["kept"],
+            clusters=tuple(Cluster(**c) for c in d.get("clusters", [])),
+            token_coverage=cov.get("tokens", 0.0),
+            gate_mass_coverage=cov.get("gate_mass", 0.0),
+            never_selected=d.get("never_selected", []),
+            dead_kept=d.get("dead_kept", {}).get("experts", []),
+            dead_note=d.get("dead_kept", {}).get("why", ""),
+            substitutes={int(e): r for e, r in d.get("substitutes", {}).items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -143,9 +152,14 @@ class SourceInfo:
     router_fingerprint: str | None = None
 
     def to_json(self) -> dict:
-        return {"num_experts": self.num_experts, "topk": self.topk, "num_groups": self.num_groups,
-                "group_topk": self.group_topk, "iteration": self.iteration,
-                "router_fingerprint": self.router_fingerprint}
+        return {
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+            "num_groups": self.num_groups,
+            "group_topk": self.group_topk,
+            "iteration": self.iteration,
+            "router_fingerprint": self.router_fingerprint,
+        }
 
 
 @dataclass(frozen=True)
@@ -163,8 +177,12 @@ class RouterSettings:
     score_function: str = "softmax"
 
     def to_json(self) -> dict:
-        return {"topk": self.topk, "num_groups": self.num_groups, "group_topk": self.group_topk,
-                "score_function": self.score_function}
+        return {
+            "topk": self.topk,
+            "num_groups": self.num_groups,
+            "group_topk": self.group_topk,
+            "score_function": self.score_function,
+        }
 
 
 @dataclass(frozen=True, repr=False)
@@ -176,7 +194,7 @@ class SelectionPlan:
     """
 
     source: SourceInfo
-    num_experts: int                 # K, experts kept per layer
+    num_experts: int  # K, experts kept per layer
     expert_parallel_size: int
     method: str
     params: dict
@@ -188,8 +206,7 @@ class SelectionPlan:
         if not 0 < k < e:
             raise PlanError(f"K={k} experts to keep must be in 1..{e - 1} (the source has {e})")
         if self.expert_parallel_size < 1 or k % self.expert_parallel_size:
-            raise PlanError(f"K={k} is not divisible by the expert-parallel degree "
-                            f"{self.expert_parallel_size}")
+            raise PlanError(f"K={k} is not divisible by the expert-parallel degree {self.expert_parallel_size}")
         if self.router.topk > k:
             raise PlanError(f"router top-k {self.router.topk} exceeds K={k}")
         if not self.layers:
@@ -213,8 +230,7 @@ class SelectionPlan:
         try:
             return list(self.layers[str(layer_id)].kept)
         except KeyError:
-            raise PlanError(f"the plan has no MoE layer {layer_id!r}; it has "
-                            f"{self.layer_ids}") from None
+            raise PlanError(f"the plan has no MoE layer {layer_id!r}; it has {self.layer_ids}") from None
 
     @property
     def unobserved(self) -> dict[str, str]:
@@ -234,21 +250,29 @@ class SelectionPlan:
 
         spec = view.spec
         if spec.num_experts != self.source.num_experts:
-            raise PlanError(f"the plan is for {self.source.num_experts} experts per layer but the "
-                            f"checkpoint has {spec.num_experts}; select again for this checkpoint")
+            raise PlanError(
+                f"the plan is for {self.source.num_experts} experts per layer but the "
+                f"checkpoint has {spec.num_experts}; select again for this checkpoint"
+            )
         # a plan made from a checkpoint records its top-k; another one would silently become the plan's
         if self.source.router_fingerprint is not None and spec.topk != self.source.topk:
-            raise PlanError(f"the plan is for a router choosing the top {self.source.topk} experts but the "
-                            f"checkpoint's chooses the top {spec.topk}; select again for this checkpoint")
+            raise PlanError(
+                f"the plan is for a router choosing the top {self.source.topk} experts but the "
+                f"checkpoint's chooses the top {spec.topk}; select again for this checkpoint"
+            )
         missing = [lid for lid in spec.moe_layer_ids if lid not in self.layers]
         extra = [lid for lid in self.layer_ids if lid not in spec.moe_layer_ids]
         if missing or extra:
-            raise PlanError(f"the plan's layers do not match the checkpoint's MoE layers (missing "
-                            f"{missing}, not MoE {extra}); select again for this checkpoint")
+            raise PlanError(
+                f"the plan's layers do not match the checkpoint's MoE layers (missing "
+                f"{missing}, not MoE {extra}); select again for this checkpoint"
+            )
         fp = self.source.router_fingerprint
         if fp is not None and fp != router_fingerprint(view):
-            raise PlanError("the checkpoint's router weights differ from those the plan was made "
-                            "for (router_fingerprint); select again for this checkpoint")
+            raise PlanError(
+                "the checkpoint's router weights differ from those the plan was made "
+                "for (router_fingerprint); select again for this checkpoint"
+            )
 
     def to_json(self) -> dict:
         from mcore_proxy import __version__
@@ -257,8 +281,7 @@ class SelectionPlan:
             "format": FORMAT,
             "created_by": f"mcore-proxy {__version__}",
             "source": self.source.to_json(),
-            "target": {"num_experts": self.num_experts,
-                       "expert_parallel_size": self.expert_parallel_size},
+            "target": {"num_experts": self.num_experts, "expert_parallel_size": self.expert_parallel_size},
             "method": self.method,
             "params": self.params,
             "router": self.router.to_json(),
@@ -269,12 +292,15 @@ class SelectionPlan:
     def from_json(cls, d: dict) -> "SelectionPlan":
         if d.get("format") != FORMAT:
             raise PlanError(f"format is {d.get('format')!r}, expected {FORMAT!r}")
-        return cls(source=SourceInfo(**d["source"]),
-                   num_experts=int(d["target"]["num_experts"]),
-                   expert_parallel_size=int(d["target"]["expert_parallel_size"]),
-                   method=str(d["method"]), params=dict(d["params"]),
-                   router=RouterSettings(**d["router"]),
-                   layers={str(k): _layer_from_json(k, v) for k, v in d["layers"].items()})
+        return cls(
+            source=SourceInfo(**d["source"]),
+            num_experts=int(d["target"]["num_experts"]),
+            expert_parallel_size=int(d["target"]["expert_parallel_size"]),
+            method=str(d["method"]),
+            params=dict(d["params"]),
+            router=RouterSettings(**d["router"]),
+            layers={str(k): _layer_from_json(k, v) for k, v in d["layers"].items()},
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write JSON atomically (temp file in the same folder, then rename); overwrites."""
@@ -286,8 +312,10 @@ class SelectionPlan:
         return path
 
     def __repr__(self) -> str:
-        return (f"SelectionPlan(method={self.method!r}, E={self.source.num_experts}, "
-                f"K={self.num_experts}, layers={len(self.layers)})")
+        return (
+            f"SelectionPlan(method={self.method!r}, E={self.source.num_experts}, "
+            f"K={self.num_experts}, layers={len(self.layers)})"
+        )
 
 
 def _layer_from_json(layer_id: str, d: dict) -> LayerPlan:
@@ -300,13 +328,19 @@ def _layer_from_json(layer_id: str, d: dict) -> LayerPlan:
 def load_plan(path: str | os.PathLike) -> SelectionPlan:
     """Read `plan.json`; PlanError names the file on any defect."""
     path = Path(path)
-    data = read_json_object(path, "plan file", "regenerate it with `mcore-proxy select`", PlanError,
-                            missing_fix=f"write one with `mcore-proxy select ... -o {path}`")
+    data = read_json_object(
+        path,
+        "plan file",
+        "regenerate it with `mcore-proxy select`",
+        PlanError,
+        missing_fix=f"write one with `mcore-proxy select ... -o {path}`",
+    )
     try:
         return SelectionPlan.from_json(data)
     except PlanError as err:
         raise PlanError(f"{path}: {err}; regenerate it with `mcore-proxy select`") from None
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         detail = f"missing key {err}" if isinstance(err, KeyError) else str(err)
-        raise PlanError(f"{path}: not a valid {FORMAT} plan ({detail}); regenerate it with "
-                        "`mcore-proxy select`") from None
+        raise PlanError(
+            f"{path}: not a valid {FORMAT} plan ({detail}); regenerate it with `mcore-proxy select`"
+        ) from None

@@ -15,6 +15,7 @@ the expert bias added for the choice only and the chosen scores normalised (top-
 Experts are SwiGLU (`--swiglu`), GELU-gated or GELU MLPs (`activation_of`), weights as in
 DESIGN.md 4.3.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class LayerFunction:
         else:
             scores, choice = logits, logits
         choice = np.where(allowed, choice, -np.inf)
-        top = np.argpartition(-choice, self.topk - 1, axis=1)[:, : self.topk]      # [P, k]
+        top = np.argpartition(-choice, self.topk - 1, axis=1)[:, : self.topk]  # [P, k]
         picked = np.take_along_axis(scores, top, axis=1)
         if self.score_function == "sigmoid":
             probs = picked / (picked.sum(1, keepdims=True) + 1e-20) if self.topk > 1 else picked
@@ -115,7 +116,7 @@ class LayerFunction:
         if ref is None:
             ref = self.output(None)
             object.__setattr__(self, "_ref", ref)
-            object.__setattr__(self, "_energy", float((self.weights * (ref ** 2).sum(1)).sum()))
+            object.__setattr__(self, "_energy", float((self.weights * (ref**2).sum(1)).sum()))
         return ref
 
 
@@ -130,8 +131,10 @@ def layer_function(view, layer_id: str, stats_layer, router_weight: np.ndarray) 
     names = set(view.names())
     missing = [n for n in expert_weight_names(layer_id, 0) if n not in names]
     if missing:
-        raise PlanError(f"the checkpoint has no {missing[0]}; reconstruction reads every expert's "
-                        "weights: select from the full checkpoint or choose a method without it")
+        raise PlanError(
+            f"the checkpoint has no {missing[0]}; reconstruction reads every expert's "
+            "weights: select from the full checkpoint or choose a method without it"
+        )
     freq = stats_layer.freq
     live = np.flatnonzero(freq > 0)
     points = stats_layer.proto_sum[live] / freq[live, None]
@@ -146,5 +149,6 @@ def layer_function(view, layer_id: str, stats_layer, router_weight: np.ndarray) 
         from mcore_proxy.spec import expert_bias_name
 
         bias = as_float64(view.get(expert_bias_name(layer_id)))
-    return LayerFunction(points @ router_weight.T, outputs, freq[live].astype(np.float64), spec.topk,
-                         spec.score_function, bias)
+    return LayerFunction(
+        points @ router_weight.T, outputs, freq[live].astype(np.float64), spec.topk, spec.score_function, bias
+    )

@@ -9,6 +9,7 @@ Both keep the method's constraints: experts are kept whole (no averaging), nothi
 and the proxy routes with the original top-k rule over the kept experts. Live experts come
 before dead ones: a never-selected expert is a candidate only where fewer than K are live.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,9 @@ from mcore_proxy.select.plan import Cluster
 from mcore_proxy.select.reconstruct import LayerFunction
 
 
-def refine_representatives(clusters: list[Cluster], fn: LayerFunction, freq: np.ndarray,
-                           passes: int = 2) -> list[Cluster]:
+def refine_representatives(
+    clusters: list[Cluster], fn: LayerFunction, freq: np.ndarray, passes: int = 2
+) -> list[Cluster]:
     """Clusters with representatives chosen by reconstruction; members unchanged. A cluster
     with a live member keeps a live one; ties keep the current representative."""
     clusters = list(clusters)
@@ -32,7 +34,7 @@ def refine_representatives(clusters: list[Cluster], fn: LayerFunction, freq: np.
             for m in candidates:
                 if m == kept[i]:
                     continue
-                trial = kept[:i] + [m] + kept[i + 1:]
+                trial = kept[:i] + [m] + kept[i + 1 :]
                 err = fn.error(trial)
                 if err < best_err - 1e-15:
                     best, best_err = m, err

@@ -3,6 +3,7 @@
 `summary_table` is pure text; `write_report` imports matplotlib inside, because the trace side
 runs where matplotlib is absent.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,21 +22,28 @@ REPORT_FILES = ("distance_layer_*.png", "coverage.png", "summary.txt")
 def summary_table(plan: SelectionPlan) -> str:
     """Per layer: kept count, token coverage, gate-mass coverage, dead experts (never selected)
     in the layer and kept; then the mean, and why any dead expert was kept."""
-    lines = [f"method {plan.method}: keep K={plan.num_experts} of E={plan.source.num_experts} "
-             f"experts in {len(plan.layers)} MoE layers (group policy "
-             f"{plan.params.get('group_policy', 'none')})",
-             f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10} {'dead':>5} {'dead kept':>10}"]
+    lines = [
+        f"method {plan.method}: keep K={plan.num_experts} of E={plan.source.num_experts} "
+        f"experts in {len(plan.layers)} MoE layers (group policy "
+        f"{plan.params.get('group_policy', 'none')})",
+        f"{'layer':<8} {'kept':>5} {'tokens':>8} {'gate mass':>10} {'dead':>5} {'dead kept':>10}",
+    ]
     for lid in plan.layer_ids:
         lp = plan.layers[lid]
         if lid in plan.unobserved:
             lines.append(f"{lid:<8} {len(lp.kept):>5}   no statistics: router-weight medoids ({plan.unobserved[lid]})")
             continue
-        lines.append(f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} "
-                     f"{lp.gate_mass_coverage:>10.3f} {len(lp.never_selected):>5} {len(lp.dead_kept):>10}")
+        lines.append(
+            f"{lid:<8} {len(lp.kept):>5} {lp.token_coverage:>8.3f} "
+            f"{lp.gate_mass_coverage:>10.3f} {len(lp.never_selected):>5} {len(lp.dead_kept):>10}"
+        )
     tok, mass = plan.mean_coverage()
     lines.append(f"{'mean':<8} {plan.num_experts:>5} {tok:>8.3f} {mass:>10.3f}")
-    notes = [f"layer {lid}: {plan.layers[lid].dead_note} (kept dead: {list(plan.layers[lid].dead_kept)})"
-             for lid in plan.layer_ids if plan.layers[lid].dead_kept]
+    notes = [
+        f"layer {lid}: {plan.layers[lid].dead_note} (kept dead: {list(plan.layers[lid].dead_kept)})"
+        for lid in plan.layer_ids
+        if plan.layers[lid].dead_kept
+    ]
     if notes:
         lines += ["dead experts (never selected by any token) are kept only when fewer than K are live:"]
         lines += ["  " + n for n in notes]
@@ -46,12 +54,21 @@ def summary_dict(plan: SelectionPlan) -> dict:
     """The numbers of `summary_table` for `select --json` (coverage as shares in [0, 1])."""
     tok, mass = plan.mean_coverage()
     return {
-        "method": plan.method, "num_experts": plan.num_experts, "source_experts": plan.source.num_experts,
+        "method": plan.method,
+        "num_experts": plan.num_experts,
+        "source_experts": plan.source.num_experts,
         "group_policy": plan.params.get("group_policy"),
-        "layers": {lid: {"kept": list(lp.kept), "token_coverage": lp.token_coverage,
-                         "gate_mass_coverage": lp.gate_mass_coverage, "never_selected": len(lp.never_selected),
-                         "dead_kept": list(lp.dead_kept), "dead_note": lp.dead_note}
-                   for lid, lp in ((lid, plan.layers[lid]) for lid in plan.layer_ids)},
+        "layers": {
+            lid: {
+                "kept": list(lp.kept),
+                "token_coverage": lp.token_coverage,
+                "gate_mass_coverage": lp.gate_mass_coverage,
+                "never_selected": len(lp.never_selected),
+                "dead_kept": list(lp.dead_kept),
+                "dead_note": lp.dead_note,
+            }
+            for lid, lp in ((lid, plan.layers[lid]) for lid in plan.layer_ids)
+        },
         "mean": {"token_coverage": tok, "gate_mass_coverage": mass},
     }
 
@@ -59,14 +76,16 @@ def summary_dict(plan: SelectionPlan) -> dict:
 def coverage_note(plan: SelectionPlan, frequency: SelectionPlan) -> str:
     """Why the chosen method may cover fewer routed tokens than the frequency baseline."""
     tok, freq_tok = plan.mean_coverage()[0], frequency.mean_coverage()[0]
-    return (f"Coverage against frequency: frequency keeps the {plan.num_experts} most selected "
-            f"experts of each layer, so no set of {plan.num_experts} covers more routed tokens "
-            f"than its {freq_tok:.3f}; {plan.method} covers {tok:.3f} because it keeps one expert "
-            "per cluster of similar experts (diversity rather than the busiest experts): tokens "
-            "whose experts were dropped are routed by the unchanged top-k rule to kept experts, "
-            "and the clusters make those alike. Coverage measures how many selections survive, "
-            "not how well the proxy computes (bench/RESULTS.md, quality section, compares "
-            "accuracy and KL).")
+    return (
+        f"Coverage against frequency: frequency keeps the {plan.num_experts} most selected "
+        f"experts of each layer, so no set of {plan.num_experts} covers more routed tokens "
+        f"than its {freq_tok:.3f}; {plan.method} covers {tok:.3f} because it keeps one expert "
+        "per cluster of similar experts (diversity rather than the busiest experts): tokens "
+        "whose experts were dropped are routed by the unchanged top-k rule to kept experts, "
+        "and the clusters make those alike. Coverage measures how many selections survive, "
+        "not how well the proxy computes (bench/RESULTS.md, quality section, compares "
+        "accuracy and KL)."
+    )
 
 
 def cluster_order(layer_plan, num_experts: int) -> list[int]:
@@ -80,7 +99,7 @@ def cluster_order(layer_plan, num_experts: int) -> list[int]:
     return order + [e for e in range(num_experts) if e not in seen]
 
 
-MAX_LABELLED = 64     # up to this many experts every tick is labelled with its id
+MAX_LABELLED = 64  # up to this many experts every tick is labelled with its id
 
 
 def expert_ticks(order: list[int], layer_plan) -> tuple[list[int], list[str]]:
@@ -102,8 +121,7 @@ def _matrix_figure(lid: str, fused: np.ndarray, layer_plan, method: str):
     fig = Figure(figsize=(side + 1.4, side), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     im = ax.imshow(fused[np.ix_(order, order)], cmap="viridis", interpolation="nearest", vmin=0.0)
-    fig.colorbar(im, ax=ax, shrink=0.8,
-                 label="fused distance (weighted mean of views scaled to [0, 1]; 0 = alike)")
+    fig.colorbar(im, ax=ax, shrink=0.8, label="fused distance (weighted mean of views scaled to [0, 1]; 0 = alike)")
     edge = -0.5
     for c in layer_plan.clusters:  # cluster outlines along the diagonal
         size = len(c.members)
@@ -115,13 +133,15 @@ def _matrix_figure(lid: str, fused: np.ndarray, layer_plan, method: str):
     for axis_ticks, setter in ((ax.set_xticks, "x"), (ax.set_yticks, "y")):
         axis_ticks(pos, labels, fontsize=size, rotation=90 if setter == "x" else 0)
     for tick in [*ax.get_xticklabels(), *ax.get_yticklabels()]:
-        if int(tick.get_text()) in kept:   # kept experts in red, bold
+        if int(tick.get_text()) in kept:  # kept experts in red, bold
             tick.set_color("red")
             tick.set_fontweight("bold")
     ax.set_xlim(-0.5, E - 0.5)
     ax.set_ylim(E - 0.5, -0.5)
-    ax.set_title(f"layer {lid}: {method}, {len(layer_plan.clusters)} clusters outlined in white; "
-                 "kept experts in red", fontsize=11)
+    ax.set_title(
+        f"layer {lid}: {method}, {len(layer_plan.clusters)} clusters outlined in white; kept experts in red",
+        fontsize=11,
+    )
     ax.set_xlabel("expert id (grouped by cluster, kept expert first)", fontsize=10)
     ax.set_ylabel("expert id (grouped by cluster, kept expert first)", fontsize=10)
     return fig
@@ -155,8 +175,7 @@ def _coverage_figure(plans: dict[str, SelectionPlan]):
     return fig
 
 
-def write_report(out_dir, plan: SelectionPlan, details: dict,
-                 baselines: dict[str, SelectionPlan]) -> list[Path]:
+def write_report(out_dir, plan: SelectionPlan, details: dict, baselines: dict[str, SelectionPlan]) -> list[Path]:
     """Write PNGs and summary.txt into out_dir; returns the files written.
 
     details: layer id -> LayerDetail (fused [E, E] distances; None for ranking baselines, which

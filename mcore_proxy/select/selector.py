@@ -1,5 +1,6 @@
 """Multi-view, frequency-aware expert selection: checks, then per layer views -> fusion ->
 K-Medoids -> representatives (or a ranking baseline), then the plan (DESIGN.md 1, 4.2)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,16 +23,29 @@ log = logging.getLogger(__name__)
 VIEW_NAMES = ("router", "coact", "proto")
 VIEW_METHODS = {
     "multiview": VIEW_NAMES,
-    "router": ("router",), "coact": ("coact",), "proto": ("proto",),
-    "router+coact": ("router", "coact"), "router+proto": ("router", "proto"),
+    "router": ("router",),
+    "coact": ("coact",),
+    "proto": ("proto",),
+    "router+coact": ("router", "coact"),
+    "router+proto": ("router", "proto"),
     "coact+proto": ("coact", "proto"),
 }
 RECON_METHODS = ("recon-prune",)
 METHODS = tuple(VIEW_METHODS) + baselines.RANKING_METHODS + RECON_METHODS
 REPRESENTATIVES = ("frequency", "reconstruction")
 # candidate (R, C, P) weights of the per-layer weight search (`weight_search`), default first
-WEIGHT_GRID = ((1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0),
-               (1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 2.0))
+WEIGHT_GRID = (
+    (1.0, 1.0, 1.0),
+    (1.0, 0.0, 0.0),
+    (0.0, 1.0, 0.0),
+    (0.0, 0.0, 1.0),
+    (1.0, 1.0, 0.0),
+    (1.0, 0.0, 1.0),
+    (0.0, 1.0, 1.0),
+    (2.0, 1.0, 1.0),
+    (1.0, 2.0, 1.0),
+    (1.0, 1.0, 2.0),
+)
 # Default (router, co-activation, prototype) fusion weights: the paper's equal weights. In the
 # issue-13 ablation (bench/RESULTS.md, quality section) halving the co-activation weight lost
 # less accuracy on the fine-grained model at every K but more on the coarse one at K = 25 %,
@@ -41,8 +55,9 @@ DEFAULT_WEIGHTS = (1.0, 1.0, 1.0)
 # (bench/RESULTS.md, quality section). Where the default reconstructs but the source holds no
 # expert weights, it falls back to the paper's rule and the plan says so.
 DEFAULT_REFINEMENTS = {"representative": "frequency", "weight_search": False}
-DEAD_POLICY = ("live before dead: an expert no token selected is kept only when fewer than K "
-               "(per routing group) were selected")
+DEAD_POLICY = (
+    "live before dead: an expert no token selected is kept only when fewer than K (per routing group) were selected"
+)
 
 
 @dataclass(frozen=True)
@@ -60,11 +75,13 @@ class Options:
     weight_search: bool = False
 
     def __post_init__(self):
-        for name, value, allowed in (("--method", self.method, METHODS),
-                                     ("--representative", self.representative, REPRESENTATIVES),
-                                     ("--coact-mode", self.coact_mode, views.COACT_MODES),
-                                     ("--norm", self.norm, fuse.NORMALISATIONS),
-                                     ("--router-metric", self.router_metric, views.ROUTER_METRICS)):
+        for name, value, allowed in (
+            ("--method", self.method, METHODS),
+            ("--representative", self.representative, REPRESENTATIVES),
+            ("--coact-mode", self.coact_mode, views.COACT_MODES),
+            ("--norm", self.norm, fuse.NORMALISATIONS),
+            ("--router-metric", self.router_metric, views.ROUTER_METRICS),
+        ):
             if value not in allowed:
                 raise PlanError(f"{name} {value!r} is not one of {', '.join(allowed)}")
         try:
@@ -75,14 +92,18 @@ class Options:
             raise PlanError(f"--weights {self.weights} must be three non-negative numbers R,C,P")
         object.__setattr__(self, "weights", w)
         if self.method in VIEW_METHODS and not any(self.view_weights.values()):
-            raise PlanError(f"--weights {','.join(map(str, w))} give every view of --method "
-                            f"{self.method} weight 0; give at least one a positive weight")
+            raise PlanError(
+                f"--weights {','.join(map(str, w))} give every view of --method "
+                f"{self.method} weight 0; give at least one a positive weight"
+            )
         if self.restarts < 1:
             raise PlanError(f"--restarts {self.restarts} must be at least 1")
         if (self.weight_search or self.representative != "frequency") and self.method != "multiview":
-            raise PlanError(f"--weight-search and --representative reconstruction refine the "
-                            f"three-view clustering; use them with --method multiview, not "
-                            f"{self.method}")
+            raise PlanError(
+                f"--weight-search and --representative reconstruction refine the "
+                f"three-view clustering; use them with --method multiview, not "
+                f"{self.method}"
+            )
 
     @property
     def reconstructs(self) -> bool:
@@ -99,26 +120,44 @@ class Options:
         return {v: w / total for v, w in raw.items()} if total else raw
 
     def params(self, group_policy: str, stats: RoutingStats) -> dict:
-        p = {"seed": self.seed, "group_policy": group_policy,
-             "stats": {"total_tokens": stats.total_tokens, "topk": stats.topk},
-             "dead_policy": DEAD_POLICY}
+        p = {
+            "seed": self.seed,
+            "group_policy": group_policy,
+            "stats": {"total_tokens": stats.total_tokens, "topk": stats.topk},
+            "dead_policy": DEAD_POLICY,
+        }
         if self.method in VIEW_METHODS:
             used = [v for v, w in self.view_weights.items() if w > 0]
-            p.update(views=used, weights={v: self.view_weights[v] for v in used},
-                     normalisation=self.norm, coact_mode=self.coact_mode,
-                     router_metric=self.router_metric, proto_metric="cosine",
-                     clustering="kmedoids.fasterpam", restarts=self.restarts,
-                     representative=("most frequent member; ties: medoid, then lowest id"
-                                     if self.representative == "frequency" else
-                                     "member minimising the layer's reconstruction error R given "
-                                     "the other kept experts (coordinate descent, 2 passes)"))
+            p.update(
+                views=used,
+                weights={v: self.view_weights[v] for v in used},
+                normalisation=self.norm,
+                coact_mode=self.coact_mode,
+                router_metric=self.router_metric,
+                proto_metric="cosine",
+                clustering="kmedoids.fasterpam",
+                restarts=self.restarts,
+                representative=(
+                    "most frequent member; ties: medoid, then lowest id"
+                    if self.representative == "frequency"
+                    else "member minimising the layer's reconstruction error R given "
+                    "the other kept experts (coordinate descent, 2 passes)"
+                ),
+            )
             if self.weight_search:
-                p.update(weight_search={"grid": [list(w) for w in WEIGHT_GRID],
-                                        "criterion": "lowest reconstruction error R per layer"})
+                p.update(
+                    weight_search={
+                        "grid": [list(w) for w in WEIGHT_GRID],
+                        "criterion": "lowest reconstruction error R per layer",
+                    }
+                )
         if self.reconstructs:
-            p.update(reconstruction={
-                "points": "live experts' routed-context prototypes proto_sum/freq, weighted by freq",
-                "error": "sum f ||y - y_S||^2 / sum f ||y||^2 of the routed experts' output"})
+            p.update(
+                reconstruction={
+                    "points": "live experts' routed-context prototypes proto_sum/freq, weighted by freq",
+                    "error": "sum f ||y - y_S||^2 / sum f ||y||^2 of the routed experts' output",
+                }
+            )
         return p
 
 
@@ -129,8 +168,8 @@ class LayerDetail:
 
     fused: np.ndarray | None
     labels: np.ndarray | None
-    weights: tuple[float, float, float] | None = None   # chosen by the weight search
-    recon_error: float | None = None                    # R of the kept set, when evaluated
+    weights: tuple[float, float, float] | None = None  # chosen by the weight search
+    recon_error: float | None = None  # R of the kept set, when evaluated
 
 
 def layer_seed(seed: int, layer_id: str) -> int:
@@ -154,8 +193,7 @@ def layer_views(s: LayerStats, weight: np.ndarray | None, opts: Options) -> dict
     return out
 
 
-def cluster_group(d: np.ndarray, freq: np.ndarray, k: int, seed: int,
-                  restarts: int) -> list[tuple[list[int], int]]:
+def cluster_group(d: np.ndarray, freq: np.ndarray, k: int, seed: int, restarts: int) -> list[tuple[list[int], int]]:
     """Live before dead in one routing group: [(members, kept member)] of k clusters.
 
     d [n, n] fused distances, freq [n]. When at least k experts were selected by some token
@@ -179,13 +217,11 @@ def cluster_group(d: np.ndarray, freq: np.ndarray, k: int, seed: int,
     return sorted(out, key=lambda mr: mr[1])
 
 
-def cluster_layer(fused: np.ndarray, freq: np.ndarray, setup: GroupSetup, seed: int,
-                  restarts: int) -> list[Cluster]:
+def cluster_layer(fused: np.ndarray, freq: np.ndarray, setup: GroupSetup, seed: int, restarts: int) -> list[Cluster]:
     """K-Medoids inside each routing group on fused [E, E]; one representative per cluster."""
     clusters = []
     for ids in setup.groups:
-        for members, rep in cluster_group(fused[np.ix_(ids, ids)], freq[ids], setup.per_group_k,
-                                          seed, restarts):
+        for members, rep in cluster_group(fused[np.ix_(ids, ids)], freq[ids], setup.per_group_k, seed, restarts):
             clusters.append(Cluster(tuple(int(ids[m]) for m in members), int(ids[rep])))
     return sorted(clusters, key=lambda c: c.representative)
 
@@ -194,14 +230,15 @@ def dead_kept_note(kept_dead: list[int], freq: np.ndarray, setup: GroupSetup) ->
     """Why never-selected experts were kept ('' when none were): the groups short of live ones."""
     if not kept_dead:
         return ""
-    short = [(int((freq[ids] > 0).sum()), len(ids)) for ids in setup.groups
-             if (freq[ids] > 0).sum() < setup.per_group_k]
-    where = (f"only {short[0][0]} of {short[0][1]} experts were selected by any token, fewer "
-             f"than K={setup.per_group_k}" if len(setup.groups) == 1 else
-             f"{len(short)} routing group(s) had fewer than {setup.per_group_k} experts selected by "
-             "any token")
-    return (f"{len(kept_dead)} never-selected expert(s) kept because {where}; every selected "
-            "expert is kept")
+    short = [
+        (int((freq[ids] > 0).sum()), len(ids)) for ids in setup.groups if (freq[ids] > 0).sum() < setup.per_group_k
+    ]
+    where = (
+        f"only {short[0][0]} of {short[0][1]} experts were selected by any token, fewer than K={setup.per_group_k}"
+        if len(setup.groups) == 1
+        else f"{len(short)} routing group(s) had fewer than {setup.per_group_k} experts selected by any token"
+    )
+    return f"{len(kept_dead)} never-selected expert(s) kept because {where}; every selected expert is kept"
 
 
 def coverage(s: LayerStats, kept: list[int]) -> tuple[float, float]:
@@ -222,14 +259,15 @@ def _clustered(s: LayerStats, weight, setup: GroupSetup, opts: Options, seed: in
     return fused, tuple(clusters)
 
 
-def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup: GroupSetup,
-                 opts: Options, fn=None) -> tuple[LayerPlan, LayerDetail]:
+def select_layer(
+    layer_id: str, s: LayerStats, weight: np.ndarray | None, setup: GroupSetup, opts: Options, fn=None
+) -> tuple[LayerPlan, LayerDetail]:
     """Selection for one layer. weight: router weight [E, H] float64 (None if unused); fn: the
     layer's `reconstruct.LayerFunction` when `opts.reconstructs` (else None)."""
     seed = layer_seed(opts.seed, layer_id)
     fused, labels, clusters, chosen = None, None, (), None
     if opts.method in VIEW_METHODS:
-        if opts.weight_search:   # the grid point whose kept set reconstructs the layer best
+        if opts.weight_search:  # the grid point whose kept set reconstructs the layer best
             trials = []
             for w in WEIGHT_GRID:
                 o = dataclasses.replace(opts, weights=w, weight_search=False)
@@ -247,22 +285,21 @@ def select_layer(layer_id: str, s: LayerStats, weight: np.ndarray | None, setup:
     else:
         scores = baselines.ranking_scores(opts.method, s, np.random.default_rng(seed), layer_id)
         live = s.freq > 0
-        kept = sorted(i for ids in setup.groups
-                      for i in baselines.top_k(scores, setup.per_group_k, ids, live))
+        kept = sorted(i for ids in setup.groups for i in baselines.top_k(scores, setup.per_group_k, ids, live))
     never = np.flatnonzero(s.freq == 0)
     dead_kept = sorted(set(kept) & set(never.tolist()))
     note = dead_kept_note(dead_kept, s.freq, setup)
     if dead_kept:
         log.warning("layer %s: %s", layer_id, note)
     tok, mass = coverage(s, kept)
-    plan = LayerPlan(tuple(sorted(kept)), clusters, tok, mass, tuple(int(i) for i in never),
-                     tuple(dead_kept), note)
-    return plan, LayerDetail(fused, labels, chosen,
-                             None if fn is None else fn.error(sorted(kept)))
+    plan = LayerPlan(tuple(sorted(kept)), clusters, tok, mass, tuple(int(i) for i in never), tuple(dead_kept), note)
+    return plan, LayerDetail(fused, labels, chosen, None if fn is None else fn.error(sorted(kept)))
 
 
-UNOBSERVED_RULE = ("a MoE layer the statistics could not observe keeps, in each routing group, the medoids of "
-                   "K-Medoids on router-weight distance alone (no frequency, co-activation or prototype exists for it)")
+UNOBSERVED_RULE = (
+    "a MoE layer the statistics could not observe keeps, in each routing group, the medoids of "
+    "K-Medoids on router-weight distance alone (no frequency, co-activation or prototype exists for it)"
+)
 
 
 def select_unobserved(layer_id: str, weight: np.ndarray, setup: GroupSetup, opts: Options) -> LayerPlan:
@@ -281,11 +318,13 @@ def select_unobserved(layer_id: str, weight: np.ndarray, setup: GroupSetup, opts
     return LayerPlan(tuple(sorted(c.representative for c in clusters)), tuple(clusters))
 
 
-SUBSTITUTE_RULE = ("in a hash-routed layer each slot of a token that names a dropped expert goes to the first of "
-                   "that expert's ranked kept experts which the token's row does not already name: its cluster's "
-                   "kept expert, then the other kept experts by router-row cosine (for ranking methods: by cosine "
-                   "alone), so every token keeps k distinct experts; the proxy's table and verify's reference "
-                   "follow it")
+SUBSTITUTE_RULE = (
+    "in a hash-routed layer each slot of a token that names a dropped expert goes to the first of "
+    "that expert's ranked kept experts which the token's row does not already name: its cluster's "
+    "kept expert, then the other kept experts by router-row cosine (for ranking methods: by cosine "
+    "alone), so every token keeps k distinct experts; the proxy's table and verify's reference "
+    "follow it"
+)
 
 
 def hash_substitutes(plan: LayerPlan, weight: np.ndarray) -> dict[int, tuple[int, ...]]:
@@ -301,7 +340,7 @@ def hash_substitutes(plan: LayerPlan, weight: np.ndarray) -> dict[int, tuple[int
     kept = list(plan.kept)
     rep = {m: c.representative for c in plan.clusters for m in c.members if m != c.representative}
     unit = weight / np.linalg.norm(weight, axis=1, keepdims=True).clip(1e-12)
-    similarity = unit @ unit[kept].T                                  # [E, K]
+    similarity = unit @ unit[kept].T  # [E, K]
     out = {}
     for e in range(weight.shape[0]):
         if e in kept:
@@ -323,11 +362,16 @@ def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_fu
         names = set(source.names())
         missing = [lid for lid in spec.moe_layer_ids if router_weight_name(lid) not in names]
         if missing:
-            raise PlanError(f"the checkpoint has no router weight for MoE layers {missing}; "
-                            "check that it is a complete MoE checkpoint")
-        facts = dict(topk=spec.topk, num_groups=spec.num_groups if num_groups is None else num_groups,
-                     group_topk=spec.group_topk if group_topk is None else group_topk,
-                     score_function=score_function or spec.score_function)
+            raise PlanError(
+                f"the checkpoint has no router weight for MoE layers {missing}; "
+                "check that it is a complete MoE checkpoint"
+            )
+        facts = dict(
+            topk=spec.topk,
+            num_groups=spec.num_groups if num_groups is None else num_groups,
+            group_topk=spec.group_topk if group_topk is None else group_topk,
+            score_function=score_function or spec.score_function,
+        )
         get = lambda lid: source.get(router_weight_name(lid))  # noqa: E731
         return spec, facts, get, source.iteration, lambda: router_fingerprint(source)
     if not isinstance(source, Mapping):
@@ -335,8 +379,9 @@ def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_fu
     missing = sorted(set(stats.layers) - set(source), key=layer_sort_key)
     if missing:
         raise PlanError(f"no router weight given for layers {', '.join(missing)}")
-    facts = dict(topk=stats.topk, num_groups=num_groups, group_topk=group_topk,
-                 score_function=score_function or "softmax")
+    facts = dict(
+        topk=stats.topk, num_groups=num_groups, group_topk=group_topk, score_function=score_function or "softmax"
+    )
     return None, facts, source.__getitem__, None, lambda: None
 
 
@@ -346,55 +391,77 @@ def has_expert_weights(view) -> bool:
     return all(n in names for n in reconstruct.expert_weight_names(view.spec.moe_layer_ids[0], 0))
 
 
-def resolve_refinements(method: str, representative: str | None, weight_search: bool | None,
-                        experts_available: bool) -> tuple[str, bool, str]:
+def resolve_refinements(
+    method: str, representative: str | None, weight_search: bool | None, experts_available: bool
+) -> tuple[str, bool, str]:
     """(representative, weight_search, fallback note): None takes DEFAULT_REFINEMENTS for
     multiview (the paper's rule for every other method); a default that needs expert weights the
     source lacks falls back to the paper's rule, with a note for the plan."""
-    defaults = DEFAULT_REFINEMENTS if method == "multiview" else {"representative": "frequency",
-                                                                 "weight_search": False}
+    defaults = DEFAULT_REFINEMENTS if method == "multiview" else {"representative": "frequency", "weight_search": False}
     rep = defaults["representative"] if representative is None else representative
     search = defaults["weight_search"] if weight_search is None else bool(weight_search)
     needs = rep != "frequency" or search
     if needs and not experts_available and representative is None and weight_search is None:
-        return "frequency", False, ("the default refinements read expert weights, which the "
-                                    "source does not hold: the paper's rule was used")
+        return (
+            "frequency",
+            False,
+            ("the default refinements read expert weights, which the source does not hold: the paper's rule was used"),
+        )
     return rep, search, ""
 
 
-def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
-                  target_ep: int = 1, weights=DEFAULT_WEIGHTS, coact_mode: str = "partners",
-                  norm: str = "minmax", router_metric: str = "cosine",
-                  group_policy: str | None = None, seed: int = 0, restarts: int = 8,
-                  num_groups: int | None = None, group_topk: int | None = None,
-                  score_function: str | None = None, representative: str | None = None,
-                  weight_search: bool | None = None,
-                  progress: Callable[[Iterable], Iterable] | None = None, keep_matrices: bool = True,
-                  ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
+def run_selection(
+    source,
+    stats: RoutingStats,
+    num_experts: int,
+    *,
+    method: str = "multiview",
+    target_ep: int = 1,
+    weights=DEFAULT_WEIGHTS,
+    coact_mode: str = "partners",
+    norm: str = "minmax",
+    router_metric: str = "cosine",
+    group_policy: str | None = None,
+    seed: int = 0,
+    restarts: int = 8,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    score_function: str | None = None,
+    representative: str | None = None,
+    weight_search: bool | None = None,
+    progress: Callable[[Iterable], Iterable] | None = None,
+    keep_matrices: bool = True,
+) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
     """`select_experts` (same arguments), also returning per-layer details for the report
     (`keep_matrices` False: without the fused distance matrices and cluster labels, so memory does
     not grow with depth)."""
     spec, facts, get_weight, iteration, fingerprint = _router_source(
-        source, stats, num_groups, group_topk, score_function)
+        source, stats, num_groups, group_topk, score_function
+    )
     representative, weight_search, fallback = resolve_refinements(
-        method, representative, weight_search, spec is not None and has_expert_weights(source))
-    opts = Options(method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts),
-                   representative, weight_search)
+        method, representative, weight_search, spec is not None and has_expert_weights(source)
+    )
+    opts = Options(
+        method, tuple(weights), coact_mode, norm, router_metric, int(seed), int(restarts), representative, weight_search
+    )
     if spec is not None:  # bare router weights take top-k from the statistics: nothing to match
         check_stats_match(stats, spec)
     E = stats.num_experts
     check_sizes(E, num_experts, facts["topk"], target_ep)
-    setup = resolve_groups(E, num_experts, facts["topk"], facts["num_groups"], facts["group_topk"],
-                           facts["score_function"], group_policy)
+    setup = resolve_groups(
+        E, num_experts, facts["topk"], facts["num_groups"], facts["group_topk"], facts["score_function"], group_policy
+    )
     needs_router = opts.view_weights.get("router", 0) > 0 or opts.reconstructs
     if opts.reconstructs and spec is None:
-        raise PlanError(f"--method {opts.method} with reconstruction reads expert weights: "
-                        "select from a checkpoint (a ModelView), not bare router weights")
+        raise PlanError(
+            f"--method {opts.method} with reconstruction reads expert weights: "
+            "select from a checkpoint (a ModelView), not bare router weights"
+        )
     layer_ids = spec.moe_layer_ids if spec is not None else stats.layer_ids
     hashed = set(spec.extra.get("hash_layers", ())) if spec is not None else set()
     unobserved = {lid: why for lid, why in stats.meta.get("unobserved_layers", {}).items() if lid in layer_ids}
     layers, details = {}, {}
-    for lid in (progress(layer_ids) if progress else layer_ids):
+    for lid in progress(layer_ids) if progress else layer_ids:
         weight = None
         if lid in unobserved:
             layers[lid] = select_unobserved(lid, reconstruct.as_float64(get_weight(lid)), setup, opts)
@@ -403,18 +470,18 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         if needs_router:
             weight = reconstruct.as_float64(get_weight(lid))
             if weight.shape != (E, stats.hidden_size):
-                raise PlanError(f"router weight of layer {lid} has shape {weight.shape}, expected "
-                                f"({E}, {stats.hidden_size}) as in the statistics")
-        fn = (reconstruct.layer_function(source, lid, stats.layers[lid], weight)
-              if opts.reconstructs else None)
+                raise PlanError(
+                    f"router weight of layer {lid} has shape {weight.shape}, expected "
+                    f"({E}, {stats.hidden_size}) as in the statistics"
+                )
+        fn = reconstruct.layer_function(source, lid, stats.layers[lid], weight) if opts.reconstructs else None
         layers[lid], details[lid] = select_layer(lid, stats.layers[lid], weight, setup, opts, fn)
-        if not keep_matrices:   # [E, E] per layer: only the report draws them
+        if not keep_matrices:  # [E, E] per layer: only the report draws them
             details[lid] = dataclasses.replace(details[lid], fused=None, labels=None)
         if lid in hashed:
             weight = reconstruct.as_float64(get_weight(lid)) if weight is None else weight
             layers[lid] = dataclasses.replace(layers[lid], substitutes=hash_substitutes(layers[lid], weight))
-    source_info = SourceInfo(E, facts["topk"], facts["num_groups"], facts["group_topk"],
-                             iteration, fingerprint())
+    source_info = SourceInfo(E, facts["topk"], facts["num_groups"], facts["group_topk"], iteration, fingerprint())
     params = opts.params(setup.policy, stats)
     if opts.weight_search:
         params["layer_weights"] = {lid: list(details[lid].weights) for lid in layer_ids}
@@ -426,19 +493,31 @@ def run_selection(source, stats: RoutingStats, num_experts: int, *, method: str 
         params["hash_routing"] = {"layers": sorted(hashed, key=layer_sort_key), "rule": SUBSTITUTE_RULE}
     if unobserved:
         params["unobserved_layers"] = {"layers": unobserved, "rule": UNOBSERVED_RULE}
-    plan = SelectionPlan(source_info, num_experts, target_ep, opts.method, params, setup.router,
-                         layers)
+    plan = SelectionPlan(source_info, num_experts, target_ep, opts.method, params, setup.router, layers)
     return plan, details
 
 
-def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str = "multiview",
-                   target_ep: int = 1, weights=DEFAULT_WEIGHTS, coact_mode: str = "partners",
-                   norm: str = "minmax", router_metric: str = "cosine",
-                   group_policy: str | None = None, seed: int = 0, restarts: int = 8,
-                   num_groups: int | None = None, group_topk: int | None = None,
-                   score_function: str | None = None, representative: str | None = None,
-                   weight_search: bool | None = None,
-                   progress: Callable[[Iterable], Iterable] | None = None) -> SelectionPlan:
+def select_experts(
+    source,
+    stats: RoutingStats,
+    num_experts: int,
+    *,
+    method: str = "multiview",
+    target_ep: int = 1,
+    weights=DEFAULT_WEIGHTS,
+    coact_mode: str = "partners",
+    norm: str = "minmax",
+    router_metric: str = "cosine",
+    group_policy: str | None = None,
+    seed: int = 0,
+    restarts: int = 8,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    score_function: str | None = None,
+    representative: str | None = None,
+    weight_search: bool | None = None,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> SelectionPlan:
     """Choose `num_experts` (K) experts in every MoE layer and return the plan.
 
     source: a ModelView (router weights `decoder.layers.{L}.mlp.router.weight` [E, H], model
@@ -462,9 +541,23 @@ def select_experts(source, stats: RoutingStats, num_experts: int, *, method: str
     progress: wraps the iterable of layer ids (e.g. tqdm).
     Raises PlanError / StatsError (ProxyError) on infeasible settings before reading tensors.
     """
-    return run_selection(source, stats, num_experts, method=method, target_ep=target_ep,
-                         weights=weights, coact_mode=coact_mode, norm=norm,
-                         router_metric=router_metric, group_policy=group_policy, seed=seed,
-                         restarts=restarts, num_groups=num_groups, group_topk=group_topk,
-                         score_function=score_function, representative=representative,
-                         weight_search=weight_search, progress=progress)[0]
+    return run_selection(
+        source,
+        stats,
+        num_experts,
+        method=method,
+        target_ep=target_ep,
+        weights=weights,
+        coact_mode=coact_mode,
+        norm=norm,
+        router_metric=router_metric,
+        group_policy=group_policy,
+        seed=seed,
+        restarts=restarts,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        score_function=score_function,
+        representative=representative,
+        weight_search=weight_search,
+        progress=progress,
+    )[0]

@@ -8,6 +8,7 @@ Noise knobs blur one view at a time: router_noise / proto_noise are per-element 
 deviations relative to unit-variance cluster centres; coact_noise is the share of tokens that
 pick experts regardless of clusters.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,28 +33,38 @@ def _gumbel_topk(logp: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
     return np.argpartition(-keys, k - 1, axis=-1)[..., :k]
 
 
-def _token_choices(labels: np.ndarray, pop: np.ndarray, topk: int, tokens: int, mode: str,
-                   rng: np.random.Generator) -> np.ndarray:
+def _token_choices(
+    labels: np.ndarray, pop: np.ndarray, topk: int, tokens: int, mode: str, rng: np.random.Generator
+) -> np.ndarray:
     """[tokens, topk] expert ids chosen per token under the planted reading."""
     K = int(labels.max()) + 1
-    members = np.stack([np.flatnonzero(labels == c) for c in range(K)])      # [K, m]
+    members = np.stack([np.flatnonzero(labels == c) for c in range(K)])  # [K, m]
     with np.errstate(divide="ignore"):
-        logp = np.log(pop[members])                                         # [K, m]
+        logp = np.log(pop[members])  # [K, m]
     if mode == "partners":
-        clusters = _gumbel_topk(np.zeros((tokens, K)), topk, rng)           # [T, topk]
-        pick = _gumbel_topk(logp[clusters], 1, rng)[..., 0]                 # [T, topk]
+        clusters = _gumbel_topk(np.zeros((tokens, K)), topk, rng)  # [T, topk]
+        pick = _gumbel_topk(logp[clusters], 1, rng)[..., 0]  # [T, topk]
         return members[clusters, pick]
     if mode == "substitutes":
-        c = rng.integers(0, K, size=tokens)                                 # [T]
-        pick = _gumbel_topk(logp[c], topk, rng)                             # [T, topk]
+        c = rng.integers(0, K, size=tokens)  # [T]
+        pick = _gumbel_topk(logp[c], topk, rng)  # [T, topk]
         return members[c[:, None], pick]
     raise ValueError(f"mode {mode!r} is not partners or substitutes")
 
 
-def planted_layer(num_experts: int = 32, clusters: int = 8, hidden: int = 64, topk: int = 2,
-                  tokens: int = 4000, mode: str = "partners", router_noise: float = 0.3,
-                  proto_noise: float = 0.3, coact_noise: float = 0.0, dead: tuple[int, ...] = (),
-                  seed: int = 0) -> PlantedLayer:
+def planted_layer(
+    num_experts: int = 32,
+    clusters: int = 8,
+    hidden: int = 64,
+    topk: int = 2,
+    tokens: int = 4000,
+    mode: str = "partners",
+    router_noise: float = 0.3,
+    proto_noise: float = 0.3,
+    coact_noise: float = 0.0,
+    dead: tuple[int, ...] = (),
+    seed: int = 0,
+) -> PlantedLayer:
     """One MoE layer with `clusters` planted clusters of num_experts/clusters experts each.
 
     dead: expert ids never selected (freq 0); leave at least top-k live members per cluster.
@@ -83,15 +94,12 @@ def planted_layer(num_experts: int = 32, clusters: int = 8, hidden: int = 64, to
     return PlantedLayer(labels, router.astype(np.float32), stats)
 
 
-def planted_stats(layer_ids: list[str], topk: int = 2,
-                  **kwargs) -> tuple[RoutingStats, dict[str, PlantedLayer]]:
+def planted_stats(layer_ids: list[str], topk: int = 2, **kwargs) -> tuple[RoutingStats, dict[str, PlantedLayer]]:
     """RoutingStats over `layer_ids`, each layer planted with its own seed (kwargs as for
     `planted_layer`, `seed` offsets every layer's seed)."""
     base = kwargs.pop("seed", 0)
-    layers = {lid: planted_layer(topk=topk, seed=base * 100003 + i, **kwargs)
-              for i, lid in enumerate(layer_ids)}
-    stats = RoutingStats({lid: p.stats for lid, p in layers.items()}, topk,
-                         {"source": "synthetic planted clusters"})
+    layers = {lid: planted_layer(topk=topk, seed=base * 100003 + i, **kwargs) for i, lid in enumerate(layer_ids)}
+    stats = RoutingStats({lid: p.stats for lid, p in layers.items()}, topk, {"source": "synthetic planted clusters"})
     return stats, layers
 
 

@@ -5,6 +5,7 @@ Experts never selected in the statistics (freq 0) have no co-activation and no p
 those two views their distances are set to the mean of the defined off-diagonal entries, so
 the view neither pulls them into nor pushes them out of any cluster.
 """
+
 from __future__ import annotations
 
 import numpy as np

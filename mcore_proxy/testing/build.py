@@ -5,6 +5,7 @@ checkpoints are written by megatron-core's own modules at a real TP/PP/EP/ETP la
 and running models is `mcore_proxy.functional`'s; this module adds what only tests need:
 weights made diverse per expert, the training entries of a save, the save itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,16 +44,17 @@ def diversify_weights(gpt, model: ToyMoE) -> None:
         for name, p in mlp.experts.named_parameters():
             for j in range(local):
                 expert = ep_rank * local + j
-                gen = torch.Generator().manual_seed(layer.layer_number * 100_003 + expert * 101 + tp_rank
-                                                    + 7919 * model.weight_seed)
+                gen = torch.Generator().manual_seed(
+                    layer.layer_number * 100_003 + expert * 101 + tp_rank + 7919 * model.weight_seed
+                )
                 _add_expert_noise(p, name, j, local, gen)
 
 
 def _add_expert_noise(p, name: str, j: int, local: int, gen) -> None:
-    if "local_experts" in name:          # SequentialMLP: one module per expert
+    if "local_experts" in name:  # SequentialMLP: one module per expert
         if name.split(".")[1] == str(j):
             p.data.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    else:                                # GroupedMLP: [H, E*2F] / [E*F, H], expert-major memory
+    else:  # GroupedMLP: [H, E*2F] / [E*F, H], expert-major memory
         view = p.data.view(local, -1)
         view[j].add_(torch.randn(view[j].shape, generator=gen) * 0.05)
 
@@ -67,8 +69,14 @@ def training_extras(gpt) -> dict:
     return {
         "optimizer": {"optimizer": opt.state_dict(), "param_groups_sizes": [len(list(gpt.parameters()))]},
         "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 10},
-        "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-                       "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
+        "rng_state": [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state(),
+                "rng_tracker_states": {},
+            }
+        ],
         "num_floating_point_operations_so_far": 0,
     }
 
@@ -84,8 +92,12 @@ def _save_worker(rank, world, port, model, layout, ckpt_dir, iteration, ref_path
         if writer:
             folder = Path(ckpt_dir) / folder_name(iteration) / legacy_rank_dir(*coords, layout)
             folder.mkdir(parents=True, exist_ok=True)
-            state = {"args": model.megatron_args(layout), "checkpoint_version": 3.0,
-                     "iteration": iteration, "model": gpt.state_dict_for_save_checkpoint()}
+            state = {
+                "args": model.megatron_args(layout),
+                "checkpoint_version": 3.0,
+                "iteration": iteration,
+                "model": gpt.state_dict_for_save_checkpoint(),
+            }
             state.update(training_extras(gpt))
             torch.save(state, folder / "model_optim_rng.pt")
         if logits is not None and writer and coords == (0, layout.pp - 1, 0):
@@ -97,15 +109,21 @@ def _save_worker(rank, world, port, model, layout, ckpt_dir, iteration, ref_path
         destroy_distributed()
 
 
-def save_checkpoint(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, iteration: int = 10,
-                    ref_path: str | os.PathLike | None = None) -> Path:
+def save_checkpoint(
+    model: ToyMoE,
+    layout: Layout,
+    ckpt_dir: str | os.PathLike,
+    iteration: int = 10,
+    ref_path: str | os.PathLike | None = None,
+) -> Path:
     """Build the model at `layout` in spawned gloo ranks, save a legacy checkpoint, and write the
     logits [b, s, vocab] on `fixed_tokens` to `ref_path` (default: beside the checkpoint)."""
     ckpt_dir = Path(ckpt_dir)
     ref_path = Path(ref_path or ckpt_dir.with_name(ckpt_dir.name + ".logits.pt"))
-    torch.multiprocessing.spawn(_save_worker, args=(layout.world_size, free_port(), model, layout,
-                                                    str(ckpt_dir), iteration, str(ref_path)),
-                                nprocs=layout.world_size, join=True)
+    torch.multiprocessing.spawn(
+        _save_worker,
+        args=(layout.world_size, free_port(), model, layout, str(ckpt_dir), iteration, str(ref_path)),
+        nprocs=layout.world_size,
+        join=True,
+    )
     return ref_path
-
-

@@ -5,6 +5,7 @@ the files are written and read by megatron-core's own `sharded_state_dict` and
 `dist_checkpointing` at a real TP/PP/EP layout. The model building, weights and reference logits
 are build.py's.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,15 @@ def _save_legacy(gpt, model: ToyMoE, layout: Layout, legacy_dir: Path, iteration
     if writes_folder(coords, world):
         folder = legacy_dir / folder_name(iteration) / legacy_rank_dir(*coords, layout)
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"args": model.megatron_args(layout), "checkpoint_version": 3.0, "iteration": iteration,
-                    "model": gpt.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
+        torch.save(
+            {
+                "args": model.megatron_args(layout),
+                "checkpoint_version": 3.0,
+                "iteration": iteration,
+                "model": gpt.state_dict_for_save_checkpoint(),
+            },
+            folder / "model_optim_rng.pt",
+        )
 
 
 def _write_on_last_stage(logits, layout: Layout, world: int, path) -> None:
@@ -69,8 +77,12 @@ def _save_worker(rank, world, port, model, layout, ckpt_dir, iteration, ref_path
                 _write_on_last_stage(forward_logits(gpt, tokens), layout, world, kept_ref)
         it_dir = Path(ckpt_dir) / folder_name(iteration)
         it_dir.mkdir(parents=True, exist_ok=True)
-        state = {"model": gpt.sharded_state_dict(metadata=dict(CONTENT_METADATA)),
-                 "args": dist_args(model, layout), "checkpoint_version": 3.0, "iteration": iteration}
+        state = {
+            "model": gpt.sharded_state_dict(metadata=dict(CONTENT_METADATA)),
+            "args": dist_args(model, layout),
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+        }
         dist_checkpointing.save(state, str(it_dir), content_metadata=dict(CONTENT_METADATA))
         if legacy_dir is not None:
             _save_legacy(gpt, model, layout, Path(legacy_dir), iteration, world)
@@ -83,8 +95,17 @@ def _save_worker(rank, world, port, model, layout, ckpt_dir, iteration, ref_path
         destroy_distributed()
 
 
-def save_torch_dist(model: ToyMoE, layout: Layout, ckpt_dir, *, iteration: int = 10, ref_path=None,
-                    legacy_dir=None, kept: dict[int, list[int]] | None = None, kept_ref_path=None) -> Path:
+def save_torch_dist(
+    model: ToyMoE,
+    layout: Layout,
+    ckpt_dir,
+    *,
+    iteration: int = 10,
+    ref_path=None,
+    legacy_dir=None,
+    kept: dict[int, list[int]] | None = None,
+    kept_ref_path=None,
+) -> Path:
     """Build the model at `layout` in spawned gloo ranks and save it as Megatron training does with
     `--ckpt-format torch_dist` (sharded state dict, args in common.pt, tracker).
 
@@ -98,10 +119,22 @@ def save_torch_dist(model: ToyMoE, layout: Layout, ckpt_dir, *, iteration: int =
     if kept is not None and kept_ref_path is None:
         raise ValueError("kept_ref_path is needed with kept")
     torch.multiprocessing.spawn(
-        _save_worker, args=(layout.world_size, free_port(), model, layout, str(ckpt_dir), iteration, str(ref_path),
-                            None if legacy_dir is None else str(legacy_dir), kept,
-                            None if kept_ref_path is None else str(kept_ref_path)),
-        nprocs=layout.world_size, join=True)
+        _save_worker,
+        args=(
+            layout.world_size,
+            free_port(),
+            model,
+            layout,
+            str(ckpt_dir),
+            iteration,
+            str(ref_path),
+            None if legacy_dir is None else str(legacy_dir),
+            kept,
+            None if kept_ref_path is None else str(kept_ref_path),
+        ),
+        nprocs=layout.world_size,
+        join=True,
+    )
     return ref_path
 
 
@@ -126,7 +159,10 @@ def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path):
 def load_torch_dist_and_run(model: ToyMoE, layout: Layout, ckpt_dir: str | os.PathLike, out_path) -> torch.Tensor:
     """Load a torch_dist checkpoint with megatron-core's `dist_checkpointing.load` into models
     built at `layout` (strict), run the fixed tokens, and return the logits [b, s, vocab]."""
-    torch.multiprocessing.spawn(_load_worker, args=(layout.world_size, free_port(), model, layout,
-                                                    str(ckpt_dir), str(out_path)),
-                                nprocs=layout.world_size, join=True)
+    torch.multiprocessing.spawn(
+        _load_worker,
+        args=(layout.world_size, free_port(), model, layout, str(ckpt_dir), str(out_path)),
+        nprocs=layout.world_size,
+        join=True,
+    )
     return torch.load(out_path)

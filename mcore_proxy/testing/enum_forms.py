@@ -7,6 +7,7 @@ Which form `torch.save` writes depends on the interpreter: early Python 3.11 rel
 checkpoint built here (legacy rank files, torch_dist `common.pt`) with its enums in the form asked
 for, so each form is tested under either interpreter.
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,7 +35,7 @@ def _pickler_of(form: str) -> type:
             if form == BY_VALUE:
                 return type(obj), (obj.value,)
             if getattr(sys.modules.get(type(obj).__module__), obj.name, None) is obj:
-                return obj.name   # a global_enum member: `signal.SIGTERM`, a GLOBAL of its module
+                return obj.name  # a global_enum member: `signal.SIGTERM`, a GLOBAL of its module
             return getattr, (type(obj), obj.name)
 
     return EnumFormPickler
@@ -42,7 +43,7 @@ def _pickler_of(form: str) -> type:
 
 def save_with_enums(obj, path: str | Path, form: str) -> None:
     """`torch.save(obj, path)` with every enum member pickled in `form`."""
-    module = types.ModuleType(f"pickle_enums_{form}")   # torch.save asks a pickle module for its Pickler
+    module = types.ModuleType(f"pickle_enums_{form}")  # torch.save asks a pickle module for its Pickler
     module.Pickler = _pickler_of(form)
     torch.save(obj, path, pickle_module=module)
 

@@ -15,6 +15,7 @@ chunks' sharded state dicts, args in common.pt), or load one of either format st
 model built at any layout, and write the logits on the fixed tokens as [1 + mtp_layers, b, s, V]
 (main head, then each MTP depth).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,18 +28,42 @@ import torch
 from mcore_proxy.checkpoint.iteration import TRACKER, folder_name
 from mcore_proxy.checkpoint.safe_globals import torch_load_allowing
 from mcore_proxy.functional.cpu import destroy_distributed, free_port
-from mcore_proxy.functional.family import (Family, StagedLayout, build_chunks, enter_layout, family_from_args,
-                                           run_chunks, state_keys)
+from mcore_proxy.functional.family import (
+    Family,
+    StagedLayout,
+    build_chunks,
+    enter_layout,
+    family_from_args,
+    run_chunks,
+    state_keys,
+)
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
 from mcore_proxy.testing.build import legacy_rank_dir, training_extras
 from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, iteration_dir
 from mcore_proxy.testing.global_weights import fill_global_weights
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "QWEN3_MOE", "QWEN3_MOE_LAYOUT", "QWEN3_MOE_HF", "QWEN3_MOE_TIED",
-           "QWEN3_MOE_TIED_LAYOUT", "Family",
-           "FamilyCheckpoint", "Job", "StagedLayout", "build_chunks", "family_from_args", "fill_weights",
-           "iteration_dir", "load_and_run", "run_chunks", "run_jobs", "save_jobs"]
+__all__ = [
+    "DEEPSEEK_V3",
+    "DEEPSEEK_V3_LAYOUT",
+    "QWEN3_MOE",
+    "QWEN3_MOE_LAYOUT",
+    "QWEN3_MOE_HF",
+    "QWEN3_MOE_TIED",
+    "QWEN3_MOE_TIED_LAYOUT",
+    "Family",
+    "FamilyCheckpoint",
+    "Job",
+    "StagedLayout",
+    "build_chunks",
+    "family_from_args",
+    "fill_weights",
+    "iteration_dir",
+    "load_and_run",
+    "run_chunks",
+    "run_jobs",
+    "save_jobs",
+]
 
 
 @dataclass(frozen=True)
@@ -123,8 +148,9 @@ def _load(job: Job, chunks: list, coords) -> None:
         # that Python 3.11.2 pickles by name: the fixtures saved under it hold them (docs/safe-loading.md)
         with torch_load_allowing():
             metadata = dist_checkpointing.load_content_metadata(it_dir) or {}
-            loaded = dist_checkpointing.load({k: c.sharded_state_dict(metadata=metadata)
-                                              for k, c in zip(keys, chunks)}, it_dir)
+            loaded = dist_checkpointing.load(
+                {k: c.sharded_state_dict(metadata=metadata) for k, c in zip(keys, chunks)}, it_dir
+            )
         for chunk, key in zip(chunks, keys):
             chunk.load_state_dict(loaded[key], strict=True)
 
@@ -186,11 +212,31 @@ def run_jobs(jobs: list[Job], world: int | None = None) -> None:
 # 3 dense layers first, 32 routed experts in 8 groups (top-4 groups, top-8, sigmoid scores with
 # expert bias, scaling factor 2.5), one shared expert, one MTP layer, rope (inside MLA).
 DEEPSEEK_V3 = Family(
-    attention="mla", num_layers=5, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-    q_lora_rank=20, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=True,
-    num_experts=32, moe_ffn_hidden_size=8, topk=8, moe_layer_freq=(0, 0, 0, 1, 1), shared_expert_size=16,
-    score_function="sigmoid", expert_bias=True, num_groups=8, group_topk=4, topk_scaling_factor=2.5,
-    mtp_layers=1, position_embedding_type="rope", weight_seed=3)
+    attention="mla",
+    num_layers=5,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    q_lora_rank=20,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    qk_layernorm=True,
+    num_experts=32,
+    moe_ffn_hidden_size=8,
+    topk=8,
+    moe_layer_freq=(0, 0, 0, 1, 1),
+    shared_expert_size=16,
+    score_function="sigmoid",
+    expert_bias=True,
+    num_groups=8,
+    group_topk=4,
+    topk_scaling_factor=2.5,
+    mtp_layers=1,
+    position_embedding_type="rope",
+    weight_seed=3,
+)
 # Megatron's DeepSeek-V3 layout "Et*3|(tt|)*29,m|L" at PP 16 in miniature: VPP 2, the MTP layer
 # on its own stage (pp 0, vp 1), the loss stage (pp 1, vp 1) without decoder layers.
 DEEPSEEK_V3_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="Ettt|tt|m|L")
@@ -202,15 +248,33 @@ DEEPSEEK_V3_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="Ettt
 # fixture has it; with MTP beside a second chunk megatron-core 0.16.1 cannot save it in torch_dist
 # (two main replicas of the key: docs/families.md).
 QWEN3_MOE = Family(
-    attention="gqa", num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=12,
-    qk_layernorm=True, ffn_hidden_size=64, num_experts=32, moe_ffn_hidden_size=8, topk=8,
-    score_function="softmax", position_embedding_type="learned_absolute", weight_seed=4)
+    attention="gqa",
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=12,
+    qk_layernorm=True,
+    ffn_hidden_size=64,
+    num_experts=32,
+    moe_ffn_hidden_size=8,
+    topk=8,
+    score_function="softmax",
+    position_embedding_type="learned_absolute",
+    weight_seed=4,
+)
 QWEN3_MOE_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, grouped=True)
 
 # Qwen3-MoE as Hugging Face has it (a Megatron -> HF source): rope, one dense layer first, eps and
 # RoPE base of the real model (1e-6, 1e6) rather than megatron's defaults
-QWEN3_MOE_HF = dataclasses.replace(QWEN3_MOE, position_embedding_type="rope", moe_layer_freq=(0, 1, 1, 1),
-                                   norm_epsilon=1e-6, rotary_base=1e6, weight_seed=5)
+QWEN3_MOE_HF = dataclasses.replace(
+    QWEN3_MOE,
+    position_embedding_type="rope",
+    moe_layer_freq=(0, 1, 1, 1),
+    norm_epsilon=1e-6,
+    rotary_base=1e6,
+    weight_seed=5,
+)
 
 # Megatron's default of tied embeddings (no --untie-embeddings-and-output-weights) at PP 2: the last
 # stage's `output_layer.weight` is its copy of the word embeddings (legacy), a replica of
@@ -232,13 +296,16 @@ class FamilyCheckpoint:
     seed: int = 0
 
 
-def save_jobs(name: str, model: Family, layout: Layout, base: Path, seed: int | None = None) -> tuple[Job, FamilyCheckpoint]:
+def save_jobs(
+    name: str, model: Family, layout: Layout, base: Path, seed: int | None = None
+) -> tuple[Job, FamilyCheckpoint]:
     """The job saving fixture `name` under `base` (legacy/, torch_dist/, logits.pt) and its record
     (global weights of `seed`, by default the model's weight_seed)."""
     seed = model.weight_seed if seed is None else seed
     ckpt = FamilyCheckpoint(name, model, layout, base / "legacy", base / "torch_dist", base / "logits.pt", seed)
-    job = Job(model, layout, seed=seed, save_legacy=str(ckpt.legacy), save_dist=str(ckpt.torch_dist),
-              logits=str(ckpt.logits))
+    job = Job(
+        model, layout, seed=seed, save_legacy=str(ckpt.legacy), save_dist=str(ckpt.torch_dist), logits=str(ckpt.logits)
+    )
     return job, ckpt
 
 

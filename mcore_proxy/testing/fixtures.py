@@ -3,6 +3,7 @@
 Each entry pairs a ToyMoE architecture with the layout it is saved at; `build_fixture` saves it
 with megatron-core in spawned gloo ranks (legacy format) plus the reference logits.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,10 +25,20 @@ FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
     # DeepSeek-like: dense first layer, shared experts with gate, sigmoid scores with expert
     # bias, group-limited routing (16 experts in 4 groups, top-2 groups, top-4), uneven stages (1 + 3)
     "deepseek_like_pp2_uneven": (
-        ToyMoE(num_layers=4, num_experts=16, moe_layer_freq=(0, 1, 1, 1), shared_expert_size=24,
-               shared_expert_gate=True, score_function="sigmoid", expert_bias=True, num_groups=4,
-               group_topk=2, topk=4),
-        Layout(tp=1, pp=2, ep=2, first_stage_layers=1)),
+        ToyMoE(
+            num_layers=4,
+            num_experts=16,
+            moe_layer_freq=(0, 1, 1, 1),
+            shared_expert_size=24,
+            shared_expert_gate=True,
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=4,
+            group_topk=2,
+            topk=4,
+        ),
+        Layout(tp=1, pp=2, ep=2, first_stage_layers=1),
+    ),
 }
 
 
@@ -59,6 +70,7 @@ def build_fixture(name: str, root: str | os.PathLike) -> tuple[Path, Path]:
 
 
 # -- model families saved in both formats (testing/families.py) ---------------------------------
+
 
 def _family_fixtures():
     from mcore_proxy.testing import families as fam

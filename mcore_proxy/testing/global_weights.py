@@ -7,8 +7,10 @@ TP=1, TP=2/EP=2, PP=2, with SequentialMLP or GroupedMLP, the model computes the 
 so routing statistics and logits can be compared across layouts.
 
 Covers the parameter kinds of the tiny models in `mcore_proxy.testing.build` and
-`mcore_proxy.testing.families` (local spec, no TE: GQA with qk norms, MLA, learned positions): a parameter that matches no rule raises, it is never left at its initial value.
+`mcore_proxy.testing.families` (local spec, no TE: GQA with qk norms, MLA, learned positions): a parameter that
+matches no rule raises, it is never left at its initial value.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,7 +23,7 @@ import torch
 # TP rank instead; "norm" and "replicated" are whole on every rank.
 RULES = [
     (r"embedding\.word_embeddings\.weight|output_layer\.weight", "vocab"),
-    (r"embedding\.position_embeddings\.weight", "replicated"),     # learned_absolute: nn.Embedding
+    (r"embedding\.position_embeddings\.weight", "replicated"),  # learned_absolute: nn.Embedding
     (r".*\.self_attention\.linear_q_proj\.weight", "column"),
     # multi-latent attention, local spec: all four projections are ColumnParallelLinear
     (r".*\.self_attention\.linear_(q_down|q_up|kv_down|kv_up)_proj\.weight", "column"),
@@ -54,7 +56,7 @@ def global_tensor(name: str, shape, kind: str, seed: int, router_std: float) -> 
         return 1.0 + 0.1 * x
     if kind == "router":
         return router_std * x
-    return x / shape[-1] ** 0.5          # unit-variance outputs for unit-variance inputs
+    return x / shape[-1] ** 0.5  # unit-variance outputs for unit-variance inputs
 
 
 def _split(full: torch.Tensor, kind: str, rank: int, size: int) -> torch.Tensor:
@@ -64,7 +66,7 @@ def _split(full: torch.Tensor, kind: str, rank: int, size: int) -> torch.Tensor:
         return full.chunk(size, dim=0)[rank]
     if kind in ("row", "expert_row"):
         return full.chunk(size, dim=1)[rank]
-    gate, up = full.chunk(2, dim=0)      # glu, expert_glu: each shard is [gate_r ; up_r]
+    gate, up = full.chunk(2, dim=0)  # glu, expert_glu: each shard is [gate_r ; up_r]
     return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
 
 
@@ -91,19 +93,20 @@ def fill_global_weights(model, seed: int = 0, router_std: float = 1.0) -> None:
     tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     etp, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     ep = ps.get_expert_model_parallel_rank()
-    for gpt in (model if isinstance(model, (list, tuple)) else [model]):
+    for gpt in model if isinstance(model, (list, tuple)) else [model]:
         layers = _layer_numbers(gpt)
         with torch.no_grad():
             for local_name, param in gpt.named_parameters():
-                for target, value in _global_slices(local_name, param, gpt, layers, seed, router_std,
-                                                    (tp, tp_size), (etp, etp_size), ep):
+                for target, value in _global_slices(
+                    local_name, param, gpt, layers, seed, router_std, (tp, tp_size), (etp, etp_size), ep
+                ):
                     (param.data if target is None else target).copy_(value)
 
 
 def _canonical_prefix(local_name: str, layers: dict[str, int]) -> str:
     for prefix, index in layers.items():
         if local_name.startswith(prefix):
-            return f"decoder.layers.{index}." + local_name[len(prefix):]
+            return f"decoder.layers.{index}." + local_name[len(prefix) :]
     return local_name
 
 
@@ -111,7 +114,7 @@ def _global_slices(local_name, param, gpt, layers, seed, router_std, tp, etp, ep
     """Yield (target, value): target None means the whole parameter, else a view into it."""
     name = _canonical_prefix(local_name, layers)
     if name == "output_layer.weight" and getattr(gpt, "share_embeddings_and_output_weights", False):
-        name = "embedding.word_embeddings.weight"   # a later stage's copy of the tied embeddings
+        name = "embedding.word_embeddings.weight"  # a later stage's copy of the tied embeddings
     match = re.match(r"(.*\.mlp\.experts\.)(local_experts\.(\d+)\.(.*)|weight([12]))$", name)
     if not match:
         kind = kind_of(name)
@@ -121,20 +124,20 @@ def _global_slices(local_name, param, gpt, layers, seed, router_std, tp, etp, ep
         return
     local = gpt.get_submodule(local_name.split(".mlp.experts.")[0] + ".mlp.experts").num_local_experts
     rank, size = etp
-    if match.group(3) is not None:                     # SequentialMLP
+    if match.group(3) is not None:  # SequentialMLP
         j = int(match.group(3))
         canon = f"{match.group(1)}{ep * local + j}.{match.group(4)}"
         kind = kind_of(canon)
         full = global_tensor(canon, _sharded_shape(param.shape, kind, size), kind, seed, router_std)
         yield None, _split(full, kind, rank, size)
         return
-    which = match.group(5)                             # GroupedMLP weight1 / weight2
+    which = match.group(5)  # GroupedMLP weight1 / weight2
     hidden = gpt.config.hidden_size
     view = param.data.view(local, hidden, -1) if which == "1" else param.data.view(local, -1, hidden)
     for j in range(local):
         fc = "linear_fc1" if which == "1" else "linear_fc2"
         canon = f"{match.group(1)}{ep * local + j}.{fc}.weight"
         kind = kind_of(canon)
-        local_shape = view[j].t().shape               # fc1 [2F/etp, H], fc2 [H, F/etp]
+        local_shape = view[j].t().shape  # fc1 [2F/etp, H], fc2 [H, F/etp]
         full = global_tensor(canon, _sharded_shape(local_shape, kind, size), kind, seed, router_std)
         yield view[j], _split(full, kind, rank, size).t()

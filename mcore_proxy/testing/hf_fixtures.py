@@ -10,6 +10,7 @@ package, trained on a fixed word list) is saved beside every model.
 
 `testing.quantized` makes FP8, MXFP4 and DeepSeek-V4 FP4 copies of them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,20 +22,58 @@ from pathlib import Path
 
 import torch
 
-WORDS = ("the a one two red blue cat dog sat ran on under big small tree house river stone bird fish "
-         "light dark fast slow old new sun moon over near far green high low day night").split()
+WORDS = (
+    "the a one two red blue cat dog sat ran on under big small tree house river stone bird fish "
+    "light dark fast slow old new sun moon over near far green high low day night"
+).split()
 VOCAB = 128
 SHARD = "20KB"
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, moe_intermediate_size=8,
-               num_experts_per_tok=4, norm_topk_prob=True, pad_token_id=1, bos_token_id=None, eos_token_id=2)
-_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=1,
-              bos_token_id=None, eos_token_id=2)
-_DEEPSEEK = dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=16,
-                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=20,
-                 kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_nextn_predict_layers=1,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    moe_intermediate_size=8,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    pad_token_id=1,
+    bos_token_id=None,
+    eos_token_id=2,
+)
+_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+    pad_token_id=1,
+    bos_token_id=None,
+    eos_token_id=2,
+)
+_DEEPSEEK = dict(
+    _COMMON,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    q_lora_rank=20,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    num_nextn_predict_layers=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
 
 # the MTP block a family's release carries and transformers neither builds nor saves: DeepSeek's
 # layer num_hidden_layers (1: as its release and GLM's spell it), Qwen3-Next's `mtp.*` (as vLLM
@@ -45,108 +84,338 @@ QWEN_NEXT_MTP, DEEPSEEK_V4_MTP = "qwen3_next", "deepseek_v4"
 MODELS = {
     # GQA 4 heads / 2 groups, head dim 12 != H/heads, q/k norms; 16 experts top-4 softmax
     # (renormalised); layer 0 dense (mlp_only_layers); non-default rope_theta and eps
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=12, num_experts=16,
-                       mlp_only_layers=[0], rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}), 0),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            num_experts=16,
+            mlp_only_layers=[0],
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+        0,
+    ),
     # MLA with q_lora; layer 0 dense; 16 experts in 4 groups (top-2 groups), top-4 sigmoid with
     # expert bias, scaling 2.5, one shared expert; one MTP layer
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK), 1),
     # the same with the DSA indexer (2 heads of 8, top-4 tokens)
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
-                     dict(_DEEPSEEK, index_n_heads=2, index_head_dim=8, index_topk=4), 1),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(_DEEPSEEK, index_n_heads=2, index_head_dim=8, index_topk=4),
+        1,
+    ),
     # -- one tiny model per further family (8 experts, top-2; K = E/2 = 4 keeps top-k feasible) ----
     # shared expert with its sigmoid gate, q/k/v biases, layer 0 dense
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(_SMALL, num_hidden_layers=3, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                       num_experts=8, mlp_only_layers=[0], norm_topk_prob=True), 0),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _SMALL,
+            num_hidden_layers=3,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=8,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+        0,
+    ),
     # gated delta net (linear attention) beside gated full attention, layer 0 dense
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(_SMALL, num_hidden_layers=4, head_dim=8, moe_intermediate_size=16,
-                        shared_expert_intermediate_size=24, num_experts=8, mlp_only_layers=[0],
-                        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                        linear_conv_kernel_dim=4), QWEN_NEXT_MTP),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            _SMALL,
+            num_hidden_layers=4,
+            head_dim=8,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=8,
+            mlp_only_layers=[0],
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        ),
+        QWEN_NEXT_MTP,
+    ),
     # the text model of Qwen3.5-MoE (every layer MoE, always renormalised)
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-                    dict(_SMALL, num_hidden_layers=4, head_dim=8, moe_intermediate_size=16,
-                         shared_expert_intermediate_size=24, num_experts=8,
-                         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                         linear_conv_kernel_dim=4), 0),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_SMALL, num_hidden_layers=2, intermediate_size=16,
-                                                      num_experts=8, norm_topk_prob=True), 0),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SMALL, num_hidden_layers=2, intermediate_size=16,
-                                                            num_local_experts=8), 0),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            _SMALL,
+            num_hidden_layers=4,
+            head_dim=8,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=8,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        ),
+        0,
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(_SMALL, num_hidden_layers=2, intermediate_size=16, num_experts=8, norm_topk_prob=True),
+        0,
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_SMALL, num_hidden_layers=2, intermediate_size=16, num_local_experts=8),
+        0,
+    ),
     # sigmoid scores with a selection bias on the MoE block
-    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
-                   dict(_SMALL, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8), 0),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(_SMALL, num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8),
+        0,
+    ),
     # DeepSeek's biased sigmoid router in 2 groups, sliding and full attention with sinks, v head
     # dim != q/k head dim, partial rotary per attention kind, layer 0 dense
-    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",
-                      dict(_SMALL, num_hidden_layers=3, head_dim=12, v_head_dim=8, moe_intermediate_size=16,
-                           n_routed_experts=8, n_group=2, topk_group=1, sliding_window=4,
-                           layer_types=["full_attention", "sliding_attention", "full_attention"]), 0),
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        dict(
+            _SMALL,
+            num_hidden_layers=3,
+            head_dim=12,
+            v_head_dim=8,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+        ),
+        0,
+    ),
     # DeepSeek's router (2 groups, top-1 group), q/k norms, q/k/v biases, partial rotary, MTP layer
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-                 dict(_SMALL, num_hidden_layers=3, head_dim=8, moe_intermediate_size=16, n_routed_experts=8,
-                      n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-                      routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
-                      partial_rotary_factor=0.5, num_nextn_predict_layers=1), 1),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _SMALL,
+            num_hidden_layers=3,
+            head_dim=8,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            num_nextn_predict_layers=1,
+        ),
+        1,
+    ),
     # hash-routed layer 0 (tid2eid), sqrtsoftplus scores with a selection bias, hyper-connections,
     # sliding / compressed sparse / heavily compressed attention with sinks
-    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
-                    dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=16,
-                         num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, scoring_func="sqrtsoftplus",
-                         routed_scaling_factor=1.5,
-                         layer_types=["sliding_attention", "compressed_sparse_attention",
-                                      "heavily_compressed_attention", "compressed_sparse_attention"],
-                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-                         mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20,
-                         sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
-                         index_topk=4, num_nextn_predict_layers=1, partial_rotary_factor=0.25,
-                         max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=1, eos_token_id=2),
-                    DEEPSEEK_V4_MTP),
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=16,
+            num_experts_per_tok=2,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            scoring_func="sqrtsoftplus",
+            routed_scaling_factor=1.5,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            hc_mult=4,
+            hc_sinkhorn_iters=20,
+            sliding_window=8,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            num_nextn_predict_layers=1,
+            partial_rotary_factor=0.25,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            pad_token_id=1,
+            eos_token_id=2,
+        ),
+        DEEPSEEK_V4_MTP,
+    ),
     # Kimi-K2.5: a DeepSeek-V3 text model (sigmoid, bias, 2 groups) in a vision-language wrapper
-    "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration",
-                 dict(text_config=dict(model_type="kimi_k2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                       moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-                                       num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                                       n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                       norm_topk_prob=True, routed_scaling_factor=2.827, num_nextn_predict_layers=0,
-                                       q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                       v_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
-                                       tie_word_embeddings=False, pad_token_id=1, eos_token_id=2),
-                      vision_config=dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4,
-                                         num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
-                                         intermediate_size=64, merge_kernel_size=[2, 2]),
-                      projection_hidden_size=32, tie_word_embeddings=False, image_token_id=120, video_token_id=121,
-                      vision_start_token_id=122, vision_end_token_id=123), 0),
+    "kimi_k25": (
+        "Kimi_K25Config",
+        "Kimi_K25ForConditionalGeneration",
+        dict(
+            text_config=dict(
+                model_type="kimi_k2",
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=2,
+                topk_group=1,
+                first_k_dense_replace=1,
+                norm_topk_prob=True,
+                routed_scaling_factor=2.827,
+                num_nextn_predict_layers=0,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=4,
+                v_head_dim=8,
+                max_position_embeddings=64,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=False,
+                pad_token_id=1,
+                eos_token_id=2,
+            ),
+            vision_config=dict(
+                patch_size=14,
+                pos_emb_height=8,
+                pos_emb_width=8,
+                pos_emb_time=4,
+                num_attention_heads=2,
+                num_hidden_layers=1,
+                hidden_size=32,
+                intermediate_size=64,
+                merge_kernel_size=[2, 2],
+            ),
+            projection_hidden_size=32,
+            tie_word_embeddings=False,
+            image_token_id=120,
+            video_token_id=121,
+            vision_start_token_id=122,
+            vision_end_token_id=123,
+        ),
+        0,
+    ),
     # Kimi-Linear: KDA linear attention and MLA, DeepSeek's router under block_sparse_moe
-    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
-                    dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
-                         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
-                         num_experts_per_token=2, num_shared_experts=1, moe_renormalize=True, num_expert_group=2,
-                         topk_group=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
-                         moe_router_activation_func="sigmoid", moe_layer_freq=1,
-                         linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 16,
-                                             "num_heads": 4, "short_conv_kernel_size": 4},
-                         pad_token_id=1, bos_token_id=0, eos_token_id=2, tie_word_embeddings=False,
-                         model_max_length=256), 0),
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=16,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_experts=8,
+            num_experts_per_token=2,
+            num_shared_experts=1,
+            moe_renormalize=True,
+            num_expert_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            first_k_dense_replace=1,
+            moe_router_activation_func="sigmoid",
+            moe_layer_freq=1,
+            linear_attn_config={
+                "full_attn_layers": [4],
+                "kda_layers": [1, 2, 3],
+                "head_dim": 16,
+                "num_heads": 4,
+                "short_conv_kernel_size": 4,
+            },
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+            model_max_length=256,
+        ),
+        0,
+    ),
     # a router with a logit bias, transposed fused experts with biases (gate/up interleaved), sinks
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(_SMALL, head_dim=8, intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
-                     sliding_window=4, max_position_embeddings=131072), 0),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _SMALL,
+            head_dim=8,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_local_experts=8,
+            sliding_window=4,
+            max_position_embeddings=131072,
+        ),
+        0,
+    ),
     # softmax scores with a [1, E] selection bias (moe_statics), two shared experts, tied embeddings
-    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
-                     dict(_SMALL, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-                          moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=1,
-                          moe_layer_end_index=-1, moe_layer_interval=1, tie_word_embeddings=True), 0),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            _SMALL,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=1,
+            tie_word_embeddings=True,
+        ),
+        0,
+    ),
     # sigmoid top-k router scaling the experts' input, MoE every second layer, a shared expert
-    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
-               dict(_SMALL, head_dim=8, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=4,
-                    num_local_experts=8, interleave_moe_layer_step=2, attention_chunk_size=8), 0),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            _SMALL,
+            head_dim=8,
+            intermediate_size=16,
+            intermediate_size_mlp=64,
+            num_hidden_layers=4,
+            num_local_experts=8,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+        ),
+        0,
+    ),
 }
 FAMILY_FIXTURES = tuple(MODELS)
 
@@ -187,13 +456,13 @@ def fill(model, seed: int = 0) -> None:
             elif name.endswith("tid2eid"):
                 g = _generator(name, seed)
                 experts = model.config.get_text_config().num_local_experts
-                b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def _mtp_tensors(model, config, seed: int) -> dict[str, torch.Tensor]:
     """DeepSeek's published MTP layer k = N, under Hub names (experts per expert)."""
     n, h = config.num_hidden_layers, config.hidden_size
-    layer = type(model.model.layers[-1])(config, n - 1)   # a MoE decoder layer (its index only picks the type)
+    layer = type(model.model.layers[-1])(config, n - 1)  # a MoE decoder layer (its index only picks the type)
     prefix = f"model.layers.{n}."
     fill(layer, seed + 1)
     out = {}
@@ -209,8 +478,12 @@ def _mtp_tensors(model, config, seed: int) -> dict[str, torch.Tensor]:
                 out[prefix + key.replace("down_proj", f"{e}.down_proj.weight")] = fc2.clone()
         else:
             out[name] = value.clone()
-    for key, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
-                       ("shared_head.norm.weight", (h,))):
+    for key, shape in (
+        ("enorm.weight", (h,)),
+        ("hnorm.weight", (h,)),
+        ("eh_proj.weight", (h, 2 * h)),
+        ("shared_head.norm.weight", (h,)),
+    ):
         out[prefix + key] = decisive_value(prefix + key, shape, seed)
     out[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
     out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
@@ -226,17 +499,28 @@ def _mtp_block(folder: Path, config, kind: str, seed: int) -> dict[str, torch.Te
     saved = {}
     for shard in folder.glob("*.safetensors"):
         saved.update({k: v for k, v in load_file(str(shard)).items() if k.startswith(last)})
-    if kind == QWEN_NEXT_MTP:   # vLLM's names: mtp.fc, its norms, one decoder layer mtp.layers.0
-        extra = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_hidden.weight": (h,),
-                 "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.norm.weight": (h,)}
+    if kind == QWEN_NEXT_MTP:  # vLLM's names: mtp.fc, its norms, one decoder layer mtp.layers.0
+        extra = {
+            "mtp.fc.weight": (h, 2 * h),
+            "mtp.pre_fc_norm_hidden.weight": (h,),
+            "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.norm.weight": (h,),
+        }
         prefix = "mtp.layers.0."
-    else:                       # DeepSeek-V4's release: mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*}
+    else:  # DeepSeek-V4's release: mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*}
         hc = config.hc_mult
-        extra = {"mtp.0.e_proj.weight": (h, h), "mtp.0.h_proj.weight": (h, h), "mtp.0.enorm.weight": (h,),
-                 "mtp.0.hnorm.weight": (h,), "mtp.0.norm.weight": (h,), "mtp.0.hc_head_fn": (hc, hc * h),
-                 "mtp.0.hc_head_base": (hc,), "mtp.0.hc_head_scale": (1,)}
+        extra = {
+            "mtp.0.e_proj.weight": (h, h),
+            "mtp.0.h_proj.weight": (h, h),
+            "mtp.0.enorm.weight": (h,),
+            "mtp.0.hnorm.weight": (h,),
+            "mtp.0.norm.weight": (h,),
+            "mtp.0.hc_head_fn": (hc, hc * h),
+            "mtp.0.hc_head_base": (hc,),
+            "mtp.0.hc_head_scale": (1,),
+        }
         prefix = "mtp.0."
-    out = {prefix + k[len(last):]: v.clone() for k, v in saved.items()}
+    out = {prefix + k[len(last) :]: v.clone() for k, v in saved.items()}
     out.update({k: decisive_value(k, shape, seed + 1) for k, shape in extra.items()})
     return out
 

@@ -6,6 +6,7 @@ getattr and calls only (docs/safe-loading.md). `eval_escape` is the string a lay
 hold to run a command under `eval`. Tests and the fuzz campaign plant these in checkpoints and
 check that nothing runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,17 @@ class Get:
     def __reduce__(self):
         return getattr, (self.obj, self.name)
 
-    def __call__(self):   # pickle checks that a reduce's function is callable; it is never called
+    def __call__(self):  # pickle checks that a reduce's function is callable; it is never called
         raise AssertionError("a pickling placeholder")
 
 
 def eval_escape(marker: str | Path) -> str:
     """A Megatron layer pattern (`moe_layer_freq`) that runs a shell command under `eval`, even
     with empty `__builtins__`, and evaluates to a valid pattern `[1]*4` afterwards."""
-    return ("[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
-            f".__init__.__globals__['system']('touch {marker}') or [1]*4")
+    return (
+        "[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
+        f".__init__.__globals__['system']('touch {marker}') or [1]*4"
+    )
 
 
 def os_system_through_enum(marker: str | Path):

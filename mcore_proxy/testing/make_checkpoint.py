@@ -5,6 +5,7 @@
 Writes OUT (a legacy checkpoint saved by megatron-core in spawned gloo ranks) and
 OUT.logits.pt (the model's logits on fixed tokens, for functional checks).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ def main(argv=None) -> int:
         return 2
     model, layout = FIXTURES[a.name]
     ref = save_checkpoint(model, layout, out)
-    print(f"saved {a.name} ({layout.world_size} gloo ranks, TP={layout.tp} PP={layout.pp} EP={layout.ep}) "
-          f"to {out}; reference logits {ref}")
+    print(
+        f"saved {a.name} ({layout.world_size} gloo ranks, TP={layout.tp} PP={layout.pp} EP={layout.ep}) "
+        f"to {out}; reference logits {ref}"
+    )
     return 0
 
 

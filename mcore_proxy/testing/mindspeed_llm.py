@@ -21,6 +21,7 @@ to the rank files of a megatron-core multi-latent attention checkpoint (the `dee
 
 The rank files are read with `torch.load(weights_only=False)`: they are this package's own fixtures.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,18 +42,24 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.*)$")
 _ATTN_PROJ = re.compile(r"^(.*\.self_attention\.)linear_proj\.weight$")
 INDEX_HEADS, INDEX_HEAD_DIM = 2, 8
 # megatron name -> MindSpeed-LLM name of each indexer tensor, and its shape from (H, q_lora)
-INDEXER = {"core_attention.indexer.linear_wq_b.weight": "dsa_indexer.wq_b.weight",
-           "core_attention.indexer.linear_wk.weight": "dsa_indexer.wk.weight",
-           "core_attention.indexer.k_norm.weight": "dsa_indexer.k_norm.weight",
-           "core_attention.indexer.k_norm.bias": "dsa_indexer.k_norm.bias",
-           "core_attention.indexer.linear_weights_proj.weight": "dsa_indexer.weights_proj.weight"}
+INDEXER = {
+    "core_attention.indexer.linear_wq_b.weight": "dsa_indexer.wq_b.weight",
+    "core_attention.indexer.linear_wk.weight": "dsa_indexer.wk.weight",
+    "core_attention.indexer.k_norm.weight": "dsa_indexer.k_norm.weight",
+    "core_attention.indexer.k_norm.bias": "dsa_indexer.k_norm.bias",
+    "core_attention.indexer.linear_weights_proj.weight": "dsa_indexer.weights_proj.weight",
+}
 
 
 def indexer_shape(name: str, hidden: int, q_lora: int) -> tuple[int, ...]:
     """Shape of a megatron indexer tensor (Megatron-LM dsa.py; MindSpeed-LLM dsa_indexer.py)."""
-    return {"linear_wq_b.weight": (INDEX_HEADS * INDEX_HEAD_DIM, q_lora), "linear_wk.weight": (INDEX_HEAD_DIM, hidden),
-            "k_norm.weight": (INDEX_HEAD_DIM,), "k_norm.bias": (INDEX_HEAD_DIM,),
-            "linear_weights_proj.weight": (INDEX_HEADS, hidden)}[name.split("indexer.")[1]]
+    return {
+        "linear_wq_b.weight": (INDEX_HEADS * INDEX_HEAD_DIM, q_lora),
+        "linear_wk.weight": (INDEX_HEAD_DIM, hidden),
+        "k_norm.weight": (INDEX_HEAD_DIM,),
+        "k_norm.bias": (INDEX_HEAD_DIM,),
+        "linear_weights_proj.weight": (INDEX_HEADS, hidden),
+    }[name.split("indexer.")[1]]
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,10 @@ def _folder(tp: int, pp: int, ep: int, pps: int, eps: int) -> str:
 def derive(src: Path, dst: Path, how: Derivation, seed: int = 0) -> Path:
     """Write the derived checkpoint at `dst` (a checkpoint root) from the legacy root `src`."""
     src_it = iteration_dir(src)
-    files = {p.parent.name: torch.load(p, map_location="cpu", weights_only=False)
-             for p in sorted(src_it.glob("mp_rank_*/model_optim_rng.pt"))}
+    files = {
+        p.parent.name: torch.load(p, map_location="cpu", weights_only=False)
+        for p in sorted(src_it.glob("mp_rank_*/model_optim_rng.pt"))
+    }
     args = next(iter(files.values()))["args"]
     tp, pps, eps = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     dims = MLADims.from_args(args)
@@ -97,8 +106,9 @@ def derive(src: Path, dst: Path, how: Derivation, seed: int = 0) -> Path:
                     down.setdefault((p, ck, name), {})[t] = value
                 elif m := _EXPERT.match(name):
                     experts[(p, ck, m.group(1), e * per_src + int(m.group(2)), m.group(3))] = value
-    folders = ({(t, p, e) for t in range(tp) for p in range(pps) for e in range(eps)} if how.tp_extend_ep
-               else set(by_coords))
+    folders = (
+        {(t, p, e) for t in range(tp) for p in range(pps) for e in range(eps)} if how.tp_extend_ep else set(by_coords)
+    )
     per = args.num_experts // (eps * tp) if how.tp_extend_ep else per_src
     out_it = Path(dst) / src_it.relative_to(src)
     out_it.mkdir(parents=True)
@@ -120,15 +130,16 @@ def _chunk(model: dict, p, ck, t, chunk_id, per, down, experts, dims, how, args,
     out: dict = {}
     for name, value in model.items():
         if _EXPERT.match(name):
-            continue                                    # re-placed below
+            continue  # re-placed below
         if how.mindspeed_names and (m := _DOWN.match(name)):
             if m.group(2) == "q":
                 fused = m.group(1) + "linear_qkv."
                 if m.group(3) == "weight":
                     q = down[(p, ck, name)]
                     kv = down[(p, ck, m.group(1) + "linear_kv_down_proj.weight")]
-                    out[fused + "weight"] = torch.cat([torch.cat([q[r] for r in sorted(q)]),
-                                                       torch.cat([kv[r] for r in sorted(kv)])])
+                    out[fused + "weight"] = torch.cat(
+                        [torch.cat([q[r] for r in sorted(q)]), torch.cat([kv[r] for r in sorted(kv)])]
+                    )
                 else:
                     out[fused + "_extra_state"] = value
             continue

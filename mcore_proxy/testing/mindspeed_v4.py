@@ -132,6 +132,7 @@ it to SEQ_LEN); rotary_base = int(rope_theta). The recipe's `--rope-scaling-fact
 
 The rank files are read with `torch.load(weights_only=False)`: they are this package's fixtures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -217,9 +218,13 @@ def _rope(config: dict) -> dict:
     if yarn is None:
         out.update(rope_factor=1.0, original_seq_len=0, beta_fast=32, beta_slow=1, rope_scaling_type=None)
     else:
-        out.update(rope_factor=float(yarn["factor"]), original_seq_len=int(yarn["original_max_position_embeddings"]),
-                   beta_fast=int(yarn.get("beta_fast", 32)), beta_slow=int(yarn.get("beta_slow", 1)),
-                   rope_scaling_type="yarn")
+        out.update(
+            rope_factor=float(yarn["factor"]),
+            original_seq_len=int(yarn["original_max_position_embeddings"]),
+            beta_fast=int(yarn.get("beta_fast", 32)),
+            beta_slow=int(yarn.get("beta_slow", 1)),
+            rope_scaling_type="yarn",
+        )
     return out
 
 
@@ -253,51 +258,99 @@ def mindspeed_v4_args(config: dict, *, tp: int, pp: int, ep: int, grouped_gemm: 
     vocab = int(config["vocab_size"])
     values = dict(
         # model size
-        num_layers=n_layers, hidden_size=hidden, ffn_hidden_size=int(config.get("intermediate_size") or hidden),
-        num_attention_heads=heads, kv_channels=hidden // heads, group_query_attention=False,
-        vocab_size=vocab, padded_vocab_size=vocab, make_vocab_size_divisible_by=1,
-        max_position_embeddings=max_pos, seq_length=seq_length,
-        normalization="RMSNorm", norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True,
-        add_bias_linear=False, add_qkv_bias=False,
+        num_layers=n_layers,
+        hidden_size=hidden,
+        ffn_hidden_size=int(config.get("intermediate_size") or hidden),
+        num_attention_heads=heads,
+        kv_channels=hidden // heads,
+        group_query_attention=False,
+        vocab_size=vocab,
+        padded_vocab_size=vocab,
+        make_vocab_size_divisible_by=1,
+        max_position_embeddings=max_pos,
+        seq_length=seq_length,
+        normalization="RMSNorm",
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         position_embedding_type="deepseek4",
         # attention: MLA flags, CSA / HCA
-        multi_latent_attention=True, q_lora_rank=int(config["q_lora_rank"]), qk_head_dim=head_dim,
-        qk_pos_emb_head_dim=_rope_head_dim(config), kv_lora_rank=head_dim, v_head_dim=128, qk_layernorm=True,
-        kv_compress=True, o_groups=int(config["o_groups"]), o_lora_rank=int(config["o_lora_rank"]),
-        sliding_window_size=int(config["sliding_window"]), compress_ratios=decoder_compress_ratios(config),
-        max_batch_size=4, use_flash_attn=True, mla_mm_split=False,
+        multi_latent_attention=True,
+        q_lora_rank=int(config["q_lora_rank"]),
+        qk_head_dim=head_dim,
+        qk_pos_emb_head_dim=_rope_head_dim(config),
+        kv_lora_rank=head_dim,
+        v_head_dim=128,
+        qk_layernorm=True,
+        kv_compress=True,
+        o_groups=int(config["o_groups"]),
+        o_lora_rank=int(config["o_lora_rank"]),
+        sliding_window_size=int(config["sliding_window"]),
+        compress_ratios=decoder_compress_ratios(config),
+        max_batch_size=4,
+        use_flash_attn=True,
+        mla_mm_split=False,
         rope_scaling_original_max_position_embeddings=seq_length,
         **_rope(config),
         # the indexer of the ratio-4 layers
-        enable_dsa_indexer=True, index_n_heads=int(config["index_n_heads"]),
-        index_head_dim=int(config["index_head_dim"]), index_topk=int(config["index_topk"]), scale_fmt=None,
+        enable_dsa_indexer=True,
+        index_n_heads=int(config["index_n_heads"]),
+        index_head_dim=int(config["index_head_dim"]),
+        index_topk=int(config["index_topk"]),
+        scale_fmt=None,
         # hyper-connections
-        enable_mhc=True, hc_mult=int(config["hc_mult"]), hc_sinkhorn_iters=int(config.get("hc_sinkhorn_iters", 20)),
+        enable_mhc=True,
+        hc_mult=int(config["hc_mult"]),
+        hc_sinkhorn_iters=int(config.get("hc_sinkhorn_iters", 20)),
         hc_eps=float(config.get("hc_eps", 1e-6)),
         # MoE
-        num_experts=int(config["n_routed_experts"]), moe_router_topk=int(config["num_experts_per_tok"]),
+        num_experts=int(config["n_routed_experts"]),
+        moe_router_topk=int(config["num_experts_per_tok"]),
         moe_ffn_hidden_size=moe_ffn,
         moe_shared_expert_intermediate_size=int(config.get("n_shared_experts", 1)) * moe_ffn,
         moe_router_score_function=str(config.get("scoring_func", "sqrtsoftplus")),
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
-        seq_aux=True, norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_router_dtype="fp32",
-        moe_router_num_groups=1, moe_router_group_topk=1, n_hash_layers=hash_layers(config),
-        swiglu_limit=float(config.get("swiglu_limit", 0.0)), moe_grouped_gemm=bool(grouped_gemm),
-        moe_layer_freq=1, first_k_dense_replace=-1, moe_token_dispatcher_type="alltoall", num_zero_experts=None,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
+        seq_aux=True,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        moe_router_dtype="fp32",
+        moe_router_num_groups=1,
+        moe_router_group_topk=1,
+        n_hash_layers=hash_layers(config),
+        swiglu_limit=float(config.get("swiglu_limit", 0.0)),
+        moe_grouped_gemm=bool(grouped_gemm),
+        moe_layer_freq=1,
+        first_k_dense_replace=-1,
+        moe_token_dispatcher_type="alltoall",
+        num_zero_experts=None,
         moe_tp_extend_ep=False,
         # MTP
         mtp_num_layers=int(config.get("num_nextn_predict_layers", 0)) or None,
         # implementation, parallelism, format
-        transformer_impl="local", spec=list(SPEC), mtp_spec=list(MTP_SPEC), use_mcore_models=True,
-        use_legacy_models=False, ckpt_format="torch",
-        params_dtype=f"torch.{dtype}", bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=tp > 1,
-        num_layers_per_virtual_pipeline_stage=None, virtual_pipeline_model_parallel_size=None,
-        noop_layers=None, num_layer_list=None, schedules_method=None,
+        transformer_impl="local",
+        spec=list(SPEC),
+        mtp_spec=list(MTP_SPEC),
+        use_mcore_models=True,
+        use_legacy_models=False,
+        ckpt_format="torch",
+        params_dtype=f"torch.{dtype}",
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=tp > 1,
+        num_layers_per_virtual_pipeline_stage=None,
+        virtual_pipeline_model_parallel_size=None,
+        noop_layers=None,
+        num_layer_list=None,
+        schedules_method=None,
     )
     return argparse.Namespace(**dict(sorted(values.items())))
 
@@ -309,7 +362,7 @@ def release_tensors(hf_folder: Path) -> dict[str, torch.Tensor]:
     for key, value in hf_tensors(Path(hf_folder)).items():
         for old, new in V4_RELEASE_NAMES:
             if key.startswith(old):
-                key = new + key[len(old):]
+                key = new + key[len(old) :]
                 break
         out[key] = value
     return out
@@ -365,9 +418,13 @@ class _Derivation:
         self.mtp = int(c.get("num_nextn_predict_layers", 0))
         self.ratios = decoder_compress_ratios(c)
         self.n_hash = hash_layers(c)
-        for what, n, parts in (("layers", self.layers, pp), ("experts", self.experts, ep),
-                               ("attention heads", int(c["num_attention_heads"]), tp),
-                               ("o_groups", int(c["o_groups"]), tp), ("vocab", int(c["vocab_size"]), tp)):
+        for what, n, parts in (
+            ("layers", self.layers, pp),
+            ("experts", self.experts, ep),
+            ("attention heads", int(c["num_attention_heads"]), tp),
+            ("o_groups", int(c["o_groups"]), tp),
+            ("vocab", int(c["vocab_size"]), tp),
+        ):
             if n % parts:
                 raise ValueError(f"{n} {what} do not split in {parts}")
 
@@ -435,7 +492,8 @@ class _Derivation:
         up = w(f"{f}.shared_experts.w3.weight", f"{f}.shared_experts.w3")
         down = w(f"{f}.shared_experts.w2.weight", f"{f}.shared_experts.w2")
         sd[f"{mg}.mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-            [_part(gate, tp, tp_rank, 0), _part(up, tp, tp_rank, 0)], dim=0)
+            [_part(gate, tp, tp_rank, 0), _part(up, tp, tp_rank, 0)], dim=0
+        )
         sd[f"{mg}.mlp.shared_experts.linear_fc2.weight"] = _part(down, tp, tp_rank, 1)
         for mhc, kind in (("attn_mhc", "attn"), ("mlp_mhc", "ffn")):
             sd[f"{mg}.{mhc}.hc_base"] = _own(w(f"{hf}.hc_{kind}_base"))
@@ -465,24 +523,26 @@ class _Derivation:
         if last:
             for k in range(self.mtp):
                 self.mtp_preprocess(sd, k, tp_rank)
-                self.layer(sd, f"mtp.{k}", f"mtp.layers.{k}.transformer_layer", index=None,
-                           tp_rank=tp_rank, ep_rank=ep_rank)
+                self.layer(
+                    sd, f"mtp.{k}", f"mtp.layers.{k}.transformer_layer", index=None, tp_rank=tp_rank, ep_rank=ep_rank
+                )
                 self.mtp_postprocess(sd, k)
         for local in range(per_stage):
             index = pp_rank * per_stage + local
-            self.layer(sd, f"layers.{index}", f"decoder.layers.{local}", index=index, tp_rank=tp_rank,
-                       ep_rank=ep_rank)
+            self.layer(sd, f"layers.{index}", f"decoder.layers.{local}", index=index, tp_rank=tp_rank, ep_rank=ep_rank)
         if last:
             self.postprocess(sd, tp_rank)
         return sd
 
 
-def mindspeed_v4_state_dicts(hf_folder: Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                             grouped_gemm: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+def mindspeed_v4_state_dicts(
+    hf_folder: Path, *, tp: int = 1, pp: int = 1, ep: int = 1, grouped_gemm: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     """Rank folder name -> the model state dict MindSpeed-LLM's converter writes there."""
     d = _Derivation(Path(hf_folder), tp, pp, ep, grouped_gemm)
-    return {rank_folder(t, p, e, pp=pp, ep=ep): d.stage(p, t, e)
-            for p in range(pp) for e in range(ep) for t in range(tp)}
+    return {
+        rank_folder(t, p, e, pp=pp, ep=ep): d.stage(p, t, e) for p in range(pp) for e in range(ep) for t in range(tp)
+    }
 
 
 def dropped_release_keys(hf_folder: Path) -> list[str]:
@@ -493,8 +553,9 @@ def dropped_release_keys(hf_folder: Path) -> list[str]:
     return sorted(set(d.w.tensors) - d.w.used)
 
 
-def mindspeed_v4_checkpoint(hf_folder: Path, out: Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                            grouped_gemm: bool = False, iteration: int = 1) -> Path:
+def mindspeed_v4_checkpoint(
+    hf_folder: Path, out: Path, *, tp: int = 1, pp: int = 1, ep: int = 1, grouped_gemm: bool = False, iteration: int = 1
+) -> Path:
     """Writes out/latest_checkpointed_iteration.txt and out/iter_{iteration:07d}/mp_rank_*/model_optim_rng.pt
     as MindSpeed-LLM saves the model of `hf_folder` at these parallel sizes; returns `out`."""
     hf_folder, out = Path(hf_folder), Path(out)
@@ -509,7 +570,9 @@ def mindspeed_v4_checkpoint(hf_folder: Path, out: Path, *, tp: int = 1, pp: int 
             for t in range(tp):
                 folder = base / rank_folder(t, p, e, pp=pp, ep=ep)
                 folder.mkdir(parents=True, exist_ok=True)
-                torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                            "model": d.stage(p, t, e)}, folder / RANK_FILE)
+                torch.save(
+                    {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": d.stage(p, t, e)},
+                    folder / RANK_FILE,
+                )
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return out

@@ -12,6 +12,7 @@ are not moved between rank files, only renamed.
 
 The rank files are read with `torch.load(weights_only=False)`: they are this package's own fixtures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ def _rewrite(it_dir: Path, pp: int, edit_args, new_local) -> None:
         m = _FOLDER.match(folder.name)
         if not m:
             continue
-        p = int(m.group(1)) if pp > 1 else 0   # the first suffix is EP's at PP 1
+        p = int(m.group(1)) if pp > 1 else 0  # the first suffix is EP's at PP 1
         f = folder / "model_optim_rng.pt"
         obj = torch.load(f, map_location="cpu", weights_only=False)
         obj["args"] = argparse.Namespace(**vars(obj["args"]))
@@ -66,13 +67,15 @@ def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
     `out`. Refuses (ValueError) noop ids that would move a real layer to another stage."""
     out_it, _, args = _copy(source, out)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    if (getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-            or getattr(args, "pipeline_model_parallel_layout", None)):
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
+        args, "pipeline_model_parallel_layout", None
+    ):
         raise ValueError("derive_noop_checkpoint handles plain stage splits only")
-    old_counts = stage_layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
-                                    args.decoder_last_pipeline_num_layers)
+    old_counts = stage_layer_counts(
+        args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    )
     total = args.num_layers + len(noop)
-    new_counts = stage_layer_counts(total, pp)       # MindSpeed: even split, noop layers counted
+    new_counts = stage_layer_counts(total, pp)  # MindSpeed: even split, noop layers counted
     real = [g for g in range(total) if g not in noop]  # old global id i -> real[i]
     old_off, new_off = _stage_offsets(old_counts), _stage_offsets(new_counts)
     for p in range(pp):
@@ -83,7 +86,7 @@ def derive_noop_checkpoint(source: Path, out: Path, noop: set[int]) -> Path:
     def edit(args):
         args.num_layers, args.noop_layers = total, set(noop)
         args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
-        if isinstance(args.moe_layer_freq, (list, tuple)):   # a per-layer pattern: noop layers dense
+        if isinstance(args.moe_layer_freq, (list, tuple)):  # a per-layer pattern: noop layers dense
             pattern = iter(args.moe_layer_freq)
             args.moe_layer_freq = [0 if g in noop else next(pattern) for g in range(total)]
 

@@ -11,6 +11,7 @@ dequantizes on request); the quantizers here are the reference scheme each relea
 
 Small blocks (8 x 8) so that the tiny tensors hold several, some partial.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,22 @@ from mcore_proxy.checkpoint.hf.quant import FP4_VALUES, FP8, FP8_MAX
 
 INDEX = "model.safetensors.index.json"
 # the linear layers DeepSeek's FP8 release quantises (not the router, eh_proj, embeddings, head)
-FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|"
-                        r"kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+FP8_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|"
+    r"kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
+)
 # DeepSeek-V4's release: routed experts FP4, these linears FP8 (attention, compressor, indexer, shared)
 V4_EXPERT = re.compile(r"^(layers\.\d+|mtp\.\d+)\.ffn\.experts\.\d+\.w[123]\.weight$")
-V4_FP8 = re.compile(r"^(layers\.\d+|mtp\.\d+)\.(attn\.(.+\.)?(wq_a|wq_b|wkv|wo_b|wgate)|ffn\.shared_experts\.w[123])"
-                    r"\.weight$")
-V4_RELEASE_NAMES = (("model.embed_tokens.", "embed."), ("lm_head.", "head."), ("model.hc_head.hc_", "hc_head_"),
-                    ("model.", ""))
+V4_FP8 = re.compile(
+    r"^(layers\.\d+|mtp\.\d+)\.(attn\.(.+\.)?(wq_a|wq_b|wkv|wo_b|wgate)|ffn\.shared_experts\.w[123])"
+    r"\.weight$"
+)
+V4_RELEASE_NAMES = (
+    ("model.embed_tokens.", "embed."),
+    ("lm_head.", "head."),
+    ("model.hc_head.hc_", "hc_head_"),
+    ("model.", ""),
+)
 BLOCK = (8, 8)
 
 
@@ -71,7 +80,7 @@ def _fp4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bytes [.., C/32]): groups of 32 along the last axis, each scaled by a power of two so its
     largest magnitude fits 6.0."""
     g = weight.to(torch.float32).reshape(*weight.shape[:-1], -1, 32)
-    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0 ** -120) / 6.0)).clamp(-127, 127)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-120) / 6.0)).clamp(-127, 127)
     codes = _fp4_codes(g / torch.exp2(exp).unsqueeze(-1)).reshape(*weight.shape)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
 
@@ -89,8 +98,14 @@ def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.reshape(*packed.shape[:-1], -1, 16), scale
 
 
-def quantized_copy(src: Path, dst: Path, quantize: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
-                   quantization_config: dict, rename: Callable[[str], str] = lambda k: k, **config) -> Path:
+def quantized_copy(
+    src: Path,
+    dst: Path,
+    quantize: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    quantization_config: dict,
+    rename: Callable[[str], str] = lambda k: k,
+    **config,
+) -> Path:
     """Copy HF checkpoint `src` to `dst`, each tensor replaced by what `quantize(key, tensor)` makes
     of it (under the key `rename` gives), config.json with `quantization_config` and `config`."""
     from safetensors.torch import load_file, save_file
@@ -117,38 +132,55 @@ def quantized_copy(src: Path, dst: Path, quantize: Callable[[str, torch.Tensor],
 
 def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Path:
     """DeepSeek-V3's FP8 release of `src`: every decoder/MTP linear in FP8 with fp32 block scales."""
+
     def quantize(key, value):
         if FP8_LINEAR.search(key) and value.dim() == 2:
             q, scale = fp8_blocks(value, block)
             return {key: q, key + "_scale_inv": scale}
         return {key: value}
 
-    return quantized_copy(src, dst, quantize, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                               "weight_block_size": list(block)})
+    return quantized_copy(
+        src,
+        dst,
+        quantize,
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)},
+    )
 
 
 def mxfp4_copy(src: Path, dst: Path) -> Path:
     """gpt-oss's Hub layout of `src`: fused expert weights (not their biases) as MXFP4 blocks and
     scales; attention, router, embeddings and head as they are (gpt-oss's modules_to_not_convert)."""
+
     def quantize(key, value):
         if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             blocks, scales = mxfp4(value)
             return {key + "_blocks": blocks, key + "_scales": scales}
         return {key: value}
 
-    return quantized_copy(src, dst, quantize, {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-                                   "lm_head"]})
+    return quantized_copy(
+        src,
+        dst,
+        quantize,
+        {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },
+    )
 
 
 def v4_release_copy(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Path:
     """DeepSeek-V4's release layout of a `save_pretrained` folder `src`: the release's key names,
     FP4 routed experts and FP8 linears, both with E8M0 `.scale` tensors."""
+
     def rename(key):
         for old, new in V4_RELEASE_NAMES:
             if key.startswith(old):
-                return new + key[len(old):]
+                return new + key[len(old) :]
         return key
 
     def quantize(key, value):
@@ -158,8 +190,19 @@ def v4_release_copy(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Pat
             q, scale = fp8_blocks(value, block, ue8m0=True)
         else:
             return {key: value}
-        return {key: q, key[:-len("weight")] + "scale": scale}
+        return {key: q, key[: -len("weight")] + "scale": scale}
 
-    return quantized_copy(src, dst, quantize, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                               "scale_fmt": "ue8m0", "weight_block_size": list(block)},
-                          rename=rename, expert_dtype="fp4")
+    return quantized_copy(
+        src,
+        dst,
+        quantize,
+        {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(block),
+        },
+        rename=rename,
+        expert_dtype="fp4",
+    )

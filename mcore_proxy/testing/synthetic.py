@@ -3,6 +3,7 @@
 Tensors are generated on demand from a seed keyed by name, so a multi-GB checkpoint can be
 written by the streaming writers without ever being in memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,32 +15,54 @@ from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.spec import ModelSpec
 
 
-def synthetic_args(num_layers=16, hidden=1024, experts=16, ffn=1024, topk=4, heads=8, vocab=8192,
-                   dense_first=0) -> argparse.Namespace:
+def synthetic_args(
+    num_layers=16, hidden=1024, experts=16, ffn=1024, topk=4, heads=8, vocab=8192, dense_first=0
+) -> argparse.Namespace:
     freq = [0] * dense_first + [1] * (num_layers - dense_first) if dense_first else 1
     return argparse.Namespace(
-        num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=None,
-        ffn_hidden_size=4 * hidden, num_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk,
-        moe_layer_freq=freq, swiglu=True, padded_vocab_size=vocab, bf16=True,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-        expert_tensor_parallel_size=1, moe_grouped_gemm=False, moe_router_score_function="softmax")
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=None,
+        ffn_hidden_size=4 * hidden,
+        num_experts=experts,
+        moe_ffn_hidden_size=ffn,
+        moe_router_topk=topk,
+        moe_layer_freq=freq,
+        swiglu=True,
+        padded_vocab_size=vocab,
+        bf16=True,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
+        moe_grouped_gemm=False,
+        moe_router_score_function="softmax",
+    )
 
 
 class SyntheticMoEView(ModelView):
     """Megatron GPT MoE names and shapes; bf16 values from a per-name seed."""
 
     def __init__(self, args: argparse.Namespace, dtype=torch.bfloat16):
-        super().__init__(ViewInfo(spec=ModelSpec.from_args(args), format="synthetic", iteration=100, args=args,
-                                  linear_extra_state=True))
+        super().__init__(
+            ViewInfo(
+                spec=ModelSpec.from_args(args), format="synthetic", iteration=100, args=args, linear_extra_state=True
+            )
+        )
         self.dtype_ = dtype
         h, v, f, e = args.hidden_size, args.padded_vocab_size, args.moe_ffn_hidden_size, args.num_experts
         shapes = {"embedding.word_embeddings.weight": (v, h)}
         for L in range(args.num_layers):
             p = f"decoder.layers.{L}"
-            shapes.update({f"{p}.input_layernorm.weight": (h,),
-                           f"{p}.self_attention.linear_qkv.weight": (3 * h, h),
-                           f"{p}.self_attention.linear_proj.weight": (h, h),
-                           f"{p}.pre_mlp_layernorm.weight": (h,)})
+            shapes.update(
+                {
+                    f"{p}.input_layernorm.weight": (h,),
+                    f"{p}.self_attention.linear_qkv.weight": (3 * h, h),
+                    f"{p}.self_attention.linear_proj.weight": (h, h),
+                    f"{p}.pre_mlp_layernorm.weight": (h,),
+                }
+            )
             if L in self.spec.moe_layers:
                 shapes[f"{p}.mlp.router.weight"] = (e, h)
                 for x in range(e):

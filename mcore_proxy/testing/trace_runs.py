@@ -6,6 +6,7 @@ the same token batch (each data-parallel replica takes its rows; pipeline stages
 activations by p2p), and leaves `out_dir/name/rank{R:05d}.safetensors` + `.json` plus the logits
 of each replica (`logits_dp{d}.pt`). Statistics of different layouts are then comparable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,15 +28,15 @@ class TraceRun:
 
     model: ToyMoE = field(default_factory=ToyMoE)
     layout: Layout = field(default_factory=Layout)
-    vpp: int | None = None           # virtual pipeline stages per rank (model chunks)
+    vpp: int | None = None  # virtual pipeline stages per rank (model chunks)
     sequence_parallel: bool = False
     mtp_layers: int = 0
-    recompute: bool = False          # full recompute, training-mode forward + backward (PP=1)
+    recompute: bool = False  # full recompute, training-mode forward + backward (PP=1)
     saliency: bool = False
-    batch: int = 4                   # sequences in the global batch, split over DP replicas
-    seq: int | None = None           # use the first `seq` positions (default: model.seq_length)
-    pad_from: int | None = None      # positions >= pad_from are padding (padding_mask True)
-    steps: int = 1                   # forward passes over the batch
+    batch: int = 4  # sequences in the global batch, split over DP replicas
+    seq: int | None = None  # use the first `seq` positions (default: model.seq_length)
+    pad_from: int | None = None  # positions >= pad_from are padding (padding_mask True)
+    steps: int = 1  # forward passes over the batch
     flush_every: int = 0
     seed: int = 0
 
@@ -106,18 +107,27 @@ def build_stage(run: TraceRun):
 
     config = run_config(run)
     chunks = []
-    for vp in (range(run.vpp) if run.vpp else [None]):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                          normalization="RMSNorm", vp_stage=vp)
+    for vp in range(run.vpp) if run.vpp else [None]:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp)
         if run.sequence_parallel:
             spec = _swap_torch_norm(spec)
-        mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
-               if run.mtp_layers else None)
-        chunks.append(GPTModel(
-            config, spec, vocab_size=run.model.vocab_size, max_sequence_length=run.model.seq_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            parallel_output=False, position_embedding_type="rope", mtp_block_spec=mtp, vp_stage=vp))
+        mtp = (
+            get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp) if run.mtp_layers else None
+        )
+        chunks.append(
+            GPTModel(
+                config,
+                spec,
+                vocab_size=run.model.vocab_size,
+                max_sequence_length=run.model.seq_length,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                parallel_output=False,
+                position_embedding_type="rope",
+                mtp_block_spec=mtp,
+                vp_stage=vp,
+            )
+        )
     fill_global_weights(chunks, seed=run.seed, router_std=run.model.router_std)
     return chunks if run.vpp else chunks[0]
 
@@ -132,7 +142,7 @@ def replica_tokens(run: TraceRun) -> tuple[torch.Tensor, torch.Tensor | None, in
     pad = None
     if run.pad_from is not None:
         pad = torch.zeros(tokens.shape, dtype=torch.bool)
-        pad[:, run.pad_from:] = True
+        pad[:, run.pad_from :] = True
     return tokens, pad, dp
 
 
@@ -211,12 +221,11 @@ def run_traced(runs: dict[str, TraceRun], out_dir: str | os.PathLike) -> dict[st
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
     world = layouts.pop()[0].world_size
-    torch.multiprocessing.spawn(_worker, args=(world, free_port(), dict(runs), str(out_dir)),
-                                nprocs=world, join=True)
+    torch.multiprocessing.spawn(_worker, args=(world, free_port(), dict(runs), str(out_dir)), nprocs=world, join=True)
     return folders
 
 
 def replica_logits(out_dir: str | os.PathLike) -> torch.Tensor:
     """Logits of all data-parallel replicas, concatenated in batch order."""
-    files = sorted(Path(out_dir).glob("logits_dp*.pt"), key=lambda p: int(p.stem[len("logits_dp"):]))
+    files = sorted(Path(out_dir).glob("logits_dp*.pt"), key=lambda p: int(p.stem[len("logits_dp") :]))
     return torch.cat([torch.load(f) for f in files])

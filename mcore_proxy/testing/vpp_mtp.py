@@ -10,6 +10,7 @@ each MTP depth (the MTP heads are the output layer applied to each depth's hidde
 `run_jobs` runs several jobs one after the other in *one* set of spawned gloo ranks,
 re-initialising megatron's parallel state per job: each spawned rank costs seconds of imports.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,6 @@ from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_route
 from mcore_proxy.testing.build import legacy_rank_dir, training_extras
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 from mcore_proxy.testing.trace_runs import TraceRun, build_stage, forward
-
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,13 @@ def _enter_layout(rank: int, world: int, port: int, run: TraceRun) -> None:
     from megatron.core import tensor_parallel
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                 virtual_pipeline_model_parallel_size=run.vpp,
-                                 expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=run.vpp,
+        expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
@@ -95,8 +99,11 @@ def _heads(gpt, run: TraceRun, tokens: torch.Tensor) -> torch.Tensor | None:
     the forward, MTP depths first in megatron's post-processing, the main head last. Cloned:
     the loss megatron computes from them (labels are needed with MTP) works in place."""
     seen: list[torch.Tensor] = []
-    hooks = [c.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
-             for c in _chunks(gpt) if getattr(c, "post_process", False)]
+    hooks = [
+        c.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
+        for c in _chunks(gpt)
+        if getattr(c, "post_process", False)
+    ]
     try:
         out = forward(gpt, run, tokens, None)
     finally:
@@ -115,8 +122,11 @@ def _job(job: Job, world: int) -> None:
     coords = rank_coords(run.layout)
     writer = writes_folder(coords, world)  # a collective: every rank calls it once per job
     if job.load:
-        state = torch.load(tracked_folder(Path(job.load)) / legacy_rank_dir(*coords, run.layout) / "model_optim_rng.pt",
-                           map_location="cpu", weights_only=False)
+        state = torch.load(
+            tracked_folder(Path(job.load)) / legacy_rank_dir(*coords, run.layout) / "model_optim_rng.pt",
+            map_location="cpu",
+            weights_only=False,
+        )
         for chunk, key in zip(_chunks(gpt), _model_state_keys(run)):
             chunk.load_state_dict(state[key], strict=True)
     with contextlib.ExitStack() as stack:
@@ -159,15 +169,17 @@ def run_jobs(jobs: list[Job], world: int | None = None) -> None:
     torch.multiprocessing.spawn(_worker, args=(world, free_port(), list(jobs)), nprocs=world, join=True)
 
 
-def save_checkpoint(run: TraceRun, ckpt_dir: str | os.PathLike, logits: str | os.PathLike | None = None,
-                    iteration: int = 10) -> Path:
+def save_checkpoint(
+    run: TraceRun, ckpt_dir: str | os.PathLike, logits: str | os.PathLike | None = None, iteration: int = 10
+) -> Path:
     """Save `run`'s model (global weights) as a legacy checkpoint, as Megatron training does."""
     run_jobs([Job(run, save=str(ckpt_dir), logits=str(logits) if logits else None, iteration=iteration)])
     return Path(ckpt_dir)
 
 
-def load_and_run(run: TraceRun, ckpt_dir: str | os.PathLike, logits: str | os.PathLike,
-                 keep: dict[str, list[int]] | None = None) -> torch.Tensor:
+def load_and_run(
+    run: TraceRun, ckpt_dir: str | os.PathLike, logits: str | os.PathLike, keep: dict[str, list[int]] | None = None
+) -> torch.Tensor:
     """Load a legacy checkpoint strictly into `run`'s model; -> [1 + mtp_layers, b, s, V]."""
     run_jobs([Job(run, load=str(ckpt_dir), logits=str(logits), keep=keep)])
     return torch.load(logits)

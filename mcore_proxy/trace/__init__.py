@@ -9,6 +9,7 @@ Launch pipelines need no code change: put `patches/` on PYTHONPATH and set
 
 Importing this package imports nothing heavy; torch and megatron load on first use.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ no Python loop over tokens and no device-to-host copy. Counts are int64; sums ar
 per update (a 0/1 mask times the activations, exact for bf16 inputs even under TF32) and
 accumulated in fp64. The host sees the numbers only in `to_layer_stats`, i.e. at a flush.
 """
+
 from __future__ import annotations
 
 import torch
@@ -79,8 +80,13 @@ class LayerAccumulator:
         self.saliency_sum: torch.Tensor | None = None
 
     @torch.no_grad()
-    def add(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-            padding_mask: torch.Tensor | None = None) -> None:
+    def add(
+        self,
+        hidden: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+    ) -> None:
         """Add one router call.
 
         hidden [T, H] (or [s, b, H]): router input; probs [T, E]: routing probabilities (zero
@@ -95,10 +101,10 @@ class LayerAccumulator:
             self.tokens += valid.sum()
         else:
             self.tokens += selected.shape[0]
-        mask = selected.to(torch.float32)                      # [T, E] 0/1
-        coact = (mask.t() @ mask).to(torch.int64)              # exact: integers < 2**24 per call
+        mask = selected.to(torch.float32)  # [T, E] 0/1
+        coact = (mask.t() @ mask).to(torch.int64)  # exact: integers < 2**24 per call
         self.coact += coact
-        self.freq += coact.diagonal()                          # a token selects e with itself
+        self.freq += coact.diagonal()  # a token selects e with itself
         self.gate_mass += (probs.detach().reshape(mask.shape) * mask).sum(dim=0).to(torch.float64)
         self.proto_sum += routed_sum(mask, hidden).to(torch.float64)
 
@@ -112,5 +118,11 @@ class LayerAccumulator:
     def to_layer_stats(self) -> LayerStats:
         """Host copy as the contract's LayerStats (the only device-to-host transfer)."""
         sal = None if self.saliency_sum is None else self.saliency_sum.cpu().numpy()
-        return LayerStats(int(self.tokens.item()), self.freq.cpu().numpy(), self.gate_mass.cpu().numpy(),
-                          self.coact.cpu().numpy(), self.proto_sum.cpu().numpy(), sal)
+        return LayerStats(
+            int(self.tokens.item()),
+            self.freq.cpu().numpy(),
+            self.gate_mass.cpu().numpy(),
+            self.coact.cpu().numpy(),
+            self.proto_sum.cpu().numpy(),
+            sal,
+        )

@@ -10,6 +10,7 @@ Standard library only.
     mindspeed.patch_utils                     -> register *_wrapper functions with
                                                  MindSpeedPatchesManager
 """
+
 from __future__ import annotations
 
 from mcore_proxy.activation import Feature, PostImportFinder, activate  # noqa: F401 (re-exported)

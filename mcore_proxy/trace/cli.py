@@ -1,4 +1,5 @@
 """`mcore-proxy stats merge DIR [-o OUT]` and `mcore-proxy stats show STATS [--png DIR]`."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,17 +15,33 @@ RANK_GLOB = "rank*.safetensors"
 
 
 def register(subparsers) -> None:
-    sub = add_group(subparsers, "stats", help="merge the per-rank routing statistics of a traced run; show them",
-                    description="Routing statistics written by the trace patch (one file per rank).")
-    m = add_command(sub, "merge", run_merge, help="sum the per-rank files of a traced run", writes="merged file",
-                    description="Element-wise sum of DIR/rank*.safetensors into one file (and its JSON sidecar).")
+    sub = add_group(
+        subparsers,
+        "stats",
+        help="merge the per-rank routing statistics of a traced run; show them",
+        description="Routing statistics written by the trace patch (one file per rank).",
+    )
+    m = add_command(
+        sub,
+        "merge",
+        run_merge,
+        help="sum the per-rank files of a traced run",
+        writes="merged file",
+        description="Element-wise sum of DIR/rank*.safetensors into one file (and its JSON sidecar).",
+    )
     m.add_argument("dir", help="folder the run wrote (MCORE_PROXY_TRACE_DIR)")
     m.add_argument("-o", "--output", help=f"merged file (default DIR/{MERGED_NAME})")
-    m.add_argument("--allow-missing-layers", action="store_true",
-                   help="merge even if some declared MoE layers have no statistics")
-    s = add_command(sub, "show", run_show, help="per-layer load, dead experts, entropy, co-activation",
-                    writes="load.png and coact.png of --png",
-                    description="Summarise a statistics file (or a folder of rank files).")
+    m.add_argument(
+        "--allow-missing-layers", action="store_true", help="merge even if some declared MoE layers have no statistics"
+    )
+    s = add_command(
+        sub,
+        "show",
+        run_show,
+        help="per-layer load, dead experts, entropy, co-activation",
+        writes="load.png and coact.png of --png",
+        description="Summarise a statistics file (or a folder of rank files).",
+    )
     s.add_argument("stats", help="a .safetensors statistics file, or a folder of rank files")
     s.add_argument("--top", type=int, default=3, metavar="N", help="experts listed per end (3)")
     s.add_argument("--png", metavar="DIR", help="also write load.png and coact.png into DIR")
@@ -35,9 +52,11 @@ def rank_files(folder: Path) -> list[Path]:
         raise StatsError(f"{folder}: not a folder; pass the MCORE_PROXY_TRACE_DIR of a traced run")
     files = sorted(folder.glob(RANK_GLOB))
     if not files:
-        raise StatsError(f"{folder}: holds no {RANK_GLOB} routing-statistics files; pass the "
-                         "MCORE_PROXY_TRACE_DIR of a run that finished (files are written at "
-                         "exit and every MCORE_PROXY_TRACE_FLUSH_STEPS steps)")
+        raise StatsError(
+            f"{folder}: holds no {RANK_GLOB} routing-statistics files; pass the "
+            "MCORE_PROXY_TRACE_DIR of a run that finished (files are written at "
+            "exit and every MCORE_PROXY_TRACE_FLUSH_STEPS steps)"
+        )
     return files
 
 
@@ -56,14 +75,23 @@ def run_merge(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else folder / MERGED_NAME
     if out.suffix != ".safetensors":
         raise OutputError(f"{out}: the merged file must end in .safetensors (its sidecar is the .json)")
-    names = (glob.escape(out.name), glob.escape(sidecar_path(out).name))   # the JSON last, as save_stats
+    names = (glob.escape(out.name), glob.escape(sidecar_path(out).name))  # the JSON last, as save_stats
     with staged_files(out.parent, out.name, names, replace=args.force) as tmp:
         merged = merge_folder(folder, allow_missing_layers=args.allow_missing_layers)
         save_stats(merged, tmp / out.name)
-    doc = {"output": str(out), "ranks_merged": merged.meta["ranks_merged"], "moe_layers": len(merged.layers),
-           "total_tokens": merged.total_tokens}
-    emit(args, "stats-merge", doc, f"merged {doc['ranks_merged']} rank file(s): {doc['moe_layers']} MoE layers, "
-                                   f"{doc['total_tokens']} routed tokens over all layers -> {out}")
+    doc = {
+        "output": str(out),
+        "ranks_merged": merged.meta["ranks_merged"],
+        "moe_layers": len(merged.layers),
+        "total_tokens": merged.total_tokens,
+    }
+    emit(
+        args,
+        "stats-merge",
+        doc,
+        f"merged {doc['ranks_merged']} rank file(s): {doc['moe_layers']} MoE layers, "
+        f"{doc['total_tokens']} routed tokens over all layers -> {out}",
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ position, which has no next token to predict (megatron feeds it a rolled-in toke
 masks). transformers does not build MTP layers: `hf_models.MTPLayer` runs them from the
 checkpoint's tensors, as megatron-core and vLLM compute them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,10 +26,14 @@ from mcore_proxy.trace.tracer import RouterInfo, Tracer
 log = logging.getLogger(__name__)
 
 STATS_NAME = "routing_stats.safetensors"
-UNOBSERVED = ("an MTP layer transformers does not build (only DeepSeek-style MTP layers are run here): no tokens "
-              "reach it, select chooses its experts by router weights alone")
-DEDUPE = ("one process runs the whole model: every token is counted once; padding positions are excluded, "
-          "in MTP layers also each sequence's last position (no next token)")
+UNOBSERVED = (
+    "an MTP layer transformers does not build (only DeepSeek-style MTP layers are run here): no tokens "
+    "reach it, select chooses its experts by router weights alone"
+)
+DEDUPE = (
+    "one process runs the whole model: every token is counted once; padding positions are excluded, "
+    "in MTP layers also each sequence's last position (no next token)"
+)
 
 
 def source_info() -> dict:
@@ -45,8 +50,9 @@ class GateHooks:
         self.tracer, self.padding = tracer, {}
         for layer_id, gate in gates.items():
             info = RouterInfo(layer_id, int(gate.weight.shape[0]), int(gate.top_k))
-            tracer.attach(gate.register_forward_hook(
-                lambda mod, args, out, info=info: self._record(info, mod, args, out)))
+            tracer.attach(
+                gate.register_forward_hook(lambda mod, args, out, info=info: self._record(info, mod, args, out))
+            )
 
     def set_batch(self, batch) -> None:
         from mcore_proxy.hf_models import mtp_mask
@@ -72,8 +78,17 @@ class GateHooks:
         self.tracer.detach()
 
 
-def collect(model_dir: Path, data: Path, out_dir: Path, *, max_tokens: int | None = None, batch_size: int = 8,
-            max_length: int | None = None, device: str = "cpu", progress: bool = True) -> tuple[Path, int]:
+def collect(
+    model_dir: Path,
+    data: Path,
+    out_dir: Path,
+    *,
+    max_tokens: int | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[Path, int]:
     """Run the model over `data`, write `out_dir/routing_stats.safetensors` (+ .json); returns
     (path, tokens)."""
     from tqdm import tqdm
@@ -94,13 +109,21 @@ def collect(model_dir: Path, data: Path, out_dir: Path, *, max_tokens: int | Non
     config = text_config_of(model)
     length = max_length or int(getattr(config, "max_position_embeddings", 2048))
     unobserved = {lid: UNOBSERVED for lid in open_checkpoint(model_dir).spec.moe_layer_ids if lid not in hooked}
-    meta = {"source": source_info(), "model": str(Path(model_dir).absolute()), "data": str(Path(data).absolute()),
-            "model_layers": list(hooked), "max_length": length, "collect_dedupe": DEDUPE,
-            **({"unobserved_layers": unobserved} if unobserved else {})}
+    meta = {
+        "source": source_info(),
+        "model": str(Path(model_dir).absolute()),
+        "data": str(Path(data).absolute()),
+        "model_layers": list(hooked),
+        "max_length": length,
+        "collect_dedupe": DEDUPE,
+        **({"unobserved_layers": unobserved} if unobserved else {}),
+    }
     tracer = Tracer(out_dir, rank=0, meta=meta)
     tokens = 0
-    with GateHooks(tracer, hooked) as hooks, tqdm(total=max_tokens, unit="tok", desc="collect",
-                                                  disable=not progress) as bar:
+    with (
+        GateHooks(tracer, hooked) as hooks,
+        tqdm(total=max_tokens, unit="tok", desc="collect", disable=not progress) as bar,
+    ):
         for batch in data_batches(data, model_dir, int(config.vocab_size), batch_size, length, max_tokens):
             hooks.set_batch(batch)
             run_mtp(model, mtp, batch.input_ids, batch.attention_mask)

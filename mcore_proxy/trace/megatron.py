@@ -5,6 +5,7 @@ and virtual-pipeline offsets when it builds the layer), so every stage names its
 the canonical checkpoint does: L = layer_number - 1, and MTP layers, which megatron numbers after
 the decoder (num_layers + k + 1), become `mtp.{k}`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,10 @@ _INFO_ATTR = "_mcore_proxy_trace_info"
 def layer_id(layer_number: int | None, num_layers: int) -> str:
     """megatron's 1-based global `layer_number` -> stats layer id (`"12"` or `"mtp.0"`)."""
     if layer_number is None:
-        raise RuntimeError("MoE router has no layer_number: megatron sets it when the MoE layer is "
-                           "built inside a TransformerLayer; trace whole models, not bare routers")
+        raise RuntimeError(
+            "MoE router has no layer_number: megatron sets it when the MoE layer is "
+            "built inside a TransformerLayer; trace whole models, not bare routers"
+        )
     index = int(layer_number) - 1
     return str(index) if index < num_layers else f"mtp.{index - num_layers}"
 
@@ -38,8 +41,7 @@ def _tp_size_rank(module) -> tuple[int, int]:
         return 1, 0
     from megatron.core import parallel_state
 
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank())
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank())
 
 
 def router_info(router) -> RouterInfo:
@@ -49,8 +51,9 @@ def router_info(router) -> RouterInfo:
         config = router.config
         tp_size, tp_rank = _tp_size_rank(router)
         counts = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
-        info = RouterInfo(layer_id(router.layer_number, config.num_layers),
-                          int(config.num_moe_experts), int(router.topk), counts)
+        info = RouterInfo(
+            layer_id(router.layer_number, config.num_layers), int(config.num_moe_experts), int(router.topk), counts
+        )
         setattr(router, _INFO_ATTR, info)
     return info
 
@@ -63,8 +66,11 @@ def saliency_supported(moe_layer) -> bool:
     config = moe_layer.config
     tp_size, _ = _tp_size_rank(moe_layer.router)
     etp = getattr(config, "expert_tensor_parallel_size", None) or tp_size
-    return (etp == 1 and (tp_size == 1 or bool(config.sequence_parallel))
-            and not getattr(config, "moe_apply_probs_on_input", False))
+    return (
+        etp == 1
+        and (tp_size == 1 or bool(config.sequence_parallel))
+        and not getattr(config, "moe_apply_probs_on_input", False)
+    )
 
 
 def model_layers(config) -> list[str] | None:
@@ -81,17 +87,28 @@ def model_layers(config) -> list[str] | None:
             ids += [f"mtp.{k}" for k in range(int(config.mtp_num_layers))]
         return ids
     except (AttributeError, TypeError, ValueError, SyntaxError) as err:
-        log.warning("trace: cannot list the model's MoE layers from its config (%s); the merge "
-                    "will not check that every layer has statistics", err)
+        log.warning(
+            "trace: cannot list the model's MoE layers from its config (%s); the merge "
+            "will not check that every layer has statistics",
+            err,
+        )
         return None
 
 
 def run_meta(config) -> dict:
     """Sidecar facts about the run this rank belongs to."""
-    meta = {"source": source_info(), "model_layers": model_layers(config),
-            "sequence_parallel": bool(getattr(config, "sequence_parallel", False))}
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
+    meta = {
+        "source": source_info(),
+        "model_layers": model_layers(config),
+        "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
+    }
+    for key in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "context_parallel_size",
+    ):
         value = getattr(config, key, None)
         if value is not None:
             meta[key] = int(value)
@@ -104,6 +121,7 @@ def source_info() -> dict:
     info = {"framework": "megatron-core", "torch": torch.__version__}
     try:
         from megatron.core import package_info
+
         info["megatron-core"] = package_info.__version__
     except ImportError:
         pass
@@ -148,15 +166,17 @@ def _modules(model) -> Iterable[torch.nn.Module]:
         yield from chunk.modules()
 
 
-def install(model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency: bool = False,
-            rank: int | None = None) -> Tracer:
+def install(
+    model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency: bool = False, rank: int | None = None
+) -> Tracer:
     """Attach routing-statistics hooks to every `TopKRouter` of `model` (a module or the list
     of virtual-pipeline chunks). Returns the Tracer; use it as a context manager, or call
     `flush()` / `close()` yourself. `saliency=True` also hooks the experts modules where
     `saliency_supported` holds (elsewhere the field stays absent, with a warning)."""
     if activate.env_tracing_active():
-        raise RuntimeError(f"routing statistics are already collected through {activate.ENV_DIR}; "
-                           "unset it or do not call install()")
+        raise RuntimeError(
+            f"routing statistics are already collected through {activate.ENV_DIR}; unset it or do not call install()"
+        )
     tracer = Tracer(out_dir, flush_every=flush_every, rank=rank)
     attach_hooks(tracer, model, saliency=saliency)
     return tracer
@@ -172,19 +192,26 @@ def attach_hooks(tracer: Tracer, model, *, saliency: bool = False) -> int:
     for module in _modules(model):
         if isinstance(module, TopKRouter):
             routers += 1
-            tracer.attach(module.register_forward_hook(
-                lambda mod, args, kwargs, out: record_router_call(tracer, mod, args, kwargs, out),
-                with_kwargs=True))
+            tracer.attach(
+                module.register_forward_hook(
+                    lambda mod, args, kwargs, out: record_router_call(tracer, mod, args, kwargs, out), with_kwargs=True
+                )
+            )
         elif saliency and isinstance(module, MoELayer):
             if saliency_supported(module):
-                tracer.attach(module.experts.register_forward_hook(
-                    lambda mod, args, out, layer=module: record_experts_call(tracer, layer, args, out)))
+                tracer.attach(
+                    module.experts.register_forward_hook(
+                        lambda mod, args, out, layer=module: record_experts_call(tracer, layer, args, out)
+                    )
+                )
             else:
                 no_saliency.append(module.layer_number)
     if no_saliency:
-        log.warning("trace: saliency_sum is not recorded for MoE layers with layer_number %s: "
-                    "experts are tensor-parallel or TP runs without sequence parallelism",
-                    no_saliency)
+        log.warning(
+            "trace: saliency_sum is not recorded for MoE layers with layer_number %s: "
+            "experts are tensor-parallel or TP runs without sequence parallelism",
+            no_saliency,
+        )
     if not routers:
         raise ValueError("install(): the model has no megatron-core TopKRouter; is it a MoE model?")
     return routers

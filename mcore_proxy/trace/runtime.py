@@ -19,6 +19,7 @@ the manager applies wrappers on top of whatever replacement it installs. A wrapp
 marked, wrapping is idempotent, and a nested traced call (a replacement that calls the original
 forward) records once, in the outermost wrapper.
 """
+
 from __future__ import annotations
 
 import atexit

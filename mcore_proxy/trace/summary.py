@@ -1,4 +1,5 @@
 """Read-outs of routing statistics for `mcore-proxy stats show`: a text table and heatmaps."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ import numpy as np
 
 from mcore_proxy.stats import LayerStats, RoutingStats
 
-HEATMAPS = ("load.png", "coact.png")   # what `write_heatmaps` writes into its folder
+HEATMAPS = ("load.png", "coact.png")  # what `write_heatmaps` writes into its folder
 
 
 @dataclass(frozen=True)
@@ -18,13 +19,13 @@ class LayerSummary:
 
     layer_id: str
     tokens: int
-    top: list[tuple[int, float]]         # (expert, share), most loaded first
-    bottom: list[tuple[int, float]]      # (expert, share), least loaded first
-    dead: list[int]                      # experts never selected
-    entropy: float                       # load entropy / log(E): 1 = perfectly balanced
-    pairs_seen: int                      # expert pairs selected together at least once
+    top: list[tuple[int, float]]  # (expert, share), most loaded first
+    bottom: list[tuple[int, float]]  # (expert, share), least loaded first
+    dead: list[int]  # experts never selected
+    entropy: float  # load entropy / log(E): 1 = perfectly balanced
+    pairs_seen: int  # expert pairs selected together at least once
     pairs_total: int
-    top_pair: tuple[int, int, int, float] | None   # (i, j, tokens, lift = P(i,j) / P(i)P(j))
+    top_pair: tuple[int, int, int, float] | None  # (i, j, tokens, lift = P(i,j) / P(i)P(j))
 
 
 def summarize_layer(layer_id: str, s: LayerStats, n: int = 3) -> LayerSummary:
@@ -45,10 +46,17 @@ def summarize_layer(layer_id: str, s: LayerStats, n: int = 3) -> LayerSummary:
         i, j = np.unravel_index(int(np.argmax(np.triu(off, 1))), off.shape)
         lift = off[i, j] * s.tokens / (freq[i] * freq[j]) if freq[i] and freq[j] else float("nan")
         top_pair = (int(i), int(j), int(off[i, j]), float(lift))
-    return LayerSummary(layer_id, s.tokens, [(int(e), float(share[e])) for e in order[:n]],
-                        [(int(e), float(share[e])) for e in order[::-1][:n]],
-                        [int(e) for e in np.flatnonzero(freq == 0)], entropy, pairs_seen,
-                        len(iu[0]), top_pair)
+    return LayerSummary(
+        layer_id,
+        s.tokens,
+        [(int(e), float(share[e])) for e in order[:n]],
+        [(int(e), float(share[e])) for e in order[::-1][:n]],
+        [int(e) for e in np.flatnonzero(freq == 0)],
+        entropy,
+        pairs_seen,
+        len(iu[0]),
+        top_pair,
+    )
 
 
 def _experts(items) -> str:
@@ -57,6 +65,7 @@ def _experts(items) -> str:
 
 def summary_dict(stats: RoutingStats, n: int = 3) -> dict:
     """The numbers of `summary_table` for `stats show --json` (shares as fractions in [0, 1])."""
+
     def experts(items):
         return [{"expert": e, "share": sh} for e, sh in items]
 
@@ -64,27 +73,46 @@ def summary_dict(stats: RoutingStats, n: int = 3) -> dict:
     for layer_id in stats.layer_ids:
         ls = summarize_layer(layer_id, stats.layers[layer_id], n)
         pair = None if ls.top_pair is None else dict(zip(("i", "j", "tokens", "lift"), ls.top_pair))
-        layers[layer_id] = {"tokens": ls.tokens, "top": experts(ls.top), "bottom": experts(ls.bottom),
-                            "dead": ls.dead, "entropy": ls.entropy, "pairs_seen": ls.pairs_seen,
-                            "pairs_total": ls.pairs_total, "top_pair": pair}
-    return {"num_experts": stats.num_experts, "topk": stats.topk, "hidden_size": stats.hidden_size,
-            "ranks_merged": stats.meta.get("ranks_merged", 1), "layers": layers}
+        layers[layer_id] = {
+            "tokens": ls.tokens,
+            "top": experts(ls.top),
+            "bottom": experts(ls.bottom),
+            "dead": ls.dead,
+            "entropy": ls.entropy,
+            "pairs_seen": ls.pairs_seen,
+            "pairs_total": ls.pairs_total,
+            "top_pair": pair,
+        }
+    return {
+        "num_experts": stats.num_experts,
+        "topk": stats.topk,
+        "hidden_size": stats.hidden_size,
+        "ranks_merged": stats.meta.get("ranks_merged", 1),
+        "layers": layers,
+    }
 
 
 def summary_table(stats: RoutingStats, n: int = 3) -> str:
     """Plain-text table, one row per layer."""
-    header = (f"{'layer':>7} {'tokens':>10}  {'top experts (share)':<{n * 11}} "
-              f"{'bottom experts':<{n * 11}} {'dead':>4} {'entropy':>7}  co-activation")
-    lines = [f"{len(stats.layers)} MoE layers, E={stats.num_experts}, top-{stats.topk}, "
-             f"H={stats.hidden_size}, {stats.meta.get('ranks_merged', 1)} rank file(s)", header]
+    header = (
+        f"{'layer':>7} {'tokens':>10}  {'top experts (share)':<{n * 11}} "
+        f"{'bottom experts':<{n * 11}} {'dead':>4} {'entropy':>7}  co-activation"
+    )
+    lines = [
+        f"{len(stats.layers)} MoE layers, E={stats.num_experts}, top-{stats.topk}, "
+        f"H={stats.hidden_size}, {stats.meta.get('ranks_merged', 1)} rank file(s)",
+        header,
+    ]
     for layer_id in stats.layer_ids:
         ls = summarize_layer(layer_id, stats.layers[layer_id], n)
         co = f"pairs seen {ls.pairs_seen}/{ls.pairs_total}"
         if ls.top_pair:
             i, j, tok, lift = ls.top_pair
             co += f", top pair {i}+{j}: {tok} tokens (lift {lift:.2f})"
-        lines.append(f"{layer_id:>7} {ls.tokens:>10}  {_experts(ls.top):<{n * 11}} "
-                     f"{_experts(ls.bottom):<{n * 11}} {len(ls.dead):>4} {ls.entropy:>7.3f}  {co}")
+        lines.append(
+            f"{layer_id:>7} {ls.tokens:>10}  {_experts(ls.top):<{n * 11}} "
+            f"{_experts(ls.bottom):<{n * 11}} {len(ls.dead):>4} {ls.entropy:>7.3f}  {co}"
+        )
         if ls.dead:
             lines.append(f"{'':>7} dead experts: {ls.dead}")
     return "\n".join(lines)
@@ -117,8 +145,11 @@ def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
     ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=9)
     ax.set_xlabel("expert id", fontsize=11)
     ax.set_ylabel("MoE layer", fontsize=11)
-    ax.set_title(f"expert load: share of each layer's top-{stats.topk} selections "
-                 f"(uniform = {100 / E:.2g} %; dark columns: never selected)", fontsize=11)
+    ax.set_title(
+        f"expert load: share of each layer's top-{stats.topk} selections "
+        f"(uniform = {100 / E:.2g} %; dark columns: never selected)",
+        fontsize=11,
+    )
     cbar = fig.colorbar(im, ax=ax)
     cbar.set_label("share of the layer's selections (%)", fontsize=10)
     fig.tight_layout()
@@ -137,20 +168,21 @@ def write_heatmaps(stats: RoutingStats, out_dir: str | Path) -> list[Path]:
     vmax = max(float(np.nanmax(c)) if np.isfinite(c).any() else 0.0 for c in co_all) or 1.0
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1.2, 3.4 * rows + 0.6), squeeze=False)
     small = ticks if E <= 16 else ticks[:: max(1, len(ticks) // 4)]
-    for ax, layer_id, co in zip(axes.flat, ids, co_all):   # spare axes are blanked below
+    for ax, layer_id, co in zip(axes.flat, ids, co_all):  # spare axes are blanked below
         im = ax.imshow(co, cmap="magma", interpolation="nearest", vmin=0, vmax=vmax)
         ax.set_title(f"layer {layer_id}", fontsize=10)
         ax.set_xticks(small, [str(t) for t in small], fontsize=8)
         ax.set_yticks(small, [str(t) for t in small], fontsize=8)
-    for i, ax in enumerate(list(axes.flat)[:len(ids)]):
-        if i + cols >= len(ids):         # nothing drawn below it
+    for i, ax in enumerate(list(axes.flat)[: len(ids)]):
+        if i + cols >= len(ids):  # nothing drawn below it
             ax.set_xlabel("expert id", fontsize=9)
     for ax in axes[:, 0]:
         ax.set_ylabel("expert id", fontsize=9)
-    for ax in list(axes.flat)[len(ids):]:
+    for ax in list(axes.flat)[len(ids) :]:
         ax.axis("off")
-    fig.suptitle("co-activation: tokens that selected both experts, % of the layer's tokens "
-                 "(diagonal blank)", fontsize=12)
+    fig.suptitle(
+        "co-activation: tokens that selected both experts, % of the layer's tokens (diagonal blank)", fontsize=12
+    )
     fig.tight_layout(rect=(0, 0, 0.9, 0.97))
     cax = fig.add_axes((0.92, 0.15, 0.02, 0.7))
     fig.colorbar(im, cax=cax).set_label("% of tokens selecting both", fontsize=10)

@@ -17,6 +17,7 @@ records (its lowest local MoE layer); with gradient accumulation that is one mic
 `flush_every=N` the file is rewritten (atomically, cumulative totals) when step N+1, 2N+1, ...
 begins, so a file always holds whole forward passes; `close()` writes the final totals.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,20 +33,22 @@ from mcore_proxy.trace.accumulator import LayerAccumulator, full_routing
 log = logging.getLogger(__name__)
 
 FILE_PATTERN = "rank{rank:05d}.safetensors"
-DEDUPE_RULE = ("tensor-parallel ranks without sequence parallelism see identical router inputs: "
-               "only TP rank 0 records them; with sequence, context, data or expert parallelism "
-               "every rank records its own tokens; router calls during backward (activation "
-               "recomputation) are skipped; padding tokens are excluded")
+DEDUPE_RULE = (
+    "tensor-parallel ranks without sequence parallelism see identical router inputs: "
+    "only TP rank 0 records them; with sequence, context, data or expert parallelism "
+    "every rank records its own tokens; router calls during backward (activation "
+    "recomputation) are skipped; padding tokens are excluded"
+)
 
 
 @dataclass(frozen=True)
 class RouterInfo:
     """What the tracer needs to know about one router, resolved once per router."""
 
-    layer_id: str            # "12" (global 0-based decoder layer) or "mtp.0"
+    layer_id: str  # "12" (global 0-based decoder layer) or "mtp.0"
     num_experts: int
     topk: int
-    counts: bool = True      # False on TP ranks > 0 without sequence parallelism
+    counts: bool = True  # False on TP ranks > 0 without sequence parallelism
 
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
@@ -72,8 +75,9 @@ def _world_size() -> int:
 class Tracer:
     """Routing statistics of one rank. A context manager: on exit it flushes and detaches."""
 
-    def __init__(self, out_dir: str | os.PathLike, *, flush_every: int = 0, rank: int | None = None,
-                 meta: dict | None = None):
+    def __init__(
+        self, out_dir: str | os.PathLike, *, flush_every: int = 0, rank: int | None = None, meta: dict | None = None
+    ):
         self.out_dir = Path(out_dir)
         self.flush_every = int(flush_every)
         self.layers: dict[str, LayerAccumulator] = {}
@@ -88,8 +92,14 @@ class Tracer:
         self.closed = False
 
     # -- recording -------------------------------------------------------------------------
-    def record(self, info: RouterInfo, hidden: torch.Tensor, probs: torch.Tensor,
-               routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    def record(
+        self,
+        info: RouterInfo,
+        hidden: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+    ) -> None:
         """One router call: hidden [s, b, H] or [T, H], probs/routing_map [T, E] (or the older
         `scores, indices [T, k]`), padding_mask [s, b] or [T] with True for padding."""
         if self.closed or not info.counts:
@@ -113,8 +123,9 @@ class Tracer:
             self.topk = info.topk
         acc.add(hidden, probs, routing_map, padding_mask)
 
-    def record_saliency(self, layer_id: str, global_experts: torch.Tensor, output: torch.Tensor,
-                        tokens_per_expert) -> None:
+    def record_saliency(
+        self, layer_id: str, global_experts: torch.Tensor, output: torch.Tensor, tokens_per_expert
+    ) -> None:
         """One experts-module call: output [N, H] rows grouped by local expert, each row already
         scaled by its gate (megatron-core applies the probabilities inside the experts);
         tokens_per_expert [E_local] rows per local expert; global_experts [E_local] their ids."""
@@ -128,8 +139,9 @@ class Tracer:
             # rounded to the output dtype (a float copy of all rows would cost 8x the time)
             norms = output.detach().norm(dim=-1)
             counts = torch.as_tensor(tokens_per_expert, device=norms.device)
-            owner = torch.repeat_interleave(torch.arange(counts.numel(), device=norms.device), counts,
-                                            output_size=norms.shape[0])
+            owner = torch.repeat_interleave(
+                torch.arange(counts.numel(), device=norms.device), counts, output_size=norms.shape[0]
+            )
             sums = torch.zeros(counts.numel(), dtype=torch.float64, device=norms.device)
             sums.index_add_(0, owner, norms.to(torch.float64))
             acc.add_saliency(global_experts, sums)
@@ -141,10 +153,14 @@ class Tracer:
             return None
         layers = {lid: self.layers[lid].to_layer_stats() for lid in sorted(self.layers, key=layer_sort_key)}
         meta = dict(self.meta)
-        meta.update(rank=self._rank if self._rank is not None else _global_rank(),
-                    world_size=self._world if self._world is not None else _world_size(),
-                    ranks_merged=1, steps=self.steps, dedupe=DEDUPE_RULE,
-                    recompute_calls_skipped=self._skipped_backward)
+        meta.update(
+            rank=self._rank if self._rank is not None else _global_rank(),
+            world_size=self._world if self._world is not None else _world_size(),
+            ranks_merged=1,
+            steps=self.steps,
+            dedupe=DEDUPE_RULE,
+            recompute_calls_skipped=self._skipped_backward,
+        )
         return RoutingStats(layers, int(self.topk), meta)
 
     @property

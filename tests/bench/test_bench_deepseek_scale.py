@@ -1,6 +1,7 @@
 """bench/bench_deepseek_scale.py (issue 10 item 5): its synthetic checkpoint generator writes what
 megatron-core saves (checked against the megatron-core DeepSeek fixture at the fixture's own
 size), and its smoke mode runs the real pipeline (cp, inspect, select, convert, verify)."""
+
 from __future__ import annotations
 
 import os
@@ -19,16 +20,30 @@ from mcore_proxy.testing.families import DEEPSEEK_V3, iteration_dir
 ROOT = Path(__file__).resolve().parents[2]
 
 # args that differ with the layout, precision or run, not with the model
-RUN_ARGS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-            "expert_tensor_parallel_size", "world_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
-            "virtual_pipeline_model_parallel_size", "overlap_p2p_comm", "bf16", "params_dtype", "iteration",
-            "use_distributed_optimizer"}
+RUN_ARGS = {
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "world_size",
+    "data_parallel_size",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "virtual_pipeline_model_parallel_size",
+    "overlap_p2p_comm",
+    "bf16",
+    "params_dtype",
+    "iteration",
+    "use_distributed_optimizer",
+}
 
 
 def _rank_files(root: Path) -> dict[str, dict]:
-    return {p.parent.name: torch.load(p, map_location="cpu", weights_only=False)
-            for p in sorted(iteration_dir(root).glob("*/model_optim_rng.pt"))}
+    return {
+        p.parent.name: torch.load(p, map_location="cpu", weights_only=False)
+        for p in sorted(iteration_dir(root).glob("*/model_optim_rng.pt"))
+    }
 
 
 def _templates(files: dict[str, dict]) -> set[str]:
@@ -44,7 +59,7 @@ def _templates(files: dict[str, dict]) -> set[str]:
 
 def test_generator_writes_what_megatron_core_saves(family_ckpt, tmp_path):
     fixture = family_ckpt["deepseek_v3_mla"].legacy
-    assert smoke_model() == DEEPSEEK_V3               # the smoke model is the fixture's model
+    assert smoke_model() == DEEPSEEK_V3  # the smoke model is the fixture's model
     ours = tmp_path / "synthetic"
     write_checkpoint(ours, DEEPSEEK_V3, pp=2, ep=2, tokens=64)
     theirs, mine = _rank_files(fixture), _rank_files(ours)
@@ -89,14 +104,21 @@ def test_mindspeed_llm_naming_reads_as_the_same_model(tmp_path):
     write_checkpoint(tmp_path / "b", model, pp=2, ep=2, stages="num-layer-list", tokens=64, naming="mindspeed-llm")
     files = _rank_files(tmp_path / "b")
     last, args = files["mp_rank_00_001_001"]["model"], files["mp_rank_00_000_000"]["args"]
-    assert (args.num_layer_list, args.moe_grouped_gemm, args.moe_tp_extend_ep, args.mla_mm_split) == \
-        ("4,3", True, True, False)
+    assert (args.num_layer_list, args.moe_grouped_gemm, args.moe_tp_extend_ep, args.mla_mm_split) == (
+        "4,3",
+        True,
+        True,
+        False,
+    )
     assert tuple(last["decoder.layers.0.self_attention.linear_qkv.weight"].shape) == (20 + 12 + 4, 32)
-    assert tuple(last["decoder.layers.0.mlp.experts.weight1"].shape) == (32, 16 * 16)     # [H, E_local * 2F]
+    assert tuple(last["decoder.layers.0.mlp.experts.weight1"].shape) == (32, 16 * 16)  # [H, E_local * 2F]
     assert tuple(last["mtp.layers.0.transformer_layer.mlp.experts.weight2"].shape) == (16 * 8, 32)
     assert {"mtp.final_layernorms.0.weight", "final_layernorm.weight"} <= set(last)
-    assert not any(re.search(r"down_proj|local_experts|^decoder\.final_layernorm|mtp\.layers\.0\.final_layernorm", k)
-                   for f in files.values() for k in f["model"])
+    assert not any(
+        re.search(r"down_proj|local_experts|^decoder\.final_layernorm|mtp\.layers\.0\.final_layernorm", k)
+        for f in files.values()
+        for k in f["model"]
+    )
     va, vb = open_checkpoint(tmp_path / "a"), open_checkpoint(tmp_path / "b")
     assert vb.info.naming is not None and vb.layout.expert_layout == "grouped" and vb.layout.tp_extend_ep
     assert (va.spec, va.layer_spec) == (vb.spec, vb.layer_spec) and va.names() == vb.names()
@@ -111,8 +133,23 @@ def test_stage_counts():
 @pytest.mark.parametrize("naming", ["megatron", "mindspeed-llm"])
 def test_smoke_runs_the_pipeline(tmp_path, naming):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "bench/bench_deepseek_scale.py", "--smoke", "--warm", "--naming", naming,
-                        "--data", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "bench/bench_deepseek_scale.py",
+            "--smoke",
+            "--warm",
+            "--naming",
+            naming,
+            "--data",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "verify ok" in r.stdout
     rows = [ln.split(" | ")[0][2:] for ln in r.stdout.splitlines() if ln.startswith("| ") and "(5L)" in ln]

@@ -3,6 +3,7 @@ curves depend on the fault it was given through MCORE_PROXY_FAULTS, the way the 
 fault to any launcher. router_noise lowers the reward from step 10 by 0.5 x std; logprob_precision
 raises the log-prob difference from step 0. --fail exits 3 after a few steps; --delay (or STAND_IN_DELAY) sleeps per
 step, so a real signal can arrive mid-run. It records the fault text it saw in seen_fault.txt."""
+
 import argparse
 import json
 import os
@@ -33,8 +34,12 @@ with open(out / "metrics.jsonl", "w") as f:
             reward -= 0.5 * float(noise.group(1))
         if "logprob_precision" in fault:
             diff += 0.002
-        f.write(json.dumps({"step": step, "data": {"critic/score/mean": reward,
-                                                   "training/rollout_logprob_diff_mean": diff}}) + "\n")
+        f.write(
+            json.dumps(
+                {"step": step, "data": {"critic/score/mean": reward, "training/rollout_logprob_diff_mean": diff}}
+            )
+            + "\n"
+        )
         f.flush()
         if args.fail and step == 3:
             raise SystemExit(3)

@@ -1,4 +1,5 @@
 """Bad input: one sentence naming the file and the fix, exit code 2, no output left behind."""
+
 from __future__ import annotations
 
 import shutil
@@ -55,6 +56,7 @@ def test_truncated_rank_file(broken_copy, capsys):
 def test_truncated_tensor_bytes_found_when_read(broken_copy):
     """A member cut short inside an intact zip directory is caught when its bytes are read."""
     import zipfile
+
     f = broken_copy / "iter_0000010" / "mp_rank_00_000_000" / "model_optim_rng.pt"
     with zipfile.ZipFile(f) as z:
         infos = {i.filename: i for i in z.infolist()}

@@ -4,6 +4,7 @@ A legacy checkpoint of a large job has more rank files than `ulimit -n`; the rea
 descriptors from a bounded pool instead of keeping one per file. Checked with a real limit: the
 commands run in a child process under `ulimit -n 40` on a checkpoint of 128 rank folders.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,15 +45,36 @@ def test_the_pool_keeps_at_most_its_limit_and_never_closes_a_descriptor_in_use(t
 def many_ranks(hf_model, hf_proxy, tmp_path_factory):
     """The tiny Qwen3-MoE as 128 legacy rank folders (TP 2 x PP 4 x EP 16) and a plan (8 of 16)."""
     out = tmp_path_factory.mktemp("many-ranks") / "ckpt"
-    assert main(["convert", str(hf_model("qwen3_moe")), "-o", str(out), "--format", "legacy", "--target-tp", "2",
-                 "--target-pp", "4", "--target-ep", "16"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(hf_model("qwen3_moe")),
+                "-o",
+                str(out),
+                "--format",
+                "legacy",
+                "--target-tp",
+                "2",
+                "--target-pp",
+                "4",
+                "--target-ep",
+                "16",
+            ]
+        )
+        == 0
+    )
     return out, hf_proxy("qwen3_moe")[2]
 
 
 def _limited(command: str, tmp_path) -> subprocess.CompletedProcess:
     cli = f"{sys.executable} -m mcore_proxy"
-    return subprocess.run(["bash", "-c", f"ulimit -n 40 && {command.format(cli=cli, tmp=tmp_path)}"],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", "-c", f"ulimit -n 40 && {command.format(cli=cli, tmp=tmp_path)}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_128_rank_folders_under_ulimit_40(many_ranks, tmp_path):

@@ -5,6 +5,7 @@ in each form explicitly (testing/enum_forms.py), whatever this interpreter would
 `getattr` is honoured only as an allowed enum class's member; every other shape a hostile file
 may build (another class, a dunder, a chain through `__init__.__globals__` to `os.system`, a call
 of the result) reads as an inert `Refused` record that is never written back."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,15 @@ import textwrap
 import pytest
 import torch
 
-from mcore_proxy.checkpoint.safe_globals import (ENUM_MEMBERS, WRITE_ALLOWED, Refused, check_writable,
-                                                 enum_member_name, unresolved_class, unsafe_args)
+from mcore_proxy.checkpoint.safe_globals import (
+    ENUM_MEMBERS,
+    WRITE_ALLOWED,
+    Refused,
+    check_writable,
+    enum_member_name,
+    unresolved_class,
+    unsafe_args,
+)
 from mcore_proxy.checkpoint.torchfile import TorchFile, load_weights_only, save_object
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.testing.enum_forms import BY_NAME, BY_VALUE, FORMS, enum_form_of, save_with_enums
@@ -32,9 +40,13 @@ def megatron_enum_args():
     from megatron.core.enums import Fp8Recipe
     from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
 
-    return argparse.Namespace(attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM,
-                              fp8_recipe=Fp8Recipe.blockwise, cuda_graph_scope=[CudaGraphScope.attn],
-                              num_layers=4)
+    return argparse.Namespace(
+        attention_backend=AttnBackend.auto,
+        exit_signal=signal.SIGTERM,
+        fp8_recipe=Fp8Recipe.blockwise,
+        cuda_graph_scope=[CudaGraphScope.attn],
+        num_layers=4,
+    )
 
 
 def test_the_member_table_is_megatron_cores_and_linuxs():
@@ -53,7 +65,7 @@ def test_each_form_reads_as_the_same_members_and_writes_by_value(tmp_path, form)
     assert args.attention_backend == unresolved_class(*ATTN)(5)
     assert enum_member_name(args.attention_backend) == "auto" and enum_member_name(args.exit_signal) == "SIGTERM"
     assert enum_member_name(args.fp8_recipe) == "blockwise" and enum_member_name(args.cuda_graph_scope[0]) == "attn"
-    assert not unsafe_args(args)   # nothing to drop: every enum is written
+    assert not unsafe_args(args)  # nothing to drop: every enum is written
     save_object(TorchFile(src).obj, out)
     assert enum_form_of(out) == BY_VALUE
     for loaded in (load_weights_only(src), load_weights_only(out), torch.load(out, weights_only=False)):
@@ -77,6 +89,7 @@ def test_this_interpreters_own_form_reads_too(tmp_path):
 
 # -- hostile getattr shapes --------------------------------------------------------------------
 
+
 def test_the_chain_is_real(tmp_path):
     """Unpickled by Python's own pickle, the chain runs the command: the payload is not a toy."""
     marker = tmp_path / "ran"
@@ -86,8 +99,17 @@ def test_the_chain_is_real(tmp_path):
     assert marker.exists()
 
 
-@pytest.mark.parametrize("shape", ["chain to os.system", "a dunder of an allowed enum", "not a member",
-                                   "another class", "a getattr of a getattr", "getattr of a member"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "chain to os.system",
+        "a dunder of an allowed enum",
+        "not a member",
+        "another class",
+        "a getattr of a getattr",
+        "getattr of a member",
+    ],
+)
 def test_hostile_getattr_reads_as_refused_and_is_never_written(tmp_path, shape):
     marker = tmp_path / "ran"
     path = tmp_path / "evil.pt"
@@ -115,8 +137,10 @@ def test_the_chain_is_described_as_the_file_spells_it(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"args": argparse.Namespace(x=os_system_through_enum(tmp_path / "ran"))}, path)
     refused = TorchFile(path).obj["args"].x
-    assert refused.what == ("getattr(megatron.core.transformer.enums.AttnBackend, '__init__')"
-                            ".__globals__.get(...).modules.get(...).system(...)")
+    assert refused.what == (
+        "getattr(megatron.core.transformer.enums.AttnBackend, '__init__')"
+        ".__globals__.get(...).modules.get(...).system(...)"
+    )
 
 
 def test_a_called_member_is_an_unreadable_file_not_a_call(tmp_path):
@@ -152,6 +176,6 @@ def test_the_torch_load_context_leaves_what_was_registered_before():
 
     assert AttnBackend in torch.serialization.get_safe_globals()
     with torch_load_allowing():
-        assert ("builtins.getattr" in repr(torch.serialization.get_safe_globals()))
+        assert "builtins.getattr" in repr(torch.serialization.get_safe_globals())
     assert AttnBackend in torch.serialization.get_safe_globals()
     assert "builtins.getattr" not in repr(torch.serialization.get_safe_globals())

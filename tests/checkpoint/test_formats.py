@@ -1,5 +1,6 @@
 """The format table and the ModelView contract (issue 9): one row per format drives detection,
 opening, the CLI's choices and writing; a view that forgets a method fails at construction."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ def test_every_row_is_a_complete_format_and_the_cli_offers_exactly_the_writable_
         get_format("gguf")
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])   # hf: tests/checkpoint/hf (a family's names)
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])  # hf: tests/checkpoint/hf (a family's names)
 def test_each_format_writes_what_it_reads(tmp_path, fmt):
     view = small_view()
     out = write_checkpoint(view, tmp_path / "out", resolve_target(view, tp=2, pp=2, ep=2), fmt, progress=False)
@@ -67,5 +68,9 @@ def test_the_view_record_is_one_frozen_dataclass_that_derived_views_replace():
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.info.format = "other"
     memory = DictModelView({"a": torch.zeros(2, 3)}, view.spec, args=view.args, iteration=7)
-    assert (memory.info.format, memory.iteration, memory.shape("a"), memory.dtype("a")) == \
-        ("memory", 7, (2, 3), torch.float32)
+    assert (memory.info.format, memory.iteration, memory.shape("a"), memory.dtype("a")) == (
+        "memory",
+        7,
+        (2, 3),
+        torch.float32,
+    )

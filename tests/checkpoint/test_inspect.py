@@ -1,4 +1,5 @@
 """inspect reports each fixture's layout field by field."""
+
 from __future__ import annotations
 
 import json
@@ -10,20 +11,50 @@ from mcore_proxy.checkpoint.inspect import describe
 from mcore_proxy.cli import main
 
 EXPECTED = {
-    "seq_tp2_pp2_ep2": dict(parallel=dict(tp=2, pp=2, ep=2, etp=2, vpp=1, stage_layers=[2, 2], pipeline_layout=None),
-                            expert_layout="sequential", dense_layers=[], moe_layers=[0, 1, 2, 3],
-                            num_experts=8, topk=2, score_function="softmax", num_groups=None,
-                            expert_bias=False, shared_expert_size=None, dtype="float32", files=8),
-    "grouped_ep4": dict(parallel=dict(tp=1, pp=1, ep=4, etp=1, vpp=1, stage_layers=[4], pipeline_layout=None),
-                        expert_layout="grouped", dense_layers=[], moe_layers=[0, 1, 2, 3],
-                        num_experts=8, topk=2, expert_bias=False, files=4),
-    "seq_tp2_etp1_ep2": dict(parallel=dict(tp=2, pp=1, ep=2, etp=1, vpp=1, stage_layers=[4], pipeline_layout=None),
-                             expert_layout="sequential", files=2),
-    "deepseek_like_pp2_uneven": dict(parallel=dict(tp=1, pp=2, ep=2, etp=1, vpp=1, stage_layers=[1, 3], pipeline_layout=None),
-                                     dense_layers=[0], moe_layers=[1, 2, 3], num_experts=16, topk=4,
-                                     score_function="sigmoid", num_groups=4, group_topk=2,
-                                     expert_bias=True, shared_expert_size=24, files=4,
-                                     attention="gqa", layer_spec="local"),
+    "seq_tp2_pp2_ep2": dict(
+        parallel=dict(tp=2, pp=2, ep=2, etp=2, vpp=1, stage_layers=[2, 2], pipeline_layout=None),
+        expert_layout="sequential",
+        dense_layers=[],
+        moe_layers=[0, 1, 2, 3],
+        num_experts=8,
+        topk=2,
+        score_function="softmax",
+        num_groups=None,
+        expert_bias=False,
+        shared_expert_size=None,
+        dtype="float32",
+        files=8,
+    ),
+    "grouped_ep4": dict(
+        parallel=dict(tp=1, pp=1, ep=4, etp=1, vpp=1, stage_layers=[4], pipeline_layout=None),
+        expert_layout="grouped",
+        dense_layers=[],
+        moe_layers=[0, 1, 2, 3],
+        num_experts=8,
+        topk=2,
+        expert_bias=False,
+        files=4,
+    ),
+    "seq_tp2_etp1_ep2": dict(
+        parallel=dict(tp=2, pp=1, ep=2, etp=1, vpp=1, stage_layers=[4], pipeline_layout=None),
+        expert_layout="sequential",
+        files=2,
+    ),
+    "deepseek_like_pp2_uneven": dict(
+        parallel=dict(tp=1, pp=2, ep=2, etp=1, vpp=1, stage_layers=[1, 3], pipeline_layout=None),
+        dense_layers=[0],
+        moe_layers=[1, 2, 3],
+        num_experts=16,
+        topk=4,
+        score_function="sigmoid",
+        num_groups=4,
+        group_topk=2,
+        expert_bias=True,
+        shared_expert_size=24,
+        files=4,
+        attention="gqa",
+        layer_spec="local",
+    ),
 }
 
 

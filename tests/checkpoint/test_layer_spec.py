@@ -4,6 +4,7 @@ shapes each spec saves for multi-latent attention at TP 2 (H 32, q_lora 20, kv_l
 The local-spec shapes are those of the megatron-core-saved fixture (tests/testing/test_families.py
 opens it and finds "local"); the Transformer Engine ones are read from megatron-core 0.16.1's TE
 spec (docs/families.md section 2), which cannot be built here."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,10 +16,18 @@ from mcore_proxy.errors import CheckpointError
 from mcore_proxy.sharding import COLUMN, LOCAL_SPEC, REPLICATED, TE_SPEC, rule_for
 
 P = "decoder.layers.0.self_attention."
-LOCAL = {P + "linear_q_down_proj.weight": (10, 32), P + "q_layernorm.weight": (20,),
-         P + "linear_kv_down_proj.weight": (8, 32), P + "kv_layernorm.weight": (12,)}
-TE = {P + "linear_q_down_proj.weight": (20, 32), P + "linear_q_up_proj.layer_norm_weight": (20,),
-      P + "linear_kv_down_proj.weight": (16, 32), P + "linear_kv_up_proj.layer_norm_weight": (12,)}
+LOCAL = {
+    P + "linear_q_down_proj.weight": (10, 32),
+    P + "q_layernorm.weight": (20,),
+    P + "linear_kv_down_proj.weight": (8, 32),
+    P + "kv_layernorm.weight": (12,),
+}
+TE = {
+    P + "linear_q_down_proj.weight": (20, 32),
+    P + "linear_q_up_proj.layer_norm_weight": (20,),
+    P + "linear_kv_down_proj.weight": (16, 32),
+    P + "linear_kv_up_proj.layer_norm_weight": (12,),
+}
 TE_NO_NORMS = {P + "linear_q_down_proj.weight": (20, 32), P + "linear_kv_down_proj.weight": (16, 32)}
 
 
@@ -35,7 +44,7 @@ def test_args_decide_what_the_tensors_do_not_show():
     # TP 1 without latent norms: both specs save the same names and shapes
     plain = {P + "linear_q_down_proj.weight": (20, 32)}
     assert infer_layer_spec(mla_args(transformer_impl="local"), plain, tp=1) == LOCAL_SPEC
-    assert infer_layer_spec(mla_args(), plain, tp=1) == TE_SPEC          # Megatron's default
+    assert infer_layer_spec(mla_args(), plain, tp=1) == TE_SPEC  # Megatron's default
     assert infer_layer_spec(SimpleNamespace(), {}, tp=2) == TE_SPEC
 
 

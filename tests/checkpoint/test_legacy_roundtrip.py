@@ -1,4 +1,5 @@
 """Backbone: Megatron checkpoint -> reader -> writer at another layout -> megatron-core loads and runs it."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,12 +26,19 @@ ROUND_TRIPS = [
 
 def as_run_layout(target) -> Layout:
     first = target.stage_layers[0] if target.uneven else None
-    return Layout(tp=target.tp, pp=target.pp, ep=target.ep, etp=target.etp,
-                  grouped=target.expert_layout == "grouped", first_stage_layers=first)
+    return Layout(
+        tp=target.tp,
+        pp=target.pp,
+        ep=target.ep,
+        etp=target.etp,
+        grouped=target.expert_layout == "grouped",
+        first_stage_layers=first,
+    )
 
 
-@pytest.mark.parametrize("fixture,target", ROUND_TRIPS, ids=lambda x: x if isinstance(x, str) else
-                         "-".join(f"{k}{v}" for k, v in x.items()))
+@pytest.mark.parametrize(
+    "fixture,target", ROUND_TRIPS, ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items())
+)
 def test_written_checkpoint_runs_like_the_original(megatron_ckpt, digest, tmp_path, fixture, target):
     ckpt, ref_logits = megatron_ckpt(fixture)
     before = digest(ckpt)
@@ -56,15 +64,20 @@ def test_written_checkpoint_keeps_iteration_and_drops_training_state(megatron_ck
     from mcore_proxy.checkpoint.torchfile import TorchFile
 
     ckpt, _ = megatron_ckpt("seq_tp2_etp1_ep2")
-    out = write_checkpoint(open_checkpoint(ckpt), tmp_path / "out", resolve_target(open_checkpoint(ckpt), ep=2),
-                       progress=False)
+    out = write_checkpoint(
+        open_checkpoint(ckpt), tmp_path / "out", resolve_target(open_checkpoint(ckpt), ep=2), progress=False
+    )
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
     state = TorchFile(out / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt").obj
     assert set(state) == {"args", "checkpoint_version", "iteration", "model"}
     assert state["iteration"] == 10
     args = state["args"]
-    assert (args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size,
-            args.pipeline_model_parallel_size) == (1, 2, 1, 1)
+    assert (
+        args.tensor_model_parallel_size,
+        args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
+        args.pipeline_model_parallel_size,
+    ) == (1, 2, 1, 1)
     # a megatron enum in args survives as the same class path even without megatron imported here
     assert type(args.attention_backend).__module__ == "megatron.core.transformer.enums"
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000010", "latest_checkpointed_iteration.txt"]

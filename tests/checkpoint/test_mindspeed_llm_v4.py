@@ -9,6 +9,7 @@ those files byte for byte (keys, shapes, dtypes, values, the MindSpeed-LLM args)
 them as the HF model tensor for tensor, a plan applied to them gives the HF -> HF proxy bit for bit,
 and their Megatron-LM dev names equal the HF -> Megatron-LM conversion file for file.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,21 +26,47 @@ from mcore_proxy.testing.mindspeed_v4 import mindspeed_v4_checkpoint
 
 # layout -> (derivation options, convert options): MindSpeed-LLM's converter keeps experts whole (ETP 1)
 LAYOUTS = {
-    "tp2_pp2_ep2": (dict(tp=2, pp=2, ep=2), ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2",
-                                              "--target-etp", "1"]),
+    "tp2_pp2_ep2": (
+        dict(tp=2, pp=2, ep=2),
+        ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2", "--target-etp", "1"],
+    ),
     "grouped_ep2": (dict(ep=2, grouped_gemm=True), ["--target-tp", "1", "--target-ep", "2", "--moe-grouped-gemm"]),
 }
 # MindSpeed-LLM builds MTP layers without compressor or indexer (the fixture's MTP block, a copy of a CSA
 # layer, has both): not written, so not read back
-MTP_COMPRESSION = re.compile(r"^mtp\.\d+\.attn\.(compressor|indexer)\.|^mtp\.layers\.\d+\.(transformer|mtp_model)_layer"
-                             r"\.self_attention\.core_attention\.(compressor|indexer)\.")
+MTP_COMPRESSION = re.compile(
+    r"^mtp\.\d+\.attn\.(compressor|indexer)\.|^mtp\.layers\.\d+\.(transformer|mtp_model)_layer"
+    r"\.self_attention\.core_attention\.(compressor|indexer)\."
+)
 # MindSpeed-LLM's own args, as its DeepSeek-V4 recipe spells them
-MINDSPEED_FIELDS = ("enable_mhc", "hc_mult", "n_hash_layers", "compress_ratios", "sliding_window_size", "o_groups",
-                    "o_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "index_n_heads",
-                    "index_head_dim", "index_topk", "compress_rope_theta", "rope_factor", "swiglu_limit",
-                    "num_experts", "moe_router_topk", "moe_router_score_function", "mtp_num_layers",
-                    "position_embedding_type", "transformer_impl", "tensor_model_parallel_size",
-                    "pipeline_model_parallel_size", "expert_model_parallel_size", "moe_grouped_gemm")
+MINDSPEED_FIELDS = (
+    "enable_mhc",
+    "hc_mult",
+    "n_hash_layers",
+    "compress_ratios",
+    "sliding_window_size",
+    "o_groups",
+    "o_lora_rank",
+    "q_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "compress_rope_theta",
+    "rope_factor",
+    "swiglu_limit",
+    "num_experts",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "mtp_num_layers",
+    "position_embedding_type",
+    "transformer_impl",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "moe_grouped_gemm",
+)
 
 
 def _assert_hf_equal(folder, reference) -> None:
@@ -119,8 +146,20 @@ def test_a_plan_on_mindspeed_llm_files_gives_the_hf_proxy(ms, tmp_path):
 def test_megatron_lm_names_from_mindspeed_llm_equal_hf_to_megatron_lm(ms, tmp_path):
     """MindSpeed-LLM -> Megatron-LM dev names at TP 1 gives the files HF -> Megatron-LM gives (but for
     the MTP layer's compression, which MindSpeed-LLM does not have)."""
-    _convert(ms["tp2_pp2_ep2_derived"], tmp_path / "dev", "--format", "legacy", "--naming", "megatron",
-             "--target-tp", "1", "--target-pp", "1", "--target-ep", "2")
+    _convert(
+        ms["tp2_pp2_ep2_derived"],
+        tmp_path / "dev",
+        "--format",
+        "legacy",
+        "--naming",
+        "megatron",
+        "--target-tp",
+        "1",
+        "--target-pp",
+        "1",
+        "--target-ep",
+        "2",
+    )
     _convert(ms["src"], tmp_path / "direct", "--format", "legacy", "--target-ep", "2")
     dev, direct = _rank_files(tmp_path / "dev"), _rank_files(tmp_path / "direct")
     assert sorted(dev) == sorted(direct)
@@ -131,20 +170,32 @@ def test_megatron_lm_names_from_mindspeed_llm_equal_hf_to_megatron_lm(ms, tmp_pa
             if isinstance(value, torch.Tensor):
                 assert got[key].dtype == value.dtype and torch.equal(got[key], value), (rank, key)
         assert dev[rank]["args"].experimental_attention_variant == "dsv4_hybrid"
-        assert dev[rank]["args"].csa_compress_ratios == [0, 4, 8, 4, 0]   # the MTP layer uncompressed
+        assert dev[rank]["args"].csa_compress_ratios == [0, 4, 8, 4, 0]  # the MTP layer uncompressed
         assert not hasattr(dev[rank]["args"], "enable_mhc")
 
 
 def test_launch_flags_and_inspect_speak_mindspeed_llm(ms, tmp_path, capsys):
     capsys.readouterr()
-    _convert(ms["src"], tmp_path / "dry", "--format", "legacy", "--naming", "mindspeed-llm", "--target-tp", "2",
-             "--dry-run")
+    _convert(
+        ms["src"], tmp_path / "dry", "--format", "legacy", "--naming", "mindspeed-llm", "--target-tp", "2", "--dry-run"
+    )
     printed = capsys.readouterr().out
-    for flag in ("--spec mindspeed_llm.tasks.models.spec.deepseek4_spec layer_spec", "--enable-mhc", "--hc-mult 4",
-                 "--n-hash-layers 1", "--compress-ratios 0 4 8 4 --", "--sliding-window-size 8", "--o-groups 2",
-                 "--qk-head-dim 32", "--enable-dsa-indexer", "--index-topk 4", "--swiglu-limit 10",
-                 "--position-embedding-type deepseek4", "--moe-router-score-function sqrtsoftplus",
-                 "--tensor-model-parallel-size 2"):
+    for flag in (
+        "--spec mindspeed_llm.tasks.models.spec.deepseek4_spec layer_spec",
+        "--enable-mhc",
+        "--hc-mult 4",
+        "--n-hash-layers 1",
+        "--compress-ratios 0 4 8 4 --",
+        "--sliding-window-size 8",
+        "--o-groups 2",
+        "--qk-head-dim 32",
+        "--enable-dsa-indexer",
+        "--index-topk 4",
+        "--swiglu-limit 10",
+        "--position-embedding-type deepseek4",
+        "--moe-router-score-function sqrtsoftplus",
+        "--tensor-model-parallel-size 2",
+    ):
         assert flag in printed, flag
     assert "--experimental-attention-variant" not in printed and "--csa-compress-ratios" not in printed
     assert main(["inspect", str(ms["tp2_pp2_ep2_derived"])]) == 0
@@ -155,8 +206,9 @@ def test_megatron_lm_names_at_tp2_are_refused(ms, tmp_path, capsys):
     """Megatron-LM dev runs V4's attention at TP 1 only: a TP 2 MindSpeed-LLM source written under its
     names keeps TP 2 by default, which is refused in one sentence naming both ways out."""
     capsys.readouterr()
-    assert main(["convert", str(ms["tp2_pp2_ep2_derived"]), "-o", str(tmp_path / "dist"),
-                 "--format", "torch_dist"]) == 2
+    assert (
+        main(["convert", str(ms["tp2_pp2_ep2_derived"]), "-o", str(tmp_path / "dist"), "--format", "torch_dist"]) == 2
+    )
     err = capsys.readouterr().err
     assert "tensor-parallel size 1 only" in err and "--naming mindspeed-llm" in err
     assert not (tmp_path / "dist").exists()

@@ -7,6 +7,7 @@ them, args noop_layers holds their ids, rank files have gaps in `decoder.layers.
 this, the all-MoE derivation failed as "MoE layer 1 holds 0 experts ... incomplete" and the one
 whose noop ids sit on dense positions was read as if they were dense layers without tensors.
 tests/convert/test_convert_noop_layers.py converts them and runs the proxies."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ def _rank_files(ckpt):
 
 
 def _load(f):
-    return torch.load(f, map_location="cpu", weights_only=False)   # this package's own fixtures
+    return torch.load(f, map_location="cpu", weights_only=False)  # this package's own fixtures
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_derivation_renames_only(all_moe):
         a, b = _load(f), _load(out[name])
         assert b["args"].num_layers == 6 and b["args"].noop_layers == {1, 5}
         stage = int(name.split("_")[3])
-        real_local = {0: [0, 2], 1: [0, 1]}[stage]   # local indices that carry tensors
+        real_local = {0: [0, 2], 1: [0, 1]}[stage]  # local indices that carry tensors
         locals_seen = {int(m.group(1)) for k in b["model"] if (m := LAYER.match(k))}
         assert locals_seen == set(real_local)
         back = {}
@@ -70,8 +71,13 @@ def test_derivation_renames_only(all_moe):
             assert torch.equal(v, back[k]) if isinstance(v, torch.Tensor) else v == back[k]
 
 
-@pytest.mark.parametrize("case,line", [("all_moe", "6 decoder: dense -, MoE 0,2-4, noop 1,5 (no tensors)"),
-                                       ("dense_gaps", "6 decoder: dense 0, MoE 3-5, noop 1-2 (no tensors)")])
+@pytest.mark.parametrize(
+    "case,line",
+    [
+        ("all_moe", "6 decoder: dense -, MoE 0,2-4, noop 1,5 (no tensors)"),
+        ("dense_gaps", "6 decoder: dense 0, MoE 3-5, noop 1-2 (no tensors)"),
+    ],
+)
 def test_inspect_shows_noop_layers(case, line, request, capsys):
     _, derived = request.getfixturevalue(case)
     assert main(["inspect", str(derived)]) == 0

@@ -2,6 +2,7 @@
 cache of the rank files is emptied, prefetching a kept expert brings its pages in, and a dropped
 expert stored right after it stays on disk (the files are opened POSIX_FADV_RANDOM, so the
 kernel's own readahead does not pull neighbours in)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -27,8 +28,9 @@ def resident(path, offset: int, length: int) -> float:
     vec = (ctypes.c_ubyte * ((last - first) // PAGE))()
     fd = os.open(path, os.O_RDONLY)
     try:
-        addr = _libc.mmap(None, ctypes.c_size_t(last - first), mmap.PROT_READ, mmap.MAP_SHARED, fd,
-                          ctypes.c_long(first))
+        addr = _libc.mmap(
+            None, ctypes.c_size_t(last - first), mmap.PROT_READ, mmap.MAP_SHARED, fd, ctypes.c_long(first)
+        )
         if addr in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap")
         try:
@@ -53,11 +55,12 @@ def evict(path) -> None:
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
 def test_prefetch_reads_ahead_only_the_bytes_asked_for(tmp_path):
     view = SyntheticMoEView(synthetic_args(num_layers=1, hidden=256, experts=4, ffn=512, heads=4, vocab=256))
-    ckpt = open_checkpoint(write_checkpoint(view, tmp_path / "ckpt", resolve_target(view, tp=1, pp=1, ep=1),
-                                            progress=False))
+    ckpt = open_checkpoint(
+        write_checkpoint(view, tmp_path / "ckpt", resolve_target(view, tp=1, pp=1, ep=1), progress=False)
+    )
     kept, dropped = (f"decoder.layers.0.mlp.experts.{e}.linear_fc1.weight" for e in (1, 2))
-    (path, k_off, k_len), = ckpt.byte_ranges(kept)
-    (path2, d_off, d_len), = ckpt.byte_ranges(dropped)
+    ((path, k_off, k_len),) = ckpt.byte_ranges(kept)
+    ((path2, d_off, d_len),) = ckpt.byte_ranges(dropped)
     assert path == path2 and k_len == d_len == 1024 * 256 * 2 and d_off > k_off + k_len - PAGE
     evict(path)
     if resident(path, k_off, k_len) > 0.1:
@@ -67,7 +70,7 @@ def test_prefetch_reads_ahead_only_the_bytes_asked_for(tmp_path):
     while resident(path, k_off, k_len) < 1.0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert resident(path, k_off, k_len) == 1.0
-    assert resident(path, d_off + PAGE, d_len - 2 * PAGE) == 0.0     # its neighbour, whole pages only
+    assert resident(path, d_off + PAGE, d_len - 2 * PAGE) == 0.0  # its neighbour, whole pages only
     assert ckpt.get(kept).shape == (1024, 256)
 
 
@@ -89,5 +92,5 @@ def test_opening_a_rank_file_reads_no_tensor_bytes(tmp_path):
     w = f.obj["w"]
     assert isinstance(w, LazyTensor)
     offset, length = f.byte_range(w.storage, 0, 1 << 20)
-    assert resident(path, offset + PAGE, length - 2 * PAGE) == 0.0     # whole pages of the tensor only
+    assert resident(path, offset + PAGE, length - 2 * PAGE) == 0.0  # whole pages of the tensor only
     f.close()

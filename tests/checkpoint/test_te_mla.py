@@ -8,6 +8,7 @@ says "transformer_engine". Extra states stay None (the mapping covers names and 
 Proven: the reader infers the TE spec and yields the same tensors as from the local original; a
 conversion of the TE copy, mapped back by the inverse mapping, equals the same conversion of the
 original tensor for tensor; args contradicting the files are refused in one sentence."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,10 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
 from mcore_proxy.testing.families import iteration_dir
 
-NORMS = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight",
-         "kv_layernorm.weight": "linear_kv_up_proj.layer_norm_weight"}
+NORMS = {
+    "q_layernorm.weight": "linear_q_up_proj.layer_norm_weight",
+    "kv_layernorm.weight": "linear_kv_up_proj.layer_norm_weight",
+}
 _DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
 _FOLDER = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
 
@@ -46,7 +49,7 @@ def to_te(state: dict, full_down: dict) -> dict:
         for name, value in state[key].items():
             for local, te in NORMS.items():
                 if name.endswith(".self_attention." + local):
-                    name = name[:-len(local)] + te
+                    name = name[: -len(local)] + te
             chunk[name] = full_down.get((key, name), value)
         state[key] = chunk
     return state
@@ -59,7 +62,7 @@ def from_te(state: dict, tp_rank: int, tp: int) -> dict:
         for name, value in state[key].items():
             for local, te in NORMS.items():
                 if name.endswith(".self_attention." + te):
-                    name = name[:-len(te)] + local
+                    name = name[: -len(te)] + local
             chunk[name] = value.chunk(tp)[tp_rank] if _DOWN.search(name) else value
         state[key] = chunk
     return state
@@ -78,8 +81,11 @@ def derive_te_checkpoint(src, dst, pp: int) -> None:
                     shards.setdefault((pp_rank, key, name), {})[tp_rank] = value
     for f, state in states.items():
         _, pp_rank = _coords(f, pp)
-        full = {(key, name): torch.cat([parts[t] for t in sorted(parts)])
-                for (p, key, name), parts in shards.items() if p == pp_rank}
+        full = {
+            (key, name): torch.cat([parts[t] for t in sorted(parts)])
+            for (p, key, name), parts in shards.items()
+            if p == pp_rank
+        }
         state = to_te(state, full)
         state["args"].transformer_impl = "transformer_engine"
         torch.save(state, f)
@@ -96,7 +102,7 @@ def te_copy(family_ckpt, tmp_path_factory):
 def _te_name(name: str) -> str:
     for local, te in NORMS.items():
         if name.endswith(".self_attention." + local):
-            return name[:-len(local)] + te
+            return name[: -len(local)] + te
     return name
 
 

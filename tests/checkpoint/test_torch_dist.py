@@ -4,6 +4,7 @@ One module fixture saves a tiny real MoE GPT with megatron-core at TP=2, EP=2 in
 the same ranks (torch_dist via dist_checkpointing, legacy via torch.save), with its reference
 logits and those of a router restricted to the experts a pruned proxy keeps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,37 +26,57 @@ from mcore_proxy.sharding import rule_for
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.dist_ckpt import iteration_dir, load_torch_dist_and_run, save_torch_dist
 
-MODEL = ToyMoE()                      # 4 MoE layers x 8 experts, top-2, local spec, fp32
+MODEL = ToyMoE()  # 4 MoE layers x 8 experts, top-2, local spec, fp32
 KEPT = {0: [0, 3, 5, 6], 1: [1, 2, 4, 7], 2: [0, 1, 6, 7], 3: [2, 3, 4, 5]}
-CLOSE = dict(rtol=1e-5, atol=1e-5)    # fp32 logits; TP changes the order of reductions
+CLOSE = dict(rtol=1e-5, atol=1e-5)  # fp32 logits; TP changes the order of reductions
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("torch_dist")
-    ref = save_torch_dist(MODEL, Layout(tp=2, ep=2), base / "dist", legacy_dir=base / "legacy",
-                          kept=KEPT, kept_ref_path=base / "kept.logits.pt")
-    return SimpleNamespace(base=base, dist=base / "dist", legacy=base / "legacy", ref=torch.load(ref),
-                           kept_ref=torch.load(base / "kept.logits.pt"))
+    ref = save_torch_dist(
+        MODEL,
+        Layout(tp=2, ep=2),
+        base / "dist",
+        legacy_dir=base / "legacy",
+        kept=KEPT,
+        kept_ref_path=base / "kept.logits.pt",
+    )
+    return SimpleNamespace(
+        base=base,
+        dist=base / "dist",
+        legacy=base / "legacy",
+        ref=torch.load(ref),
+        kept_ref=torch.load(base / "kept.logits.pt"),
+    )
 
 
 # -- pure key mapping ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("local_spec", [True, False])
 def test_canonical_names_round_trip_through_dist_keys(stacked, local_spec):
     style = KeyStyle(stacked=stacked, local_spec=local_spec, num_layers=4, num_experts=8)
-    for name in ("decoder.layers.2.mlp.experts.5.linear_fc1.weight", "decoder.layers.3.mlp.router.weight",
-                 "decoder.layers.1.input_layernorm.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
-                 "decoder.layers.1.self_attention.linear_qkv.weight", "embedding.word_embeddings.weight",
-                 "mtp.layers.0.transformer_layer.mlp.experts.7.linear_fc2.weight", "mtp.layers.0.enorm.weight"):
+    for name in (
+        "decoder.layers.2.mlp.experts.5.linear_fc1.weight",
+        "decoder.layers.3.mlp.router.weight",
+        "decoder.layers.1.input_layernorm.weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "embedding.word_embeddings.weight",
+        "mtp.layers.0.transformer_layer.mlp.experts.7.linear_fc2.weight",
+        "mtp.layers.0.enorm.weight",
+    ):
         key, index, sizes = style.locate(name)
         dist = parse_dist_key(key, local_spec)
         assert dist.canonical(index) == name
         assert len(index) == len(sizes) == len(dist.axes)
     assert style.locate("decoder.layers.2.mlp.experts.5.linear_fc1.weight") == (
-        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 5), (4, 8)) if stacked else
-        ("decoder.layers.2.mlp.experts.experts.linear_fc1.weight", (5,), (8,)))
+        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 5), (4, 8))
+        if stacked
+        else ("decoder.layers.2.mlp.experts.experts.linear_fc1.weight", (5,), (8,))
+    )
     norm_key = style.locate("decoder.layers.1.input_layernorm.weight")[0]
     assert norm_key.endswith("self_attention.linear_qkv.layer_norm_weight" if local_spec else "input_layernorm.weight")
 
@@ -74,10 +95,11 @@ def test_chunks_follow_the_target_shards():
     assert fc1.chunk_boxes((8, 4), 2) == [((0, 0), (2, 4)), ((2, 0), (2, 4)), ((4, 0), (2, 4)), ((6, 0), (2, 4))]
     assert fc2.chunk_boxes((4, 6), 3) == [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((0, 4), (4, 2))]
     assert router.chunk_boxes((8, 4), 2) == [((0, 0), (8, 4))]
-    assert fc2.chunk_boxes((4, 5), 2) == [((0, 0), (4, 5))]   # not divisible: one chunk
+    assert fc2.chunk_boxes((4, 5), 2) == [((0, 0), (4, 5))]  # not divisible: one chunk
 
 
 # -- reading megatron-core's save -----------------------------------------------------------------
+
 
 def test_megatron_save_reads_like_the_legacy_save_of_the_same_weights(saved):
     assert is_torch_dist_checkpoint(saved.dist) and is_torch_dist_checkpoint(iteration_dir(saved.dist))
@@ -114,12 +136,11 @@ def test_one_expert_is_read_from_a_chunk_holding_many(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     full = torch.randn(4, 8, 2 * MODEL.moe_ffn_hidden_size, MODEL.hidden_size)
-    dcp.save({"decoder.layers.mlp.experts.experts.linear_fc1.weight": full}, checkpoint_id=str(tmp_path),
-             no_dist=True)
+    dcp.save({"decoder.layers.mlp.experts.experts.linear_fc1.weight": full}, checkpoint_id=str(tmp_path), no_dist=True)
     torch.save({"args": MODEL.megatron_args(Layout()), "iteration": 3}, tmp_path / "common.pt")
     (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     view = TorchDistCheckpoint(tmp_path)
-    assert len(view.names()) == 4 * 8 and view.iteration == 3   # from common.pt: the folder is not iter_*
+    assert len(view.names()) == 4 * 8 and view.iteration == 3  # from common.pt: the folder is not iter_*
     for layer, expert in [(0, 0), (2, 5), (3, 7)]:
         name = f"decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight"
         assert torch.equal(view.get(name), full[layer, expert])
@@ -127,11 +148,12 @@ def test_one_expert_is_read_from_a_chunk_holding_many(tmp_path):
 
 # -- writing --------------------------------------------------------------------------------------
 
+
 def test_legacy_to_torch_dist_round_trip_is_bit_exact(saved, tmp_path):
     legacy = LegacyCheckpoint(saved.legacy)
     out = write_checkpoint(legacy, tmp_path / "out", fmt="torch_dist", progress=False, inputs=(saved.legacy,))
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]        # nothing staged left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing staged left behind
     back = TorchDistCheckpoint(out)
     assert back.names() == legacy.names() and back.iteration == 10 and back.spec == legacy.spec
     assert back.args.ckpt_format == "torch_dist" and back.args.no_save_optim
@@ -142,8 +164,13 @@ def test_legacy_to_torch_dist_round_trip_is_bit_exact(saved, tmp_path):
 @pytest.fixture(scope="module")
 def rewritten(saved):
     """megatron's TP=2/EP=2 save, read and written again by mcore-proxy for a TP=1/EP=2 run."""
-    return write_checkpoint(TorchDistCheckpoint(saved.dist), saved.base / "rewritten",
-                            ParallelLayout(tp=1, ep=2), "torch_dist", progress=False)
+    return write_checkpoint(
+        TorchDistCheckpoint(saved.dist),
+        saved.base / "rewritten",
+        ParallelLayout(tp=1, ep=2),
+        "torch_dist",
+        progress=False,
+    )
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(ep=2)], ids=["tp1-ep1", "tp1-ep2"])
@@ -181,8 +208,9 @@ def test_pruned_view_loads_in_megatron_with_k_experts(saved, tmp_path):
     assert back.spec.num_experts == 4 and back.args.num_experts == 4 and back.args.pipeline_model_parallel_size == 2
     for name in pruned.names():
         assert torch.equal(back.get(name), pruned.get(name)), name
-    logits = load_torch_dist_and_run(dataclasses.replace(MODEL, num_experts=4), Layout(pp=2), out,
-                                     tmp_path / "logits.pt")
+    logits = load_torch_dist_and_run(
+        dataclasses.replace(MODEL, num_experts=4), Layout(pp=2), out, tmp_path / "logits.pt"
+    )
     torch.testing.assert_close(logits, saved.kept_ref, **CLOSE)
 
 
@@ -199,6 +227,7 @@ def test_writer_checks_the_plan_before_writing(saved, tmp_path):
 
 
 # -- bad input ------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def damaged(saved, tmp_path):
@@ -236,17 +265,20 @@ def test_damaged_chunk_is_reported_when_read(damaged):
     info = next(v for k, v in storage.items() if k.fqn == "embedding.word_embeddings.weight")
     data = it_dir / info.relative_path
     raw = bytearray(data.read_bytes())
-    raw[info.offset:info.offset + info.length] = bytes(info.length)
+    raw[info.offset : info.offset + info.length] = bytes(info.length)
     data.write_bytes(bytes(raw))
-    view = TorchDistCheckpoint(root)   # chunks are read only when asked for
-    with pytest.raises(CheckpointError, match=rf"{data.name}: the chunk of embedding.word_embeddings.weight at "
-                                              rf"byte {info.offset} is not a readable torch.save blob"):
+    view = TorchDistCheckpoint(root)  # chunks are read only when asked for
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{data.name}: the chunk of embedding.word_embeddings.weight at "
+        rf"byte {info.offset} is not a readable torch.save blob",
+    ):
         view.get("embedding.word_embeddings.weight")
 
 
 def test_incomplete_save_without_metadata_json(damaged):
     root, it_dir = damaged
     (it_dir / "metadata.json").unlink()
-    assert detect_format(root) == "torch_dist"     # still recognised, so the message is precise
+    assert detect_format(root) == "torch_dist"  # still recognised, so the message is precise
     with pytest.raises(CheckpointError, match=r"metadata.json: missing, so the torch_dist save did not complete"):
         open_checkpoint(root)

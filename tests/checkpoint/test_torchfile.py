@@ -1,5 +1,6 @@
 """The restricted reader: args load without megatron importable and pickle back to the same
 class paths; no foreign code runs while reading."""
+
 from __future__ import annotations
 
 import subprocess

@@ -5,6 +5,7 @@ checkpoint's canonical tensors must equal those global tensors bit for bit, what
 it was saved at. One set of spawned ranks saves all sources (cached with
 MCORE_PROXY_FIXTURE_CACHE); one more loads everything written from them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,11 @@ from mcore_proxy.testing.vpp_mtp import Job, run_jobs
 pytestmark = pytest.mark.megatron
 
 SEED, K = 11, 4
-MODEL = ToyMoE()                                                     # 4 MoE layers, top-2 of 8
+MODEL = ToyMoE()  # 4 MoE layers, top-2 of 8
 SOURCES = {
-    "vpp": TraceRun(MODEL, Layout(pp=2), vpp=2, seed=SEED),          # rank 0: layers 0, 2; rank 1: 1, 3
+    "vpp": TraceRun(MODEL, Layout(pp=2), vpp=2, seed=SEED),  # rank 0: layers 0, 2; rank 1: 1, 3
     "pp1": TraceRun(MODEL, Layout(), seed=SEED),
-    "mtp": TraceRun(MODEL, Layout(pp=2, ep=2), mtp_layers=1, seed=SEED),   # MTP (MoE) on stage 1
+    "mtp": TraceRun(MODEL, Layout(pp=2, ep=2), mtp_layers=1, seed=SEED),  # MTP (MoE) on stage 1
 }
 
 
@@ -68,16 +69,22 @@ def assert_global_weights(view) -> None:
 
 # -- virtual pipeline stages -----------------------------------------------------------------
 
+
 def test_vpp_files_are_shaped_like_megatron_training(saved):
     ckpt, _ = saved["vpp"]
     state = TorchFile(ckpt / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt").obj
     assert {"model0", "model1"} <= set(state) and "model" not in state
-    layers = [sorted({int(m.group(1)) for k in state[c] if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
-              for c in ("model0", "model1")]
+    layers = [
+        sorted({int(m.group(1)) for k in state[c] if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
+        for c in ("model0", "model1")
+    ]
     assert layers == [[0], [0]]  # local numbering in each chunk: global layers 1 and 3
     args = state["args"]
-    assert (args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-            args.num_virtual_stages_per_pipeline_rank) == (2, 1, None)
+    assert (
+        args.virtual_pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        args.num_virtual_stages_per_pipeline_rank,
+    ) == (2, 1, None)
 
 
 def test_vpp_reads_like_the_same_model_at_pp1(saved):
@@ -98,9 +105,14 @@ def test_inspect_reports_vpp(saved, capsys):
 
 # -- MTP ---------------------------------------------------------------------------------------
 
-MTP_NAMES = ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
-             "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.mlp.router.weight",
-             "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight"]
+MTP_NAMES = [
+    "mtp.layers.0.enorm.weight",
+    "mtp.layers.0.hnorm.weight",
+    "mtp.layers.0.eh_proj.weight",
+    "mtp.layers.0.final_layernorm.weight",
+    "mtp.layers.0.transformer_layer.mlp.router.weight",
+    "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight",
+]
 
 
 def test_mtp_reader_exposes_the_mtp_layer(saved):
@@ -108,8 +120,11 @@ def test_mtp_reader_exposes_the_mtp_layer(saved):
     assert view.spec.mtp_layers == 1 and view.spec.moe_layer_ids == ["0", "1", "2", "3", "mtp.0"]
     names = view.names()
     assert set(MTP_NAMES) <= set(names)
-    experts = {int(m.group(1)) for n in names
-               if (m := re.match(r"mtp\.layers\.0\.transformer_layer\.mlp\.experts\.(\d+)\.linear_fc[12]\.weight$", n))}
+    experts = {
+        int(m.group(1))
+        for n in names
+        if (m := re.match(r"mtp\.layers\.0\.transformer_layer\.mlp\.experts\.(\d+)\.linear_fc[12]\.weight$", n))
+    }
     assert experts == set(range(MODEL.num_experts))
     assert view.shape("mtp.layers.0.transformer_layer.mlp.router.weight") == (8, 32)
     assert view.shape("mtp.layers.0.eh_proj.weight") == (32, 64)
@@ -130,34 +145,69 @@ def converted(saved, tmp_path_factory):
     pp2 = write_checkpoint(vpp, tmp / "vpp_pp2", resolve_target(vpp, pp=2), progress=False)
 
     spec = mtp.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts,
-                             clusters=K, hidden=spec.hidden_size, tokens=2000, seed=3)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=K,
+        hidden=spec.hidden_size,
+        tokens=2000,
+        seed=3,
+    )
     plan = select_experts(mtp, stats, K, target_ep=1)
     plan_path = plan.save(tmp / "plan.json")
     proxy = tmp / "proxy"
-    assert main(["convert", str(saved["mtp"][0]), "--plan", str(plan_path), "-o", str(proxy),
-                 "--target-ep", "1"]) == 0
+    assert main(["convert", str(saved["mtp"][0]), "--plan", str(plan_path), "-o", str(proxy), "--target-ep", "1"]) == 0
 
     # virtual stages written: the PP 1 model split PP 2 x VPP 2, and the MTP proxy at VPP 2
     pp1_vpp, proxy_vpp = tmp / "pp1_vpp", tmp / "proxy_vpp"
     assert main(["convert", str(saved["pp1"][0]), "-o", str(pp1_vpp), "--target-pp", "2", "--target-vpp", "2"]) == 0
-    assert main(["convert", str(saved["mtp"][0]), "--plan", str(plan_path), "-o", str(proxy_vpp),
-                 "--target-ep", "1", "--target-vpp", "2"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(saved["mtp"][0]),
+                "--plan",
+                str(plan_path),
+                "-o",
+                str(proxy_vpp),
+                "--target-ep",
+                "1",
+                "--target-vpp",
+                "2",
+            ]
+        )
+        == 0
+    )
 
     keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
     mtp_run = TraceRun(MODEL, Layout(), mtp_layers=1, seed=SEED)
     proxy_model = dataclasses.replace(MODEL, num_experts=K)
     proxy_run = TraceRun(proxy_model, Layout(pp=2), mtp_layers=1, seed=SEED)
     logits = {n: tmp / f"{n}.pt" for n in ("mtp_ep1", "restricted", "proxy", "vpp_pp2", "pp1_vpp", "proxy_vpp")}
-    run_jobs([Job(mtp_run, load=str(ep1), logits=str(logits["mtp_ep1"])),
-              Job(mtp_run, load=str(ep1), logits=str(logits["restricted"]), keep=keep),
-              Job(proxy_run, load=str(proxy), logits=str(logits["proxy"])),
-              Job(TraceRun(MODEL, Layout(pp=2), seed=SEED), load=str(pp2), logits=str(logits["vpp_pp2"])),
-              Job(TraceRun(MODEL, Layout(pp=2), vpp=2, seed=SEED), load=str(pp1_vpp), logits=str(logits["pp1_vpp"])),
-              Job(TraceRun(proxy_model, Layout(pp=2), vpp=2, mtp_layers=1, seed=SEED), load=str(proxy_vpp),
-                  logits=str(logits["proxy_vpp"]))])
-    return dict(ep1=ep1, pp2=pp2, proxy=proxy, plan=plan, pp1_vpp=pp1_vpp, proxy_vpp=proxy_vpp,
-                logits={n: torch.load(p) for n, p in logits.items()})
+    run_jobs(
+        [
+            Job(mtp_run, load=str(ep1), logits=str(logits["mtp_ep1"])),
+            Job(mtp_run, load=str(ep1), logits=str(logits["restricted"]), keep=keep),
+            Job(proxy_run, load=str(proxy), logits=str(logits["proxy"])),
+            Job(TraceRun(MODEL, Layout(pp=2), seed=SEED), load=str(pp2), logits=str(logits["vpp_pp2"])),
+            Job(TraceRun(MODEL, Layout(pp=2), vpp=2, seed=SEED), load=str(pp1_vpp), logits=str(logits["pp1_vpp"])),
+            Job(
+                TraceRun(proxy_model, Layout(pp=2), vpp=2, mtp_layers=1, seed=SEED),
+                load=str(proxy_vpp),
+                logits=str(logits["proxy_vpp"]),
+            ),
+        ]
+    )
+    return dict(
+        ep1=ep1,
+        pp2=pp2,
+        proxy=proxy,
+        plan=plan,
+        pp1_vpp=pp1_vpp,
+        proxy_vpp=proxy_vpp,
+        logits={n: torch.load(p) for n, p in logits.items()},
+    )
 
 
 def test_vpp_source_converts_and_runs(saved, converted):
@@ -188,10 +238,10 @@ def test_mtp_proxy_loads_and_equals_the_restricted_original(saved, converted):
     prefix = "mtp.layers.0.transformer_layer.mlp"
     for j, e in enumerate(plan.kept("mtp.0")):
         for fc in ("linear_fc1", "linear_fc2"):
-            assert torch.equal(proxy.get(f"{prefix}.experts.{j}.{fc}.weight"),
-                               source.get(f"{prefix}.experts.{e}.{fc}.weight"))
-    assert torch.equal(proxy.get(f"{prefix}.router.weight"),
-                       source.get(f"{prefix}.router.weight")[plan.kept("mtp.0")])
+            assert torch.equal(
+                proxy.get(f"{prefix}.experts.{j}.{fc}.weight"), source.get(f"{prefix}.experts.{e}.{fc}.weight")
+            )
+    assert torch.equal(proxy.get(f"{prefix}.router.weight"), source.get(f"{prefix}.router.weight")[plan.kept("mtp.0")])
     # the proxy's last stage carries the MTP layer and megatron's copy of the word embeddings
     last = TorchFile(converted["proxy"] / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt").obj
     assert "embedding.word_embeddings.weight" in last["model"]
@@ -203,6 +253,7 @@ def test_mtp_proxy_loads_and_equals_the_restricted_original(saved, converted):
 
 
 # -- virtual stages written (--target-vpp) ----------------------------------------------------------
+
 
 def _model_chunks(path: Path) -> dict[str, dict]:
     from mcore_proxy.checkpoint.torchfile import load_weights_only
@@ -225,8 +276,11 @@ def test_a_vpp_source_is_rewritten_as_megatron_saved_it(saved, tmp_path):
             for name, value in want[key].items():
                 assert (value is None and got[key][name] is None) or torch.equal(got[key][name], value), name
     args = TorchFile(out / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt").obj["args"]
-    assert (args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-            args.pipeline_model_parallel_layout) == (2, 1, None)
+    assert (
+        args.virtual_pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        args.pipeline_model_parallel_layout,
+    ) == (2, 1, None)
 
 
 def test_target_vpp_loads_in_megatron_core_with_virtual_stages(saved, converted, capsys):
@@ -238,16 +292,35 @@ def test_target_vpp_loads_in_megatron_core_with_virtual_stages(saved, converted,
     assert_global_weights(view)
     rank1 = _model_chunks(converted["pp1_vpp"] / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt")
     # global layers 1 and 3, numbered 0 in their chunks; the output layer on the last chunk only
-    assert {k: sorted({n.split(".")[2] for n in v if n.startswith("decoder.layers.")}) for k, v in rank1.items()} \
-        == {"model0": ["0"], "model1": ["0"]}
+    assert {k: sorted({n.split(".")[2] for n in v if n.startswith("decoder.layers.")}) for k, v in rank1.items()} == {
+        "model0": ["0"],
+        "model1": ["0"],
+    }
     assert "output_layer.weight" in rank1["model1"] and "output_layer.weight" not in rank1["model0"]
     torch.testing.assert_close(converted["logits"]["pp1_vpp"], torch.load(saved["pp1"][1]), rtol=1e-5, atol=1e-5)
     # MTP on the last chunk of the last rank, with its own embedding copy
     last = _model_chunks(converted["proxy_vpp"] / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt")
-    assert any(n.startswith("mtp.layers.0.") for n in last["model1"]) and "embedding.word_embeddings.weight" in last["model1"]
-    torch.testing.assert_close(converted["logits"]["proxy_vpp"], converted["logits"]["restricted"], rtol=1e-5, atol=1e-5)
+    assert (
+        any(n.startswith("mtp.layers.0.") for n in last["model1"])
+        and "embedding.word_embeddings.weight" in last["model1"]
+    )
+    torch.testing.assert_close(
+        converted["logits"]["proxy_vpp"], converted["logits"]["restricted"], rtol=1e-5, atol=1e-5
+    )
     assert main(["inspect", str(converted["proxy_vpp"])]) == 0
     assert "TP=1 PP=2 EP=1 ETP=1 VPP=2" in capsys.readouterr().out
-    assert main(["verify", "--orig", str(saved["mtp"][0]), "--proxy", str(converted["proxy_vpp"]),
-                 "--plan", str(converted["proxy"].parent / "plan.json")]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "--orig",
+                str(saved["mtp"][0]),
+                "--proxy",
+                str(converted["proxy_vpp"]),
+                "--plan",
+                str(converted["proxy"].parent / "plan.json"),
+            ]
+        )
+        == 0
+    )
     assert "verify: OK" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 (plain, `weights_only`, `mmap`), passes zip tools' CRC checks, and hashes to the sha256 of the
 bytes on disk. Zip64 records are exercised with a lowered threshold: a real >4 GiB member is not
 affordable in CI, and the code paths are the same ones a large tensor takes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,9 +24,15 @@ ZIP64_EXTRA = 0x0001
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"iteration": 3, "model": {"a": torch.randn(33, 17, generator=g).bfloat16(),
-                                      "b": torch.arange(1000, dtype=torch.int64),
-                                      "c": torch.randn(5, generator=g), "empty": torch.zeros(0, 4)}}
+    return {
+        "iteration": 3,
+        "model": {
+            "a": torch.randn(33, 17, generator=g).bfloat16(),
+            "b": torch.arange(1000, dtype=torch.int64),
+            "c": torch.randn(5, generator=g),
+            "empty": torch.zeros(0, 4),
+        },
+    }
 
 
 def _assert_loads_everywhere(path, state) -> None:
@@ -35,9 +42,9 @@ def _assert_loads_everywhere(path, state) -> None:
         for k, v in state["model"].items():
             assert back["model"][k].dtype == v.dtype and torch.equal(back["model"][k], v), (kwargs, k)
     with zipfile.ZipFile(path) as zf:
-        assert zf.testzip() is None                           # every CRC-32 right
+        assert zf.testzip() is None  # every CRC-32 right
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
-    lazy = TorchFile(path)                                    # our own reader: offsets found, bytes right
+    lazy = TorchFile(path)  # our own reader: offsets found, bytes right
     assert torch.equal(lazy.obj["model"]["a"].load(), state["model"]["a"])
     lazy.close()
     if shutil.which("unzip"):
@@ -62,15 +69,22 @@ def test_a_file_loads_in_torch_and_zip_tools_and_hashes_while_written(tmp_path):
     state, path = _state(), tmp_path / "f.pt"
     writer = save_object(state, path)
     data = path.read_bytes()
-    assert (writer.size, writer.sha256) == (len(data), hashlib.sha256(data).hexdigest()) == \
-        (path.stat().st_size, file_sha256(path))
+    assert (
+        (writer.size, writer.sha256)
+        == (len(data), hashlib.sha256(data).hexdigest())
+        == (path.stat().st_size, file_sha256(path))
+    )
     _assert_loads_everywhere(path, state)
-    assert _zip64_fields(path) == (0, False)                  # small file: plain zip records only
-    with zipfile.ZipFile(path) as zf:                         # storages aligned for torch.load(mmap=True)
+    assert _zip64_fields(path) == (0, False)  # small file: plain zip records only
+    with zipfile.ZipFile(path) as zf:  # storages aligned for torch.load(mmap=True)
         for info in zf.infolist():
             if "/data/" in info.filename:
-                start = info.header_offset + 30 + len(info.filename.encode()) + \
-                    struct.unpack_from("<H", data, info.header_offset + 28)[0]
+                start = (
+                    info.header_offset
+                    + 30
+                    + len(info.filename.encode())
+                    + struct.unpack_from("<H", data, info.header_offset + 28)[0]
+                )
                 assert start % zipwrite.ALIGNMENT == 0, info.filename
 
 
@@ -110,7 +124,7 @@ def test_several_archives_in_one_file_each_load_from_their_offset(tmp_path, monk
     data = path.read_bytes()
     assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
     for t, (start, length) in zip(tensors, spans):
-        blob = io.BytesIO(data[start:start + length])
+        blob = io.BytesIO(data[start : start + length])
         assert torch.equal(torch.load(blob, weights_only=True), t)
 
 

@@ -1,4 +1,5 @@
 """Plans made by the real selection code on planted statistics shaped like each fixture."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,15 @@ KEEP = {"seq_tp2_pp2_ep2": 4, "grouped_ep4": 4, "deepseek_like_pp2_uneven": 8}
 def make_plan(ckpt, num_experts: int, path, target_ep: int = 1, method: str = "multiview"):
     view = open_checkpoint(ckpt)
     spec = view.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts,
-                             clusters=num_experts, hidden=spec.hidden_size, tokens=2000, seed=3)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=num_experts,
+        hidden=spec.hidden_size,
+        tokens=2000,
+        seed=3,
+    )
     plan = select_experts(view, stats, num_experts, method=method, target_ep=target_ep)
     plan.save(path)
     return plan

@@ -1,4 +1,5 @@
 """convert and verify: format round trips, parallel writers, bad input, detected differences."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,25 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 def test_legacy_to_torch_dist_and_back_is_bit_identical(megatron_ckpt, tmp_path):
     ckpt, _ = megatron_ckpt(FIXTURE)
     dist, back = tmp_path / "dist", tmp_path / "back"
-    assert main(["convert", str(ckpt), "-o", str(dist), "--format", "torch_dist", "--target-tp", "1",
-                 "--target-pp", "1", "--target-ep", "1"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(ckpt),
+                "-o",
+                str(dist),
+                "--format",
+                "torch_dist",
+                "--target-tp",
+                "1",
+                "--target-pp",
+                "1",
+                "--target-ep",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert open_checkpoint(dist).info.format == "torch_dist"
     assert main(["convert", str(dist), "-o", str(back), "--target-tp", "2", "--target-ep", "2"]) == 0
     source = canonical(ckpt)
@@ -55,9 +73,25 @@ def test_torchrun_splits_rank_files_and_rank0_finishes(megatron_ckpt, proxy_plan
     ckpt, _ = megatron_ckpt(FIXTURE)
     plan_path, _ = proxy_plan(FIXTURE)
     out = tmp_path / "tr"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_port()), "-m", "mcore_proxy.cli", "convert", str(ckpt), "--plan", str(plan_path),
-           "-o", str(out), "--target-ep", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_port()),
+        "-m",
+        "mcore_proxy.cli",
+        "convert",
+        str(ckpt),
+        "--plan",
+        str(plan_path),
+        "-o",
+        str(out),
+        "--target-ep",
+        "2",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     single = tmp_path / "single"
@@ -76,8 +110,22 @@ def test_torch_dist_output_is_the_same_from_one_process_two_workers_and_torchrun
     one, two, tr = tmp_path / "one", tmp_path / "two", tmp_path / "tr"
     assert main(["convert", str(ckpt), "-o", str(one), *common]) == 0
     assert main(["convert", str(ckpt), "-o", str(two), "--workers", "2", *common]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
-           "-m", "mcore_proxy.cli", "convert", str(ckpt), "-o", str(tr), *common]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_port()),
+        "-m",
+        "mcore_proxy.cli",
+        "convert",
+        str(ckpt),
+        "-o",
+        str(tr),
+        *common,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     files = [json.loads((out / "manifest.json").read_text())["files"] for out in (one, two, tr)]
@@ -87,6 +135,7 @@ def test_torch_dist_output_is_the_same_from_one_process_two_workers_and_torchrun
 
 def _port() -> int:
     from mcore_proxy.functional.cpu import free_port
+
     return free_port()
 
 
@@ -107,6 +156,7 @@ def test_manifest_lists_every_file(megatron_ckpt, proxy_plan, tmp_path):
 
 
 # -- verify finds differences (exit 1) ---------------------------------------------------------
+
 
 @pytest.fixture
 def converted(megatron_ckpt, proxy_plan, tmp_path):
@@ -151,6 +201,7 @@ def test_verify_reports_a_plan_mismatch_in_args(converted, capsys, tmp_path):
 
 # -- bad input: one sentence, exit 2, nothing left, input untouched -----------------------------
 
+
 def run_convert(capsys, *args) -> tuple[int, str]:
     capsys.readouterr()
     code = main(["convert", *map(str, args)])
@@ -170,7 +221,7 @@ def assert_clean_failure(code, err, out, *fragments):
 def test_plan_from_another_checkpoint(megatron_ckpt, proxy_plan, tmp_path, capsys, digest):
     ckpt, _ = megatron_ckpt(FIXTURE)
     _, plan = proxy_plan(FIXTURE)
-    other_ckpt, _ = megatron_ckpt("grouped_ep4")   # same E and layers, other router weights
+    other_ckpt, _ = megatron_ckpt("grouped_ep4")  # same E and layers, other router weights
     before = digest(other_ckpt)
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)

@@ -4,6 +4,7 @@ and verify --functional pass on both, and the proxy keeps every enum as the same
 by value so that Megatron's own loader (torch.load with its default weights_only=True and the
 safe globals megatron-core registers) reads it. A getattr chain to os.system in place of
 `attention_backend` runs nothing anywhere, and is dropped from the proxy with a note."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,15 @@ def enum_stats(family_ckpt, tmp_path_factory):
     from mcore_proxy.stats import save_stats
 
     spec = open_checkpoint(family_ckpt[NAME].legacy).spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=KEEP,
-                             hidden=spec.hidden_size, tokens=1000, seed=5)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=KEEP,
+        hidden=spec.hidden_size,
+        tokens=1000,
+        seed=5,
+    )
     return save_stats(stats, tmp_path_factory.mktemp("enum-stats") / "stats.safetensors")
 
 
@@ -63,10 +71,28 @@ def megatron_loads(path):
 def select_and_convert(ckpt, stats, tmp_path, target_ep: int = 1):
     """`select` K experts, then `convert` to TP 1 / PP 1 / EP `target_ep` -> (plan, proxy)."""
     plan, out = tmp_path / "plan.json", tmp_path / "proxy"
-    assert main(["select", "--ckpt", str(ckpt), "--stats", str(stats), "--num-experts", str(KEEP),
-                 "-o", str(plan)]) == 0
-    assert main(["convert", str(ckpt), "--plan", str(plan), "-o", str(out), "--target-tp", "1", "--target-pp", "1",
-                 "--target-ep", str(target_ep)]) == 0
+    assert (
+        main(["select", "--ckpt", str(ckpt), "--stats", str(stats), "--num-experts", str(KEEP), "-o", str(plan)]) == 0
+    )
+    assert (
+        main(
+            [
+                "convert",
+                str(ckpt),
+                "--plan",
+                str(plan),
+                "-o",
+                str(out),
+                "--target-tp",
+                "1",
+                "--target-pp",
+                "1",
+                "--target-ep",
+                str(target_ep),
+            ]
+        )
+        == 0
+    )
     return plan, out
 
 
@@ -81,7 +107,7 @@ def test_inspect_select_convert_verify_functional(enum_form_ckpt, enum_stats, tm
     assert main(["inspect", str(ckpt)]) == 0
     capsys.readouterr()
     plan, out = select_and_convert(ckpt, enum_stats, tmp_path, target_ep=2)
-    assert "dropped" not in capsys.readouterr().out   # no args field is lost
+    assert "dropped" not in capsys.readouterr().out  # no args field is lost
     assert json.loads((out / "manifest.json").read_text())["dropped_args"] == {}
     for f in torch_files(out):
         assert enum_form_of(f) == BY_VALUE
@@ -107,14 +133,16 @@ def test_verify_compares_args_enum_for_enum(enum_form_ckpt, enum_stats, tmp_path
         state = torch.load(rank_file, weights_only=False)
         edit(state["args"])
         torch.save(state, rank_file)
-        (out / "manifest.json").write_text(json.dumps(manifest))   # hashes stale: that is reported too
+        (out / "manifest.json").write_text(json.dumps(manifest))  # hashes stale: that is reported too
         capsys.readouterr()
         assert main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan)]) == 1
         return capsys.readouterr().out
 
     text = edit_and_verify(lambda a: setattr(a, "attention_backend", AttnBackend.flash))
-    assert "args attention_backend is <megatron.core.transformer.enums.AttnBackend.flash>, expected the source's " \
-           "<megatron.core.transformer.enums.AttnBackend.auto>" in text
+    assert (
+        "args attention_backend is <megatron.core.transformer.enums.AttnBackend.flash>, expected the source's "
+        "<megatron.core.transformer.enums.AttnBackend.auto>" in text
+    )
     text = edit_and_verify(lambda a: delattr(a, "exit_signal"))
     assert "args exit_signal: missing from the proxy and not recorded as dropped in its manifest" in text
 
@@ -123,7 +151,7 @@ def test_a_getattr_chain_to_os_system_runs_nothing_and_is_dropped(family_ckpt, e
     ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
     shutil.copytree(family_ckpt[NAME].legacy, ckpt)
     for f in torch_files(ckpt):
-        state = torch.load(f, weights_only=False)   # trusted: this session built it
+        state = torch.load(f, weights_only=False)  # trusted: this session built it
         state["args"].attention_backend = os_system_through_enum(marker)
         torch.save(state, f)
     before = digest(ckpt)
@@ -131,8 +159,10 @@ def test_a_getattr_chain_to_os_system_runs_nothing_and_is_dropped(family_ckpt, e
     capsys.readouterr()
     plan, out = select_and_convert(ckpt, enum_stats, tmp_path)
     text = capsys.readouterr().out
-    assert ("args attention_backend was dropped: it holds getattr(megatron.core.transformer.enums.AttnBackend, "
-            "'__init__').__globals__.get(...).modules.get(...).system(...), read from") in text
+    assert (
+        "args attention_backend was dropped: it holds getattr(megatron.core.transformer.enums.AttnBackend, "
+        "'__init__').__globals__.get(...).modules.get(...).system(...), read from"
+    ) in text
     assert "which the reader refused" in text
     (rank_file,) = torch_files(out)
     raw = rank_file.read_bytes()

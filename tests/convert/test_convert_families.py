@@ -5,6 +5,7 @@ statistics), convert from either format to a smaller EP and a plain
 stage split (the source's layout string is not written: docs/families.md), verify --functional,
 and megatron-core loads every proxy at its target layout and computes the original's logits
 (main head and MTP head) restricted to the kept experts. All loads share one set of ranks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,6 @@ from mcore_proxy.select.plan import load_plan
 from mcore_proxy.testing.families import StagedLayout, load_and_run
 
 
-
 def make_plan(ckpt, num_experts: int, path, target_ep: int = 1):
     """Multiview selection on planted statistics shaped like the checkpoint (as conftest.make_plan)."""
     from mcore_proxy.checkpoint import open_checkpoint
@@ -28,40 +28,69 @@ def make_plan(ckpt, num_experts: int, path, target_ep: int = 1):
 
     view = open_checkpoint(ckpt)
     spec = view.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts,
-                             clusters=num_experts, hidden=spec.hidden_size, tokens=2000, seed=3)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=num_experts,
+        hidden=spec.hidden_size,
+        tokens=2000,
+        seed=3,
+    )
     plan = select_experts(view, stats, num_experts, method="multiview", target_ep=target_ep)
     plan.save(path)
     return plan
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
-KEEP = 16   # of 32 experts; >= top-8 and two experts per group of the 8 DeepSeek groups
-CLOSE = dict(rtol=1e-4, atol=1e-4)   # fp32 logits of size ~1; another TP/EP reorders sums
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+
+KEEP = 16  # of 32 experts; >= top-8 and two experts per group of the 8 DeepSeek groups
+CLOSE = dict(rtol=1e-4, atol=1e-4)  # fp32 logits of size ~1; another TP/EP reorders sums
 
 # (case id, source format, convert options, layout megatron-core loads the proxy at); the fixture
 # is the id's first part
 CASES = [
     # layout "Ettt|tt|m|L" (VPP 2, standalone MTP) -> a plain PP 2 split (--target-vpp 1) with 3 + 2
     # layers, MTP on the last stage
-    ("deepseek_v3_mla-legacy", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1", "--target-vpp", "1"],
-     StagedLayout(tp=2, pp=2, ep=1, first_stage_layers=3)),
+    (
+        "deepseek_v3_mla-legacy",
+        "legacy",
+        ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1", "--target-vpp", "1"],
+        StagedLayout(tp=2, pp=2, ep=1, first_stage_layers=3),
+    ),
     # -> another layout string: VPP 2, the MTP layer beside the loss on (pp 1, vp 1), so the final
     # norm sits on (pp 0, vp 1) with the last decoder layer and pp 1 holds an embedding copy
-    ("deepseek_v3_mla-legacy-layout", "legacy",
-     ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1", "--target-pipeline-layout", "Et|tt|tt|mL"],
-     StagedLayout(tp=1, pp=2, ep=1, pipeline_layout="Et|tt|tt|mL")),
-    ("deepseek_v3_mla-torch_dist", "torch_dist", ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
-     StagedLayout(tp=1, pp=1, ep=2)),
+    (
+        "deepseek_v3_mla-legacy-layout",
+        "legacy",
+        ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1", "--target-pipeline-layout", "Et|tt|tt|mL"],
+        StagedLayout(tp=1, pp=2, ep=1, pipeline_layout="Et|tt|tt|mL"),
+    ),
+    (
+        "deepseek_v3_mla-torch_dist",
+        "torch_dist",
+        ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
+        StagedLayout(tp=1, pp=1, ep=2),
+    ),
     # -> a layout string with a stage of the embedding alone (no decoder layer on pp 0, vp 0)
-    ("deepseek_v3_mla-torch_dist-layout", "torch_dist",
-     ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2", "--target-pipeline-layout", "E|ttttt|m|L"],
-     StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="E|ttttt|m|L")),
-    ("qwen3_moe-legacy", "legacy", ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1"],
-     StagedLayout(tp=1, pp=2, ep=1, grouped=True)),
-    ("qwen3_moe-torch_dist", "torch_dist", ["--target-tp", "2", "--target-pp", "1", "--target-ep", "1"],
-     StagedLayout(tp=2, pp=1, ep=1, grouped=True)),
+    (
+        "deepseek_v3_mla-torch_dist-layout",
+        "torch_dist",
+        ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2", "--target-pipeline-layout", "E|ttttt|m|L"],
+        StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="E|ttttt|m|L"),
+    ),
+    (
+        "qwen3_moe-legacy",
+        "legacy",
+        ["--target-tp", "1", "--target-pp", "2", "--target-ep", "1"],
+        StagedLayout(tp=1, pp=2, ep=1, grouped=True),
+    ),
+    (
+        "qwen3_moe-torch_dist",
+        "torch_dist",
+        ["--target-tp", "2", "--target-pp", "1", "--target-ep", "1"],
+        StagedLayout(tp=2, pp=1, ep=1, grouped=True),
+    ),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -73,13 +102,31 @@ def pipeline(family_ckpt, tmp_path_factory, digest):
     tmp = tmp_path_factory.mktemp("family-pipeline")
     deepseek = family_ckpt["deepseek_v3_mla"]
     traces = [tmp / "trace-saved", tmp / "trace-tp1"]
-    load_and_run([(deepseek.model, deepseek.layout, "legacy", deepseek.legacy, tmp / "t0.pt"),
-                  (deepseek.model, StagedLayout(ep=4), "torch_dist", deepseek.torch_dist, tmp / "t1.pt")],
-                 trace_dirs=traces)
+    load_and_run(
+        [
+            (deepseek.model, deepseek.layout, "legacy", deepseek.legacy, tmp / "t0.pt"),
+            (deepseek.model, StagedLayout(ep=4), "torch_dist", deepseek.torch_dist, tmp / "t1.pt"),
+        ],
+        trace_dirs=traces,
+    )
     for trace in traces:
         assert main(["stats", "merge", str(trace)]) == 0
-    assert main(["select", "--ckpt", str(deepseek.legacy), "--stats", str(traces[0] / "routing_stats.safetensors"),
-                 "-k", str(KEEP), "-o", str(tmp / "deepseek_v3_mla.json")]) == 0
+    assert (
+        main(
+            [
+                "select",
+                "--ckpt",
+                str(deepseek.legacy),
+                "--stats",
+                str(traces[0] / "routing_stats.safetensors"),
+                "-k",
+                str(KEEP),
+                "-o",
+                str(tmp / "deepseek_v3_mla.json"),
+            ]
+        )
+        == 0
+    )
     plans, proxies, jobs, keeps = {"deepseek_v3_mla": load_plan(tmp / "deepseek_v3_mla.json")}, {}, [], []
     plans["qwen3_moe"] = make_plan(family_ckpt["qwen3_moe"].legacy, KEEP, tmp / "qwen3_moe.json", target_ep=1)
     for name in ("deepseek_v3_mla", "qwen3_moe"):
@@ -131,12 +178,15 @@ def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
 
 def _chunk_keys(state: dict) -> dict[str, list[str]]:
     """model chunk key -> its tensor names without `_extra_state` (first three name parts)."""
-    return {k: sorted({".".join(n.split(".")[:3]) for n in v if not n.endswith("_extra_state")})
-            for k, v in state.items() if k.startswith("model")}
+    return {
+        k: sorted({".".join(n.split(".")[:3]) for n in v if not n.endswith("_extra_state")})
+        for k, v in state.items()
+        if k.startswith("model")
+    }
 
 
 def test_the_written_layout_string_is_what_megatron_core_builds(family_ckpt, pipeline, capsys):
-    """"Et|tt|tt|mL" at PP 2: each rank file holds model0 and model1 with local layer numbers, the
+    """ "Et|tt|tt|mL" at PP 2: each rank file holds model0 and model1 with local layer numbers, the
     embedding on the first chunk and again beside the MTP layer, the final norm with the last
     decoder layer (MTP is on), the output layer on the last chunk; the args are Megatron-LM's for
     that flag (raw string, VPP 2, no stage sizes) and so are the launch flags and inspect."""
@@ -149,10 +199,12 @@ def test_the_written_layout_string_is_what_megatron_core_builds(family_ckpt, pip
     assert sorted(files) == ["mp_rank_00_000", "mp_rank_00_001"]
     assert _chunk_keys(files["mp_rank_00_000"]) == {
         "model0": ["decoder.layers.0", "embedding.word_embeddings.weight"],
-        "model1": ["decoder.final_layernorm.weight", "decoder.layers.0", "decoder.layers.1"]}
+        "model1": ["decoder.final_layernorm.weight", "decoder.layers.0", "decoder.layers.1"],
+    }
     assert _chunk_keys(files["mp_rank_00_001"]) == {
         "model0": ["decoder.layers.0", "decoder.layers.1"],
-        "model1": ["embedding.word_embeddings.weight", "mtp.layers.0", "output_layer.weight"]}
+        "model1": ["embedding.word_embeddings.weight", "mtp.layers.0", "output_layer.weight"],
+    }
     for state in files.values():
         args = state["args"]
         assert (args.pipeline_model_parallel_layout, args.virtual_pipeline_model_parallel_size) == ("Et|tt|tt|mL", 2)
@@ -161,8 +213,23 @@ def test_the_written_layout_string_is_what_megatron_core_builds(family_ckpt, pip
     view = open_checkpoint(out)
     assert (view.layout.vpp, view.layout.stage_layers) == (2, (3, 2))
     # the launch flags set the string (quoted for the shell) and ask to drop nothing about stages
-    assert main(["convert", str(family_ckpt["deepseek_v3_mla"].legacy), "-o", str(out.parent / "dry"), "--dry-run",
-                 "--target-pp", "2", "--target-pipeline-layout", "Et|tt|tt|mL", "--json"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(family_ckpt["deepseek_v3_mla"].legacy),
+                "-o",
+                str(out.parent / "dry"),
+                "--dry-run",
+                "--target-pp",
+                "2",
+                "--target-pipeline-layout",
+                "Et|tt|tt|mL",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert "--pipeline-model-parallel-layout 'Et|tt|tt|mL'" in doc["launch_flags"]
     assert doc["target"]["vpp"] == 2 and doc["target"]["pipeline_layout"] == "Et|tt|tt|mL"
@@ -188,8 +255,11 @@ def test_the_source_layout_is_kept_by_default(family_ckpt, pipeline, capsys):
 
 
 BAD_LAYOUTS = [
-    (["--target-pipeline-layout", "Et|tt|m|L"], "--target-pipeline-layout: pipeline layout 'Et|tt|m|L': it has 3 "
-     "decoder layers (t), the model has 5; fix the layout string"),
+    (
+        ["--target-pipeline-layout", "Et|tt|m|L"],
+        "--target-pipeline-layout: pipeline layout 'Et|tt|m|L': it has 3 "
+        "decoder layers (t), the model has 5; fix the layout string",
+    ),
     (["--target-pipeline-layout", "Ettt|ttL"], "it has 0 MTP layers (m), the model has 1"),
     (["--target-pipeline-layout", "Ettt|ttm|L"], "has 3 stages, not a multiple of PP=2"),
     (["--target-pipeline-layout", "Ettt|tx|m|L"], "stage 1 ('tx') has 'x'"),
@@ -221,8 +291,21 @@ def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
         assert "grouped-query attention, local layer spec" in shown
     # DeepSeek: the proxy written with another layout string (VPP 2)
     proxy = proxies[f"{name}-legacy-layout" if name == "deepseek_v3_mla" else f"{name}-legacy"]
-    assert main(["verify", "--orig", str(ckpt.legacy), "--proxy", str(proxy),
-                 "--plan", str(Path(proxy).parent / f"{name}.json"), "--functional"]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "--orig",
+                str(ckpt.legacy),
+                "--proxy",
+                str(proxy),
+                "--plan",
+                str(Path(proxy).parent / f"{name}.json"),
+                "--functional",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "verify: OK" in text and "functional: max |logit difference|" in text
     assert load_plan(Path(proxies[f"{name}-legacy"]).parent / f"{name}.json").num_experts == KEEP

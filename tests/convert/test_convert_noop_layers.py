@@ -8,6 +8,7 @@ Derived: MindSpeed cannot be installed. The source is the megatron-core `seq_tp2
 by removing its noop layers and renumbering (`remove_noop_layers`); a noop layer is the identity, so
 the model without it computes the same. megatron-core loads the mapped-back proxy strictly and its
 logits equal the original fixture's with routers restricted to the kept experts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,12 +25,11 @@ from mcore_proxy.testing.dist_ckpt import iteration_dir
 from mcore_proxy.testing.fixtures import FIXTURES
 from mcore_proxy.testing.noop_layers import derive_noop_checkpoint, remove_noop_layers
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 NOOP = {2, 5}
-REAL = [0, 1, 3, 4]          # global ids of the original layers 0..3 in the derived checkpoint
-KEEP = 4                     # of 8 experts
+REAL = [0, 1, 3, 4]  # global ids of the original layers 0..3 in the derived checkpoint
+KEEP = 4  # of 8 experts
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 # (convert options, local layer indices each target stage's files hold, layout megatron-core runs
@@ -39,8 +39,11 @@ CASES = [
     (["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"], {0: {0, 1, 3, 4}}, Layout(ep=2)),
     # PP 3 over 6 layers (noop counted): stages 0-1 | 2-3 | 4-5; stage 1 has a gap at local 0,
     # stage 2 at local 1, so the real layers split 2 + 1 + 1
-    (["--target-tp", "1", "--target-pp", "3", "--target-ep", "1"], {0: {0, 1}, 1: {1}, 2: {0}},
-     Layout(pp=3, first_stage_layers=2)),
+    (
+        ["--target-tp", "1", "--target-pp", "3", "--target-ep", "1"],
+        {0: {0, 1}, 1: {1}, 2: {0}},
+        Layout(pp=3, first_stage_layers=2),
+    ),
 ]
 
 
@@ -83,8 +86,9 @@ def test_reader_sees_the_noop_layers(noop_source, capsys):
 
 
 @pytest.mark.parametrize("options,stage_locals,run_layout", CASES, ids=["pp1-ep2", "pp3"])
-def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, restricted_original, tmp_path, capsys,
-                                                                digest, options, stage_locals, run_layout):
+def test_proxy_keeps_noop_layers_and_equals_restricted_original(
+    noop_source, restricted_original, tmp_path, capsys, digest, options, stage_locals, run_layout
+):
     _, derived, plan_path, plan, full_logits = noop_source
     before = digest(derived)
     proxy = tmp_path / "proxy"
@@ -94,7 +98,7 @@ def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, res
     # what MindSpeed loads: its args, and the gaps where the target stage split puts the noop layers
     seen: dict[int, set[int]] = {}
     for f in sorted(iteration_dir(proxy).glob("mp_rank_*/model_optim_rng.pt")):
-        obj = torch.load(f, map_location="cpu", weights_only=False)   # our own output
+        obj = torch.load(f, map_location="cpu", weights_only=False)  # our own output
         assert obj["args"].num_layers == 6 and obj["args"].noop_layers == NOOP
         parts = f.parent.name.split("_")
         stage = int(parts[3]) if len(stage_locals) > 1 else 0
@@ -106,7 +110,7 @@ def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, res
     assert main(verify) == 0
     capsys.readouterr()
     assert main([*verify, "--functional"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]   # after the bit-for-bit progress bar
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the bit-for-bit progress bar
     assert err.startswith("mcore-proxy verify: error:") and "noop layers [2, 5]" in err, err
     assert "leave out --functional" in err, err
 
@@ -119,15 +123,35 @@ def test_proxy_keeps_noop_layers_and_equals_restricted_original(noop_source, res
     assert (torch.load(full_logits) - restricted_original).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("target,named", [
-    (["--format", "torch_dist", "--target-pp", "1"], "--format legacy"),
-    (["--target-pp", "3", "--target-vpp", "2"], "--target-vpp"),
-], ids=["other-format", "virtual-stages"])
+@pytest.mark.parametrize(
+    "target,named",
+    [
+        (["--format", "torch_dist", "--target-pp", "1"], "--format legacy"),
+        (["--target-pp", "3", "--target-vpp", "2"], "--target-vpp"),
+    ],
+    ids=["other-format", "virtual-stages"],
+)
 def test_noop_layers_refused_where_not_written(noop_source, tmp_path, capsys, target, named):
     _, derived, plan_path, _, _ = noop_source
     out = tmp_path / "proxy"
-    assert main(["convert", str(derived), "--plan", str(plan_path), "-o", str(out), *target,
-                 "--target-tp", "1", "--target-ep", "1"]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                str(derived),
+                "--plan",
+                str(plan_path),
+                "-o",
+                str(out),
+                *target,
+                "--target-tp",
+                "1",
+                "--target-ep",
+                "1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "noop layers [2, 5]" in err and named in err, err
     assert not out.exists()

@@ -1,4 +1,5 @@
 """Exit codes mean one thing each, `--dry-run` runs every check, older args verify functionally."""
+
 from __future__ import annotations
 
 import shutil
@@ -10,14 +11,19 @@ from mcore_proxy.cli import main
 
 FIXTURE = "seq_tp2_pp2_ep2"
 # fields older Megatron versions did not save (issue 16): Megatron's defaults stand in for them
-OLDER_MEGATRON_LACKS = ("moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias",
-                        "moe_router_num_groups", "moe_router_group_topk")
+OLDER_MEGATRON_LACKS = (
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+)
 
 
 def edited_copy(ckpt, dst, edit):
     shutil.copytree(ckpt, dst)
     for f in sorted(dst.rglob("model_optim_rng.pt")):
-        state = torch.load(f, weights_only=False)   # trusted: the test's own fixture
+        state = torch.load(f, weights_only=False)  # trusted: the test's own fixture
         edit(state["args"])
         torch.save(state, f)
     return dst
@@ -54,7 +60,7 @@ def test_an_absent_field_without_a_default_is_one_sentence(megatron_ckpt, proxy_
     no_heads = edited_copy(ckpt, tmp_path / "no_heads", lambda a: delattr(a, "num_attention_heads"))
     code, _, err = run(capsys, "verify", "--orig", no_heads, "--proxy", out, "--plan", plan_path, "--functional")
     assert code == 2
-    lines = [line for line in err.splitlines() if line.startswith("mcore-proxy ")]   # tqdm drew bars before
+    lines = [line for line in err.splitlines() if line.startswith("mcore-proxy ")]  # tqdm drew bars before
     assert len(lines) == 1 and "Traceback" not in err
     assert "lack num_attention_heads, which has no safe default" in lines[0] and "no_heads" in lines[0]
 

@@ -1,6 +1,7 @@
 """`convert --force` replaces an earlier output only once the new one is complete (a forced run that
 fails, by a real signal or a real file-size limit, leaves the old output as it was), refuses what
 it must not replace; and a moved proxy's manifest still verifies and names no place."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,10 @@ def convert(capsys, ckpt, plan, out, *extra) -> tuple[int, str]:
 
 def verify_ok(capsys, ckpt, plan, out) -> bool:
     capsys.readouterr()
-    return main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan)]) == 0 and \
-        "verify: OK" in capsys.readouterr().out
+    return (
+        main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan)]) == 0
+        and "verify: OK" in capsys.readouterr().out
+    )
 
 
 @pytest.fixture
@@ -53,9 +56,9 @@ def test_force_replaces_an_earlier_output(earlier, tmp_path, capsys):
     assert convert(capsys, ckpt, plan, out, "--target-ep", "1", "--force")[0] == 0
     after = manifest(out)
     assert before["target"]["ep"] == 2 and after["target"]["ep"] == 1
-    assert not (out / "iter_0000010" / "mp_rank_00_000_001").exists()   # nothing of the old one mixed in
+    assert not (out / "iter_0000010" / "mp_rank_00_000_001").exists()  # nothing of the old one mixed in
     assert verify_ok(capsys, ckpt, plan, out)
-    assert [p.name for p in tmp_path.iterdir()] == ["proxy"]   # no staging folder, old copy or lock left
+    assert [p.name for p in tmp_path.iterdir()] == ["proxy"]  # no staging folder, old copy or lock left
 
 
 def test_force_replaces_an_empty_folder(megatron_ckpt, proxy_plan, tmp_path, capsys):
@@ -94,9 +97,28 @@ def test_force_refuses_what_it_must_not_replace(megatron_ckpt, proxy_plan, tmp_p
 
 
 def _start(ckpt, plan, out, *extra, env=None, **kwargs):
-    return subprocess.Popen([sys.executable, "-m", "mcore_proxy.cli", "convert", str(ckpt), "--plan", str(plan),
-                             "-o", str(out), "--target-ep", "1", "--force", *extra], env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mcore_proxy.cli",
+            "convert",
+            str(ckpt),
+            "--plan",
+            str(plan),
+            "-o",
+            str(out),
+            "--target-ep",
+            "1",
+            "--force",
+            *extra,
+        ],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def _assert_untouched(capsys, ckpt, plan, out, before, tmp_path):
@@ -110,11 +132,11 @@ def test_a_forced_run_stopped_by_a_signal_leaves_the_old_output(earlier, tmp_pat
     hold = tmp_path.parent / f"{tmp_path.name}-held"
     proc = _start(ckpt, plan, out, env={"MCORE_PROXY_TEST_HOLD": "manifest", "MCORE_PROXY_TEST_HOLD_FILE": str(hold)})
     deadline = time.time() + 180
-    while not hold.exists():   # held after the new output's data files and manifest are written
+    while not hold.exists():  # held after the new output's data files and manifest are written
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         assert time.time() < deadline, "never reached the hold point"
         time.sleep(0.1)
-    assert [p for p in tmp_path.iterdir() if ".mcore-proxy-staging-" in p.name]   # the new one, beside the old
+    assert [p for p in tmp_path.iterdir() if ".mcore-proxy-staging-" in p.name]  # the new one, beside the old
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     hold.unlink()
@@ -129,8 +151,9 @@ def test_a_forced_run_that_fails_to_write_leaves_the_old_output(earlier, tmp_pat
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (48 << 10, 48 << 10))
 
-    proc = _start(ckpt, plan, out, "--target-tp", "1", "--target-pp", "1", env={"PYTHONDONTWRITEBYTECODE": "1"},
-                  preexec_fn=limit)
+    proc = _start(
+        ckpt, plan, out, "--target-tp", "1", "--target-pp", "1", env={"PYTHONDONTWRITEBYTECODE": "1"}, preexec_fn=limit
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "file-size limit" in err, err
     _assert_untouched(capsys, ckpt, plan, out, before, tmp_path)
@@ -149,8 +172,9 @@ def _strings(value):
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_a_moved_proxy_verifies_and_its_manifest_names_no_place(megatron_ckpt, proxy_plan, tmp_path, monkeypatch,
-                                                                 capsys, fmt):
+def test_a_moved_proxy_verifies_and_its_manifest_names_no_place(
+    megatron_ckpt, proxy_plan, tmp_path, monkeypatch, capsys, fmt
+):
     ckpt, _ = megatron_ckpt(FIXTURE)
     plan, _ = proxy_plan(FIXTURE)
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,6 @@
 """Backbone: the proxy loaded by megatron-core computes what the original computes when its
 routers may only choose the kept experts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,12 @@ def restricted_reference(megatron_ckpt, fixture, plan, tmp_path_factory):
     return _refs[fixture]
 
 
-@pytest.mark.parametrize("fixture,options,run_layout,fmt", CASES,
-                         ids=[f"{c[0]}-{c[3]}-{'_'.join(c[1][1::2])}" for c in CASES])
-def test_proxy_equals_restricted_original(megatron_ckpt, proxy_plan, tmp_path, tmp_path_factory, digest,
-                                          fixture, options, run_layout, fmt):
+@pytest.mark.parametrize(
+    "fixture,options,run_layout,fmt", CASES, ids=[f"{c[0]}-{c[3]}-{'_'.join(c[1][1::2])}" for c in CASES]
+)
+def test_proxy_equals_restricted_original(
+    megatron_ckpt, proxy_plan, tmp_path, tmp_path_factory, digest, fixture, options, run_layout, fmt
+):
     ckpt, full_logits = megatron_ckpt(fixture)
     plan_path, plan = proxy_plan(fixture)
     before = digest(ckpt)

@@ -2,6 +2,7 @@
 
 Each payload, if it ever ran, would create a marker file; every test asserts it does not exist.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ def copy_of(megatron_ckpt, tmp_path):
         dst = tmp_path / "ckpt"
         shutil.copytree(ckpt, dst)
         return dst
+
     return make
 
 
@@ -61,8 +63,11 @@ def test_layer_pattern_string_is_never_evaluated(copy_of, proxy_plan, tmp_path, 
     edit_rank_files(ckpt, lambda s: setattr(s["args"], "moe_layer_freq", eval_escape(marker)))
     plan_path, _ = proxy_plan(FIXTURE)
     before = digest(ckpt)
-    for argv in (["inspect", ckpt], ["convert", ckpt, "--plan", plan_path, "-o", tmp_path / "out"],
-                 ["verify", "--orig", ckpt, "--proxy", ckpt, "--plan", plan_path]):
+    for argv in (
+        ["inspect", ckpt],
+        ["convert", ckpt, "--plan", plan_path, "-o", tmp_path / "out"],
+        ["verify", "--orig", ckpt, "--proxy", ckpt, "--plan", plan_path],
+    ):
         code, _, err = run(capsys, *argv)
         assert code == 2, err
         assert "is not a layer pattern" in err and "moe_layer_freq" in err and len(err.strip().splitlines()) == 1
@@ -86,7 +91,7 @@ def test_pickled_call_in_args_is_dropped_and_the_proxy_runs_nothing(copy_of, pro
     for f in rank_files(out):
         raw = f.read_bytes()
         assert b"system" not in raw and b"posix" not in raw
-        state = torch.load(f, weights_only=False)   # as Megatron loads it
+        state = torch.load(f, weights_only=False)  # as Megatron loads it
         assert not hasattr(state["args"], "post_load_hook")
     code, text, err = run(capsys, "verify", "--orig", ckpt, "--proxy", out, "--plan", plan_path)
     assert code == 0, err

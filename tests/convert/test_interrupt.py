@@ -5,6 +5,7 @@ converter, a second converter on the same output is refused.
 The converter is held at a phase by its fault-injection point (`pipeline.hold`: it writes its pid
 to a file and sleeps), so each signal arrives at a known moment.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,13 @@ FIXTURE = "seq_tp2_pp2_ep2"
 
 def start(ckpt, out, hold_file, phase, *options):
     env = {**os.environ, "MCORE_PROXY_TEST_HOLD": phase, "MCORE_PROXY_TEST_HOLD_FILE": str(hold_file)}
-    return subprocess.Popen([sys.executable, "-m", "mcore_proxy.cli", "convert", str(ckpt), "-o", str(out),
-                             "--target-ep", "1", *options], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mcore_proxy.cli", "convert", str(ckpt), "-o", str(out), "--target-ep", "1", *options],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_held(proc, hold_file, timeout=180):
@@ -53,19 +58,20 @@ def leftovers(folder):
 
 
 # SIGTERM at both phases with 1 and 2 writers; SIGINT and SIGHUP take the same path: one case each
-SIGNAL_CASES = [(signal.SIGTERM, w, p) for p in ("write", "manifest") for w in (1, 2)] + \
-    [(signal.SIGINT, 1, "write"), (signal.SIGHUP, 2, "write")]
+SIGNAL_CASES = [(signal.SIGTERM, w, p) for p in ("write", "manifest") for w in (1, 2)] + [
+    (signal.SIGINT, 1, "write"),
+    (signal.SIGHUP, 2, "write"),
+]
 
 
-@pytest.mark.parametrize("sig,workers,phase", SIGNAL_CASES,
-                         ids=[f"{s.name}-{w}-{p}" for s, w, p in SIGNAL_CASES])
+@pytest.mark.parametrize("sig,workers,phase", SIGNAL_CASES, ids=[f"{s.name}-{w}-{p}" for s, w, p in SIGNAL_CASES])
 def test_signal_stops_everything_and_removes_the_staging_folder(megatron_ckpt, tmp_path, workers, phase, sig):
     ckpt, _ = megatron_ckpt(FIXTURE)
     out, hold_file = tmp_path / "proxy", tmp_path / "held"
     proc = start(ckpt, out, hold_file, phase, "--workers", str(workers))
     wait_held(proc, hold_file)
     children = descendants(proc.pid)
-    if phase == "write" and workers > 1:    # both writers are alive, held after their files
+    if phase == "write" and workers > 1:  # both writers are alive, held after their files
         assert len([c for c in children if "python" in c.name()]) >= workers
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -87,12 +93,12 @@ def test_kill_9_leaves_only_a_staging_folder_and_the_rerun_succeeds(megatron_ckp
     children = descendants(proc.pid)
     proc.kill()
     proc.communicate(timeout=60)
-    assert_all_gone(children)                          # workers die with their parent
+    assert_all_gone(children)  # workers die with their parent
     assert not out.exists()
     staging = [tmp_path / n for n in leftovers(tmp_path) if ".mcore-proxy-staging-" in n]
     assert len(staging) == 1
     files = {p.relative_to(staging[0]).as_posix() for p in staging[0].rglob("*") if p.is_file()}
-    assert "latest_checkpointed_iteration.txt" not in files          # the tracker is the very last file
+    assert "latest_checkpointed_iteration.txt" not in files  # the tracker is the very last file
     assert ("manifest.json" in files) == (phase == "manifest")
     for command in (["inspect", staging[0]], ["convert", staging[0], "-o", tmp_path / "other"]):
         capsys.readouterr()
@@ -126,10 +132,29 @@ def test_sigterm_to_torchrun_stops_every_rank(megatron_ckpt, tmp_path):
     ckpt, _ = megatron_ckpt(FIXTURE)
     out, hold_file = tmp_path / "proxy", tmp_path / "held"
     env = {**os.environ, "MCORE_PROXY_TEST_HOLD": "write", "MCORE_PROXY_TEST_HOLD_FILE": str(hold_file)}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), "-m", "mcore_proxy.cli", "convert", str(ckpt),
-                             "-o", str(out), "--target-ep", "2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "mcore_proxy.cli",
+            "convert",
+            str(ckpt),
+            "-o",
+            str(out),
+            "--target-ep",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_held(proc, hold_file)
     ranks = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)

@@ -20,6 +20,7 @@ state (legacy: one per grouped linear; torch_dist: one object per kept expert, r
 copy other extra states byte for byte, carry torch_dist per-expert states renumbered; and each
 proxy, mapped back by the inverse mapping, loads strictly into megatron-core and computes the
 original's logits with its routers restricted to the kept experts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,7 @@ from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.cli import main
 from mcore_proxy.testing.families import StagedLayout, iteration_dir, load_and_run
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 NAME, KEEP = "qwen3_moe_hf", 16
 CLOSE = dict(rtol=1e-4, atol=1e-4)
@@ -58,10 +58,14 @@ class Tripwire:
 
 def fp8_state(marker, gemms: int, tag: str) -> torch.Tensor:
     """An extra state as TE's `get_extra_state` stores FP8 delayed scaling for `gemms` GEMMs."""
-    state = {"recipe": Tripwire(str(marker)), "scale_fwd": torch.ones(3 * gemms),
-             "amax_history_fwd": torch.zeros(4, 3 * gemms), "scale_bwd": torch.ones(2 * gemms),
-             "amax_history_bwd": torch.zeros(4, 2 * gemms),
-             "extra_fp8_variables": {"num_gemms": gemms, "fp8_checkpoint": True, "tag": tag}}
+    state = {
+        "recipe": Tripwire(str(marker)),
+        "scale_fwd": torch.ones(3 * gemms),
+        "amax_history_fwd": torch.zeros(4, 3 * gemms),
+        "scale_bwd": torch.ones(2 * gemms),
+        "amax_history_bwd": torch.zeros(4, 2 * gemms),
+        "extra_fp8_variables": {"num_gemms": gemms, "fp8_checkpoint": True, "tag": tag},
+    }
     return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
 
@@ -83,7 +87,7 @@ def to_te(model: dict, local: int, marker) -> dict:
         out[key] = value
     for (prefix, fc), w in sorted(grouped.items()):
         hidden = w.shape[0] if fc == "1" else w.shape[1]
-        per = w.view(local, hidden, -1) if fc == "1" else w.view(local, -1, hidden)   # megatron's views
+        per = w.view(local, hidden, -1) if fc == "1" else w.view(local, -1, hidden)  # megatron's views
         for j in range(local):
             out[f"{prefix}.mlp.experts.linear_fc{fc}.weight{j}"] = per[j].t().contiguous()
         out[f"{prefix}.mlp.experts.linear_fc{fc}._extra_state"] = fp8_state(marker, local, f"{prefix} fc{fc}")
@@ -104,10 +108,11 @@ def from_te(model: dict) -> dict:
         key = key.replace(".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight")
         out[key] = None if key.endswith("._extra_state") else value
     for (prefix, fc), per in experts.items():
-        stacked = torch.stack([per[j].t() for j in range(len(per))])      # [El, H, 2F] / [El, F, H]
+        stacked = torch.stack([per[j].t() for j in range(len(per))])  # [El, H, 2F] / [El, F, H]
         # weight1 [H, El*2F] holds memory [El][H][2F], weight2 [El*F, H] memory [El][F][H]
-        out[f"{prefix}.weight{fc}"] = stacked.reshape(stacked.shape[1], -1) if fc == "1" else \
-            stacked.reshape(-1, stacked.shape[2])
+        out[f"{prefix}.weight{fc}"] = (
+            stacked.reshape(stacked.shape[1], -1) if fc == "1" else stacked.reshape(-1, stacked.shape[2])
+        )
     return out
 
 
@@ -164,25 +169,38 @@ def test_the_reader_infers_te_and_reads_the_original_tensors(te_copy):
         torch.testing.assert_close(te_view.get(_te_name(name, dense)), local_view.get(name), rtol=0, atol=0)
     extra = sorted(n for n in names if n.endswith("._extra_state"))
     experts = [n for n in extra if ".mlp.experts." in n]
-    assert len(experts) == 3 * 32 * 2      # 3 MoE layers x 32 experts x (fc1, fc2): one per expert
+    assert len(experts) == 3 * 32 * 2  # 3 MoE layers x 32 experts x (fc1, fc2): one per expert
     assert all(te_view.get(n).dtype == torch.uint8 and te_view.get(n).numel() == 0 for n in experts)  # reset
     qkv = te_view.get("decoder.layers.2.self_attention.linear_qkv._extra_state")
     # opaque bytes, as TP rank 0 stored them (pickles of equal states differ in torch's serialization id)
-    stored = torch.load(iteration_dir(te) / "mp_rank_00_001_000" / "model_optim_rng.pt", map_location="cpu",
-                        weights_only=False)["model"]
+    stored = torch.load(
+        iteration_dir(te) / "mp_rank_00_001_000" / "model_optim_rng.pt", map_location="cpu", weights_only=False
+    )["model"]
     assert torch.equal(qkv, stored["decoder.layers.0.self_attention.linear_qkv._extra_state"])
     assert not marker.exists()
 
 
 # (case, source, convert options, format megatron-core loads, layout it loads at)
 CASES = [
-    ("legacy-tp1-pp1-ep2", "legacy", ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
-     StagedLayout(ep=2, grouped=True)),
-    ("torch_dist-tp2-pp2", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1",
-                                      "--format", "torch_dist"], StagedLayout(tp=2, pp=2, grouped=True)),
+    (
+        "legacy-tp1-pp1-ep2",
+        "legacy",
+        ["--target-tp", "1", "--target-pp", "1", "--target-ep", "2"],
+        StagedLayout(ep=2, grouped=True),
+    ),
+    (
+        "torch_dist-tp2-pp2",
+        "legacy",
+        ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1", "--format", "torch_dist"],
+        StagedLayout(tp=2, pp=2, grouped=True),
+    ),
     # the legacy GroupedMLP (weight1/weight2) from TE: args say moe_use_legacy_grouped_gemm
-    ("legacy-grouped-pp2", "legacy", ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1",
-                                      "--expert-layout", "grouped"], StagedLayout(tp=2, pp=2, grouped=True)),
+    (
+        "legacy-grouped-pp2",
+        "legacy",
+        ["--target-tp", "2", "--target-pp", "2", "--target-ep", "1", "--expert-layout", "grouped"],
+        StagedLayout(tp=2, pp=2, grouped=True),
+    ),
 ]
 
 
@@ -202,8 +220,25 @@ def converted(te_copy, tmp_path_factory, planted_plan):
         loadable = tmp / case
         if "torch_dist" in options:
             loadable = tmp / f"{case}-legacy"
-            assert main(["convert", str(tmp / case), "-o", str(loadable), "--format", "legacy", "--target-tp", "1",
-                         "--target-pp", "2", "--target-ep", "1"]) == 0
+            assert (
+                main(
+                    [
+                        "convert",
+                        str(tmp / case),
+                        "-o",
+                        str(loadable),
+                        "--format",
+                        "legacy",
+                        "--target-tp",
+                        "1",
+                        "--target-pp",
+                        "2",
+                        "--target-ep",
+                        "1",
+                    ]
+                )
+                == 0
+            )
             layout = StagedLayout(pp=2, grouped=True)
         mapped = tmp / f"{case}-mapped"
         shutil.copytree(loadable, mapped)
@@ -217,14 +252,15 @@ def converted(te_copy, tmp_path_factory, planted_plan):
 def test_te_proxies_map_back_load_and_equal_the_restricted_original(family_ckpt, converted, case):
     _, _, _, got, want = converted
     torch.testing.assert_close(got[case], want, **CLOSE)
-    assert (torch.load(family_ckpt[NAME].logits) - want).abs().max() > 1e-3   # the restriction matters
+    assert (torch.load(family_ckpt[NAME].logits) - want).abs().max() > 1e-3  # the restriction matters
 
 
 def test_legacy_te_proxy_keys_and_extra_states(te_copy, converted):
     _, te, _ = te_copy
     _, _, out, _, _ = converted
-    source = torch.load(iteration_dir(te) / "mp_rank_00_000_000" / "model_optim_rng.pt", map_location="cpu",
-                        weights_only=False)["model"]
+    source = torch.load(
+        iteration_dir(te) / "mp_rank_00_000_000" / "model_optim_rng.pt", map_location="cpu", weights_only=False
+    )["model"]
     for f in _rank_files(out["legacy-tp1-pp1-ep2"]):
         model = torch.load(f, map_location="cpu", weights_only=False)["model"]
         assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in model
@@ -232,14 +268,17 @@ def test_legacy_te_proxy_keys_and_extra_states(te_copy, converted):
         assert "decoder.layers.1.pre_mlp_layernorm.weight" in model and not any("input_layernorm" in k for k in model)
         for layer in (1, 2, 3):
             prefix = f"decoder.layers.{layer}.mlp.experts"
-            assert sorted(k for k in model if k.startswith(prefix + ".linear_fc1.weight")) == \
-                sorted(f"{prefix}.linear_fc1.weight{j}" for j in range(KEEP // 2))
+            assert sorted(k for k in model if k.startswith(prefix + ".linear_fc1.weight")) == sorted(
+                f"{prefix}.linear_fc1.weight{j}" for j in range(KEEP // 2)
+            )
             for fc in (1, 2):
                 state = model[f"{prefix}.linear_fc{fc}._extra_state"]
-                assert state.dtype == torch.uint8 and state.numel() == 0     # reset: TE's "no FP8 state"
+                assert state.dtype == torch.uint8 and state.numel() == 0  # reset: TE's "no FP8 state"
         # non-expert TE states: byte for byte the source's (pp 0's local layer 0 is global layer 0)
-        assert torch.equal(model["decoder.layers.0.self_attention.linear_qkv._extra_state"],
-                           source["decoder.layers.0.self_attention.linear_qkv._extra_state"])
+        assert torch.equal(
+            model["decoder.layers.0.self_attention.linear_qkv._extra_state"],
+            source["decoder.layers.0.self_attention.linear_qkv._extra_state"],
+        )
         assert model["output_layer._extra_state"] is None
 
 
@@ -254,7 +293,7 @@ def test_torch_dist_te_proxy_has_one_object_per_kept_expert(converted):
             objects = sorted(k for k in keys if k.startswith(key + "/"))
             assert objects == sorted(f"{key}/shard_{e}_{KEEP}" for e in range(KEEP))
             assert all(type(keys[k]).__name__ == "BytesStorageMetadata" for k in objects)
-            assert key not in keys                                  # never a ShardedTensor
+            assert key not in keys  # never a ShardedTensor
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys
     assert "decoder.layers.0.self_attention.linear_qkv._extra_state/shard_0_1" in keys
     view = open_checkpoint(out["torch_dist-tp2-pp2"])
@@ -287,8 +326,9 @@ class PerExpertStates(ModelView):
 def test_torch_dist_per_expert_states_follow_their_expert(te_copy, converted, tmp_path):
     _, te, marker = te_copy
     plan, plan_path, _, _, _ = converted
-    src = write_checkpoint(PerExpertStates(open_checkpoint(te), marker), tmp_path / "src", fmt="torch_dist",
-                           progress=False)
+    src = write_checkpoint(
+        PerExpertStates(open_checkpoint(te), marker), tmp_path / "src", fmt="torch_dist", progress=False
+    )
     assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(tmp_path / "out")]) == 0
     view, source = open_checkpoint(tmp_path / "out"), open_checkpoint(src)
     for layer in (1, 2, 3):
@@ -305,7 +345,7 @@ def test_te_to_legacy_grouped_mlp_says_so_in_args(converted):
         state = torch.load(f, map_location="cpu", weights_only=False)
         assert state["args"].moe_use_legacy_grouped_gemm is True and state["args"].moe_grouped_gemm is True
         model = state["model"]
-        assert not any(".mlp.experts.linear_fc" in k for k in model)      # no TE keys, no grouped extra state
+        assert not any(".mlp.experts.linear_fc" in k for k in model)  # no TE keys, no grouped extra state
         assert any(k.endswith(".mlp.experts.weight1") for k in model)
     for f in _rank_files(out["legacy-tp1-pp1-ep2"]):
         assert torch.load(f, map_location="cpu", weights_only=False)["args"].moe_use_legacy_grouped_gemm is False

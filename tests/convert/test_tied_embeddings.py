@@ -8,6 +8,7 @@ last stage at PP > 1 and leaves it out at PP 1; converted proxies (legacy and to
 TP/PP/EP) load strictly into tied megatron-core models and compute the original's logits with its
 routers restricted to the kept experts; args without the field keep an output layer (never dropped
 on a guess); verify --functional passes."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
 from mcore_proxy.testing.families import StagedLayout, iteration_dir, load_and_run
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 NAME, KEEP = "qwen3_moe_tied", 16
 CLOSE = dict(rtol=1e-4, atol=1e-4)
@@ -38,8 +38,10 @@ IDS = [f"{fmt}-{'-'.join(o[1] for o in zip(opts[::2], opts[1::2]))}" for fmt, op
 
 
 def _rank_files(root):
-    return {f.parent.name: torch.load(f, map_location="cpu", weights_only=False)
-            for f in sorted(iteration_dir(root).glob("mp_rank_*/model_optim_rng.pt"))}
+    return {
+        f.parent.name: torch.load(f, map_location="cpu", weights_only=False)
+        for f in sorted(iteration_dir(root).glob("mp_rank_*/model_optim_rng.pt"))
+    }
 
 
 def test_megatron_saves_the_copy_on_the_last_stage_only_in_legacy(family_ckpt):
@@ -52,7 +54,7 @@ def test_megatron_saves_the_copy_on_the_last_stage_only_in_legacy(family_ckpt):
         assert (EMB in model, OUT in model) == (pp == 0, pp == 1), folder
         if pp == 1:
             first = files[f"mp_rank_{tp:02d}_000_{folder[-3:]}"]["model"][EMB]
-            assert torch.equal(model[OUT], first)   # megatron-core all-reduced the copy from stage 0
+            assert torch.equal(model[OUT], first)  # megatron-core all-reduced the copy from stage 0
     from mcore_proxy.checkpoint.torch_dist.reader import read_dcp_metadata
 
     keys, _ = read_dcp_metadata(iteration_dir(ckpt.torch_dist) / ".metadata")
@@ -62,7 +64,10 @@ def test_megatron_saves_the_copy_on_the_last_stage_only_in_legacy(family_ckpt):
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_readers_yield_one_embedding_and_no_output_layer(family_ckpt, fmt):
     ckpt = family_ckpt[NAME]
-    view, other = open_checkpoint(getattr(ckpt, fmt)), open_checkpoint(ckpt.torch_dist if fmt == "legacy" else ckpt.legacy)
+    view, other = (
+        open_checkpoint(getattr(ckpt, fmt)),
+        open_checkpoint(ckpt.torch_dist if fmt == "legacy" else ckpt.legacy),
+    )
     assert EMB in view.names() and OUT not in view.names()
     assert view.names() == other.names()
     torch.testing.assert_close(view.get(EMB), other.get(EMB), rtol=0, atol=0)
@@ -101,8 +106,9 @@ def proxies(family_ckpt, tmp_path_factory, digest, planted_plan):
         assert main(["convert", str(src), "--plan", str(tmp / "plan.json"), "-o", str(tmp / case_id), *options]) == 0
         assert digest(src) == before, "the input checkpoint was modified"
         written = "torch_dist" if fmt == "torch_dist" and "--format" not in options else "legacy"
-        jobs.append((dataclasses.replace(ckpt.model, num_experts=KEEP), layout, written, tmp / case_id,
-                     tmp / f"{case_id}.pt"))
+        jobs.append(
+            (dataclasses.replace(ckpt.model, num_experts=KEEP), layout, written, tmp / case_id, tmp / f"{case_id}.pt")
+        )
         out[case_id] = tmp / case_id
     logits = load_and_run(jobs, keeps=[keep] + [None] * len(CASES))
     return dict(zip(IDS, logits[1:])), logits[0], out, tmp / "plan.json"
@@ -112,14 +118,27 @@ def proxies(family_ckpt, tmp_path_factory, digest, planted_plan):
 def test_tied_proxies_load_and_equal_the_restricted_original(family_ckpt, proxies, case_id):
     got, want, _, _ = proxies
     torch.testing.assert_close(got[case_id], want, **CLOSE)
-    assert (torch.load(family_ckpt[NAME].logits) - want).abs().max() > 1e-3   # the restriction matters
+    assert (torch.load(family_ckpt[NAME].logits) - want).abs().max() > 1e-3  # the restriction matters
 
 
 def test_verify_functional_on_a_tied_proxy(family_ckpt, proxies, capsys):
     _, _, out, plan = proxies
-    case = IDS[1]   # legacy, PP 2: the copy is in the proxy's last stage
-    assert main(["verify", "--orig", str(family_ckpt[NAME].legacy), "--proxy", str(out[case]), "--plan", str(plan),
-                 "--functional"]) == 0, capsys.readouterr()
+    case = IDS[1]  # legacy, PP 2: the copy is in the proxy's last stage
+    assert (
+        main(
+            [
+                "verify",
+                "--orig",
+                str(family_ckpt[NAME].legacy),
+                "--proxy",
+                str(out[case]),
+                "--plan",
+                str(plan),
+                "--functional",
+            ]
+        )
+        == 0
+    ), capsys.readouterr()
 
 
 def test_args_without_the_field_keep_the_output_layer(family_ckpt, tmp_path):
@@ -160,7 +179,7 @@ def test_tied_megatron_to_hf_computes_megatrons_logits(family_ckpt, tmp_path, fm
 def test_a_copy_that_does_not_match_the_embeddings_is_refused(family_ckpt, tmp_path, capsys):
     src = tmp_path / "bad"
     shutil.copytree(family_ckpt[NAME].legacy, src)
-    for f in iteration_dir(src).glob("mp_rank_*_001_*/model_optim_rng.pt"):   # both TP ranks of the last stage
+    for f in iteration_dir(src).glob("mp_rank_*_001_*/model_optim_rng.pt"):  # both TP ranks of the last stage
         state = torch.load(f, map_location="cpu", weights_only=False)
         state["model"][OUT] = state["model"][OUT][:-1].clone()
         torch.save(state, f)

@@ -1,5 +1,6 @@
 """Real write failures: a full file system (tmpfs), a file-size limit (RLIMIT_FSIZE), a read-only
 mount. Each is one sentence and exit code 2, never an abort, and leaves nothing behind."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ def tmpfs(tmp_path):
     def mount(size: str):
         where = tmp_path / f"fs{len(mounted)}"
         where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); needs root")
         mounted.append(where)
@@ -48,8 +50,11 @@ def assert_one_error(err: str, *fragments: str) -> None:
         assert f in lines[0], (f, lines[0])
 
 
-@pytest.mark.parametrize("options", [["--format", "legacy"], ["--format", "legacy", "--workers", "2"],
-                                     ["--format", "torch_dist"]], ids=["legacy", "legacy-workers2", "torch_dist"])
+@pytest.mark.parametrize(
+    "options",
+    [["--format", "legacy"], ["--format", "legacy", "--workers", "2"], ["--format", "torch_dist"]],
+    ids=["legacy", "legacy-workers2", "torch_dist"],
+)
 def test_full_file_system(megatron_ckpt, tmpfs, capsys, digest, options):
     ckpt, _ = megatron_ckpt(FIXTURE)
     before = digest(ckpt)
@@ -82,6 +87,7 @@ def test_read_only_target(megatron_ckpt, tmpfs, capsys):
 def _limit_file_size(limit: int):
     def apply():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return apply
 
 
@@ -91,10 +97,30 @@ def test_file_size_limit(megatron_ckpt, tmp_path, fmt):
     ckpt, _ = megatron_ckpt(FIXTURE)
     out = tmp_path / f"proxy-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    done = subprocess.run([sys.executable, "-m", "mcore_proxy.cli", "convert", str(ckpt), "-o", str(out),
-                           "--format", fmt, "--target-tp", "1", "--target-pp", "1", "--target-ep", "1"],
-                          capture_output=True, text=True, env=env, timeout=300,
-                          preexec_fn=_limit_file_size(48 << 10))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mcore_proxy.cli",
+            "convert",
+            str(ckpt),
+            "-o",
+            str(out),
+            "--format",
+            fmt,
+            "--target-tp",
+            "1",
+            "--target-pp",
+            "1",
+            "--target-ep",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        preexec_fn=_limit_file_size(48 << 10),
+    )
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert_one_error(done.stderr, str(out), "file-size limit")
     assert not out.exists()

@@ -1,6 +1,7 @@
 """compare: a proxy that reproduces the fault is consistent (exit 0), a different fault is not
 (exit 1), bad input is one sentence (exit 2); what does not overlap is named and left out; the
 report has its PNG curves."""
+
 import json
 
 import pytest
@@ -18,8 +19,10 @@ def four(tmp_path, synthetic, orig_fault, proxy_fault, proxy_steps=120, drop=(),
         "proxy_base": synthetic.curves(seed=5, scale=0.8, steps=proxy_steps),
         "proxy_fault": synthetic.curves(proxy_fault, seed=5, scale=0.8, steps=proxy_steps, onset=onset),
     }
-    return {role: synthetic.write_jsonl(tmp_path / f"{role}.jsonl", data, drop if role == "proxy_fault" else ())
-            for role, data in runs.items()}
+    return {
+        role: synthetic.write_jsonl(tmp_path / f"{role}.jsonl", data, drop if role == "proxy_fault" else ())
+        for role, data in runs.items()
+    }
 
 
 def argv(paths, *extra):
@@ -36,7 +39,13 @@ def test_reproduced_fault_is_consistent(tmp_path, synthetic, capsys):
     reward = report["signatures"]["original"]["metrics"]["reward"]
     assert reward["direction"] == -1 and reward["trend"] == -1
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
-        "entropy.png", "kl_loss.png", "logprob_diff.png", "report.json", "report.md", "reward.png"]
+        "entropy.png",
+        "kl_loss.png",
+        "logprob_diff.png",
+        "report.json",
+        "report.md",
+        "reward.png",
+    ]
     assert (tmp_path / "report" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -55,13 +64,14 @@ def test_no_fault_in_the_original_is_inconclusive(tmp_path, synthetic):
 
 
 def test_missing_metric_and_shorter_run_are_left_out_and_said(tmp_path, synthetic, capsys):
-    paths = four(tmp_path, synthetic, "precision", "precision", proxy_steps=50,
-                 drop=("actor/entropy",), onset=10)
+    paths = four(tmp_path, synthetic, "precision", "precision", proxy_steps=50, drop=("actor/entropy",), onset=10)
     assert main(["compare", *argv(paths)]) == 0
     out = capsys.readouterr().out
     assert f"left out: entropy: not in proxy-fault ({paths['proxy_fault']}); left out" in out
-    assert ("left out: logprob_diff: compared steps 0-49, the overlap of the four runs (runs of very "
-            "different lengths); steps outside it left out (logged: orig-base 0-119, orig-fault 0-119)") in out
+    assert (
+        "left out: logprob_diff: compared steps 0-49, the overlap of the four runs (runs of very "
+        "different lengths); steps outside it left out (logged: orig-base 0-119, orig-fault 0-119)"
+    ) in out
     comparison = compare_runs({r: read_log(p) for r, p in paths.items()})
     assert comparison.matches["logprob_diff"].orig.last_step == 49
 
@@ -70,13 +80,15 @@ def test_requested_metric_missing_everywhere_and_bad_logs_exit_2(tmp_path, synth
     paths = four(tmp_path, synthetic, "omission", "omission")
     assert main(["compare", *argv(paths, "--metrics", "grad_norm")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mcore-proxy compare: error: no metric can be compared: grad_norm: not in "
-                          "orig-base") and err.count("\n") == 1
+    assert (
+        err.startswith("mcore-proxy compare: error: no metric can be compared: grad_norm: not in orig-base")
+        and err.count("\n") == 1
+    )
     (tmp_path / "broken.jsonl").write_text("{oops\n{}\n")
     bad = dict(paths, proxy_base=str(tmp_path / "broken.jsonl"))
     assert main(["compare", *argv(bad)]) == 2
     assert "broken.jsonl: line 1 is not JSON" in capsys.readouterr().err
-    assert main(["compare", *argv(paths, "-o", str(tmp_path))]) == 2      # existing output folder
+    assert main(["compare", *argv(paths, "-o", str(tmp_path))]) == 2  # existing output folder
     assert "already exists" in capsys.readouterr().err
 
 
@@ -87,9 +99,11 @@ def test_raw_metric_names_and_consoles_across_frameworks(tmp_path, synthetic):
         run = read_log(paths[role])
         lines = []
         for i, step in enumerate(run.metrics["critic/score/mean"].steps):
-            lines.append(f"[2025-01-01 00:00:00] iteration: {step} / 120 | grpo/score/mean : "
-                         f"{run.metrics['critic/score/mean'].values[i]:.4f} | actor/kl_loss : "
-                         f"{run.metrics['actor/kl_loss'].values[i]:.6f}")
+            lines.append(
+                f"[2025-01-01 00:00:00] iteration: {step} / 120 | grpo/score/mean : "
+                f"{run.metrics['critic/score/mean'].values[i]:.4f} | actor/kl_loss : "
+                f"{run.metrics['actor/kl_loss'].values[i]:.6f}"
+            )
         (tmp_path / f"{role}.log").write_text("\n".join(lines) + "\n")
         paths[role] = str(tmp_path / f"{role}.log")
     comparison = compare_runs({r: read_log(p) for r, p in paths.items()})
@@ -102,20 +116,21 @@ def test_signs_agree_tolerates_a_borderline_side_only():
 
     assert signs_agree(1, 0.3, 0.01, 1, 0.2, 0.02)
     assert signs_agree(0, 0.0, 1.0, 0, 0.1, 0.9)
-    assert signs_agree(-1, -0.36, 0.01, 0, -0.2, 0.12)          # leans the same way: agrees
-    assert not signs_agree(-1, -0.36, 0.01, 0, -0.2, 0.40)      # too weak to count
-    assert not signs_agree(-1, -0.36, 0.01, 0, 0.2, 0.12)       # leans the other way
-    assert not signs_agree(0, 0.0, 1.0, 1, 0.5, 0.001)          # nothing against a shift
+    assert signs_agree(-1, -0.36, 0.01, 0, -0.2, 0.12)  # leans the same way: agrees
+    assert not signs_agree(-1, -0.36, 0.01, 0, -0.2, 0.40)  # too weak to count
+    assert not signs_agree(-1, -0.36, 0.01, 0, 0.2, 0.12)  # leans the other way
+    assert not signs_agree(0, 0.0, 1.0, 1, 0.5, 0.001)  # nothing against a shift
     assert not signs_agree(1, 0.3, 0.01, -1, -0.3, 0.01)
 
 
 # -- the shared command-line conventions: --json, --force ---------------------------------------
 
+
 def test_json_carries_the_numbers_of_the_text(tmp_path, synthetic, capsys):
     paths = four(tmp_path, synthetic, "noise", "omission")
     assert main(["compare", *argv(paths)]) == 1
     text = capsys.readouterr().out
-    assert main(["compare", *argv(paths), "--json"]) == 1       # a failed check still prints its document
+    assert main(["compare", *argv(paths), "--json"]) == 1  # a failed check still prints its document
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
     assert doc["format"] == "mcore-proxy-compare/1" and doc["consistent"] is False and doc["report"] is None
@@ -123,7 +138,7 @@ def test_json_carries_the_numbers_of_the_text(tmp_path, synthetic, capsys):
     assert doc["metrics"] and not all(m["match"] for m in doc["metrics"].values())
     for metric, m in doc["metrics"].items():
         sig = doc["signatures"]["original"]["metrics"][metric]
-        line = next(l for l in text.splitlines() if l.startswith(f"{metric} "))
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{metric} "))
         assert f"{sig['direction']:+d} " in line and line.endswith("yes") == m["match"], line
 
 
@@ -138,7 +153,7 @@ def test_an_existing_report_is_replaced_only_with_force(tmp_path, synthetic, cap
     assert "already exists; pass --force" in capsys.readouterr().err and (out / "report.json").read_bytes() == first
     assert main(["compare", *narrower, "--force", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["report"] == str(out)
-    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "reward.png"]   # nothing old mixed in
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "reward.png"]  # nothing old mixed in
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

@@ -1,5 +1,6 @@
 """Early-warning detectors on synthetic curves with faults from known steps: each fires on its
 trouble with an onset near the true one, and none fires on the healthy run."""
+
 import numpy as np
 import pytest
 
@@ -28,11 +29,11 @@ def test_rising_log_prob_difference_found_near_its_onset(synthetic):
     s = run.metrics["training/rollout_probs_diff_mean"]
     early = rising("logprob_diff", s.window(0, 64), Settings())
     assert early is not None and 58 <= early.onset <= 62
-    assert rising("logprob_diff", s.window(0, 59), Settings()) is None   # before the onset: nothing
+    assert rising("logprob_diff", s.window(0, 59), Settings()) is None  # before the onset: nothing
 
 
 def test_rising_needs_the_shift_to_persist():
-    values = np.r_[np.zeros(20), 1.0, 1.0]          # a constant shift of the last two points only
+    values = np.r_[np.zeros(20), 1.0, 1.0]  # a constant shift of the last two points only
     s = Series(np.arange(22), values)
     assert rising("logprob_diff", s, Settings()) is None
     assert rising("logprob_diff", s, Settings(persist=2)) is not None
@@ -49,7 +50,7 @@ def test_divergence_from_the_baseline(synthetic):
 
 def test_plateau_onset_is_the_last_improvement():
     t = np.arange(60.0)
-    reward = np.where(t < 20, 0.01 * t, 0.19 - 0.001 * (t - 20))   # improves until step 19, then not
+    reward = np.where(t < 20, 0.01 * t, 0.19 - 0.001 * (t - 20))  # improves until step 19, then not
     found = plateau(Series(t.astype(int), reward), Settings(patience=20))
     assert found is not None and found.onset == 19
     assert plateau(Series(t[:35].astype(int), reward[:35]), Settings(patience=20)) is None
@@ -79,7 +80,7 @@ def test_settings_refuse_nonsense():
 def test_divergence_needs_a_shift_that_matters(synthetic):
     base = synthetic.curves(seed=0)
     tiny = {k: v.copy() for k, v in base.items()}
-    tiny["critic/score/mean"][40:] += 0.002      # significant (same noise), but 1/15 of the noise
+    tiny["critic/score/mean"][40:] += 0.002  # significant (same noise), but 1/15 of the noise
     big = {k: v.copy() for k, v in base.items()}
     big["critic/score/mean"][40:] -= 0.1
     assert detect(runlog(tiny), runlog(base)) == []

@@ -3,6 +3,7 @@ reader's wandb / swanlab) compare, watch and triage say in one sentence what to 
 never an internal error (exit 3) or a traceback. Each command runs in a subprocess whose imports of
 the packages in MCORE_PROXY_TEST_BLOCK fail exactly as a missing package's do (a `sitecustomize.py`
 on PYTHONPATH puts a finder raising ModuleNotFoundError first on sys.meta_path)."""
+
 import json
 import os
 import subprocess
@@ -34,10 +35,15 @@ def run_without(tmp_path):
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
     def run(blocked, *argv):
-        env = {**os.environ, "MCORE_PROXY_TEST_BLOCK": ",".join(blocked),
-               "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-        return subprocess.run([sys.executable, "-m", "mcore_proxy.cli", *argv], capture_output=True, text=True,
-                              env=env, timeout=120)
+        env = {
+            **os.environ,
+            "MCORE_PROXY_TEST_BLOCK": ",".join(blocked),
+            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        }
+        return subprocess.run(
+            [sys.executable, "-m", "mcore_proxy.cli", *argv], capture_output=True, text=True, env=env, timeout=120
+        )
+
     return run
 
 
@@ -49,15 +55,22 @@ def one_sentence(done, *words):
 
 
 def test_the_blocker_blocks(run_without, tmp_path):
-    done = subprocess.run([sys.executable, "-c", "import scipy"], capture_output=True, text=True,
-                          env={**os.environ, "MCORE_PROXY_TEST_BLOCK": "scipy",
-                               "PYTHONPATH": str(tmp_path / "site")})
+    done = subprocess.run(
+        [sys.executable, "-c", "import scipy"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MCORE_PROXY_TEST_BLOCK": "scipy", "PYTHONPATH": str(tmp_path / "site")},
+    )
     assert done.returncode != 0 and "ModuleNotFoundError: No module named 'scipy'" in done.stderr
 
 
 def verl_logs(tmp_path, synthetic):
-    runs = {"orig_base": synthetic.curves(seed=0), "orig_fault": synthetic.curves("omission", seed=0, onset=30),
-            "proxy_base": synthetic.curves(seed=5), "proxy_fault": synthetic.curves("omission", seed=5, onset=30)}
+    runs = {
+        "orig_base": synthetic.curves(seed=0),
+        "orig_fault": synthetic.curves("omission", seed=0, onset=30),
+        "proxy_base": synthetic.curves(seed=5),
+        "proxy_fault": synthetic.curves("omission", seed=5, onset=30),
+    }
     return {role: synthetic.write_verl_console(tmp_path / f"{role}.log", data) for role, data in runs.items()}
 
 
@@ -92,30 +105,41 @@ DRIVER = textwrap.dedent("""
 def test_every_command_and_reader_without_its_package(tmp_path, synthetic):
     paths = verl_logs(tmp_path, synthetic)
     library = tmp_path / "library.json"
-    library.write_text(json.dumps({"format": "mcore-proxy-library/1", "baseline": {"name": "base", "log": "b"},
-                                   "entries": []}))
+    library.write_text(
+        json.dumps({"format": "mcore-proxy-library/1", "baseline": {"name": "base", "log": "b"}, "entries": []})
+    )
     (tmp_path / "tb").mkdir()
     (tmp_path / "tb" / "events.out.tfevents.1.host").write_bytes(b"")
     for name in ("run-abc.wandb", "run-abc.swanlab"):
         (tmp_path / name).write_bytes(b"\x00" * 64)
     cases = [  # (blocked, argv, words of the sentence)
-        (["scipy"], ["compare", "--run", paths["orig_fault"], "--baseline", paths["orig_base"], "--library",
-                     str(library)], ["scipy", EXTRA]),                                  # triage
+        (
+            ["scipy"],
+            ["compare", "--run", paths["orig_fault"], "--baseline", paths["orig_base"], "--library", str(library)],
+            ["scipy", EXTRA],
+        ),  # triage
         (["scipy"], ["compare", *compare_args(paths)], ["scipy", EXTRA]),
         (["ruptures"], ["compare", *compare_args(paths)], ["ruptures", EXTRA]),
         (["ruptures"], ["watch", paths["orig_fault"], "--once", "--no-view"], ["watch", "ruptures", EXTRA]),
         (["matplotlib"], ["compare", *compare_args(paths), "-o", str(tmp_path / "report")], ["matplotlib", EXTRA]),
         (["tensorboard"], ["watch", str(tmp_path / "tb"), "--once", "--no-view"], ["tensorboard", EXTRA]),
         (["wandb"], ["watch", str(tmp_path / "run-abc.wandb"), "--once", "--no-view"], ["wandb", "pip install wandb"]),
-        (["swanlab"], ["watch", str(tmp_path / "run-abc.swanlab"), "--once", "--no-view"],
-         ["swanlab", "pip install swanlab"]),
+        (
+            ["swanlab"],
+            ["watch", str(tmp_path / "run-abc.swanlab"), "--once", "--no-view"],
+            ["swanlab", "pip install swanlab"],
+        ),
     ]
     site = tmp_path / "dyn"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([[b, a] for b, a, _ in cases])],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps([[b, a] for b, a, _ in cases])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])},
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(results) == len(cases)

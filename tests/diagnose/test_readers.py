@@ -1,5 +1,6 @@
 """Readers on logs written by torch.utils.tensorboard, and on samples of each documented console
 and file format (tests/data/); bad input gets one sentence naming the file."""
+
 import os
 
 import numpy as np
@@ -17,10 +18,10 @@ def test_tensorboard_written_by_torch(tmp_path):
     for step in range(20):
         writer.add_scalar("actor/kl_loss", 0.01 * step, step)
         writer.add_scalar("critic/score/mean", 0.5, step)
-        writer.add_histogram("weights", np.arange(5.0), step)       # not a scalar: ignored
+        writer.add_histogram("weights", np.arange(5.0), step)  # not a scalar: ignored
         writer.add_text("note", "hello", step)
     writer.close()
-    writer = SummaryWriter(str(tmp_path / "tb"))                    # a restart writes a 2nd file
+    writer = SummaryWriter(str(tmp_path / "tb"))  # a restart writes a 2nd file
     writer.add_scalar("actor/kl_loss", 9.0, 19)
     writer.close()
     run = read_log(tmp_path / "tb")
@@ -28,7 +29,7 @@ def test_tensorboard_written_by_torch(tmp_path):
     kl = run.metrics["actor/kl_loss"]
     assert kl.steps.tolist() == list(range(20))
     np.testing.assert_allclose(kl.values[:19], 0.01 * np.arange(19), rtol=1e-6)
-    assert kl.values[19] == 9.0                                    # the later file wins
+    assert kl.values[19] == 9.0  # the later file wins
     assert canonical_metrics(run.metrics) == {"kl_loss": "actor/kl_loss", "reward": "critic/score/mean"}
 
 
@@ -37,7 +38,7 @@ def test_megatron_console_sample():
     assert run.format == "console"
     assert run.metrics["lm loss"].steps.tolist() == list(range(1, 13))
     assert {"grad norm", "learning rate", "load_balancing_loss", "memory(GiB)"} <= set(run.metrics)
-    assert "elapsed time" not in run.metrics                       # 0:01:00 is not a number
+    assert "elapsed time" not in run.metrics  # 0:01:00 is not a number
     assert resolve("grad_norm", run.metrics) == "grad norm"
 
 
@@ -45,15 +46,20 @@ def test_mindspeed_rl_console_sample(synthetic):
     run = read_log(synthetic.DATA / "mindspeed_rl_console.log")
     assert run.metrics["grpo/score/mean"].steps.tolist() == list(range(1, 11))
     assert canonical_metrics(run.metrics) == {
-        "reward": "grpo/score/mean", "response_length": "response_length/mean", "pg_loss": "actor/pg_loss",
-        "kl_loss": "actor/kl_loss", "entropy": "actor/entropy", "grad_norm": "actor/grad_norm"}
+        "reward": "grpo/score/mean",
+        "response_length": "response_length/mean",
+        "pg_loss": "actor/pg_loss",
+        "kl_loss": "actor/kl_loss",
+        "entropy": "actor/entropy",
+        "grad_norm": "actor/grad_norm",
+    }
     assert run.metrics["actor/kl_loss"].values[-1] == pytest.approx(0.005)
 
 
 def test_verl_jsonl_sample(synthetic):
     run = read_log(synthetic.DATA / "verl_metrics.jsonl")
     names = canonical_metrics(run.metrics)
-    assert names["reward"] == "critic/score/mean"                  # the score beats critic/rewards
+    assert names["reward"] == "critic/score/mean"  # the score beats critic/rewards
     assert names["logprob_diff"] == "training/rollout_probs_diff_mean"
     assert names["ppo_kl"] == "actor/ppo_kl" and "val/test_score" not in run.metrics
     assert run.metrics["critic/score/mean"].values[0] == pytest.approx(0.15)
@@ -70,20 +76,25 @@ def test_flat_jsonl_csv_and_a_line_cut_off(tmp_path, synthetic):
 
 def test_console_line_forms():
     assert parse_console_line(" [x] iteration        3/      10 | lm loss: 2.5E+00 | grad norm: 0.5 |") == (
-        3, {"lm loss": 2.5, "grad norm": 0.5})
+        3,
+        {"lm loss": 2.5, "grad norm": 0.5},
+    )
     assert parse_console_line("[x] iteration: 7 / 9 | actor/kl_loss : 0.0010 ") == (7, {"actor/kl_loss": 0.001})
     assert parse_console_line("loading checkpoint from iteration 5") is None
 
 
-@pytest.mark.parametrize("content, name, message", [
-    (None, "absent.jsonl", "no such file or folder"),
-    ("not json\n{}\n", "bad.jsonl", r"line 1 is not JSON"),
-    ('{"reward": 1}\n{"reward": 2}\n', "nostep.jsonl", "line 1 has no step"),
-    ("a,b\n1,2\n", "nostep.csv", r"no step column in the header \['a', 'b'\]"),
-    ("some text\nmore text\n", "train.log", "no numeric metric found .*iteration i / N"),
-    (os.urandom(200), "events.out.tfevents.123", "no numeric metric found"),
-    ("", "empty_tb_dir", "holds no TensorBoard event file"),
-])
+@pytest.mark.parametrize(
+    "content, name, message",
+    [
+        (None, "absent.jsonl", "no such file or folder"),
+        ("not json\n{}\n", "bad.jsonl", r"line 1 is not JSON"),
+        ('{"reward": 1}\n{"reward": 2}\n', "nostep.jsonl", "line 1 has no step"),
+        ("a,b\n1,2\n", "nostep.csv", r"no step column in the header \['a', 'b'\]"),
+        ("some text\nmore text\n", "train.log", "no numeric metric found .*iteration i / N"),
+        (os.urandom(200), "events.out.tfevents.123", "no numeric metric found"),
+        ("", "empty_tb_dir", "holds no TensorBoard event file"),
+    ],
+)
 def test_bad_logs_are_one_sentence_naming_the_file(tmp_path, content, name, message):
     path = tmp_path / name
     if name == "empty_tb_dir":
@@ -98,6 +109,9 @@ def test_bad_logs_are_one_sentence_naming_the_file(tmp_path, content, name, mess
 def test_verl_rollout_correction_kl_is_rollout_kl_k3_first():
     # verl logs both estimators; k3 (non-negative per token) is the one compare reads
     names = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "actor/kl_loss"]
-    assert canonical_metrics(names) == {"rollout_kl": "rollout_corr/k3_kl", "kl_loss": "actor/kl_loss",
-                                        "logprob_diff": "rollout_corr/log_ppl_abs_diff"}
+    assert canonical_metrics(names) == {
+        "rollout_kl": "rollout_corr/k3_kl",
+        "kl_loss": "actor/kl_loss",
+        "logprob_diff": "rollout_corr/log_ppl_abs_diff",
+    }
     assert canonical_metrics(["train/rollout_corr/kl"]) == {"rollout_kl": "train/rollout_corr/kl"}

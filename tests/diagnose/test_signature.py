@@ -1,5 +1,6 @@
 """Signatures of known shifts: direction, size, trend and onset are found where they were put,
 and a rerun with another seed (no fault) shows none."""
+
 import json
 
 import numpy as np
@@ -59,8 +60,9 @@ def test_too_short_and_alignment(synthetic):
 
 def test_json_round_trip(synthetic):
     base, fault = synthetic.curves(), synthetic.curves("omission", onset=30)
-    fs = FaultSignature("base.jsonl", "fault.jsonl", {"reward": sig("critic/score/mean", base, fault)},
-                        label="update_omission")
+    fs = FaultSignature(
+        "base.jsonl", "fault.jsonl", {"reward": sig("critic/score/mean", base, fault)}, label="update_omission"
+    )
     again = FaultSignature.from_dict(json.loads(json.dumps(fs.to_dict())))
     assert again == fs
     with pytest.raises(ValueError, match="not a mcore-proxy-signature/1"):

@@ -2,6 +2,7 @@
 baseline) ranks a held-out run of each fault (another seed, a strength between the two, its own
 baseline) first; the library
 round-trips through JSON; bad input is one sentence with exit 2."""
+
 import json
 
 import pytest
@@ -22,8 +23,9 @@ def library(tmp_path, synthetic):
     for fault in FAULTS:
         for strength in (0.6, 1.5):
             name = f"{fault}@{strength}"
-            log = synthetic.write_jsonl(tmp_path / f"{name}.jsonl",
-                                        synthetic.curves(fault, seed=0, onset=30, strength=strength))
+            log = synthetic.write_jsonl(
+                tmp_path / f"{name}.jsonl", synthetic.curves(fault, seed=0, onset=30, strength=strength)
+            )
             sig, _ = pair_signature(read_log(base), read_log(log), label=name)
             entries.append(LibraryEntry(name, fault, str(strength), f"{fault}:strength={strength}", log, sig))
     return Library("baseline", base, tuple(entries), "synthetic").save(tmp_path / "library.json")
@@ -77,7 +79,6 @@ def test_bad_input(tmp_path, synthetic, library, capsys):
     assert main(["compare", "--run", run, "--baseline", base, "--library", str(tmp_path / "none.json")]) == 2
     assert main(["compare", "--run", run, "--library", str(library)]) == 2
     assert "needs --run, --baseline and --library together" in capsys.readouterr().err
-    assert main(["compare", "--run", run, "--baseline", base, "--library", str(library),
-                 "--orig-base", base]) == 2
+    assert main(["compare", "--run", run, "--baseline", base, "--library", str(library), "--orig-base", base]) == 2
     assert "two modes" in capsys.readouterr().err
     assert main(["compare", "--orig-base", base]) == 2

@@ -1,6 +1,7 @@
 """watch: follows a log while another process writes it, alerts once per trouble with its onset,
 stops with exit 1 on a --fail-on alert and 0 when the log goes idle, is quiet on a healthy run,
 and refuses bad input with exit 2."""
+
 import json
 import subprocess
 import sys
@@ -38,8 +39,12 @@ def writer(tmp_path, steps, onset, delay=0.03):
 
 
 def watch(log, *extra):
-    return subprocess.run([sys.executable, "-m", "mcore_proxy.cli", "watch", str(log), "--every", "0.2",
-                           *extra], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_proxy.cli", "watch", str(log), "--every", "0.2", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_live_follow_alerts_soon_after_a_mid_run_fault_and_fails_on_it(tmp_path):
@@ -84,7 +89,7 @@ def test_watcher_reports_each_alert_once_as_the_log_grows(tmp_path, synthetic):
         synthetic.write_jsonl(log, {k: v[:upto] for k, v in data.items()})
         seen += [(a.finding.detector, a.finding.metric, a.finding.onset, a.step) for a in w.check()]
     assert [s[:2] for s in seen] == [("rising", "logprob_diff")]
-    assert 48 <= seen[0][2] <= 52 and seen[0][3] == 59     # first check with the shift in the log
+    assert 48 <= seen[0][2] <= 52 and seen[0][3] == 59  # first check with the shift in the log
     w.check()
     assert len(w.alerts) == 1
 
@@ -108,7 +113,7 @@ def test_json_document_at_the_end(tmp_path, synthetic, capsys):
     base = synthetic.write_jsonl(tmp_path / "base.jsonl", synthetic.curves(seed=0))
     run = synthetic.write_jsonl(tmp_path / "run.jsonl", synthetic.curves("omission", seed=0, onset=30))
     assert main(["watch", run, "--baseline", base, "--once", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)        # one document, no alert lines before it
+    doc = json.loads(capsys.readouterr().out)  # one document, no alert lines before it
     assert doc["format"] == "mcore-proxy-watch/1" and doc["ok"] and doc["last_step"] == 119
     assert ("diverge", "reward") in {(a["detector"], a["metric"]) for a in doc["alerts"]}
     assert main(["watch", run, "--baseline", base, "--once", "--json", "--fail-on", "diverge"]) == 1

@@ -1,4 +1,5 @@
 """`mcore-proxy estimate`: table and JSON carry the same numbers; checkpoints give metadata only."""
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,13 @@ def test_text_and_json_carry_the_same_numbers(capsys):
     assert code == 0 and d["format"] == "mcore-proxy-estimate/1"
     o, p = d["original"], d["proxy"]
     assert f"devices: {o['devices']} -> {p['devices']} ({d['ratios']['devices']:.2f}x fewer)" in text
-    assert re.search(rf"^parameters\s+{o['parameters']['total'] / 1e9:.2f} B\s+{p['parameters']['total'] / 1e9:.2f} B$",
-                     text, re.M)
+    assert re.search(
+        rf"^parameters\s+{o['parameters']['total'] / 1e9:.2f} B\s+{p['parameters']['total'] / 1e9:.2f} B$", text, re.M
+    )
     for key, label in (("weights", "weights"), ("optimizer", "optimizer state"), ("total", "total")):
-        row = rf"^{label} / device\s+{o['memory_bytes'][key] / 2**30:.2f} GiB\s+{p['memory_bytes'][key] / 2**30:.2f} GiB$"
+        row = (
+            rf"^{label} / device\s+{o['memory_bytes'][key] / 2**30:.2f} GiB\s+{p['memory_bytes'][key] / 2**30:.2f} GiB$"
+        )
         assert re.search(row, text, re.M), label
     lay = o["layout"]
     assert f"TP={lay['tp']} PP={lay['pp']} EP={lay['ep']} ETP={lay['etp']} DP={lay['dp']}" in text
@@ -46,11 +50,18 @@ def test_text_and_json_carry_the_same_numbers(capsys):
 GDN = "GQA + linear (Gated DeltaNet)"
 
 
-@pytest.mark.parametrize("preset, k, attention", [
-    ("deepseek-v4-flash", 64, "V4 (CSA/HCA)"), ("deepseek-v4-pro", 96, "V4 (CSA/HCA)"),
-    ("qwen3.5-397b-a17b", 128, GDN), ("qwen3.5-35b-a3b", 64, GDN),
-    ("glm-4.5", 40, "GQA"), ("kimi-k2", 96, "MLA"), ("gpt-oss-120b", 32, "GQA"),
-])
+@pytest.mark.parametrize(
+    "preset, k, attention",
+    [
+        ("deepseek-v4-flash", 64, "V4 (CSA/HCA)"),
+        ("deepseek-v4-pro", 96, "V4 (CSA/HCA)"),
+        ("qwen3.5-397b-a17b", 128, GDN),
+        ("qwen3.5-35b-a3b", 64, GDN),
+        ("glm-4.5", 40, "GQA"),
+        ("kimi-k2", 96, "MLA"),
+        ("gpt-oss-120b", 32, "GQA"),
+    ],
+)
 def test_every_new_preset_plans_its_proxy(capsys, preset, k, attention):
     """`mcore-proxy estimate --preset NAME` for each new preset: the original's parameters are the
     preset's, the proxy keeps K experts and fits on no more devices than the original."""
@@ -87,7 +98,7 @@ def test_a_checkpoint_contributes_metadata_only(megatron_ckpt, tmp_path, capsys)
     shutil.copytree(ckpt, copy)
     scrambled = sum(_scramble_tensor_bytes(f) for f in copy.rglob("model_optim_rng.pt"))
     view, name = open_checkpoint(copy), "decoder.layers.1.mlp.router.weight"
-    assert not torch.equal(view.get(name), open_checkpoint(ckpt).get(name))   # the data really is gone
+    assert not torch.equal(view.get(name), open_checkpoint(ckpt).get(name))  # the data really is gone
     code, pristine, _ = run(capsys, "--ckpt", str(ckpt), "-k", "8", "--device-memory", "1GiB", "--json")
     assert code == 0
     code, damaged, _ = run(capsys, "--ckpt", str(copy), "-k", "8", "--device-memory", "1GiB", "--json")
@@ -100,14 +111,18 @@ def test_a_checkpoint_contributes_metadata_only(megatron_ckpt, tmp_path, capsys)
     assert pristine["original"]["parameters"]["total"] == sizes
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--preset", "qwen3-30b-a3b", "-k", "48", "--ep", "32"],
-     "--num-experts 48 is not divisible by --ep 32"),
-    (["--preset", "qwen3-30b-a3b", "-k", "48", "--device-memory", "4GiB"],
-     "no layout of at most 16384 devices fits Qwen3-30B-A3B with 128 experts in 3.6 GiB"),
-    (["--preset", "deepseek-v3", "-k", "12"], "is not divisible by the 8 routing groups"),
-    (["-k", "8"], "estimate needs a model: --ckpt CKPT, --hf-config config.json or --preset NAME"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "qwen3-30b-a3b", "-k", "48", "--ep", "32"], "--num-experts 48 is not divisible by --ep 32"),
+        (
+            ["--preset", "qwen3-30b-a3b", "-k", "48", "--device-memory", "4GiB"],
+            "no layout of at most 16384 devices fits Qwen3-30B-A3B with 128 experts in 3.6 GiB",
+        ),
+        (["--preset", "deepseek-v3", "-k", "12"], "is not divisible by the 8 routing groups"),
+        (["-k", "8"], "estimate needs a model: --ckpt CKPT, --hf-config config.json or --preset NAME"),
+    ],
+)
 def test_infeasible_requests_exit_2_with_one_sentence_and_the_nearest_choice(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""

@@ -5,6 +5,7 @@ must equal the sum of their canonical tensor sizes, and the per-device count at 
 the sum of each rank file's tensor sizes. A model megatron-core builds in a spawned gloo rank
 (GQA, q/k norms, biases, shared-expert gate, MTP) checks the terms the fixtures do not have.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,14 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.torchfile import TorchFile
 from mcore_proxy.estimate.memory import Layout, device_params, stage_layers, stage_params
-from mcore_proxy.estimate.model import (activated_parameters, all_mtp_params, attention_params, count_parameters,
-                                        expert_flops_per_token, mtp_params)
+from mcore_proxy.estimate.model import (
+    activated_parameters,
+    all_mtp_params,
+    attention_params,
+    count_parameters,
+    expert_flops_per_token,
+    mtp_params,
+)
 from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge
 from mcore_proxy.testing.fixtures import FIXTURES
 
@@ -54,8 +61,14 @@ def test_per_device_counts_equal_each_rank_file(megatron_ckpt, name):
     view = open_checkpoint(ckpt)
     arch, args = arch_of(view), view.args
     src = view.layout
-    layout = Layout(tp=src.tp, pp=src.pp, ep=src.ep, etp=src.etp, dp=max(1, src.ep * src.etp // src.tp),
-                    stages=tuple(src.stage_layers or stage_layers(arch.num_layers, src.pp)))
+    layout = Layout(
+        tp=src.tp,
+        pp=src.pp,
+        ep=src.ep,
+        etp=src.etp,
+        dp=max(1, src.ep * src.etp // src.tp),
+        stages=tuple(src.stage_layers or stage_layers(arch.num_layers, src.pp)),
+    )
     stages = stage_params(arch, layout.stages)
     folders = sorted(p for p in (ckpt / "iter_0000010").iterdir() if p.name.startswith("mp_rank_"))
     assert folders
@@ -81,35 +94,70 @@ def _build_and_count(rank, world, port, models, out):
             config = TransformerConfig(**kwargs)
             spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
             mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
-            gpt = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=16, mtp_block_spec=mtp,
-                           position_embedding_type="rope", share_embeddings_and_output_weights=False)
+            gpt = GPTModel(
+                config,
+                spec,
+                vocab_size=vocab,
+                max_sequence_length=16,
+                mtp_block_spec=mtp,
+                position_embedding_type="rope",
+                share_embeddings_and_output_weights=False,
+            )
             sizes.append({k: v.numel() for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)})
         torch.save(sizes, out)
     finally:
         destroy_distributed()
 
 
-_COMMON = dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=16,
-               ffn_hidden_size=96, moe_ffn_hidden_size=24, moe_router_topk=2, moe_layer_freq=[0, 1, 1],
-               moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
-               gated_linear_unit=True, normalization="RMSNorm", use_cpu_initialization=True,
-               params_dtype=torch.float32)
+_COMMON = dict(
+    num_layers=3,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=2,
+    kv_channels=16,
+    ffn_hidden_size=96,
+    moe_ffn_hidden_size=24,
+    moe_router_topk=2,
+    moe_layer_freq=[0, 1, 1],
+    moe_router_load_balancing_type="none",
+    moe_token_dispatcher_type="allgather",
+    gated_linear_unit=True,
+    normalization="RMSNorm",
+    use_cpu_initialization=True,
+    params_dtype=torch.float32,
+)
 # megatron-core refuses biases with shared experts: one model has the shared experts, one the biases
 MODELS = {
-    "gqa-qknorm-shared-gate-mtp": dict(num_moe_experts=8, moe_shared_expert_intermediate_size=40,
-                                       moe_shared_expert_gate=True, moe_router_score_function="sigmoid",
-                                       moe_router_enable_expert_bias=True, qk_layernorm=True,
-                                       add_bias_linear=False, mtp_num_layers=1),
+    "gqa-qknorm-shared-gate-mtp": dict(
+        num_moe_experts=8,
+        moe_shared_expert_intermediate_size=40,
+        moe_shared_expert_gate=True,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        qk_layernorm=True,
+        add_bias_linear=False,
+        mtp_num_layers=1,
+    ),
     "gqa-biases": dict(num_moe_experts=4, add_bias_linear=True, mtp_num_layers=None),
 }
 
 
 def _as_args(kw: dict):
     """The same model as Megatron training's argparse names would give it."""
-    names = dict(num_experts=kw["num_moe_experts"], swiglu=True, group_query_attention=True,
-                 padded_vocab_size=96, untie_embeddings_and_output_weights=True)
-    rename = {"num_moe_experts": None, "gated_linear_unit": None, "use_cpu_initialization": None,
-              "params_dtype": None, "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
+    names = dict(
+        num_experts=kw["num_moe_experts"],
+        swiglu=True,
+        group_query_attention=True,
+        padded_vocab_size=96,
+        untie_embeddings_and_output_weights=True,
+    )
+    rename = {
+        "num_moe_experts": None,
+        "gated_linear_unit": None,
+        "use_cpu_initialization": None,
+        "params_dtype": None,
+        "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    }
     for k, v in kw.items():
         if rename.get(k, k):
             names[rename.get(k, k)] = v
@@ -189,40 +237,131 @@ def test_presets_match_the_published_total_and_activated_parameters(preset):
 # (its state dict summed, persistent buffers included: DeepSeek-V4's tid2eid and expert bias);
 # transformers builds no MTP layer, so MTP layers are left out. Measured with
 # getattr(transformers, Config)(**cfg) and the family's ...ForCausalLM (kimi_k2 as DeepseekV3).
-_TINY = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             tie_word_embeddings=False)
-_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-            shared_expert_intermediate_size=24)
+_TINY = dict(
+    vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False
+)
+_GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+)
 TRANSFORMERS_SIZES = {
     # hash-routed layer 0, sliding / compressed sparse (indexer) / heavily compressed attention, mHC
-    "deepseek_v4": (dict(_TINY, model_type="deepseek_v4", hidden_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=4, num_key_value_heads=1, head_dim=32, q_lora_rank=16, o_groups=2,
-                         o_lora_rank=16, index_n_heads=2, index_head_dim=16,
-                         layer_types=["sliding_attention", "compressed_sparse_attention",
-                                      "heavily_compressed_attention", "compressed_sparse_attention"],
-                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-                         mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, n_routed_experts=8,
-                         n_shared_experts=1, num_experts_per_tok=2, num_nextn_predict_layers=1), 359045),
+    "deepseek_v4": (
+        dict(
+            _TINY,
+            model_type="deepseek_v4",
+            hidden_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=16,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=2,
+            index_head_dim=16,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            hc_mult=4,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            num_nextn_predict_layers=1,
+        ),
+        359045,
+    ),
     # Gated DeltaNet beside gated attention, a gated shared expert, every layer MoE
-    "qwen3_5_moe_text": (dict(_TINY, **_GDN, model_type="qwen3_5_moe_text", num_hidden_layers=4,
-                              layer_types=["linear_attention", "full_attention"] * 2), 85472),
+    "qwen3_5_moe_text": (
+        dict(
+            _TINY,
+            **_GDN,
+            model_type="qwen3_5_moe_text",
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+        ),
+        85472,
+    ),
     # the same through full_attention_interval, with a dense first layer
-    "qwen3_next": (dict(_TINY, **_GDN, model_type="qwen3_next", intermediate_size=64, num_hidden_layers=4,
-                        mlp_only_layers=[0], full_attention_interval=2), 76736),
+    "qwen3_next": (
+        dict(
+            _TINY,
+            **_GDN,
+            model_type="qwen3_next",
+            intermediate_size=64,
+            num_hidden_layers=4,
+            mlp_only_layers=[0],
+            full_attention_interval=2,
+        ),
+        76736,
+    ),
     # q/k/v biases, q/k norms, a dense first layer, shared expert, MTP
-    "glm4_moe": (dict(_TINY, model_type="glm4_moe", intermediate_size=64, num_hidden_layers=3, attention_bias=True,
-                      use_qk_norm=True, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
-                      num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
-                      num_nextn_predict_layers=1), 52192),
+    "glm4_moe": (
+        dict(
+            _TINY,
+            model_type="glm4_moe",
+            intermediate_size=64,
+            num_hidden_layers=3,
+            attention_bias=True,
+            use_qk_norm=True,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_group=2,
+            topk_group=1,
+            num_nextn_predict_layers=1,
+        ),
+        52192,
+    ),
     # MLA, one dense layer, sigmoid routing in one group
-    "kimi_k2": (dict(_TINY, model_type="kimi_k2", intermediate_size=64, num_key_value_heads=4, num_hidden_layers=3,
-                     q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                     first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                     moe_intermediate_size=16, n_group=1, topk_group=1), 54736),
+    "kimi_k2": (
+        dict(
+            _TINY,
+            model_type="kimi_k2",
+            intermediate_size=64,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_group=1,
+            topk_group=1,
+        ),
+        54736,
+    ),
     # biased q/k/v/o, router and experts, sinks
-    "gpt_oss": (dict(_TINY, model_type="gpt_oss", intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
-                     num_experts_per_tok=2), 65912),
+    "gpt_oss": (
+        dict(
+            _TINY,
+            model_type="gpt_oss",
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        65912,
+    ),
 }
 
 
@@ -241,13 +380,13 @@ def test_deepseek_v4_mtp_layer_is_the_release_s():
     h, heads, hd, q, og, ol, e, f, hc = 7168, 128, 512, 1536, 16, 1024, 384, 3072, 4
     # attn_sink, kv_norm, q_norm, wkv, wo_a, wo_b, wq_a, wq_b
     attention = heads + hd + q + hd * h + og * ol * (heads * hd // og) + h * og * ol + q * h + heads * hd * q
-    moe = e * 3 * f * h + e + e * h + 3 * f * h      # routed experts, gate.bias, gate.weight, shared expert
-    mhc = 2 * ((2 + hc) * hc * hc * h + (2 + hc) * hc + 3) + (hc * hc * h + hc + 1)   # hc_attn, hc_ffn, hc_head
-    expected = attention + moe + mhc + 2 * h * h + 5 * h    # e_proj, h_proj; attn/ffn norms, enorm, hnorm, norm
+    moe = e * 3 * f * h + e + e * h + 3 * f * h  # routed experts, gate.bias, gate.weight, shared expert
+    mhc = 2 * ((2 + hc) * hc * hc * h + (2 + hc) * hc + 3) + (hc * hc * h + hc + 1)  # hc_attn, hc_ffn, hc_head
+    expected = attention + moe + mhc + 2 * h * h + 5 * h  # e_proj, h_proj; attn/ffn norms, enorm, hnorm, norm
     assert pro.compress_ratio(pro.num_layers) == 0 and pro.hash_layers == (0, 1, 2)
     assert mtp_params(pro).total == expected
     flash = merge(from_preset("deepseek-v4-flash"))
-    assert attention_params(flash, flash.num_layers) == attention_params(flash, 0)   # both sliding only
+    assert attention_params(flash, flash.num_layers) == attention_params(flash, 0)  # both sliding only
 
 
 def _megatron_theoretical(a) -> int:
@@ -256,8 +395,12 @@ def _megatron_theoretical(a) -> int:
     h, norm = a.hidden_size, 1
     m = a.mla
     q = m.q_lora_rank * (h + a.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim) + norm)
-    attn = (q + m.kv_lora_rank * (h + a.num_attention_heads * (m.qk_head_dim + m.v_head_dim) + norm)
-            + h * m.qk_pos_emb_head_dim + a.num_attention_heads * m.v_head_dim * h)
+    attn = (
+        q
+        + m.kv_lora_rank * (h + a.num_attention_heads * (m.qk_head_dim + m.v_head_dim) + norm)
+        + h * m.qk_pos_emb_head_dim
+        + a.num_attention_heads * m.v_head_dim * h
+    )
     dense = 2 * h * (a.ffn_hidden_size * 3 / 2 + norm) + attn
     moe = 2 * h * (a.moe_ffn_hidden_size * a.num_experts * 3 / 2 + a.shared_expert_size * 3 / 2 + norm) + attn
     n_moe = len(a.moe_layers)
@@ -273,8 +416,9 @@ def test_mla_counts_agree_with_megatrons_theoretical_formula(preset):
     left_out += a.mtp_layers * (2 * a.hidden_size * a.hidden_size + 3 * a.hidden_size)
     if a.indexer:
         i, r = a.indexer, a.mla.q_lora_rank
-        left_out += (a.num_layers + a.mtp_layers) * (i.n_heads * i.head_dim * r + i.head_dim * a.hidden_size
-                                                     + 2 * i.head_dim + i.n_heads * a.hidden_size)
+        left_out += (a.num_layers + a.mtp_layers) * (
+            i.n_heads * i.head_dim * r + i.head_dim * a.hidden_size + 2 * i.head_dim + i.n_heads * a.hidden_size
+        )
     assert ours == _megatron_theoretical(a) + left_out
 
 

@@ -1,4 +1,5 @@
 """The smallest fitting layouts: valid, minimal (against brute force), constrained, or refused."""
+
 from __future__ import annotations
 
 import math
@@ -12,9 +13,20 @@ from mcore_proxy.estimate.model import Architecture
 from mcore_proxy.estimate.search import Constraints, allowed_devices, check_constraints, fitting_layouts, valid_tps
 from mcore_proxy.estimate.sources import from_preset, merge
 
-MID = Architecture(name="mid", num_layers=12, hidden_size=1024, vocab_size=32768, num_attention_heads=16,
-                   num_query_groups=4, kv_channels=64, ffn_hidden_size=4096, num_experts=32,
-                   moe_ffn_hidden_size=512, topk=4, moe_layers=tuple(range(1, 12)))
+MID = Architecture(
+    name="mid",
+    num_layers=12,
+    hidden_size=1024,
+    vocab_size=32768,
+    num_attention_heads=16,
+    num_query_groups=4,
+    kv_channels=64,
+    ffn_hidden_size=4096,
+    num_experts=32,
+    moe_ffn_hidden_size=512,
+    topk=4,
+    moe_layers=tuple(range(1, 12)),
+)
 
 
 def brute_force_min_devices(a, train, budget, c):
@@ -58,7 +70,9 @@ def test_fixed_sizes_are_kept():
 
 
 def test_sizes_that_cannot_work_name_the_nearest_valid_ones():
-    with pytest.raises(ProxyError, match=r"--tp 3: TP=3 does not divide the 16 attention heads.*nearest valid: --tp 2 or --tp 4"):
+    with pytest.raises(
+        ProxyError, match=r"--tp 3: TP=3 does not divide the 16 attention heads.*nearest valid: --tp 2 or --tp 4"
+    ):
         check_constraints(MID, Constraints(tp=3))
     with pytest.raises(ProxyError, match=r"--pp 13 cannot split 12 decoder layers.*nearest valid: --pp 12$"):
         check_constraints(MID, Constraints(pp=13))
@@ -68,11 +82,16 @@ def test_sizes_that_cannot_work_name_the_nearest_valid_ones():
 
 def test_k_that_cannot_be_selected_or_split_is_refused_with_the_nearest_k():
     qwen = merge(from_preset("qwen3-30b-a3b"))
-    with pytest.raises(ProxyError, match=r"--num-experts 48 is not divisible by --ep 32.*nearest feasible: "
-                                         r"--num-experts 32 or --num-experts 64, or --ep 16"):
+    with pytest.raises(
+        ProxyError,
+        match=r"--num-experts 48 is not divisible by --ep 32.*nearest feasible: "
+        r"--num-experts 32 or --num-experts 64, or --ep 16",
+    ):
         estimate(qwen, Request(num_experts=48, constraints=Constraints(ep=32)))
     ds = merge(from_preset("deepseek-v3"))
-    with pytest.raises(ProxyError, match=r"not divisible by the 8 routing groups.*nearest feasible: --num-experts 16\)"):
+    with pytest.raises(
+        ProxyError, match=r"not divisible by the 8 routing groups.*nearest feasible: --num-experts 16\)"
+    ):
         estimate(ds, Request(num_experts=12))
     with pytest.raises(ProxyError, match=r"smaller than the router top-k 8.*nearest feasible: --num-experts 8\)"):
         estimate(qwen, Request(num_experts=4))
@@ -85,15 +104,18 @@ def test_memory_too_small_for_any_layout_names_the_memory_that_would_do():
     text = str(err.value)
     assert "no layout of at most 16384 devices fits Qwen3-30B-A3B with 128 experts in 3.6 GiB" in text
     need = int(text.split("--device-memory ")[1].split("GiB")[0])
-    assert fitting_layouts(qwen, Training(), int(need * GIB * 0.9), Constraints())          # it would do
-    below = max([s for s in DEVICE_SIZES_GIB if s < need] + [4])        # the next common size down
+    assert fitting_layouts(qwen, Training(), int(need * GIB * 0.9), Constraints())  # it would do
+    below = max([s for s in DEVICE_SIZES_GIB if s < need] + [4])  # the next common size down
     assert not fitting_layouts(qwen, Training(), int(below * GIB * 0.9), Constraints())
 
 
 def test_a_fixed_layout_that_does_not_fit_names_the_smallest_that_does():
     qwen = merge(from_preset("qwen3-30b-a3b"))
-    with pytest.raises(ProxyError, match=r"no layout with TP=1 PP=1 EP=8 DP=8 .* nearest feasible: TP=4 PP=2 EP=8 "
-                                         r"ETP=1 DP=2 on 16 devices"):
+    with pytest.raises(
+        ProxyError,
+        match=r"no layout with TP=1 PP=1 EP=8 DP=8 .* nearest feasible: TP=4 PP=2 EP=8 "
+        r"ETP=1 DP=2 on 16 devices",
+    ):
         estimate(qwen, Request(num_experts=48, constraints=Constraints(tp=1, pp=1, ep=8, dp=8)))
 
 

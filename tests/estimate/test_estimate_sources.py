@@ -1,4 +1,5 @@
 """Architectures from config.json, presets, Megatron/MindSpeed args, and their layering."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,13 +10,27 @@ import pytest
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.errors import ProxyError
 from mcore_proxy.estimate.model import all_mtp_params, count_parameters
-from mcore_proxy.estimate.presets import (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, GLM4_5, GPT_OSS_120B, PRESETS,
-                                          QWEN3_5_397B_A17B, QWEN3_30B_A3B)
+from mcore_proxy.estimate.presets import (
+    DEEPSEEK_V3,
+    DEEPSEEK_V4_FLASH,
+    GLM4_5,
+    GPT_OSS_120B,
+    PRESETS,
+    QWEN3_5_397B_A17B,
+    QWEN3_30B_A3B,
+)
 from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge, read_hf_config
 
 # what a real config.json carries besides the architecture (transformers writes these too)
-NOISE = {"architectures": ["X"], "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-         "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "use_cache": True}
+NOISE = {
+    "architectures": ["X"],
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "use_cache": True,
+}
 
 
 def write_config(tmp_path, cfg: dict):
@@ -27,17 +42,20 @@ def write_config(tmp_path, cfg: dict):
 @pytest.mark.parametrize("preset, cfg", sorted(PRESETS.items()))
 def test_a_config_json_reads_like_its_preset(tmp_path, preset, cfg):
     path = write_config(tmp_path, cfg)
-    from_file = merge(from_hf_config(read_hf_config(tmp_path), str(path)))   # the folder works too
+    from_file = merge(from_hf_config(read_hf_config(tmp_path), str(path)))  # the folder works too
     assert count_parameters(from_file) == count_parameters(merge(from_preset(preset)))
 
 
 def test_transformers_defaults_fill_what_a_config_leaves_out():
-    cfg = {k: v for k, v in QWEN3_30B_A3B.items() if k not in ("tie_word_embeddings", "decoder_sparse_step",
-                                                                  "mlp_only_layers", "name")}
+    cfg = {
+        k: v
+        for k, v in QWEN3_30B_A3B.items()
+        if k not in ("tie_word_embeddings", "decoder_sparse_step", "mlp_only_layers", "name")
+    }
     a = merge(from_hf_config(cfg, "qwen"))
-    assert not a.tied_embeddings and a.moe_layers == tuple(range(48))    # Qwen3MoeConfig defaults
+    assert not a.tied_embeddings and a.moe_layers == tuple(range(48))  # Qwen3MoeConfig defaults
     unknown = merge(from_hf_config({**cfg, "model_type": "some_moe"}, "other"))
-    assert unknown.tied_embeddings and not unknown.qk_layernorm           # PretrainedConfig's default
+    assert unknown.tied_embeddings and not unknown.qk_layernorm  # PretrainedConfig's default
     output_layer, qk_norms = 151936 * 2048, 48 * 2 * 128
     assert count_parameters(a).total - count_parameters(unknown).total == output_layer + qk_norms
 
@@ -57,9 +75,16 @@ def _without(cfg: dict, *keys: str) -> dict:
 def test_a_vision_language_config_json_is_read_through_its_text_config(tmp_path):
     """Qwen3.5's release is a vision-language config: the language model sits in text_config."""
     text = {**_without(QWEN3_5_397B_A17B, "tie_word_embeddings"), "model_type": "qwen3_5_moe_text"}
-    path = write_config(tmp_path, {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-                                   "text_config": text, "vision_config": {"depth": 27, "hidden_size": 1152},
-                                   "tie_word_embeddings": False})
+    path = write_config(
+        tmp_path,
+        {
+            "model_type": "qwen3_5_moe",
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "text_config": text,
+            "vision_config": {"depth": 27, "hidden_size": 1152},
+            "tie_word_embeddings": False,
+        },
+    )
     a = merge(from_hf_config(read_hf_config(path), str(path)))
     assert count_parameters(a) == count_parameters(merge(from_preset("qwen3.5-397b-a17b")))
     assert a.linear_layers == tuple(i for i in range(60) if (i + 1) % 4) and a.attention_output_gate
@@ -87,8 +112,11 @@ def test_deepseek_v4_reads_transformers_5_spellings_like_the_release_s():
     which layer_types does not cover, takes the last decoder layer's ratio then)."""
     kind = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
     ratios = DEEPSEEK_V4_FLASH["compress_ratios"][:43]
-    cfg = {**_without(DEEPSEEK_V4_FLASH, "compress_ratios", "num_hash_layers"),
-           "layer_types": [kind[r] for r in ratios], "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 40}
+    cfg = {
+        **_without(DEEPSEEK_V4_FLASH, "compress_ratios", "num_hash_layers"),
+        "layer_types": [kind[r] for r in ratios],
+        "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 40,
+    }
     spelled, release = merge(from_hf_config(cfg, "v4")), merge(from_preset("deepseek-v4-flash"))
     assert spelled.v4_attention.compress_ratios == tuple(ratios) and spelled.hash_layers == (0, 1, 2)
     main = lambda a: count_parameters(a).total - all_mtp_params(a).total  # noqa: E731
@@ -123,13 +151,36 @@ def test_mindspeed_llm_deepseek_launch_args_count_like_the_preset():
     (64 layers of which --noop-layers 61,62,63 are empty, --first-k-dense-replace, --n-shared-experts,
     --multi-head-latent-attention with --qk-nope/rope-head-dim) describe the same 671 B model."""
     args = argparse.Namespace(
-        num_layers=64, noop_layers="61,62,63", hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
-        multi_head_latent_attention=True, qk_rope_head_dim=64, qk_nope_head_dim=128, q_lora_rank=1536,
-        kv_lora_rank=512, v_head_dim=128, qk_layernorm=True, first_k_dense_replace=3, moe_layer_freq=1,
-        n_shared_experts=1, num_experts=256, moe_router_topk=8, moe_intermediate_size=2048,
-        moe_ffn_hidden_size=2048, n_group=8, topk_group=4, moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, mtp_num_layers=1, padded_vocab_size=129280,
-        untie_embeddings_and_output_weights=True, swiglu=True, add_bias_linear=False, normalization="RMSNorm")
+        num_layers=64,
+        noop_layers="61,62,63",
+        hidden_size=7168,
+        ffn_hidden_size=18432,
+        num_attention_heads=128,
+        multi_head_latent_attention=True,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        v_head_dim=128,
+        qk_layernorm=True,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+        n_shared_experts=1,
+        num_experts=256,
+        moe_router_topk=8,
+        moe_intermediate_size=2048,
+        moe_ffn_hidden_size=2048,
+        n_group=8,
+        topk_group=4,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        mtp_num_layers=1,
+        padded_vocab_size=129280,
+        untie_embeddings_and_output_weights=True,
+        swiglu=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+    )
     a = merge(from_megatron_args(args, [], "mindspeed args"))
     assert a.num_layers == 61 and len(a.moe_layers) == 58 and a.num_groups == 8
     assert count_parameters(a) == count_parameters(merge(from_preset("deepseek-v3")))

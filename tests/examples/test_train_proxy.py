@@ -1,5 +1,6 @@
 """examples/train_proxy_mindspeed_ptd.sh end to end on CPU: convert, then train the proxy with
 the flags convert printed, in megatron-core on two gloo ranks (PP=2)."""
+
 from __future__ import annotations
 
 import math
@@ -31,12 +32,25 @@ def launched(megatron_ckpt, tmp_path_factory, digest):
     before = digest(ckpt)
     work = tmp_path_factory.mktemp("train_proxy")
     view = open_checkpoint(ckpt)
-    stats, _ = planted_stats(view.spec.moe_layer_ids, topk=view.spec.topk, num_experts=16, clusters=8,
-                             hidden=view.spec.hidden_size, tokens=2000, seed=3)
+    stats, _ = planted_stats(
+        view.spec.moe_layer_ids,
+        topk=view.spec.topk,
+        num_experts=16,
+        clusters=8,
+        hidden=view.spec.hidden_size,
+        tokens=2000,
+        seed=3,
+    )
     select_experts(view, stats, 8, target_ep=1).save(work / "plan.json")
-    r = subprocess.run(["bash", str(SCRIPT), str(ckpt), str(work / "plan.json"), str(work / "run")],
-                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
-    assert digest(ckpt) == before                                   # the input is never modified
+    r = subprocess.run(
+        ["bash", str(SCRIPT), str(ckpt), str(work / "plan.json"), str(work / "run")],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert digest(ckpt) == before  # the input is never modified
     return r, work / "run"
 
 
@@ -50,22 +64,40 @@ def test_the_launch_trains_the_proxy_with_the_flags_convert_printed(launched):
     assert f"loaded {work}/proxy iteration 10: 8 experts per MoE layer, 2 ranks at TP=1 PP=2 EP=1 ETP=1 DP=1" in log
     losses = [float(x) for x in re.findall(r"lm loss: (\S+) \|", log)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
-    assert losses[-1] < losses[0] - 0.5                             # it learns the mock batch
+    assert losses[-1] < losses[0] - 0.5  # it learns the mock batch
 
 
 def test_without_the_convert_flags_the_proxy_does_not_load(launched):
     """The original's own arguments (16 experts) describe a model the proxy checkpoint is not."""
     _, work = launched
-    original = ("--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 16 "
-                "--padded-vocab-size 128 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
-                "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 16 --moe-layer-freq [0,1,1,1] "
-                "--moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate --moe-router-score-function "
-                "sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 4 --moe-router-group-topk 2 "
-                "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 --micro-batch-size 2 "
-                "--train-iters 1 --mock-data --no-load-optim --no-load-rng").split()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(REPO / "examples" / "pretrain_gpt_cpu.py"), *original, "--load", str(work / "proxy")],
-                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    original = (
+        "--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+        "--padded-vocab-size 128 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+        "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 16 --moe-layer-freq [0,1,1,1] "
+        "--moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate --moe-router-score-function "
+        "sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 4 --moe-router-group-topk 2 "
+        "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 --micro-batch-size 2 "
+        "--train-iters 1 --mock-data --no-load-optim --no-load-rng"
+    ).split()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "examples" / "pretrain_gpt_cpu.py"),
+            *original,
+            "--load",
+            str(work / "proxy"),
+        ],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode != 0
     assert "does not match the model the arguments describe" in r.stderr
     assert "mlp.router.expert_bias: checkpoint [8], model [16]" in r.stderr

@@ -1,5 +1,6 @@
 """Fixtures of the fault tests: scenarios of real megatron-core training steps, run once per session
 in a fresh interpreter (tests/faults/scripts/scenarios.py)."""
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,9 @@ def user_env(*pythonpath, **extra):
 
 
 def run_scenarios(out: Path, args: list[str], env: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=HERE)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True, timeout=900, cwd=HERE
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -81,5 +83,12 @@ def helpers():
     """Plain helpers of these tests: same(a, b), user_env(*pythonpath, **env), run_scenarios, paths."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(same=same, user_env=user_env, run_scenarios=run_scenarios,
-                           PATCHES=PATCHES, STANDIN=STANDIN, REPO=REPO, SCENARIOS=SCENARIOS)
+    return SimpleNamespace(
+        same=same,
+        user_env=user_env,
+        run_scenarios=run_scenarios,
+        PATCHES=PATCHES,
+        STANDIN=STANDIN,
+        REPO=REPO,
+        SCENARIOS=SCENARIOS,
+    )

@@ -1,6 +1,7 @@
 """Environment activation on a model loaded by `from_pretrained` (how TRL and every HF trainer
 builds its policy and reference): transformers replaces the parameters after `post_init`, where
 the injectors attach, so injectors must look the parameters up when they act, not when attached."""
+
 import json
 import subprocess
 import sys
@@ -31,15 +32,20 @@ print(json.dumps({{"moved": moved, "rms": rms,
 """
 
 
-@pytest.mark.parametrize("spec", ["update_omission:group=experts",
-                                  "update_omission:group=experts;router_weight:std=0.5"])
+@pytest.mark.parametrize(
+    "spec", ["update_omission:group=experts", "update_omission:group=experts;router_weight:std=0.5"]
+)
 def test_injectors_act_on_the_loaded_parameters(helpers, tmp_path, spec):
     code = SCRIPT.format(here=str(helpers.REPO / "tests" / "faults"))
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], capture_output=True, text=True,
-                          env=helpers.user_env(helpers.PATCHES, MCORE_PROXY_FAULTS=spec))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        env=helpers.user_env(helpers.PATCHES, MCORE_PROXY_FAULTS=spec),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["moved"] and not [k for k in out["moved"] if ".mlp.experts." in k]   # experts held back
+    assert out["moved"] and not [k for k in out["moved"] if ".mlp.experts." in k]  # experts held back
     assert any(".self_attn." in k for k in out["moved"])
     if "router_weight" in spec:
         # N's scale is the loaded router weight's rms (one perturbation per layer: 2 layers)

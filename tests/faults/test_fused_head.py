@@ -1,6 +1,7 @@
 """Output-logit faults where RL frameworks built on transformers compute log-probs: TRL's fused LM
 head (reads `lm_head.weight`, never calls `lm_head`) and transformers' `generate` as the rollout
 phase (environment activation)."""
+
 import json
 import subprocess
 import sys
@@ -53,19 +54,20 @@ def test_precision_reaches_trls_fused_head_only_in_no_grad_passes():
         with torch.no_grad():
             clean = fused_logps(model)
             logits = model(TOKENS).logits
-        expected = torch.log_softmax(logits.bfloat16().float()[:, :-1] / 0.7, -1).gather(
-            -1, TOKENS[:, 1:, None]).squeeze(-1)
+        expected = (
+            torch.log_softmax(logits.bfloat16().float()[:, :-1] / 0.7, -1).gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
+        )
         with faults.inject("logprob_precision:dtype=bf16,when=no_grad", model=model) as session:
             with torch.no_grad():
                 rounded = fused_logps(model)
-            training = fused_logps(model)                    # autograd on: a training pass
+            training = fused_logps(model)  # autograd on: a training pass
             assert training.requires_grad
         torch.testing.assert_close(rounded, expected, rtol=0, atol=1e-5)
         assert not torch.equal(rounded, clean)
-        assert torch.equal(training.detach(), clean)         # fp32 training pass: TRL's own kernel
+        assert torch.equal(training.detach(), clean)  # fp32 training pass: TRL's own kernel
         assert session.report()[0]["active_calls"] == 1
         with torch.no_grad():
-            assert torch.equal(fused_logps(model), clean)    # closed: no trace left
+            assert torch.equal(fused_logps(model), clean)  # closed: no trace left
         # the head is found by its weight at call time, also after the parameter was replaced
         with faults.inject("logprob_precision:dtype=fp16,when=always", model=model) as session:
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
@@ -81,20 +83,24 @@ def test_environment_activation_generate_is_a_rollout_and_trl_is_patched(helpers
         "import json, sys, torch; sys.path.insert(0, %r); from test_hf import tiny_qwen3_moe, TOKENS;"
         "m = tiny_qwen3_moe();"
         "from mcore_proxy.faults import runtime;"
-        "torch.no_grad()(m)(TOKENS);"                               # a no-grad pass outside generate
+        "torch.no_grad()(m)(TOKENS);"  # a no-grad pass outside generate
         "before = runtime.env_session().report()[0]['active_calls'];"
         "m.generate(TOKENS[:, :4], max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0);"
         "after = runtime.env_session().report()[0]['active_calls'];"
         "trl = None\n"
         "try:\n import trl.trainer.utils as u; trl = type(u._ChunkedLogProbFunction).__name__\n"
         "except ImportError: pass\n"
-        "print(json.dumps([before, after, trl]))") % str(helpers.REPO / "tests" / "faults")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=helpers.user_env(helpers.PATCHES,
-                                               MCORE_PROXY_FAULTS="logprob_precision:when=rollout"))
+        "print(json.dumps([before, after, trl]))"
+    ) % str(helpers.REPO / "tests" / "faults")
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=helpers.user_env(helpers.PATCHES, MCORE_PROXY_FAULTS="logprob_precision:when=rollout"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     before, after, trl = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert before == 0 and after == 3                       # one forward per generated token
+    assert before == 0 and after == 3  # one forward per generated token
     try:
         import trl as _  # noqa: F401
     except ImportError:

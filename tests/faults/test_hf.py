@@ -1,6 +1,7 @@
 """The injectors on a transformers MoE (a tiny Qwen3-MoE built by transformers' own classes):
 effects where expected, switched off bit-identical; and activation by environment through
 `PreTrainedModel.post_init`."""
+
 import json
 import subprocess
 import sys
@@ -17,10 +18,22 @@ from mcore_proxy.faults.clock import CLOCK  # noqa: E402
 def tiny_qwen3_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                            max_position_embeddings=32, decoder_sparse_step=1, mlp_only_layers=[])
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(config).eval()
 
@@ -37,8 +50,11 @@ def routed(model):
     """Per layer: (logits, top-k scores, indices) of its router, and the logits of the model."""
     seen, handles = {}, []
     for i, layer in enumerate(model.model.layers):
-        handles.append(layer.mlp.gate.register_forward_hook(
-            lambda mod, args, out, i=i: seen.__setitem__(i, tuple(t.detach().clone() for t in out))))
+        handles.append(
+            layer.mlp.gate.register_forward_hook(
+                lambda mod, args, out, i=i: seen.__setitem__(i, tuple(t.detach().clone() for t in out))
+            )
+        )
     with torch.no_grad():
         logits = model(TOKENS).logits
     for h in handles:
@@ -50,9 +66,9 @@ def test_router_faults_change_the_routing_and_switch_off_exactly(model):
     base, base_logits = routed(model)
     with faults.inject("router_noise:std=2.0,layers=1", model=model):
         noisy, noisy_logits = routed(model)
-    assert torch.equal(noisy[0][2], base[0][2])                  # layer 0 untouched
+    assert torch.equal(noisy[0][2], base[0][2])  # layer 0 untouched
     assert not torch.equal(noisy[1][2], base[1][2]) and not torch.equal(noisy_logits, base_logits)
-    torch.testing.assert_close(noisy[1][1].sum(-1), torch.ones(24))   # re-derived, renormalised top-k
+    torch.testing.assert_close(noisy[1][1].sum(-1), torch.ones(24))  # re-derived, renormalised top-k
     with faults.inject("topk:mode=swap,rate=0.5", model=model):
         swapped, _ = routed(model)
     changed = (swapped[0][2].sort(-1).values != base[0][2].sort(-1).values).any(-1).float().mean()
@@ -73,7 +89,7 @@ def test_expert_noise_and_logprob_precision(model):
     # E4M3 keeps 3 mantissa bits: a relative error up to 1/16 on normal numbers (|x| >= 2^-6), far
     # coarser than bf16's 1/256
     assert torch.equal(fp8, base_logits.to(torch.float8_e4m3fn).float())
-    normal = base_logits.abs() >= 2 ** -6
+    normal = base_logits.abs() >= 2**-6
     relative = ((fp8 - base_logits).abs() / base_logits.abs())[normal].max()
     assert 1 / 256 < relative <= 1 / 16
     with faults.inject("expert_noise:std=0.05", model=model) as session:
@@ -101,8 +117,13 @@ def test_environment_activation_through_post_init(helpers):
         "m = tiny_qwen3_moe();"
         "from mcore_proxy.faults import runtime;"
         "import torch; a = m(TOKENS).logits; print(json.dumps([bool(torch.equal(a, a.bfloat16().float())),"
-        " runtime.env_session().report()[0]['active_calls']]))") % str(helpers.REPO / "tests" / "faults")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=helpers.user_env(helpers.PATCHES, MCORE_PROXY_FAULTS="logprob_precision:when=always"))
+        " runtime.env_session().report()[0]['active_calls']]))"
+    ) % str(helpers.REPO / "tests" / "faults")
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=helpers.user_env(helpers.PATCHES, MCORE_PROXY_FAULTS="logprob_precision:when=always"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, 1]

@@ -1,6 +1,7 @@
 """Each injector on real megatron-core training steps (tiny MoE GPT: 4 MoE layers, 8 experts, top-2,
 AdamW): it shows its effect on the steps its schedule names, and switched off (by schedule, or
 attached then closed) the run is bit-identical to one without it."""
+
 import pytest
 import torch
 
@@ -8,8 +9,15 @@ pytestmark = pytest.mark.megatron
 
 FIELDS = ("maps", "probs", "experts", "rollout_logits", "train_logits", "params")
 # one switched-off variant per kind (tests/faults/conftest.py SCENARIOS)
-OFF = ["router_noise_off", "router_noise_closed", "router_weight_off", "topk_off",
-       "expert_noise_off", "logprob_off", "omit_off"]
+OFF = [
+    "router_noise_off",
+    "router_noise_closed",
+    "router_weight_off",
+    "topk_off",
+    "expert_noise_off",
+    "logprob_off",
+    "omit_off",
+]
 
 
 def same(a, b) -> bool:
@@ -17,7 +25,7 @@ def same(a, b) -> bool:
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b   # as conftest.same
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b  # as conftest.same
 
 
 def per_step(runs, name, field="train_logits"):
@@ -30,7 +38,7 @@ def test_every_kind_has_a_switched_off_scenario(scenarios):
 
     assert sorted(n for n in scenarios if n.endswith(("_off", "_closed"))) == sorted(OFF)
     kinds = {entry["fault"].split(":")[0] for n in OFF for entry in scenarios[n]["report"]}
-    assert kinds | {"router_noise"} == set(KINDS)       # _closed has no report: it was closed
+    assert kinds | {"router_noise"} == set(KINDS)  # _closed has no report: it was closed
 
 
 @pytest.mark.parametrize("name", OFF)
@@ -38,7 +46,7 @@ def test_switched_off_is_bit_identical_to_no_injector(scenarios, name):
     for field in FIELDS:
         assert same(scenarios[name][field], scenarios["none"][field]), (name, field)
     for entry in scenarios[name]["report"]:
-        assert entry["active_calls"] == 0 and entry["calls"] > 0   # attached, consulted, silent
+        assert entry["active_calls"] == 0 and entry["calls"] > 0  # attached, consulted, silent
     assert name.endswith("_closed") or scenarios[name]["report"]
 
 
@@ -55,7 +63,7 @@ def test_router_noise_changes_routing_from_its_start_step(scenarios):
 def test_router_weight_is_a_fixed_perturbation_on_its_steps(scenarios):
     run, base = scenarios["router_weight"], scenarios["none"]
     assert not torch.equal(run["maps"][0]["0"], base["maps"][0]["0"])
-    assert same(run, scenarios["router_weight_again"])               # reproducible
+    assert same(run, scenarios["router_weight_again"])  # reproducible
     assert run["report"][0]["active_steps"] == [0, 2]
 
 
@@ -64,7 +72,7 @@ def test_topk_swap_keeps_k_experts_and_moves_about_the_rate(scenarios):
     new, old = run["maps"][0]["0"], base["maps"][0]["0"]
     assert (new.sum(dim=1) == 2).all()
     changed = (old & ~new).sum().item() / old.sum().item()
-    assert 0.15 < changed < 0.35, changed                     # rate 0.25 of 128 choices
+    assert 0.15 < changed < 0.35, changed  # rate 0.25 of 128 choices
     torch.testing.assert_close(run["probs"][0]["0"].sum(dim=1), base["probs"][0]["0"].sum(dim=1))
     assert torch.equal(run["probs"][0]["0"] > 0, new)
 
@@ -72,7 +80,7 @@ def test_topk_swap_keeps_k_experts_and_moves_about_the_rate(scenarios):
 def test_topk_drop_removes_about_the_rate(scenarios):
     run, base = scenarios["topk_drop"], scenarios["none"]
     new, old = run["maps"][0]["0"], base["maps"][0]["0"]
-    assert not (new & ~old).any()                              # only removals
+    assert not (new & ~old).any()  # only removals
     dropped = 1 - new.sum().item() / old.sum().item()
     assert 0.15 < dropped < 0.35, dropped
     kept = run["probs"][0]["0"][new]
@@ -81,8 +89,8 @@ def test_topk_drop_removes_about_the_rate(scenarios):
 
 def test_expert_noise_is_relative_at_the_requested_size(scenarios):
     run, base = scenarios["expert_noise"], scenarios["none"]
-    out, ref = run["experts"][0]["0"], base["experts"][0]["0"]   # layer 0 sees unchanged inputs
-    ratio = (out[ref.abs() > 1e-6] / ref[ref.abs() > 1e-6] - 1)
+    out, ref = run["experts"][0]["0"], base["experts"][0]["0"]  # layer 0 sees unchanged inputs
+    ratio = out[ref.abs() > 1e-6] / ref[ref.abs() > 1e-6] - 1
     assert 0.008 < ratio.std().item() < 0.012
     assert abs(ratio.mean().item()) < 0.002
     assert torch.equal(run["maps"][0]["0"], base["maps"][0]["0"])
@@ -92,9 +100,9 @@ def test_logprob_precision_rounds_rollout_logits_only(scenarios):
     run, base = scenarios["logprob_bf16"], scenarios["none"]
     assert torch.equal(run["rollout_logits"][0], base["rollout_logits"][0].bfloat16().float())
     assert not torch.equal(run["rollout_logits"][0], base["rollout_logits"][0])
-    assert same(run["train_logits"], base["train_logits"])          # training stays fp32
+    assert same(run["train_logits"], base["train_logits"])  # training stays fp32
     assert same(run["params"], base["params"])
-    fp16 = scenarios["logprob_fp16"]                                 # when=always: training too
+    fp16 = scenarios["logprob_fp16"]  # when=always: training too
     assert torch.equal(fp16["train_logits"][0], base["train_logits"][0].half().float())
     # when=rollout and no rollout() block in the loop: never acts
     assert same(scenarios["logprob_rollout_only"]["rollout_logits"], base["rollout_logits"])
@@ -107,20 +115,20 @@ def moved(before: dict, after: dict) -> set:
 def test_update_omission_every_second_step(scenarios):
     run = scenarios["omit_every2"]
     p, initial = run["params"], run["initial"]
-    assert moved(initial, scenarios["none"]["params"][0])            # the baseline's step 0 moves
-    assert not moved(initial, p[0])                                  # omitted
-    assert moved(p[0], p[1])                                         # taken
-    assert not moved(p[1], p[2])                                     # omitted
-    assert moved(p[2], p[3])                                         # taken
+    assert moved(initial, scenarios["none"]["params"][0])  # the baseline's step 0 moves
+    assert not moved(initial, p[0])  # omitted
+    assert moved(p[0], p[1])  # taken
+    assert not moved(p[1], p[2])  # omitted
+    assert moved(p[2], p[3])  # taken
     assert run["report"][0]["active_steps"] == [0, 2]
-    assert per_step(scenarios, "omit_every2")[0]                     # same step-0 forward
+    assert per_step(scenarios, "omit_every2")[0]  # same step-0 forward
 
 
 def test_update_omission_of_one_group(scenarios):
     experts = set(scenarios["omit_experts"]["expert_params"])
-    assert len(experts) == 4 * 8 * 2                                 # 4 layers x 8 experts x fc1/fc2
+    assert len(experts) == 4 * 8 * 2  # 4 layers x 8 experts x fc1/fc2
     initial = scenarios["none"]["initial"]
     frozen_experts = moved(initial, scenarios["omit_experts"]["params"][-1])
-    assert frozen_experts and not frozen_experts & experts           # experts never move, the rest does
+    assert frozen_experts and not frozen_experts & experts  # experts never move, the rest does
     frozen_dense = moved(initial, scenarios["omit_dense"]["params"][-1])
-    assert frozen_dense and frozen_dense <= experts                  # only experts move
+    assert frozen_dense and frozen_dense <= experts  # only experts move

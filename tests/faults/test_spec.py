@@ -1,5 +1,6 @@
 """Fault specifications: the text form of MCORE_PROXY_FAULTS, defaults, schedules, clear errors;
 and the pure top-k alteration."""
+
 import pytest
 import torch
 
@@ -14,7 +15,9 @@ def test_the_issue_example_parses_with_defaults():
     assert noise["layers"] == frozenset({"0", "1", "2", "3"})
     assert omission["group"] == "all" and omission.schedule == Schedule(every=2)
     assert [s.to_text() for s in parse("topk;logprob_precision:dtype=fp16")] == [
-        "topk:mode=swap,rate=0.1", "logprob_precision:dtype=fp16,when=no_grad"]
+        "topk:mode=swap,rate=0.1",
+        "logprob_precision:dtype=fp16,when=no_grad",
+    ]
 
 
 def test_lists_continue_after_commas_and_text_round_trips():
@@ -31,19 +34,22 @@ def test_schedule_start_stop_every():
     assert not any(Schedule(steps=frozenset()).active(step) for step in range(5))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("router_nois:std=1", "unknown kind 'router_nois'; known: router_noise"),
-    ("router_noise:sd=1", "unknown parameter 'sd'; router_noise takes std, layers, start"),
-    ("router_noise:std=abc", "std=abc is invalid"),
-    ("topk:rate=2", r"rate=2 is invalid \(must be within \[0, 1\]\)"),
-    ("topk:mode=shuffle", "must be one of swap, drop"),
-    ("update_omission:every=0", "every=0 is invalid"),
-    ("update_omission:std", "'std' is not key=value"),
-    ("router_noise:std=1,std=2", "given twice"),
-    ("router_noise:steps=1,start=2", "either steps= or start/stop/every"),
-    ("router_noise:layers=3-1", "empty range"),
-    (" ; ", "no fault in"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("router_nois:std=1", "unknown kind 'router_nois'; known: router_noise"),
+        ("router_noise:sd=1", "unknown parameter 'sd'; router_noise takes std, layers, start"),
+        ("router_noise:std=abc", "std=abc is invalid"),
+        ("topk:rate=2", r"rate=2 is invalid \(must be within \[0, 1\]\)"),
+        ("topk:mode=shuffle", "must be one of swap, drop"),
+        ("update_omission:every=0", "every=0 is invalid"),
+        ("update_omission:std", "'std' is not key=value"),
+        ("router_noise:std=1,std=2", "given twice"),
+        ("router_noise:steps=1,start=2", "either steps= or start/stop/every"),
+        ("router_noise:layers=3-1", "empty range"),
+        (" ; ", "no fault in"),
+    ],
+)
 def test_bad_specs_say_what_and_where(text, message):
     with pytest.raises(FaultSpecError, match=message):
         parse(text)
@@ -56,10 +62,13 @@ def test_env_errors_name_the_variable(monkeypatch):
 
 
 def test_clock_counts_each_optimizer_and_can_be_pinned():
-    clock, a, b = StepClock(), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1), \
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)
+    clock, a, b = (
+        StepClock(),
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1),
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1),
+    )
     assert clock.step == 0
-    for _ in range(3):                 # a chained optimizer: both inner optimizers step once
+    for _ in range(3):  # a chained optimizer: both inner optimizers step once
         assert clock.optimizer_step(a) == clock.optimizer_step(b)
         clock.advance(a)
         clock.advance(b)
@@ -77,12 +86,12 @@ def test_alter_topk_swap_and_drop_exactly():
     p, m = alter_topk(probs, routing_map, 0.2, "swap", g)
     assert (m.sum(dim=1) == 2).all() and torch.equal(p > 0, m)
     torch.testing.assert_close(p.sum(dim=1), probs.sum(dim=1))
-    assert torch.equal(p.sort(dim=1).values, probs.sort(dim=1).values)   # probabilities move intact
+    assert torch.equal(p.sort(dim=1).values, probs.sort(dim=1).values)  # probabilities move intact
     assert abs((routing_map & ~m).sum().item() / 8000 - 0.2) < 0.02
     p, m = alter_topk(probs, routing_map, 0.2, "drop", g)
     assert not (m & ~routing_map).any() and abs(1 - m.sum().item() / 8000 - 0.2) < 0.02
     p, m = alter_topk(probs, routing_map, 0.0, "swap", g)
     assert torch.equal(p, probs) and torch.equal(m, routing_map)
-    full = torch.ones(3, 2, dtype=torch.bool)                                # no free expert to swap to
+    full = torch.ones(3, 2, dtype=torch.bool)  # no free expert to swap to
     p, m = alter_topk(torch.full((3, 2), 0.5), full, 1.0, "swap", g)
     assert torch.equal(m, full)

@@ -1,6 +1,7 @@
 """`mcore-proxy fidelity`: the metrics by their definitions, an original against a proxy that
 equals the original with its gates restricted to the kept experts (perfect), a real proxy (what must and must
 not be 1), and a Megatron checkpoint measured through its HF conversion."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def test_metrics_by_definition():
     torch.testing.assert_close(gate_mass_share(weights, experts, kept), torch.tensor([0.5, 0.3]))
     assert top1(weights, experts).tolist() == [4, 3]
     a, b = torch.randn(5, 11), torch.randn(5, 11)
-    expected = torch.nn.functional.kl_div(torch.log_softmax(b, -1), torch.log_softmax(a, -1), log_target=True,
-                                          reduction="none").sum(-1)
+    expected = torch.nn.functional.kl_div(
+        torch.log_softmax(b, -1), torch.log_softmax(a, -1), log_target=True, reduction="none"
+    ).sum(-1)
     torch.testing.assert_close(next_token_kl(a, b), expected.double(), rtol=1e-6, atol=1e-6)  # expected in fp32
     assert next_token_kl(a, a).abs().max() < 1e-12
 
@@ -34,7 +36,9 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
-def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_against_the_original(hf_proxy, data, tmp_path, capsys, name):
+def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_against_the_original(
+    hf_proxy, data, tmp_path, capsys, name
+):
     orig, _, plan_path, plan, proxy = hf_proxy(name)
     # the reference a correct proxy reproduces: the original with its gates restricted to the kept experts
     original, pruned = load_model(orig), load_model(proxy)
@@ -46,13 +50,41 @@ def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_a
     assert all(m["gate_mass_share"] == 1.0 and m["top1_routing_agreement"] == 1.0 for m in perfect["moe_layers"])
 
     out = tmp_path / "report"
-    assert main(["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path),
-                 "--data", str(data), "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "fidelity",
+                "--orig",
+                str(orig),
+                "--proxy",
+                str(proxy),
+                "--plan",
+                str(plan_path),
+                "--data",
+                str(data),
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "fidelity.json").read_text())
     assert (out / "fidelity.png").stat().st_size > 10_000
-    if name == "qwen3_moe":   # an existing report is refused without --force, replaced with it
-        argv = ["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--data", str(data),
-                "-o", str(out), "--json"]
+    if name == "qwen3_moe":  # an existing report is refused without --force, replaced with it
+        argv = [
+            "fidelity",
+            "--orig",
+            str(orig),
+            "--proxy",
+            str(proxy),
+            "--plan",
+            str(plan_path),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--json",
+        ]
         assert main(argv) == 2 and json.loads((out / "fidelity.json").read_text()) == report
         capsys.readouterr()
         assert main(argv + ["--force"]) == 0
@@ -76,14 +108,32 @@ def test_megatron_original_is_measured_through_its_hf_conversion(hf_proxy, data,
     a, b = measure(orig, proxy, plan, data, progress=False), measure(legacy, proxy, plan, data, progress=False)
     for key in ("next_token_kl", "next_token_top1_agreement"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7)
-    assert [m["gate_mass_share"] for m in b["moe_layers"]] == pytest.approx([m["gate_mass_share"] for m in a["moe_layers"]])
+    assert [m["gate_mass_share"] for m in b["moe_layers"]] == pytest.approx(
+        [m["gate_mass_share"] for m in a["moe_layers"]]
+    )
 
 
 def test_a_plan_of_another_model_is_refused(hf_proxy, data, tmp_path, capsys):
     orig, _, _, _, proxy = hf_proxy("qwen3_moe")
     other = hf_proxy("deepseek_v3")[2]
-    capsys.readouterr()   # the fixtures' own output when this test builds them (run alone)
-    assert main(["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(other),
-                 "--data", str(data), "-o", str(tmp_path / "r")]) == 2
+    capsys.readouterr()  # the fixtures' own output when this test builds them (run alone)
+    assert (
+        main(
+            [
+                "fidelity",
+                "--orig",
+                str(orig),
+                "--proxy",
+                str(proxy),
+                "--plan",
+                str(other),
+                "--data",
+                str(data),
+                "-o",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert str(other) in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

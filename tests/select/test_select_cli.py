@@ -1,6 +1,7 @@
 """`mcore-proxy select` through the real entry point, with the checkpoint reader replaced by
 an in-memory view of a planted model (the reader is tested in its own package); and outputs that
 are replaced only with --force, a failed forced run on a real checkpoint included."""
+
 import importlib.util
 import json
 import re
@@ -35,8 +36,25 @@ def cli_model(tmp_path, monkeypatch, planted_model):
 def test_select_writes_the_plan_and_prints_a_summary(tmp_path, cli_model, capsys):
     view, stats, stats_path, opened = cli_model
     out = tmp_path / "plan.json"
-    code = main(["select", "--ckpt", "CKPT", "--stats", str(stats_path), "--num-experts", "8",
-                 "--target-ep", "2", "--seed", "4", "--weights", "1,2,1", "-o", str(out)])
+    code = main(
+        [
+            "select",
+            "--ckpt",
+            "CKPT",
+            "--stats",
+            str(stats_path),
+            "--num-experts",
+            "8",
+            "--target-ep",
+            "2",
+            "--seed",
+            "4",
+            "--weights",
+            "1,2,1",
+            "-o",
+            str(out),
+        ]
+    )
     assert code == 0 and opened == ["CKPT"]
     plan = load_plan(out)
     expected = select_experts(view, stats, 8, target_ep=2, seed=4, weights=(1, 2, 1))
@@ -50,9 +68,25 @@ def test_select_with_report_and_flatten(tmp_path, cli_model, capsys):
     pytest.importorskip("matplotlib")
     _, _, stats_path, _ = cli_model
     out, rep = tmp_path / "plan.json", tmp_path / "report"
-    code = main(["select", "--ckpt", "C", "--stats", str(stats_path), "-k", "4",
-                 "--group-policy", "flatten", "--method", "router+proto", "--report", str(rep),
-                 "-o", str(out)])
+    code = main(
+        [
+            "select",
+            "--ckpt",
+            "C",
+            "--stats",
+            str(stats_path),
+            "-k",
+            "4",
+            "--group-policy",
+            "flatten",
+            "--method",
+            "router+proto",
+            "--report",
+            str(rep),
+            "-o",
+            str(out),
+        ]
+    )
     assert code == 0
     d = json.loads(out.read_text())
     assert d["router"]["num_groups"] == 1 and d["params"]["group_policy"] == "flatten"
@@ -61,12 +95,15 @@ def test_select_with_report_and_flatten(tmp_path, cli_model, capsys):
     assert (rep / "distance_layer_mtp.0.png").is_file()
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["-k", "32"], "--num-experts 32 must be in 1..31"),
-    (["-k", "6"], "--num-experts 6 is not divisible by the 4 routing groups"),
-    (["-k", "8", "--weights", "1,1"], "--weights '1,1' must be three"),
-    (["-k", "8", "--target-ep", "3"], "not divisible by --target-ep 3"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["-k", "32"], "--num-experts 32 must be in 1..31"),
+        (["-k", "6"], "--num-experts 6 is not divisible by the 4 routing groups"),
+        (["-k", "8", "--weights", "1,1"], "--weights '1,1' must be three"),
+        (["-k", "8", "--target-ep", "3"], "not divisible by --target-ep 3"),
+    ],
+)
 def test_bad_input_exits_2_with_one_sentence(tmp_path, cli_model, capsys, argv, match):
     _, _, stats_path, _ = cli_model
     out = tmp_path / "plan.json"
@@ -88,12 +125,24 @@ def test_output_folder_is_refused_and_ep_alias_works(tmp_path, cli_model, capsys
 
 
 def test_missing_stats_file_names_it(tmp_path, cli_model, capsys):
-    code = main(["select", "--ckpt", "C", "--stats", str(tmp_path / "nope.safetensors"), "-k", "8",
-                 "-o", str(tmp_path / "plan.json")])
+    code = main(
+        [
+            "select",
+            "--ckpt",
+            "C",
+            "--stats",
+            str(tmp_path / "nope.safetensors"),
+            "-k",
+            "8",
+            "-o",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     assert code == 2 and "nope.safetensors: routing-statistics file not found" in capsys.readouterr().err
 
 
 # -- outputs replaced only by --force, never an input --------------------------------------------
+
 
 def select_argv(stats_path, out, *extra):
     return ["select", "--ckpt", "C", "--stats", str(stats_path), "-k", "8", "-o", str(out), *map(str, extra)]
@@ -109,8 +158,11 @@ def test_an_existing_plan_is_replaced_only_with_force(tmp_path, cli_model, capsy
     assert f"{out}: exists; pass --force" in capsys.readouterr().err and out.read_bytes() == before
     assert main(select_argv(stats_path, out, "--seed", "2", "--force")) == 0
     assert load_plan(out).params["seed"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "routing_stats.json",
-                                                          "routing_stats.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "plan.json",
+        "routing_stats.json",
+        "routing_stats.safetensors",
+    ]
 
 
 def test_a_report_is_replaced_only_with_force(tmp_path, cli_model, capsys):
@@ -119,7 +171,7 @@ def test_a_report_is_replaced_only_with_force(tmp_path, cli_model, capsys):
     rep = tmp_path / "report"
     rep.mkdir()
     (rep / "summary.txt").write_text("old")
-    (rep / "distance_layer_99.png").write_bytes(b"old")   # of an earlier report on other layers
+    (rep / "distance_layer_99.png").write_bytes(b"old")  # of an earlier report on other layers
     (rep / "mine.txt").write_text("not the report's")
     argv = select_argv(stats_path, tmp_path / "plan.json", "--report", rep)
     capsys.readouterr()
@@ -160,12 +212,31 @@ def test_a_forced_select_that_fails_to_write_leaves_the_old_plan(megatron_ckpt, 
 
     ckpt, _ = megatron_ckpt("seq_tp2_pp2_ep2")
     spec = open_checkpoint(ckpt).spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=4,
-                             hidden=spec.hidden_size, tokens=500, seed=1)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=4,
+        hidden=spec.hidden_size,
+        tokens=500,
+        seed=1,
+    )
     stats_path = save_stats(stats, tmp_path / "routing_stats.safetensors")
     out = tmp_path / "plan.json"
-    argv = [sys.executable, "-m", "mcore_proxy.cli", "select", "--ckpt", str(ckpt), "--stats", str(stats_path),
-            "-k", "4", "-o", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "mcore_proxy.cli",
+        "select",
+        "--ckpt",
+        str(ckpt),
+        "--stats",
+        str(stats_path),
+        "-k",
+        "4",
+        "-o",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     assert subprocess.run(argv, capture_output=True, env=env, timeout=300).returncode == 0
     before = out.read_bytes()
@@ -174,9 +245,13 @@ def test_a_forced_select_that_fails_to_write_leaves_the_old_plan(megatron_ckpt, 
     def apply():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    done = subprocess.run(argv + ["--seed", "5", "--force"], capture_output=True, text=True, env=env, timeout=300,
-                          preexec_fn=apply)
+    done = subprocess.run(
+        argv + ["--seed", "5", "--force"], capture_output=True, text=True, env=env, timeout=300, preexec_fn=apply
+    )
     assert done.returncode == 2 and "file-size limit" in done.stderr.strip().splitlines()[-1], done.stderr
     assert out.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "routing_stats.json",
-                                                          "routing_stats.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "plan.json",
+        "routing_stats.json",
+        "routing_stats.safetensors",
+    ]

@@ -5,11 +5,7 @@ from mcore_proxy.select.cluster import kmedoids, representatives, restart_seeds
 
 # Two groups {0, 1, 2} and {3, 4}: in the first, expert 1 is the only best medoid (cost 1 + 1
 # against 2 + 1 for experts 0 and 2); the second costs 1 whichever medoid. Optimal loss 3.
-D5 = np.array([[0, 1, 2, 9, 9],
-               [1, 0, 1, 9, 9],
-               [2, 1, 0, 9, 9],
-               [9, 9, 9, 0, 1],
-               [9, 9, 9, 1, 0]], dtype=float)
+D5 = np.array([[0, 1, 2, 9, 9], [1, 0, 1, 9, 9], [2, 1, 0, 9, 9], [9, 9, 9, 0, 1], [9, 9, 9, 1, 0]], dtype=float)
 
 
 def partition(labels):
@@ -76,15 +72,15 @@ def test_all_zero_distances_still_give_k_distinct_medoids(n):
         for restarts in (1, 4):
             c = kmedoids(d, k, seed=3, restarts=restarts)
             assert len(set(c.medoids.tolist())) == k and c.loss == 0.0
-            assert sorted(set(c.labels.tolist())) == list(range(k))   # no empty cluster
-            assert (c.labels[c.medoids] == np.arange(k)).all()        # medoid in its own cluster
+            assert sorted(set(c.labels.tolist())) == list(range(k))  # no empty cluster
+            assert (c.labels[c.medoids] == np.arange(k)).all()  # medoid in its own cluster
 
 
 def test_zero_blocks_and_ties_give_k_clusters_and_the_log_says_restarts_disagree(caplog):
     rng = np.random.default_rng(0)
     x = rng.random((12, 12))
     d = (x + x.T) / 2
-    d[:9, :9] = 0.0   # nine experts never co-activated (partners distance 0): BUILD stops at 4
+    d[:9, :9] = 0.0  # nine experts never co-activated (partners distance 0): BUILD stops at 4
     np.fill_diagonal(d, 0.0)
     with caplog.at_level("INFO", logger="mcore_proxy.select.cluster"):
         c = kmedoids(d, 6, seed=0, restarts=8)
@@ -97,5 +93,5 @@ def test_zero_blocks_and_ties_give_k_clusters_and_the_log_says_restarts_disagree
 def test_complete_medoids_adds_farthest_points_first():
     from mcore_proxy.select.cluster import complete_medoids
 
-    assert complete_medoids(D5, [1], 2).tolist() == [1, 3]   # 3 and 4 tie at 9: lowest id
+    assert complete_medoids(D5, [1], 2).tolist() == [1, 3]  # 3 and 4 tie at 9: lowest id
     assert complete_medoids(np.zeros((3, 3)), [], 3).tolist() == [0, 1, 2]

@@ -7,12 +7,15 @@ from mcore_proxy.errors import PlanError, StatsError
 from mcore_proxy.select.constraints import check_sizes, check_stats_match, resolve_groups
 
 
-@pytest.mark.parametrize("args, match", [
-    ((8, 8, 2, 1), "--num-experts 8 must be in 1..7"),
-    ((8, 0, 2, 1), "must be in 1..7"),
-    ((16, 6, 2, 4), "--num-experts 6 is not divisible by --target-ep 4"),
-    ((16, 4, 8, 1), "smaller than the router top-k 8"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((8, 8, 2, 1), "--num-experts 8 must be in 1..7"),
+        ((8, 0, 2, 1), "must be in 1..7"),
+        ((16, 6, 2, 4), "--num-experts 6 is not divisible by --target-ep 4"),
+        ((16, 4, 8, 1), "smaller than the router top-k 8"),
+    ],
+)
 def test_sizes_are_checked(args, match):
     with pytest.raises(PlanError, match=match):
         check_sizes(*args)
@@ -30,8 +33,7 @@ def test_per_group_is_the_default_for_grouped_routers():
     setup = resolve_groups(256, 16, 8, 8, 4, "sigmoid", None)
     assert setup.policy == "per-group" and setup.per_group_k == 2
     assert [g.tolist() for g in setup.groups] == [list(range(32 * i, 32 * i + 32)) for i in range(8)]
-    assert setup.router.to_json() == {"topk": 8, "num_groups": 8, "group_topk": 4,
-                                      "score_function": "sigmoid"}
+    assert setup.router.to_json() == {"topk": 8, "num_groups": 8, "group_topk": 4, "score_function": "sigmoid"}
 
 
 def test_per_group_rejects_infeasible_settings():

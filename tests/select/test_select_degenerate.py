@@ -3,6 +3,7 @@ statistics written by the trace (many never-selected experts, most pairs never c
 
 Every method and K must keep exactly K distinct experts per layer, and an expert no token
 selected is kept only when fewer than K (per routing group) were selected."""
+
 import itertools
 import json
 
@@ -40,8 +41,26 @@ def test_coact_alone_keeps_k_at_every_k_through_the_cli(sparse_traced, tmp_path,
     ckpt, stats = sparse_traced(FLAT)
     for k in range(2, 8):
         out = tmp_path / f"plan_{k}.json"
-        assert main(["select", "--ckpt", str(ckpt), "--stats", str(stats), "-k", str(k),
-                     "--method", "coact", "--coact-mode", mode, "-o", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "select",
+                    "--ckpt",
+                    str(ckpt),
+                    "--stats",
+                    str(stats),
+                    "-k",
+                    str(k),
+                    "--method",
+                    "coact",
+                    "--coact-mode",
+                    mode,
+                    "-o",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         plan = load_plan(out)
         assert all(len(set(plan.kept(lid))) == k for lid in plan.layer_ids)
 
@@ -50,11 +69,16 @@ def test_coact_alone_keeps_k_at_every_k_through_the_cli(sparse_traced, tmp_path,
 def test_every_method_keeps_k_distinct_and_live_before_dead(sparse_traced, fixture, ks):
     ckpt, stats_path = sparse_traced(fixture)
     view, stats = open_checkpoint(ckpt), load_stats(stats_path)
-    groups = (np.arange(16).reshape(4, 4) if fixture == GROUPED else np.arange(8)[None])
-    variants = [(m, dict(coact_mode=mode)) for m in METHODS
-                for mode in (("partners", "substitutes") if m in VIEW_METHODS else ("partners",))]
-    variants += [("multiview", dict(representative="reconstruction")),
-                 ("multiview", dict(weight_search=True, representative="reconstruction"))]
+    groups = np.arange(16).reshape(4, 4) if fixture == GROUPED else np.arange(8)[None]
+    variants = [
+        (m, dict(coact_mode=mode))
+        for m in METHODS
+        for mode in (("partners", "substitutes") if m in VIEW_METHODS else ("partners",))
+    ]
+    variants += [
+        ("multiview", dict(representative="reconstruction")),
+        ("multiview", dict(weight_search=True, representative="reconstruction")),
+    ]
     for (method, options), k in itertools.product(variants, ks):
         plan = run_selection(view, stats, k, method=method, **options)[0]
         for lid, lp in plan.layers.items():
@@ -65,8 +89,14 @@ def test_every_method_keeps_k_distinct_and_live_before_dead(sparse_traced, fixtu
                 live = [e for e in ids if freq[e] > 0]
                 assert len(kept_here) == k // len(groups)
                 # live before dead: all live kept, or only live kept
-                assert set(live) <= set(kept_here) or set(kept_here) <= set(live), \
-                    (method, options, k, lid, live, kept_here)
+                assert set(live) <= set(kept_here) or set(kept_here) <= set(live), (
+                    method,
+                    options,
+                    k,
+                    lid,
+                    live,
+                    kept_here,
+                )
             dead_kept = [e for e in lp.kept if freq[e] == 0]
             assert list(lp.dead_kept) == dead_kept
             assert bool(lp.dead_note) == bool(dead_kept)
@@ -92,8 +122,7 @@ def test_plan_and_summary_say_how_many_dead_were_kept_and_why(sparse_traced, tmp
     ckpt, stats_path = sparse_traced(FLAT)
     stats = load_stats(stats_path)
     out = tmp_path / "plan.json"
-    assert main(["select", "--ckpt", str(ckpt), "--stats", str(stats_path), "-k", "6",
-                 "-o", str(out)]) == 0
+    assert main(["select", "--ckpt", str(ckpt), "--stats", str(stats_path), "-k", "6", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     layers = json.loads(out.read_text())["layers"]
     short = {lid: n for lid, n in live_counts(stats).items() if n < 6}

@@ -1,5 +1,6 @@
 """`mcore-proxy select` on real Megatron checkpoints written by megatron-core (session fixtures
 from tests/conftest.py), with synthetic statistics for exactly their MoE layers."""
+
 import json
 
 from mcore_proxy.checkpoint import open_checkpoint, router_fingerprint
@@ -12,8 +13,14 @@ from mcore_proxy.stats import save_stats
 def stats_for(ckpt, tmp_path):
     view = open_checkpoint(ckpt)
     spec = view.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts,
-                             clusters=4, hidden=spec.hidden_size, tokens=2000)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=4,
+        hidden=spec.hidden_size,
+        tokens=2000,
+    )
     return view, save_stats(stats, tmp_path / "routing_stats.safetensors")
 
 
@@ -22,8 +29,10 @@ def test_select_on_a_real_tp2_pp2_ep2_checkpoint(tmp_path, megatron_ckpt, digest
     before = digest(ckpt)
     view, stats_path = stats_for(ckpt, tmp_path)
     out = tmp_path / "plan.json"
-    assert main(["select", "--ckpt", str(ckpt), "--stats", str(stats_path), "-k", "4",
-                 "--target-ep", "2", "-o", str(out)]) == 0
+    assert (
+        main(["select", "--ckpt", str(ckpt), "--stats", str(stats_path), "-k", "4", "--target-ep", "2", "-o", str(out)])
+        == 0
+    )
     plan = load_plan(out)
     assert plan.source.router_fingerprint == router_fingerprint(view)
     assert plan.source.iteration == view.iteration

@@ -4,8 +4,7 @@ import json
 import pytest
 
 from mcore_proxy.errors import PlanError
-from mcore_proxy.select.plan import (FORMAT, Cluster, LayerPlan, RouterSettings, SelectionPlan,
-                                     SourceInfo, load_plan)
+from mcore_proxy.select.plan import FORMAT, Cluster, LayerPlan, RouterSettings, SelectionPlan, SourceInfo, load_plan
 
 
 def make_plan(**changes):
@@ -13,10 +12,15 @@ def make_plan(**changes):
         "3": LayerPlan((1, 4), (Cluster((0, 1, 2), 1), Cluster((3, 4, 5, 6, 7), 4)), 0.6, 0.55, (7,)),
         "mtp.0": LayerPlan((0, 5), (), 0.5, 0.5, ()),
     }
-    fields = dict(source=SourceInfo(8, 2, None, None, 1000, "ab" * 32), num_experts=2,
-                  expert_parallel_size=2, method="multiview",
-                  params={"seed": 0, "weights": {"router": 0.5, "coact": 0.5}},
-                  router=RouterSettings(2, None, None, "softmax"), layers=layers)
+    fields = dict(
+        source=SourceInfo(8, 2, None, None, 1000, "ab" * 32),
+        num_experts=2,
+        expert_parallel_size=2,
+        method="multiview",
+        params={"seed": 0, "weights": {"router": 0.5, "coact": 0.5}},
+        router=RouterSettings(2, None, None, "softmax"),
+        layers=layers,
+    )
     fields.update(changes)
     return SelectionPlan(**fields)
 
@@ -24,17 +28,24 @@ def make_plan(**changes):
 def test_json_layout_follows_design_4_2():
     d = make_plan().to_json()
     assert d["format"] == FORMAT
-    assert d["source"] == {"num_experts": 8, "topk": 2, "num_groups": None, "group_topk": None,
-                           "iteration": 1000, "router_fingerprint": "ab" * 32}
+    assert d["source"] == {
+        "num_experts": 8,
+        "topk": 2,
+        "num_groups": None,
+        "group_topk": None,
+        "iteration": 1000,
+        "router_fingerprint": "ab" * 32,
+    }
     assert d["target"] == {"num_experts": 2, "expert_parallel_size": 2}
     assert d["router"] == {"topk": 2, "num_groups": None, "group_topk": None, "score_function": "softmax"}
     assert list(d["layers"]) == ["3", "mtp.0"]
     assert d["layers"]["3"] == {
         "kept": [1, 4],
-        "clusters": [{"members": [0, 1, 2], "representative": 1},
-                     {"members": [3, 4, 5, 6, 7], "representative": 4}],
-        "coverage": {"tokens": 0.6, "gate_mass": 0.55}, "never_selected": [7],
-        "dead_kept": {"count": 0, "experts": [], "why": ""}}
+        "clusters": [{"members": [0, 1, 2], "representative": 1}, {"members": [3, 4, 5, 6, 7], "representative": 4}],
+        "coverage": {"tokens": 0.6, "gate_mass": 0.55},
+        "never_selected": [7],
+        "dead_kept": {"count": 0, "experts": [], "why": ""},
+    }
 
 
 def test_dead_kept_round_trips_and_older_plans_without_it_still_read(tmp_path):
@@ -43,7 +54,7 @@ def test_dead_kept_round_trips_and_older_plans_without_it_still_read(tmp_path):
     path = plan.save(tmp_path / "plan.json")
     assert load_plan(path).layers["3"] == layer
     older = json.loads(path.read_text())
-    for entry in older["layers"].values():   # as written before the field existed
+    for entry in older["layers"].values():  # as written before the field existed
         del entry["dead_kept"]
     path.write_text(json.dumps(older))
     assert load_plan(path).layers["3"].dead_kept == ()
@@ -67,15 +78,18 @@ def test_kept_of_unknown_layer_names_the_layers():
         make_plan().kept("9")
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(num_experts=8), "must be in 1..7"),
-    (dict(expert_parallel_size=3), "not divisible by the expert-parallel degree 3"),
-    (dict(router=RouterSettings(4)), "top-k 4 exceeds K=2"),
-    (dict(layers={}), "no MoE layer"),
-    (dict(layers={"3": LayerPlan((1, 2, 3))}), "keeps 3 experts, expected K=2"),
-    (dict(layers={"3": LayerPlan((1, 9))}), "keeps expert 9 but the source has 8"),
-    (dict(layers={"x3": LayerPlan((1, 2))}), "neither"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_experts=8), "must be in 1..7"),
+        (dict(expert_parallel_size=3), "not divisible by the expert-parallel degree 3"),
+        (dict(router=RouterSettings(4)), "top-k 4 exceeds K=2"),
+        (dict(layers={}), "no MoE layer"),
+        (dict(layers={"3": LayerPlan((1, 2, 3))}), "keeps 3 experts, expected K=2"),
+        (dict(layers={"3": LayerPlan((1, 9))}), "keeps expert 9 but the source has 8"),
+        (dict(layers={"x3": LayerPlan((1, 2))}), "neither"),
+    ],
+)
 def test_plan_validation(changes, match):
     with pytest.raises(PlanError, match=match):
         make_plan(**changes)
@@ -146,6 +160,9 @@ def test_check_matches_refuses_another_top_k(planted_model):
     view, stats, _ = planted_model()
     plan = select_experts(view, stats, 8, method="frequency")
     other = dataclasses.replace(plan, source=dataclasses.replace(plan.source, topk=plan.source.topk + 1))
-    with pytest.raises(PlanError, match=rf"top {plan.source.topk + 1} experts but the checkpoint's chooses the top "
-                                        rf"{plan.source.topk}; select again"):
+    with pytest.raises(
+        PlanError,
+        match=rf"top {plan.source.topk + 1} experts but the checkpoint's chooses the top "
+        rf"{plan.source.topk}; select again",
+    ):
         other.check_matches(view)

@@ -1,5 +1,6 @@
 """Reconstruction-driven selection (issue 13 item 3): the layer function equals megatron-core's
 MoE layer, and the methods built on it keep K experts, live before dead, on real checkpoints."""
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,14 +29,16 @@ def _megatron_moe_worker(rank, port, model, points, keep, out_path):
         gpt = build_gpt(model, Layout())
         fill_global_weights(gpt, seed=3, router_std=model.router_std)
         mlp = gpt.decoder.layers[0].mlp
-        x = torch.as_tensor(points, dtype=torch.float32)[:, None, :]       # [s, b=1, H]
+        x = torch.as_tensor(points, dtype=torch.float32)[:, None, :]  # [s, b=1, H]
         with torch.no_grad():
             full = mlp(x)[0][:, 0]
             with restrict_routers(gpt, {str(i): keep for i in range(model.num_layers)}):
                 restricted = mlp(x)[0][:, 0]
-        weights = {"router": mlp.router.weight.detach().double().numpy(),
-                   "fc1": [e.linear_fc1.weight.detach().double().numpy() for e in mlp.experts.local_experts],
-                   "fc2": [e.linear_fc2.weight.detach().double().numpy() for e in mlp.experts.local_experts]}
+        weights = {
+            "router": mlp.router.weight.detach().double().numpy(),
+            "fc1": [e.linear_fc1.weight.detach().double().numpy() for e in mlp.experts.local_experts],
+            "fc2": [e.linear_fc2.weight.detach().double().numpy() for e in mlp.experts.local_experts],
+        }
         torch.save({"full": full.double(), "restricted": restricted.double(), "weights": weights}, out_path)
     finally:
         destroy_distributed()
@@ -50,8 +53,9 @@ def test_layer_function_equals_megatron_core_moe_layer(tmp_path, activation):
     points = np.random.default_rng(0).normal(size=(12, model.hidden_size))
     keep = [1, 2, 5, 6]
     out = tmp_path / "moe.pt"
-    torch.multiprocessing.spawn(_megatron_moe_worker, args=(free_port(), model, points, keep, str(out)),
-                                nprocs=1, join=True)
+    torch.multiprocessing.spawn(
+        _megatron_moe_worker, args=(free_port(), model, points, keep, str(out)), nprocs=1, join=True
+    )
     got = torch.load(out, weights_only=False)
     w = got["weights"]
     # the model is built as its args say (`--swiglu`: SiLU-gated), the reconstruction reads them so
@@ -74,9 +78,8 @@ def test_refined_representatives_never_reconstruct_worse(sparse_traced):
         plan, details = run_selection(view, stats, k, representative="reconstruction")
         for lid, lp in plan.layers.items():
             members = lambda p: sorted(sorted(c.members) for c in p.layers[lid].clusters)  # noqa: E731
-            assert members(plan) == members(base)          # same clusters, other representatives
-            fn = layer_function(view, lid, stats.layers[lid],
-                                view.get(router_weight_name(lid)).double().numpy())
+            assert members(plan) == members(base)  # same clusters, other representatives
+            fn = layer_function(view, lid, stats.layers[lid], view.get(router_weight_name(lid)).double().numpy())
             err = plan.params["reconstruction"]["error"][lid]
             assert err == pytest.approx(fn.error(lp.kept)) == pytest.approx(details[lid].recon_error)
             assert err <= fn.error(base.layers[lid].kept) + 1e-12
@@ -113,8 +116,7 @@ def test_refine_and_prune_on_a_hand_made_layer():
 def test_defaults_resolve_and_fall_back_without_expert_weights(monkeypatch, default_model):
     from mcore_proxy.select import selector
 
-    monkeypatch.setattr(selector, "DEFAULT_REFINEMENTS",
-                        {"representative": "reconstruction", "weight_search": True})
+    monkeypatch.setattr(selector, "DEFAULT_REFINEMENTS", {"representative": "reconstruction", "weight_search": True})
     assert selector.resolve_refinements("multiview", None, None, True) == ("reconstruction", True, "")
     assert selector.resolve_refinements("router", None, None, True) == ("frequency", False, "")
     rep, search, note = selector.resolve_refinements("multiview", None, None, False)

@@ -33,8 +33,13 @@ def test_write_report_draws_matrices_coverage_and_summary(tmp_path, default_mode
     base = {m: run_selection(view, stats, K, method=m)[0] for m in ("frequency", "random")}
     files = write_report(tmp_path / "rep", plan, details, base)
     names = sorted(p.name for p in files)
-    assert names == ["coverage.png", "distance_layer_1.png", "distance_layer_2.png",
-                     "distance_layer_mtp.0.png", "summary.txt"]
+    assert names == [
+        "coverage.png",
+        "distance_layer_1.png",
+        "distance_layer_2.png",
+        "distance_layer_mtp.0.png",
+        "summary.txt",
+    ]
     for p in files:
         assert p.stat().st_size > 0
     assert (tmp_path / "rep" / "coverage.png").read_bytes()[:4] == b"\x89PNG"
@@ -57,9 +62,9 @@ def test_heatmap_ticks_are_expert_ids_in_cluster_order(default_model):
     lp = run_selection(view, stats, K)[0].layers["1"]
     order = cluster_order(lp, 32)
     pos, labels = expert_ticks(order, lp)
-    assert pos == list(range(32)) and labels == [str(e) for e in order]   # ids, not positions
+    assert pos == list(range(32)) and labels == [str(e) for e in order]  # ids, not positions
     big = list(range(MAX_LABELLED + 8))
-    pos, labels = expert_ticks(big[::-1], lp)                             # too many: kept ones
+    pos, labels = expert_ticks(big[::-1], lp)  # too many: kept ones
     assert sorted(int(x) for x in labels) == sorted(lp.kept)
 
 
@@ -71,6 +76,8 @@ def test_summary_explains_coverage_against_frequency(tmp_path, default_model):
     write_report(tmp_path, plan, details, {"frequency": freq})
     text = (tmp_path / "summary.txt").read_text()
     tok, freq_tok = plan.mean_coverage()[0], freq.mean_coverage()[0]
-    assert tok <= freq_tok   # frequency is the ceiling of token coverage
-    assert (f"no set of {K} covers more routed tokens than its {freq_tok:.3f}; multiview covers "
-            f"{tok:.3f} because it keeps one expert per cluster") in text
+    assert tok <= freq_tok  # frequency is the ceiling of token coverage
+    assert (
+        f"no set of {K} covers more routed tokens than its {freq_tok:.3f}; multiview covers "
+        f"{tok:.3f} because it keeps one expert per cluster"
+    ) in text

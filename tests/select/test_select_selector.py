@@ -1,4 +1,5 @@
 """select_experts end to end on planted statistics (issue 4 acceptance)."""
+
 import json
 
 import numpy as np
@@ -10,14 +11,12 @@ from mcore_proxy.select.selector import RECON_METHODS
 from mcore_proxy.select.synthetic import adjusted_rand_index, plan_labels
 
 E, K = 32, 8
-NOISY = {"router": dict(router_noise=4.0), "coact": dict(coact_noise=0.97),
-         "proto": dict(proto_noise=4.0)}
+NOISY = {"router": dict(router_noise=4.0), "coact": dict(coact_noise=0.97), "proto": dict(proto_noise=4.0)}
 
 
 def recovery(plan, planted):
     """Mean adjusted Rand index of the plan's clusters against the planted ones."""
-    return np.mean([adjusted_rand_index(plan_labels(plan.layers[lid], E), p.labels)
-                    for lid, p in planted.items()])
+    return np.mean([adjusted_rand_index(plan_labels(plan.layers[lid], E), p.labels) for lid, p in planted.items()])
 
 
 def test_adjusted_rand_index_by_hand():
@@ -36,8 +35,7 @@ def test_multiview_recovers_planted_clusters_and_keeps_most_frequent(planted_mod
     assert recovery(plan, planted) >= 0.9
     for lid, p in planted.items():
         freq = stats.layers[lid].freq
-        expected = sorted(int(np.flatnonzero(p.labels == c)[np.argmax(freq[p.labels == c])])
-                          for c in range(K))
+        expected = sorted(int(np.flatnonzero(p.labels == c)[np.argmax(freq[p.labels == c])]) for c in range(K))
         assert plan.kept(lid) == expected
     assert plan.params["coact_mode"] == mode
 
@@ -55,7 +53,7 @@ def test_a_noisy_view_alone_recovers_less_than_all_three(planted_model, mode, no
 def test_every_method_keeps_k_per_layer_and_records_itself(default_model):
     view, stats, _ = default_model
     for method in METHODS:
-        if method in RECON_METHODS:   # needs expert weights: tests/select/test_select_recon.py
+        if method in RECON_METHODS:  # needs expert weights: tests/select/test_select_recon.py
             with pytest.raises(PlanError, match="reconstruction reads every expert's weights"):
                 select_experts(view, stats, K, method=method)
             continue
@@ -72,8 +70,10 @@ def test_every_method_keeps_k_per_layer_and_records_itself(default_model):
 def test_baselines_through_select_experts(default_model):
     view, stats, _ = default_model
     for lid, s in stats.layers.items():
-        by = {m: select_experts(view, stats, K, method=m).kept(lid)
-              for m in ("frequency", "gate-mass", "saliency", "first-k")}
+        by = {
+            m: select_experts(view, stats, K, method=m).kept(lid)
+            for m in ("frequency", "gate-mass", "saliency", "first-k")
+        }
         assert by["frequency"] == sorted(np.argsort(-s.freq, kind="stable")[:K].tolist())
         assert by["gate-mass"] == sorted(np.argsort(-s.gate_mass, kind="stable")[:K].tolist())
         mean_sal = s.saliency_sum / s.freq
@@ -102,8 +102,7 @@ def test_coverage_is_the_kept_share(default_model):
 @pytest.mark.parametrize("method", ["multiview", "random", "router+proto"])
 def test_deterministic_for_a_seed(default_model, method):
     view, stats, _ = default_model
-    runs = [json.dumps(select_experts(view, stats, K, method=method, seed=3).to_json())
-            for _ in range(2)]
+    runs = [json.dumps(select_experts(view, stats, K, method=method, seed=3).to_json()) for _ in range(2)]
     assert runs[0] == runs[1]
 
 
@@ -121,8 +120,7 @@ def test_per_group_keeps_exactly_k_over_g_in_each_group(planted_model, method):
     view, stats, _ = planted_model(num_groups=4, group_topk=2)
     plan = select_experts(view, stats, K, method=method)
     assert plan.params["group_policy"] == "per-group"
-    assert plan.router.to_json() == {"topk": 2, "num_groups": 4, "group_topk": 2,
-                                     "score_function": "sigmoid"}
+    assert plan.router.to_json() == {"topk": 2, "num_groups": 4, "group_topk": 2, "score_function": "sigmoid"}
     for lid in plan.layers:
         per_group = np.bincount(np.array(plan.kept(lid)) // 8, minlength=4)
         assert per_group.tolist() == [2, 2, 2, 2]
@@ -158,17 +156,30 @@ def test_plan_records_source_and_params(default_model):
     view, stats, _ = default_model
     from mcore_proxy.checkpoint.view import router_fingerprint
 
-    plan = select_experts(view, stats, K, target_ep=4, weights=(2, 1, 1), norm="rank",
-                          router_metric="euclidean", restarts=3, seed=9)
+    plan = select_experts(
+        view, stats, K, target_ep=4, weights=(2, 1, 1), norm="rank", router_metric="euclidean", restarts=3, seed=9
+    )
     d = plan.to_json()
-    assert d["source"] == {"num_experts": E, "topk": 2, "num_groups": None, "group_topk": None,
-                           "iteration": 100, "router_fingerprint": router_fingerprint(view)}
+    assert d["source"] == {
+        "num_experts": E,
+        "topk": 2,
+        "num_groups": None,
+        "group_topk": None,
+        "iteration": 100,
+        "router_fingerprint": router_fingerprint(view),
+    }
     assert d["target"] == {"num_experts": K, "expert_parallel_size": 4}
     assert d["params"]["weights"] == {"router": 0.5, "coact": 0.25, "proto": 0.25}
-    assert {k: d["params"][k] for k in ("normalisation", "router_metric", "restarts", "seed",
-                                        "coact_mode", "group_policy")} == {
-        "normalisation": "rank", "router_metric": "euclidean", "restarts": 3, "seed": 9,
-        "coact_mode": "partners", "group_policy": "none"}
+    assert {
+        k: d["params"][k] for k in ("normalisation", "router_metric", "restarts", "seed", "coact_mode", "group_policy")
+    } == {
+        "normalisation": "rank",
+        "router_metric": "euclidean",
+        "restarts": 3,
+        "seed": 9,
+        "coact_mode": "partners",
+        "group_policy": "none",
+    }
     assert list(d["layers"]) == ["1", "2", "mtp.0"]
 
 
@@ -190,17 +201,19 @@ def test_router_weights_as_a_mapping(default_model):
         select_experts({"1": weights["1"], "2": weights["2"]}, stats, K)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(method="kmeans"), PlanError, "--method 'kmeans' is not one of"),
-    (dict(weights=(1, -1, 1)), PlanError, "three non-negative numbers"),
-    (dict(weights=("a", 1, 1)), PlanError, "three non-negative numbers"),
-    (dict(weights=(1, 1)), PlanError, "three non-negative numbers"),
-    (dict(weights=(1, 0, 0), method="coact+proto"), PlanError,
-     "every view of --method coact\\+proto weight 0"),
-    (dict(coact_mode="rivals"), PlanError, "--coact-mode 'rivals'"),
-    (dict(restarts=0), PlanError, "--restarts 0"),
-    (dict(target_ep=3), PlanError, "not divisible by --target-ep 3"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(method="kmeans"), PlanError, "--method 'kmeans' is not one of"),
+        (dict(weights=(1, -1, 1)), PlanError, "three non-negative numbers"),
+        (dict(weights=("a", 1, 1)), PlanError, "three non-negative numbers"),
+        (dict(weights=(1, 1)), PlanError, "three non-negative numbers"),
+        (dict(weights=(1, 0, 0), method="coact+proto"), PlanError, "every view of --method coact\\+proto weight 0"),
+        (dict(coact_mode="rivals"), PlanError, "--coact-mode 'rivals'"),
+        (dict(restarts=0), PlanError, "--restarts 0"),
+        (dict(target_ep=3), PlanError, "not divisible by --target-ep 3"),
+    ],
+)
 def test_bad_options_are_refused(default_model, kwargs, error, match):
     view, stats, _ = default_model
     with pytest.raises(error, match=match):

@@ -6,6 +6,7 @@ every rank-local shard must equal its slice of the global tensor, and a model lo
 layout must compute the reference logits. The fixtures are built once per session (cached with
 MCORE_PROXY_FIXTURE_CACHE); one more set of ranks runs every load.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,15 +19,15 @@ from mcore_proxy.pipeline_layout import parse_pipeline_layout
 from mcore_proxy.testing import global_weights
 from mcore_proxy.testing.families import DEEPSEEK_V3, QWEN3_MOE, StagedLayout, iteration_dir, load_and_run
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
-CLOSE = dict(rtol=1e-4, atol=1e-4)    # fp32 logits of size ~1; another TP/EP/expert module reorders sums
+CLOSE = dict(rtol=1e-4, atol=1e-4)  # fp32 logits of size ~1; another TP/EP/expert module reorders sums
 
 
 def _rank_file(ckpt, folder: str) -> dict:
-    return torch.load(iteration_dir(ckpt.legacy) / folder / "model_optim_rng.pt", map_location="cpu",
-                      weights_only=False)
+    return torch.load(
+        iteration_dir(ckpt.legacy) / folder / "model_optim_rng.pt", map_location="cpu", weights_only=False
+    )
 
 
 def _folders(ckpt) -> list[str]:
@@ -35,14 +36,22 @@ def _folders(ckpt) -> list[str]:
 
 # -- legacy files ------------------------------------------------------------------------------
 
+
 def test_deepseek_legacy_is_shaped_like_megatron_training(family_ckpt):
     ckpt = family_ckpt["deepseek_v3_mla"]
     # TP=2 x EP=2 with ETP=1 on 4 ranks: (tp, ep) = (0, 0) and (1, 1) only, per PP rank
-    assert _folders(ckpt) == ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001",
-                              "mp_rank_01_001_001"]
+    assert _folders(ckpt) == ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001", "mp_rank_01_001_001"]
     state = _rank_file(ckpt, "mp_rank_00_000_000")
-    assert {"args", "checkpoint_version", "iteration", "model0", "model1", "optimizer",
-            "opt_param_scheduler", "rng_state"} <= set(state) and "model" not in state
+    assert {
+        "args",
+        "checkpoint_version",
+        "iteration",
+        "model0",
+        "model1",
+        "optimizer",
+        "opt_param_scheduler",
+        "rng_state",
+    } <= set(state) and "model" not in state
     args = state["args"]
     assert (args.pipeline_model_parallel_layout, args.virtual_pipeline_model_parallel_size) == ("Ettt|tt|m|L", 2)
     assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.mtp_num_layers) == (True, 20, 12, 1)
@@ -66,11 +75,11 @@ def _layers(model_state) -> list[int]:
 
 # rank-local shapes at TP=2, ETP=1 (H=32, 4 heads, q_lora 20, kv_lora 12, qk 8, rope 4, v 6, F=8)
 DEEPSEEK_LOCAL = {
-    "self_attention.linear_q_down_proj.weight": (10, 32),     # column-parallel in the local spec
-    "self_attention.linear_q_up_proj.weight": (24, 20),       # 2 heads x (8 + 4)
-    "self_attention.linear_kv_down_proj.weight": (8, 32),     # (12 + 4) / 2
-    "self_attention.linear_kv_up_proj.weight": (28, 12),      # 2 heads x (8 + 6)
-    "self_attention.linear_proj.weight": (32, 12),            # row-parallel: 2 heads x 6
+    "self_attention.linear_q_down_proj.weight": (10, 32),  # column-parallel in the local spec
+    "self_attention.linear_q_up_proj.weight": (24, 20),  # 2 heads x (8 + 4)
+    "self_attention.linear_kv_down_proj.weight": (8, 32),  # (12 + 4) / 2
+    "self_attention.linear_kv_up_proj.weight": (28, 12),  # 2 heads x (8 + 6)
+    "self_attention.linear_proj.weight": (32, 12),  # row-parallel: 2 heads x 6
     "self_attention.q_layernorm.weight": (20,),
     "self_attention.kv_layernorm.weight": (12,),
     "input_layernorm.weight": (32,),
@@ -84,8 +93,12 @@ def test_deepseek_mla_shards(family_ckpt):
         assert tuple(state[f"decoder.layers.0.{suffix}"].shape) == shape, suffix
     assert tuple(state["decoder.layers.0.mlp.router.weight"].shape) == (32, 32)
     assert state["decoder.layers.0.mlp.router.expert_bias"].dtype == torch.float32
-    experts = {int(m.group(1)) for k in state if (m := re.match(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.(\d+)\.", k))}
-    assert experts == set(range(16))                          # 32 experts over EP=2
+    experts = {
+        int(m.group(1))
+        for k in state
+        if (m := re.match(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.(\d+)\.", k))
+    }
+    assert experts == set(range(16))  # 32 experts over EP=2
     assert tuple(state["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape) == (16, 32)  # ETP=1
 
 
@@ -103,8 +116,9 @@ def _canonical(key: str, layer_ids: tuple[int, ...], ep_rank: int, local_experts
 def _expected_shard(name, local_shape, tp_rank, tp, seed, router_std, expert_tp=1):
     kind = global_weights.kind_of(name)
     rank, size = (0, expert_tp) if ".experts." in name else (tp_rank, tp)
-    full = global_weights.global_tensor(name, global_weights._sharded_shape(local_shape, kind, size), kind,
-                                        seed, router_std)
+    full = global_weights.global_tensor(
+        name, global_weights._sharded_shape(local_shape, kind, size), kind, seed, router_std
+    )
     return global_weights._split(full, kind, rank, size)
 
 
@@ -114,8 +128,12 @@ def test_legacy_shards_are_slices_of_the_global_weights(family_ckpt, name):
     and expert: the shard table of docs/families.md, proven on the files."""
     ckpt = family_ckpt[name]
     lay, model = ckpt.layout, ckpt.model
-    layout = parse_pipeline_layout(lay.pipeline_layout or "E" + "|".join(["t" * (model.num_layers // lay.pp)] * lay.pp) + "L",
-                                   lay.pp, model.num_layers, model.mtp_layers)
+    layout = parse_pipeline_layout(
+        lay.pipeline_layout or "E" + "|".join(["t" * (model.num_layers // lay.pp)] * lay.pp) + "L",
+        lay.pp,
+        model.num_layers,
+        model.mtp_layers,
+    )
     checked = 0
     for folder in _folders(ckpt):
         tp_rank, pp_rank, ep_rank = (int(x) for x in re.match(r"mp_rank_(\d+)_(\d+)_(\d+)", folder).groups())
@@ -155,27 +173,31 @@ def _check_grouped(local: str, value, layer_ids, ep_rank: int, ckpt) -> int:
 
 def test_qwen3_legacy_keys(family_ckpt):
     ckpt = family_ckpt["qwen3_moe"]
-    assert _folders(ckpt) == ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001",
-                              "mp_rank_01_001_001"]
+    assert _folders(ckpt) == ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001", "mp_rank_01_001_001"]
     first = _rank_file(ckpt, "mp_rank_01_000_001")
     m = first["model"]
-    assert tuple(m["embedding.position_embeddings.weight"].shape) == (16, 32)   # replicated over TP
+    assert tuple(m["embedding.position_embeddings.weight"].shape) == (16, 32)  # replicated over TP
     assert tuple(m["decoder.layers.0.self_attention.linear_qkv.weight"].shape) == (48, 32)  # (4 q + 2x2 kv) x 12 / 2
     assert tuple(m["decoder.layers.0.self_attention.q_layernorm.weight"].shape) == (12,)
     assert tuple(m["decoder.layers.0.self_attention.k_layernorm.weight"].shape) == (12,)
     assert tuple(m["decoder.layers.0.self_attention.linear_proj.weight"].shape) == (32, 24)
     assert tuple(m["decoder.layers.0.mlp.experts.weight1"].shape) == (32, 16 * 16)  # [H, E_local * 2F], ETP=1
-    assert tuple(m["decoder.layers.0.mlp.experts.weight2"].shape) == (16 * 8, 32)   # [E_local * F, H]
+    assert tuple(m["decoder.layers.0.mlp.experts.weight2"].shape) == (16 * 8, 32)  # [E_local * F, H]
     assert "decoder.layers.0.pre_mlp_layernorm.weight" in m
     args = first["args"]
-    assert (args.position_embedding_type, args.qk_layernorm, args.num_query_groups, args.kv_channels) == \
-        ("learned_absolute", True, 2, 12)
+    assert (args.position_embedding_type, args.qk_layernorm, args.num_query_groups, args.kv_channels) == (
+        "learned_absolute",
+        True,
+        2,
+        12,
+    )
     assert args.pipeline_model_parallel_layout is None and args.moe_grouped_gemm
     last = _rank_file(ckpt, "mp_rank_00_001_000")["model"]
-    assert "embedding.position_embeddings.weight" not in last     # first stage only (no MTP)
+    assert "embedding.position_embeddings.weight" not in last  # first stage only (no MTP)
 
 
 # -- torch_dist files --------------------------------------------------------------------------
+
 
 def _dist_metadata(ckpt):
     from torch.distributed.checkpoint import FileSystemReader
@@ -196,7 +218,9 @@ def test_deepseek_torch_dist_keys(family_ckpt):
     MLA spec maps no keys), down projections at full size, experts with an expert axis."""
     ckpt = family_ckpt["deepseek_v3_mla"]
     md = _dist_metadata(ckpt)
-    shapes = {k: tuple(v.size) for k, v in md.items() if hasattr(v, "size") and not k.split("/")[0].endswith("_extra_state")}
+    shapes = {
+        k: tuple(v.size) for k, v in md.items() if hasattr(v, "size") and not k.split("/")[0].endswith("_extra_state")
+    }
     want = {
         "decoder.layers.0.input_layernorm.weight": (32,),
         "decoder.layers.0.self_attention.linear_q_down_proj.weight": (20, 32),
@@ -217,11 +241,13 @@ def test_deepseek_torch_dist_keys(family_ckpt):
     }
     for key, shape in want.items():
         assert shapes[key] == shape, key
-    assert not any(k.startswith("decoder.layers.self_attention") for k in shapes)       # no stacked keys
+    assert not any(k.startswith("decoder.layers.self_attention") for k in shapes)  # no stacked keys
     assert not any("layer_norm_weight" in k for k in shapes)
     key = "decoder.layers.3.self_attention.linear_kv_down_proj.weight"
-    assert torch.equal(_dist_tensor(ckpt, key, (16, 32)),
-                       global_weights.global_tensor(key, (16, 32), "column", ckpt.seed, DEEPSEEK_V3.router_std))
+    assert torch.equal(
+        _dist_tensor(ckpt, key, (16, 32)),
+        global_weights.global_tensor(key, (16, 32), "column", ckpt.seed, DEEPSEEK_V3.router_std),
+    )
 
 
 def test_qwen3_torch_dist_keys(family_ckpt):
@@ -234,7 +260,7 @@ def test_qwen3_torch_dist_keys(family_ckpt):
         "decoder.final_layernorm.weight": (32,),
         "decoder.layers.mlp.experts.experts.linear_fc1.weight": (4, 32, 16, 32),
         "decoder.layers.mlp.experts.experts.linear_fc2.weight": (4, 32, 32, 8),
-        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (4, 32),          # pre_mlp_layernorm
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (4, 32),  # pre_mlp_layernorm
         "decoder.layers.mlp.router.weight": (4, 32, 32),
         "decoder.layers.self_attention.k_layernorm.weight": (4, 12),
         "decoder.layers.self_attention.linear_proj.weight": (4, 32, 48),
@@ -249,15 +275,19 @@ def test_qwen3_torch_dist_keys(family_ckpt):
     extra = [k for k in md if k.startswith("decoder.layers.mlp.experts.experts.linear_fc1._extra_state/")]
     assert len(extra) == 4 * 32
     key = "embedding.position_embeddings.weight"
-    assert torch.equal(_dist_tensor(ckpt, key, (16, 32)),
-                       global_weights.global_tensor(key, (16, 32), "replicated", ckpt.seed, QWEN3_MOE.router_std))
+    assert torch.equal(
+        _dist_tensor(ckpt, key, (16, 32)),
+        global_weights.global_tensor(key, (16, 32), "replicated", ckpt.seed, QWEN3_MOE.router_std),
+    )
 
 
 # -- loaded back by megatron-core ----------------------------------------------------------------
 
-DEEPSEEK_OTHER = [StagedLayout(tp=1, pp=1, ep=4),                                  # no layout string, EP 4
-                  StagedLayout(tp=2, pp=2, ep=1, pipeline_layout="Etttt|tmL")]     # MTP beside the loss
-QWEN3_OTHER = [StagedLayout(tp=1, pp=1, ep=4, grouped=False)]                      # SequentialMLP
+DEEPSEEK_OTHER = [
+    StagedLayout(tp=1, pp=1, ep=4),  # no layout string, EP 4
+    StagedLayout(tp=2, pp=2, ep=1, pipeline_layout="Etttt|tmL"),
+]  # MTP beside the loss
+QWEN3_OTHER = [StagedLayout(tp=1, pp=1, ep=4, grouped=False)]  # SequentialMLP
 
 
 @pytest.fixture(scope="module")
@@ -285,8 +315,9 @@ def test_loads_at_the_saved_layout_reproduce_the_reference_exactly(family_ckpt, 
         torch.testing.assert_close(reloaded[(name, fmt, ckpt.layout)], ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name,layout", [("deepseek_v3_mla", lay) for lay in DEEPSEEK_OTHER]
-                         + [("qwen3_moe", lay) for lay in QWEN3_OTHER])
+@pytest.mark.parametrize(
+    "name,layout", [("deepseek_v3_mla", lay) for lay in DEEPSEEK_OTHER] + [("qwen3_moe", lay) for lay in QWEN3_OTHER]
+)
 def test_torch_dist_loads_at_another_layout(family_ckpt, reloaded, name, layout):
     ref = torch.load(family_ckpt[name].logits)
     torch.testing.assert_close(reloaded[(name, "torch_dist", layout)], ref, **CLOSE)
@@ -299,6 +330,7 @@ def test_the_mtp_head_is_a_real_prediction(family_ckpt):
 
 
 # -- the readers ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["deepseek_v3_mla", "qwen3_moe"])
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
@@ -322,7 +354,7 @@ def test_readers_open_the_family_fixtures(family_ckpt, name, fmt):
     for n in tensors:
         by_key.setdefault(style.locate(n)[0], []).append(n)
     saved = {k for k, v in md.items() if hasattr(v, "size")}
-    assert set(by_key) == saved                      # nothing dropped, nothing invented
+    assert set(by_key) == saved  # nothing dropped, nothing invented
     for key, names in by_key.items():
         full = _dist_tensor(ckpt, key, tuple(md[key].size))
         for n in names:

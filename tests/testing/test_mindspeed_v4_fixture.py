@@ -1,5 +1,6 @@
 """The MindSpeed-LLM DeepSeek-V4 fixture: rank folders, TP/EP layouts that join back into the
 Hugging Face tensors, and the training args."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def grouped(hf, tmp_path_factory):
 
 def test_rank_folders(tp2pp2ep2, grouped, hf, tmp_path):
     out, ranks = tp2pp2ep2
-    assert sorted(ranks) == sorted(f"mp_rank_{t:02}_{p:03}_{e:03}"
-                                   for t in range(2) for p in range(2) for e in range(2))
+    assert sorted(ranks) == sorted(
+        f"mp_rank_{t:02}_{p:03}_{e:03}" for t in range(2) for p in range(2) for e in range(2)
+    )
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
     for rank in ranks.values():
         assert rank["iteration"] == 7 and rank["checkpoint_version"] == 3.0
@@ -53,8 +55,12 @@ def test_stages_hold_their_layers(tp2pp2ep2):
     # both stages embed (the last for the MTP block); only the last has the head, norms and MTP
     assert "embedding.word_embeddings.weight" in first and "embedding.word_embeddings.weight" in last
     assert not any(k.startswith(("output_layer", "final_layernorm", "hc_head", "mtp.")) for k in first)
-    assert {"output_layer.weight", "final_layernorm.weight", "hc_head.hc_scale",
-            "mtp.final_layernorms.0.weight"} <= set(last)
+    assert {
+        "output_layer.weight",
+        "final_layernorm.weight",
+        "hc_head.hc_scale",
+        "mtp.final_layernorms.0.weight",
+    } <= set(last)
     assert {k.split(".")[2] for k in first if k.startswith("decoder.layers.")} == {"0", "1"}
     # layer 0 hashes (no bias), layer 1 (CSA) has the indexer, layer 2 (HCA, local 0 of stage 1) a
     # compressor only, layer 3 the indexer; the MTP layer has a bias and no compressor
@@ -81,7 +87,7 @@ def test_tp_shards_join_into_hf_tensors(tp2pp2ep2, hf):
     def join(stage, key, dim, ep=0):
         return torch.cat([ranks[f"mp_rank_{t:02}_{stage:03}_{ep:03}"]["model"][key] for t in range(2)], dim)
 
-    a = "decoder.layers.1.self_attention."           # HF layer 1, stage 0
+    a = "decoder.layers.1.self_attention."  # HF layer 1, stage 0
     assert torch.equal(join(0, a + "linear_q_up_proj.weight", 0), w["model.layers.1.attn.wq_b.weight"])
     assert torch.equal(join(0, a + "linear_o_down_proj.weight", 0), w["model.layers.1.attn.wo_a.weight"])
     assert torch.equal(join(0, a + "linear_o_up_proj.weight", 1), w["model.layers.1.attn.wo_b.weight"])
@@ -92,14 +98,18 @@ def test_tp_shards_join_into_hf_tensors(tp2pp2ep2, hf):
         assert torch.equal(sd[a + "kv_layernorm.weight"], w["model.layers.1.attn.norm.weight"])
         assert torch.equal(sd["decoder.layers.1.attn_mhc.hc_scale"], w["model.layers.1.hc_attn_scale"])
     # shared expert: [gate_r; up_r] per TP rank, down by columns
-    fc1 = [ranks[f"mp_rank_{t:02}_001_000"]["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
-           for t in range(2)]
+    fc1 = [
+        ranks[f"mp_rank_{t:02}_001_000"]["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+        for t in range(2)
+    ]
     gate = torch.cat([x.chunk(2)[0] for x in fc1])
     up = torch.cat([x.chunk(2)[1] for x in fc1])
     assert torch.equal(gate, w["model.layers.3.ffn.shared_experts.w1.weight"])
     assert torch.equal(up, w["model.layers.3.ffn.shared_experts.w3.weight"])
-    assert torch.equal(join(1, "decoder.layers.1.mlp.shared_experts.linear_fc2.weight", 1),
-                       w["model.layers.3.ffn.shared_experts.w2.weight"])
+    assert torch.equal(
+        join(1, "decoder.layers.1.mlp.shared_experts.linear_fc2.weight", 1),
+        w["model.layers.3.ffn.shared_experts.w2.weight"],
+    )
     # embedding and head by rows; eh_proj = [e_proj | h_proj] by rows
     assert torch.equal(join(0, "embedding.word_embeddings.weight", 0), w["model.embed_tokens.weight"])
     assert torch.equal(join(1, "embedding.word_embeddings.weight", 0), w["model.embed_tokens.weight"])
@@ -113,7 +123,7 @@ def test_tp_shards_join_into_hf_tensors(tp2pp2ep2, hf):
 
 
 def test_experts_per_expert_and_grouped(tp2pp2ep2, grouped, hf):
-    w, e = hf[1], "model.layers.1.ffn.experts.5."        # global expert 5 = EP rank 1, local 1
+    w, e = hf[1], "model.layers.1.ffn.experts.5."  # global expert 5 = EP rank 1, local 1
     for t in range(2):
         sd = tp2pp2ep2[1][f"mp_rank_{t:02}_000_001"]["model"]
         fc1 = sd["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"]
@@ -134,17 +144,36 @@ def test_args(tp2pp2ep2, grouped, hf):
     args = tp2pp2ep2[1]["mp_rank_00_000_000"]["args"]
     plain = (int, float, str, bool, list, type(None))
     assert all(isinstance(v, plain) for v in vars(args).values())
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
-            args.expert_tensor_parallel_size) == (2, 2, 2, 1)
+    assert (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
+    ) == (2, 2, 2, 1)
     assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.padded_vocab_size) == (4, 64, 4, 128)
-    assert (args.q_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.o_groups,
-            args.o_lora_rank) == (16, 32, 8, 2, 16)
+    assert (args.q_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.o_groups, args.o_lora_rank) == (
+        16,
+        32,
+        8,
+        2,
+        16,
+    )
     assert args.compress_ratios == [0, 4, 8, 4] and args.sliding_window_size == 8
-    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
-            args.moe_shared_expert_intermediate_size, args.n_hash_layers) == (8, 2, 32, 32, 1)
+    assert (
+        args.num_experts,
+        args.moe_router_topk,
+        args.moe_ffn_hidden_size,
+        args.moe_shared_expert_intermediate_size,
+        args.n_hash_layers,
+    ) == (8, 2, 32, 32, 1)
     assert args.moe_router_score_function == "sqrtsoftplus" and args.moe_router_topk_scaling_factor == 1.5
-    assert (args.enable_mhc, args.hc_mult, args.enable_dsa_indexer, args.index_topk,
-            args.mtp_num_layers) == (True, 4, True, 4, 1)
+    assert (args.enable_mhc, args.hc_mult, args.enable_dsa_indexer, args.index_topk, args.mtp_num_layers) == (
+        True,
+        4,
+        True,
+        4,
+        1,
+    )
     assert (args.rope_theta, args.compress_rope_theta, args.original_seq_len) == (10000.0, 160000.0, 0)
     assert (args.transformer_impl, args.ckpt_format, args.position_embedding_type) == ("local", "torch", "deepseek4")
     assert (args.params_dtype, args.bf16, args.fp16, args.moe_grouped_gemm) == ("torch.float32", False, False, False)

@@ -6,6 +6,7 @@ set-up creates a fresh project venv with no environment active. That run makes t
 for python3 through PYTHONPATH (as an Ascend or CUDA stack makes it importable), so it checks the
 "reuse a working torch" path without installing a 200 MB wheel; the install paths are the dry runs.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,10 +27,20 @@ _spec.loader.exec_module(plan)
 
 # this interpreter's wheel tags, asked in a child process: importing pip here would break a
 # later `import setuptools` in this process (its _distutils_hack finds distutils already set up)
-TAGS = json.loads(subprocess.run([sys.executable, "-c", "import json; from pip._vendor.packaging.tags import "
-                                  "sys_tags; print(json.dumps([str(t) for t in sys_tags()]))"],
-                                 capture_output=True, text=True, check=True).stdout)
-TAG = TAGS[0]                                    # the most specific one
+TAGS = json.loads(
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from pip._vendor.packaging.tags import "
+            "sys_tags; print(json.dumps([str(t) for t in sys_tags()]))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+)
+TAG = TAGS[0]  # the most specific one
 BASE = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
 
 
@@ -44,9 +55,11 @@ def fake_wheel(folder: Path, name: str, requires: tuple[str, ...] = ()) -> Path:
 
 
 def test_pip_config_find_links_and_indexes_are_read():
-    text = ("global.find-links='/opt/wheels'\n:env:.find-links='/a /b'\n"
-            "global.extra-index-url='file:///opt/pypi/simple https://mirror/simple'\n"
-            "global.index-url='https://pypi.org/simple'\nglobal.timeout='60'\n")
+    text = (
+        "global.find-links='/opt/wheels'\n:env:.find-links='/a /b'\n"
+        "global.extra-index-url='file:///opt/pypi/simple https://mirror/simple'\n"
+        "global.index-url='https://pypi.org/simple'\nglobal.timeout='60'\n"
+    )
     links, indexes = plan.parse_pip_config(text)
     assert links == ["/opt/wheels", "/a", "/b"]
     assert indexes == ["file:///opt/pypi/simple", "https://mirror/simple", "https://pypi.org/simple"]
@@ -65,7 +78,9 @@ def test_a_local_wheel_counts_only_if_it_is_a_cpu_build_for_this_interpreter(tmp
     tags = set(TAGS)
     cpu = fake_wheel(tmp_path, f"torch-2.13.0+cpu-{TAG}.whl")
     cuda_label = fake_wheel(tmp_path, f"torch-2.13.0+cu121-{TAG}.whl")
-    cuda_deps = fake_wheel(tmp_path, f"torch-2.13.0-{TAG}.whl", ("nvidia-cublas-cu12==12.4 ; platform_system == 'Linux'",))
+    cuda_deps = fake_wheel(
+        tmp_path, f"torch-2.13.0-{TAG}.whl", ("nvidia-cublas-cu12==12.4 ; platform_system == 'Linux'",)
+    )
     other_version = fake_wheel(tmp_path, f"torch-2.12.0+cpu-{TAG}.whl")
     other_python = fake_wheel(tmp_path, "torch-2.13.0+cpu-cp27-cp27mu-manylinux1_x86_64.whl")
     assert plan.is_cpu_wheel(cpu, "2.13.0", tags)
@@ -74,7 +89,7 @@ def test_a_local_wheel_counts_only_if_it_is_a_cpu_build_for_this_interpreter(tmp
     assert not plan.is_cpu_wheel(other_version, "2.13.0", tags)
     assert not plan.is_cpu_wheel(other_python, "2.13.0", tags)
     no_cuda_deps = fake_wheel(tmp_path / "mac", f"torch-2.13.0-{TAG}.whl", ("filelock", "sympy>=1.13"))
-    assert plan.is_cpu_wheel(no_cuda_deps, "2.13.0", tags)       # e.g. macOS wheels: no label
+    assert plan.is_cpu_wheel(no_cuda_deps, "2.13.0", tags)  # e.g. macOS wheels: no label
     assert plan.find_local_cpu_wheel([tmp_path], "2.13.0", tags) == cpu
 
 
@@ -95,8 +110,11 @@ def machine(tmp_path: Path, python3: Path = BASE, **extra: str) -> dict:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python3").unlink(missing_ok=True)
     (bin_dir / "python3").symlink_to(python3)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHON", "PYTHONHOME", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHON", "PYTHONHOME", "PYTHONPATH")
+    }
     env.update(PATH=f"{bin_dir}:/usr/bin:/bin", MCORE_PROXY_VENV=str(tmp_path / "venv"), **extra)
     return env
 
@@ -124,7 +142,7 @@ def test_dry_run_on_a_fresh_machine(tmp_path, local_wheel):
     assert r.returncode == 0, r.stderr
     venv = tmp_path / "venv"
     assert r.stdout.strip() == f"{venv}/bin/python"
-    assert not venv.exists()                                   # a dry run changes nothing
+    assert not venv.exists()  # a dry run changes nothing
     assert f"no environment active: would create the project venv {venv}" in r.stderr
     if base_imports_torch():
         assert "--system-site-packages" in r.stderr and "left alone" in r.stderr
@@ -150,9 +168,20 @@ def test_an_active_virtual_environment_is_used_as_it_is(tmp_path):
 
 def test_an_externally_managed_python_is_refused_with_the_fix(tmp_path):
     system = Path("/usr/bin/python3")
-    managed = system.is_file() and run([str(system), "-c", "import sysconfig, pathlib, sys; sys.exit(0 if "
-                                        "(pathlib.Path(sysconfig.get_path('stdlib')) / 'EXTERNALLY-MANAGED')"
-                                        ".is_file() else 1)"], plain_env()).returncode == 0
+    managed = (
+        system.is_file()
+        and run(
+            [
+                str(system),
+                "-c",
+                "import sysconfig, pathlib, sys; sys.exit(0 if "
+                "(pathlib.Path(sysconfig.get_path('stdlib')) / 'EXTERNALLY-MANAGED')"
+                ".is_file() else 1)",
+            ],
+            plain_env(),
+        ).returncode
+        == 0
+    )
     if not managed:
         pytest.skip("no externally-managed (PEP 668) system Python on this machine")
     env = machine(tmp_path, PYTHON=str(system))
@@ -168,7 +197,7 @@ def test_both_readme_commands_set_up_and_use_a_fresh_project_venv(tmp_path):
     torch stack): the first command creates the venv with --system-site-packages, leaves torch
     alone, installs mcore-proxy into the venv, and runs pytest with the venv's interpreter; the
     second command reuses the venv."""
-    stack = sysconfig.get_paths()["purelib"]                    # where this test's torch lives
+    stack = sysconfig.get_paths()["purelib"]  # where this test's torch lives
     import torch
 
     env = machine(tmp_path, PYTHONPATH=stack)
@@ -176,11 +205,11 @@ def test_both_readme_commands_set_up_and_use_a_fresh_project_venv(tmp_path):
     tests = run(["bash", "tests/run.sh", "--co", "-vv", "tests/tools/test_install.py::test_torch_source_decision"], env)
     assert tests.returncode == 0, tests.stderr[-3000:]
     assert f"no environment active: creating the project venv {venv} (seeing" in tests.stderr
-    assert f"-- {venv}/bin/python" in tests.stdout                # pytest ran in the new venv
+    assert f"-- {venv}/bin/python" in tests.stdout  # pytest ran in the new venv
     assert "1 test collected" in tests.stdout or "collected 1 item" in tests.stdout
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
     site = next((venv / "lib").glob("python3*/site-packages"))
-    assert not (site / "torch").exists()                          # the stack's torch was reused
+    assert not (site / "torch").exists()  # the stack's torch was reused
     assert list(site.glob("mcore_proxy-*.dist-info")) and (venv / "bin" / "mcore-proxy").exists()
 
     quick = run(["bash", "examples/quickstart.sh", "--setup-only"], env)

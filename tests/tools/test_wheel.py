@@ -23,6 +23,7 @@ no PYTHONPATH, so nothing of this checkout is importable there.
 
 Nothing here is skipped: a step that cannot run fails with its output.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -47,34 +48,53 @@ check_wheel = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_wheel)
 
 # what the bare install must not have (the extras' packages)
-EXTRA_PACKAGES = ("transformers", "tokenizers", "accelerate", "matplotlib", "scipy", "ruptures", "tensorboard",
-                  "megatron-core")
+EXTRA_PACKAGES = (
+    "transformers",
+    "tokenizers",
+    "accelerate",
+    "matplotlib",
+    "scipy",
+    "ruptures",
+    "tensorboard",
+    "megatron-core",
+)
 
 
 def clean_env(**extra) -> dict:
     """A user's shell: no active environment, no PYTHONPATH, no mcore-proxy variables."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONHOME", "PYTHONPATH", "PYTHONSTARTUP")
-           and not k.startswith("MCORE_PROXY_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONHOME", "PYTHONPATH", "PYTHONSTARTUP")
+        and not k.startswith("MCORE_PROXY_")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
 def run(cmd, cwd: Path, timeout: float = 600, check: bool = True, **env) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    proc = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
-                    f"{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
 @dataclass
 class Venv:
     root: Path
-    work: Path           # the current folder of every process: outside the checkout
-    pin: Path            # constraints: the torch installed, so no later install replaces it
+    work: Path  # the current folder of every process: outside the checkout
+    pin: Path  # constraints: the torch installed, so no later install replaces it
 
     @property
     def python(self) -> Path:
@@ -117,9 +137,13 @@ def bare(wheel, tmp_path_factory) -> Venv:
     import torch
 
     version = torch.__version__.split("+")[0]
-    facts = dict(line.split("=", 1) for line in run(
-        [venv.python, REPO / "tools" / "install_plan.py", "--torch-version", version], work).stdout.splitlines()
-        if "=" in line)
+    facts = dict(
+        line.split("=", 1)
+        for line in run(
+            [venv.python, REPO / "tools" / "install_plan.py", "--torch-version", version], work
+        ).stdout.splitlines()
+        if "=" in line
+    )
     action, source = facts.get("torch_action"), facts.get("torch_source", "")
     if action == "wheel":
         venv.pip(source)
@@ -137,38 +161,101 @@ def bare(wheel, tmp_path_factory) -> Venv:
 
 # -- the commands that need an extra, run in the bare environment ---------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     name: str
-    argv: tuple          # "{X}" filled from the inputs
-    extra: str           # the extra the sentence must name ("" for a training-stack package)
-    names: str           # the package the sentence must name
-    absent: tuple = ()   # outputs that must not exist afterwards
+    argv: tuple  # "{X}" filled from the inputs
+    extra: str  # the extra the sentence must name ("" for a training-stack package)
+    names: str  # the package the sentence must name
+    absent: tuple = ()  # outputs that must not exist afterwards
 
 
 CASES = (
-    Case("compare", ("compare", "--orig-base", "{base}", "--orig-fault", "{run}", "--proxy-base", "{base}",
-                     "--proxy-fault", "{run}"), "diagnose", "scipy"),
+    Case(
+        "compare",
+        (
+            "compare",
+            "--orig-base",
+            "{base}",
+            "--orig-fault",
+            "{run}",
+            "--proxy-base",
+            "{base}",
+            "--proxy-fault",
+            "{run}",
+        ),
+        "diagnose",
+        "scipy",
+    ),
     Case("watch-baseline", ("watch", "{run}", "--baseline", "{base}", "--once", "--no-view"), "diagnose", "scipy"),
     Case("campaign", ("campaign", "{campaign}"), "diagnose", "scipy", ("{out}/campaign/runs",)),
-    Case("collect", ("collect", "--hf", "{hf}", "--data", "{data}", "-o", "{out}/collect"), "hf", "transformers",
-         ("{out}/collect",)),
-    Case("fidelity-o", ("fidelity", "--orig", "{hf}", "--proxy", "{hf_proxy}", "--plan", "{plan}", "--data",
-                        "{data}", "-o", "{out}/fidelity"), "hf,report", "transformers", ("{out}/fidelity",)),
-    Case("verify-functional-hf", ("verify", "--orig", "{hf}", "--proxy", "{hf_proxy}", "--plan", "{plan}",
-                                  "--functional"), "hf", "transformers"),
-    Case("verify-functional-megatron", ("verify", "--orig", "{meg}", "--proxy", "{meg_proxy}", "--plan", "{plan}",
-                                        "--functional"), "", "megatron-core"),
-    Case("select-report", ("select", "--ckpt", "{hf}", "--stats", "{stats}", "-k", "8", "-o", "{out}/plan.json",
-                           "--report", "{out}/report"), "report", "matplotlib", ("{out}/plan.json", "{out}/report")),
-    Case("stats-show-png", ("stats", "show", "{stats}", "--png", "{out}/png"), "report", "matplotlib",
-         ("{out}/png",)),
+    Case(
+        "collect",
+        ("collect", "--hf", "{hf}", "--data", "{data}", "-o", "{out}/collect"),
+        "hf",
+        "transformers",
+        ("{out}/collect",),
+    ),
+    Case(
+        "fidelity-o",
+        (
+            "fidelity",
+            "--orig",
+            "{hf}",
+            "--proxy",
+            "{hf_proxy}",
+            "--plan",
+            "{plan}",
+            "--data",
+            "{data}",
+            "-o",
+            "{out}/fidelity",
+        ),
+        "hf,report",
+        "transformers",
+        ("{out}/fidelity",),
+    ),
+    Case(
+        "verify-functional-hf",
+        ("verify", "--orig", "{hf}", "--proxy", "{hf_proxy}", "--plan", "{plan}", "--functional"),
+        "hf",
+        "transformers",
+    ),
+    Case(
+        "verify-functional-megatron",
+        ("verify", "--orig", "{meg}", "--proxy", "{meg_proxy}", "--plan", "{plan}", "--functional"),
+        "",
+        "megatron-core",
+    ),
+    Case(
+        "select-report",
+        (
+            "select",
+            "--ckpt",
+            "{hf}",
+            "--stats",
+            "{stats}",
+            "-k",
+            "8",
+            "-o",
+            "{out}/plan.json",
+            "--report",
+            "{out}/report",
+        ),
+        "report",
+        "matplotlib",
+        ("{out}/plan.json", "{out}/report"),
+    ),
+    Case("stats-show-png", ("stats", "show", "{stats}", "--png", "{out}/png"), "report", "matplotlib", ("{out}/png",)),
 )
 
 
 def jsonl(path: Path, shift: float) -> Path:
-    rows = [{"step": i, "loss": 2.0 - 0.01 * i + (shift if i >= 20 else 0.0), "grad_norm": 1.0 + 0.01 * (i % 3)}
-            for i in range(40)]
+    rows = [
+        {"step": i, "loss": 2.0 - 0.01 * i + (shift if i >= 20 else 0.0), "grad_norm": 1.0 + 0.01 * (i % 3)}
+        for i in range(40)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -184,15 +271,36 @@ def inputs(bare, hf_proxy) -> dict:
     d = bare.work / "inputs"
     d.mkdir()
     campaign = d / "campaign.json"
-    campaign.write_text(json.dumps({
-        "format": "mcore-proxy-campaign-config/1", "work": str(bare.work / "out" / "campaign"),
-        "command": ["{python}", "-c", "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])",
-                    str(d / "base.jsonl"), "{run_dir}/metrics.jsonl"],
-        "log": "{run_dir}/metrics.jsonl", "faults": [{"name": "noise", "spec": "router_noise:std=0.5"}]}))
-    values = {"hf": orig, "hf_proxy": proxy, "plan": plan_path, "stats": stats,
-              "data": calibration_jsonl(d / "data.jsonl", records=8), "base": jsonl(d / "base.jsonl", 0.0),
-              "run": jsonl(d / "run.jsonl", 0.5), "campaign": campaign, "out": bare.work / "out",
-              "meg": d / "meg", "meg_proxy": d / "meg_proxy"}
+    campaign.write_text(
+        json.dumps(
+            {
+                "format": "mcore-proxy-campaign-config/1",
+                "work": str(bare.work / "out" / "campaign"),
+                "command": [
+                    "{python}",
+                    "-c",
+                    "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])",
+                    str(d / "base.jsonl"),
+                    "{run_dir}/metrics.jsonl",
+                ],
+                "log": "{run_dir}/metrics.jsonl",
+                "faults": [{"name": "noise", "spec": "router_noise:std=0.5"}],
+            }
+        )
+    )
+    values = {
+        "hf": orig,
+        "hf_proxy": proxy,
+        "plan": plan_path,
+        "stats": stats,
+        "data": calibration_jsonl(d / "data.jsonl", records=8),
+        "base": jsonl(d / "base.jsonl", 0.0),
+        "run": jsonl(d / "run.jsonl", 0.5),
+        "campaign": campaign,
+        "out": bare.work / "out",
+        "meg": d / "meg",
+        "meg_proxy": d / "meg_proxy",
+    }
     (bare.work / "out").mkdir()
     # HF -> Megatron legacy, then pruned by the plan (here: in-process is fast)
     assert main(["convert", str(orig), "-o", str(values["meg"]), "--format", "legacy"]) == 0
@@ -206,8 +314,7 @@ def bare_runs(bare, inputs) -> dict[str, subprocess.CompletedProcess]:
     assert not set(EXTRA_PACKAGES) & bare.installed(), "the bare environment already has an extra's package"
 
     def one(case):
-        return case.name, run([bare.cli, *(a.format(**inputs) for a in case.argv)], bare.work, timeout=300,
-                              check=False)
+        return case.name, run([bare.cli, *(a.format(**inputs) for a in case.argv)], bare.work, timeout=300, check=False)
 
     with ThreadPoolExecutor(2) as pool:
         done = dict(pool.map(one, CASES))
@@ -233,8 +340,20 @@ def test_a_missing_extra_is_one_sentence_and_exit_2(case, bare_runs, inputs):
 
 def test_the_bare_install_converts_and_verifies(bare, inputs):
     """What needs no extra works: verify (bit for bit) of the proxy the bare install wrote."""
-    proc = run([bare.cli, "verify", "--orig", inputs["meg"], "--proxy", inputs["meg_proxy"], "--plan",
-                inputs["plan"], "--json"], bare.work)
+    proc = run(
+        [
+            bare.cli,
+            "verify",
+            "--orig",
+            inputs["meg"],
+            "--proxy",
+            inputs["meg_proxy"],
+            "--plan",
+            inputs["plan"],
+            "--json",
+        ],
+        bare.work,
+    )
     assert json.loads(proc.stdout)["ok"] is True
 
 
@@ -247,14 +366,18 @@ def patches_out(bare) -> str:
 def test_patches_prints_the_installed_activation(bare, patches_out):
     folder = Path(patches_out.strip())
     assert patches_out.count("\n") == 1 and folder.is_absolute()
-    site = Path(run([bare.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    bare.work).stdout.strip())
+    site = Path(
+        run([bare.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], bare.work).stdout.strip()
+    )
     assert folder == site / "mcore_proxy" / "_patches"
     assert sorted(p.name for p in folder.iterdir() if p.name != "__pycache__") == ["sitecustomize.py"]
     assert (folder / "sitecustomize.py").read_bytes() == (REPO / "patches" / "sitecustomize.py").read_bytes()
     doc = json.loads(run([bare.cli, "patches", "--json"], bare.work).stdout)
-    assert doc == {"format": "mcore-proxy-patches/1", "path": str(folder),
-                   "variables": ["MCORE_PROXY_TRACE_DIR", "MCORE_PROXY_FAULTS"]}
+    assert doc == {
+        "format": "mcore-proxy-patches/1",
+        "path": str(folder),
+        "variables": ["MCORE_PROXY_TRACE_DIR", "MCORE_PROXY_FAULTS"],
+    }
     # a campaign puts the same folder on its runs' PYTHONPATH
     code = "from mcore_proxy.campaign.runner import patches_dir; print(patches_dir())"
     assert run([bare.python, "-c", code], bare.work).stdout.strip() == str(folder)
@@ -264,14 +387,20 @@ def test_the_installed_activation_is_inert_and_checks_its_variable(bare, patches
     folder = patches_out.strip()
     probe = "import sys; print(sorted(m for m in sys.modules if m.startswith('mcore_proxy')))"
     assert run([bare.python, "-c", probe], bare.work, PYTHONPATH=folder).stdout.strip() == "[]"
-    bad = run([bare.python, "-c", "print('ran')"], bare.work, check=False, PYTHONPATH=folder,
-              MCORE_PROXY_FAULTS="no_such_fault")
+    bad = run(
+        [bare.python, "-c", "print('ran')"],
+        bare.work,
+        check=False,
+        PYTHONPATH=folder,
+        MCORE_PROXY_FAULTS="no_such_fault",
+    )
     assert bad.returncode == 2 and "ran" not in bad.stdout
     assert bad.stderr.strip().startswith("mcore-proxy: MCORE_PROXY_FAULTS='no_such_fault': ")
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
 # -- launches, after the extras they need -----------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def launch_env(bare, bare_runs, patches_out, wheel) -> Venv:
@@ -293,15 +422,18 @@ def test_faults_in_a_transformers_training_launch(launch_env, patches_out):
     venv, folder = launch_env, patches_out.strip()
     report = venv.work / "faults.json"
     inert = hf_train(venv, PYTHONPATH=folder)
-    faulted = hf_train(venv, PYTHONPATH=folder, MCORE_PROXY_FAULTS="router_noise:std=0.5",
-                       MCORE_PROXY_FAULTS_REPORT=report)
-    assert inert["mcore_proxy"] == []           # the activation imports nothing while no variable is set
+    faulted = hf_train(
+        venv, PYTHONPATH=folder, MCORE_PROXY_FAULTS="router_noise:std=0.5", MCORE_PROXY_FAULTS_REPORT=report
+    )
+    assert inert["mcore_proxy"] == []  # the activation imports nothing while no variable is set
     assert "mcore_proxy.faults.runtime" in faulted["mcore_proxy"]
     assert faulted["losses"] != inert["losses"]
     doc = json.loads(report.read_text())
     # 2 MoE layers x 3 forward passes, the noise on at optimizer steps 0, 1, 2
-    assert doc == {"faults": "router_noise:std=0.5", "report": [
-        {"fault": "router_noise:std=0.5", "calls": 6, "active_calls": 6, "active_steps": [0, 1, 2]}]}
+    assert doc == {
+        "faults": "router_noise:std=0.5",
+        "report": [{"fault": "router_noise:std=0.5", "calls": 6, "active_calls": 6, "active_steps": [0, 1, 2]}],
+    }
 
 
 @pytest.mark.megatron
@@ -313,12 +445,38 @@ def test_trace_and_faults_in_a_megatron_torchrun_launch(launch_env, patches_out)
     assert "mcore_proxy.trace" not in Path(script).read_text() and "mcore_proxy.faults" not in Path(script).read_text()
     np.save(d / "tokens.npy", np.random.default_rng(0).integers(0, 256, 2000).astype(np.int32))
     steps, micro_batch, seq = 3, 2, 32
-    run([venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
-         "--tokens", d / "tokens.npy", "--ep", "2", "--steps", steps, "--micro-batch", micro_batch,
-         "--seq-length", seq], d, PYTHONPATH=folder, MCORE_PROXY_TRACE_DIR=d / "trace",
-        MCORE_PROXY_FAULTS="router_noise:std=0.5;update_omission:every=2", MCORE_PROXY_FAULTS_REPORT=d / "faults.json")
+    run(
+        [
+            venv.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            script,
+            "--tokens",
+            d / "tokens.npy",
+            "--ep",
+            "2",
+            "--steps",
+            steps,
+            "--micro-batch",
+            micro_batch,
+            "--seq-length",
+            seq,
+        ],
+        d,
+        PYTHONPATH=folder,
+        MCORE_PROXY_TRACE_DIR=d / "trace",
+        MCORE_PROXY_FAULTS="router_noise:std=0.5;update_omission:every=2",
+        MCORE_PROXY_FAULTS_REPORT=d / "faults.json",
+    )
     assert sorted(p.name for p in (d / "trace").iterdir()) == [
-        "rank00000.json", "rank00000.safetensors", "rank00001.json", "rank00001.safetensors"]
+        "rank00000.json",
+        "rank00000.safetensors",
+        "rank00001.json",
+        "rank00001.safetensors",
+    ]
     merged = json.loads(run([venv.cli, "stats", "merge", d / "trace", "--json"], d).stdout)
     # 4 MoE layers; each of the 2 data-parallel ranks routes its own 3 x 2 x 32 tokens per layer
     assert merged["ranks_merged"] == 2 and merged["moe_layers"] == 4
@@ -329,4 +487,3 @@ def test_trace_and_faults_in_a_megatron_torchrun_launch(launch_env, patches_out)
         # 4 layers x 3 forward passes; every optimizer step counted, steps 0 and 2 left out
         assert noise == {"fault": "router_noise:std=0.5", "calls": 12, "active_calls": 12, "active_steps": [0, 1, 2]}
         assert omission["fault"].startswith("update_omission") and omission["active_steps"] == [0, 2]
-

@@ -1,5 +1,6 @@
 """Fixtures of the trace tests: synthetic rank files, and traced real megatron-core runs on CPU
 (spawned gloo ranks, cached for the session because each rank costs seconds of imports)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,16 +17,24 @@ def synthetic_layer(e=4, h=3, tokens=10, topk=2, seed=0) -> LayerStats:
     onehot = np.zeros((tokens, e), np.int64)
     np.put_along_axis(onehot, chosen, 1, axis=1)
     hidden = rng.normal(size=(tokens, h))
-    return LayerStats(tokens, onehot.sum(0), onehot.sum(0) * 0.5, onehot.T @ onehot,
-                      onehot.T.astype(np.float64) @ hidden)
+    return LayerStats(
+        tokens, onehot.sum(0), onehot.sum(0) * 0.5, onehot.T @ onehot, onehot.T.astype(np.float64) @ hidden
+    )
 
 
-def write_rank_file(folder, rank, layers=("0", "1"), *, e=4, h=3, topk=2, world_size=2,
-                    model_layers=("0", "1"), seed=None):
-    stats = RoutingStats({lid: synthetic_layer(e, h, topk=topk, seed=rank if seed is None else seed)
-                          for lid in layers}, topk,
-                         {"rank": rank, "world_size": world_size, "ranks_merged": 1,
-                          "model_layers": list(model_layers) if model_layers is not None else None})
+def write_rank_file(
+    folder, rank, layers=("0", "1"), *, e=4, h=3, topk=2, world_size=2, model_layers=("0", "1"), seed=None
+):
+    stats = RoutingStats(
+        {lid: synthetic_layer(e, h, topk=topk, seed=rank if seed is None else seed) for lid in layers},
+        topk,
+        {
+            "rank": rank,
+            "world_size": world_size,
+            "ranks_merged": 1,
+            "model_layers": list(model_layers) if model_layers is not None else None,
+        },
+    )
     return save_stats(stats, folder / f"rank{rank:05d}.safetensors")
 
 
@@ -53,17 +62,18 @@ def rank_files(tmp_path):
 # -- real megatron-core runs ---------------------------------------------------------------------
 # Grouped by layout: the runs of a group share one set of spawned ranks.
 RUNS = {
-    "single": {                                                  # 1 rank
+    "single": {  # 1 rank
         "ref": TraceRun(saliency=True),
-        "recompute": TraceRun(recompute=True),                   # training fwd + bwd, full recompute
-        "padded": TraceRun(pad_from=12),                         # positions 12..15 are padding
-        "short_mtp": TraceRun(seq=12, mtp_layers=1),             # positions 0..11, plus an MTP layer
+        "recompute": TraceRun(recompute=True),  # training fwd + bwd, full recompute
+        "padded": TraceRun(pad_from=12),  # positions 12..15 are padding
+        "short_mtp": TraceRun(seq=12, mtp_layers=1),  # positions 0..11, plus an MTP layer
     },
-    "tp2ep2": {"tp2ep2": TraceRun(layout=Layout(tp=2, ep=2), saliency=True)},      # 4 ranks, DP 2
+    "tp2ep2": {"tp2ep2": TraceRun(layout=Layout(tp=2, ep=2), saliency=True)},  # 4 ranks, DP 2
     "tp2ep2_sp": {"tp2ep2_sp": TraceRun(layout=Layout(tp=2, ep=2), sequence_parallel=True)},
-    "pp2ep2_grouped": {"pp2ep2_grouped": TraceRun(layout=Layout(pp=2, ep=2, grouped=True),
-                                                  saliency=True)},                # 4 ranks, DP 2
-    "pp2vpp2": {"pp2vpp2": TraceRun(layout=Layout(pp=2), vpp=2)},   # 2 ranks x 2 model chunks
+    "pp2ep2_grouped": {
+        "pp2ep2_grouped": TraceRun(layout=Layout(pp=2, ep=2, grouped=True), saliency=True)
+    },  # 4 ranks, DP 2
+    "pp2vpp2": {"pp2vpp2": TraceRun(layout=Layout(pp=2), vpp=2)},  # 2 ranks x 2 model chunks
 }
 GROUP_OF = {name: group for group, runs in RUNS.items() for name in runs}
 

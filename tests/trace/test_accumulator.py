@@ -1,4 +1,5 @@
 """LayerAccumulator against a per-token reference written the obvious way."""
+
 import numpy as np
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_sequence_batch_shapes_and_bf16_hidden():
     hidden, probs, routing_map, _, _ = random_routing(tokens=12)
     acc = LayerAccumulator(6, 5, "cpu")
     pad = torch.zeros(4, 3, dtype=torch.bool)
-    pad[3] = True                                   # [s, b]: last position of every sequence
+    pad[3] = True  # [s, b]: last position of every sequence
     acc.add(hidden.view(4, 3, 5).bfloat16(), probs.bfloat16(), routing_map, pad)
     s = acc.to_layer_stats()
     assert s.tokens == 9 and s.freq.sum() == 18
@@ -89,7 +90,7 @@ def test_routed_sum_falls_back_to_fp32_where_the_fp32_output_gemm_is_missing(mon
     """CPU has no `mm(..., out_dtype=float32)`; pretend it might, as on a GPU: the first call
     falls back, remembers, and the result is the exact fp32 product either way."""
     monkeypatch.setattr(accumulator, "_FP32_OUT_GEMM", {("cpu", torch.bfloat16): True})
-    hidden, _, routing_map, _, _ = random_routing(tokens=600, hidden=8)   # > one CPU slice
+    hidden, _, routing_map, _, _ = random_routing(tokens=600, hidden=8)  # > one CPU slice
     mask, h = routing_map.float(), hidden.bfloat16()
     expected = mask.t().double() @ h.double()
     for _ in range(2):

@@ -1,4 +1,5 @@
 """The post-import finder: watched modules import normally, then the callback sees them once."""
+
 import sys
 
 import pytest
@@ -27,11 +28,12 @@ def test_callback_runs_after_the_module_executed(fake_package):
     try:
         import fakemeg.moe.router as router
 
-        assert seen == [3]                                   # the class existed when it ran
+        assert seen == [3]  # the class existed when it ran
         assert router.__spec__.loader.get_filename(fake_package).endswith("router.py")
         assert fake_package not in finder.pending
         del sys.modules[fake_package]
         import fakemeg.moe.router  # noqa: F401,F811 - a re-import does not call back again
+
         assert seen == [3]
     finally:
         sys.meta_path.remove(finder)

@@ -1,5 +1,6 @@
 """`mcore-proxy stats merge|show` through the real entry point: sums, refusals, exit codes, --json,
 --force."""
+
 import json
 import os
 import re
@@ -49,8 +50,9 @@ def test_merge_unions_pipeline_stages_and_refuses_a_missing_stage(tmp_path, make
     assert code == 2
     assert "no file holds statistics for MoE layers ['1', 'mtp.0']" in err
     assert not (tmp_path / "n.safetensors").exists()
-    assert run_cli(capsys, "merge", str(folder), "-o", str(tmp_path / "n.safetensors"),
-                   "--allow-missing-layers")[0] == 0
+    assert (
+        run_cli(capsys, "merge", str(folder), "-o", str(tmp_path / "n.safetensors"), "--allow-missing-layers")[0] == 0
+    )
 
 
 def one_sentence(err: str) -> str:
@@ -65,14 +67,17 @@ def test_empty_folder(tmp_path, capsys):
     assert f"{tmp_path}: holds no rank*.safetensors" in one_sentence(err)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(e=6), "num_experts is 6 but"),
-    (dict(h=5), "hidden_size is 5 but"),
-    (dict(topk=3), "topk is 3 but"),
-    (dict(world_size=8), "world_size is 8 but"),
-    (dict(model_layers=("0", "1", "2"), layers=("0", "1", "2")), "declares MoE layers"),
-    (dict(model_layers=None, layers=("0",)), "declares MoE layers None"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(e=6), "num_experts is 6 but"),
+        (dict(h=5), "hidden_size is 5 but"),
+        (dict(topk=3), "topk is 3 but"),
+        (dict(world_size=8), "world_size is 8 but"),
+        (dict(model_layers=("0", "1", "2"), layers=("0", "1", "2")), "declares MoE layers"),
+        (dict(model_layers=None, layers=("0",)), "declares MoE layers None"),
+    ],
+)
 def test_mixed_models_are_refused_naming_the_file(rank_files, make_rank_file, capsys, change, message):
     make_rank_file(rank_files, 7, **change)
     code, _, err = run_cli(capsys, "merge", str(rank_files))
@@ -131,6 +136,7 @@ def test_show_lists_dead_experts(tmp_path, capsys):
 
 # -- --json, and outputs replaced only by --force ------------------------------------------------
 
+
 def test_json_carries_the_numbers_of_the_text(rank_files, capsys):
     code, text, _ = run_cli(capsys, "merge", str(rank_files), "--json")
     merge = json.loads(text)
@@ -141,14 +147,20 @@ def test_json_carries_the_numbers_of_the_text(rank_files, capsys):
     _, raw, _ = run_cli(capsys, "show", str(stats), "--json")
     d = json.loads(raw)
     assert d["format"] == "mcore-proxy-stats-show/1" and set(d["layers"]) == {"0", "1"}
-    assert f"{len(d['layers'])} MoE layers, E={d['num_experts']}, top-{d['topk']}, H={d['hidden_size']}, " \
-           f"{d['ranks_merged']} rank file(s)" in text
+    assert (
+        f"{len(d['layers'])} MoE layers, E={d['num_experts']}, top-{d['topk']}, H={d['hidden_size']}, "
+        f"{d['ranks_merged']} rank file(s)" in text
+    )
     for lid, layer in d["layers"].items():
         top = " ".join(f"{t['expert']}:{100 * t['share']:.1f}%" for t in layer["top"])
         i, j, tokens, lift = (layer["top_pair"][k] for k in ("i", "j", "tokens", "lift"))
-        assert re.search(rf"^\s+{lid}\s+{layer['tokens']}\s+{re.escape(top)}\s.*\s{len(layer['dead'])}\s+"
-                         rf"{layer['entropy']:.3f}\s+pairs seen {layer['pairs_seen']}/{layer['pairs_total']}, "
-                         rf"top pair {i}\+{j}: {tokens} tokens \(lift {lift:.2f}\)$", text, re.M)
+        assert re.search(
+            rf"^\s+{lid}\s+{layer['tokens']}\s+{re.escape(top)}\s.*\s{len(layer['dead'])}\s+"
+            rf"{layer['entropy']:.3f}\s+pairs seen {layer['pairs_seen']}/{layer['pairs_total']}, "
+            rf"top pair {i}\+{j}: {tokens} tokens \(lift {lift:.2f}\)$",
+            text,
+            re.M,
+        )
 
 
 def test_show_refuses_existing_pngs_unless_force(rank_files, tmp_path, capsys):
@@ -171,15 +183,20 @@ def test_a_forced_merge_that_fails_to_write_leaves_the_old_file(rank_files, make
     assert run_cli(capsys, "merge", str(rank_files))[0] == 0
     merged, side = rank_files / "routing_stats.safetensors", rank_files / "routing_stats.json"
     before = merged.read_bytes(), side.read_bytes()
-    make_rank_file(rank_files, 2)            # the new merge would sum three ranks
+    make_rank_file(rank_files, 2)  # the new merge would sum three ranks
     limit = min(map(len, before)) // 2
 
     def apply():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    done = subprocess.run([sys.executable, "-m", "mcore_proxy.cli", "stats", "merge", str(rank_files), "--force"],
-                          capture_output=True, text=True, timeout=120, preexec_fn=apply,
-                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_proxy.cli", "stats", "merge", str(rank_files), "--force"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=apply,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert done.returncode == 2 and "file-size limit" in one_sentence(done.stderr), done.stderr
     assert (merged.read_bytes(), side.read_bytes()) == before
     assert not [p for p in rank_files.iterdir() if p.name.startswith(".")]

@@ -4,6 +4,7 @@ PP=2 with 2 virtual stages, activation recomputation, padding and MTP give the s
 statistics.
 
 Counts must be identical; sums allclose (reduction order differs between layouts)."""
+
 import numpy as np
 import pytest
 import torch
@@ -12,9 +13,9 @@ from mcore_proxy.testing.trace_runs import replica_logits
 from mcore_proxy.trace.cli import merge_folder
 from mcore_proxy.trace.megatron import layer_id
 
-pytestmark = pytest.mark.megatron   # real megatron-core models (slow)
+pytestmark = pytest.mark.megatron  # real megatron-core models (slow)
 
-TOKENS = 4 * 16          # batch x sequence of every run
+TOKENS = 4 * 16  # batch x sequence of every run
 TOPK = 2
 
 
@@ -50,13 +51,12 @@ def test_reference_run_is_consistent(ref, traced):
         assert s.tokens == TOKENS
         assert s.freq.sum() == TOKENS * TOPK
         np.testing.assert_array_equal(np.diag(s.coact), s.freq)
-        np.testing.assert_allclose(s.gate_mass.sum(), TOKENS, rtol=1e-6)   # softmax over the top-k
-        assert (s.freq > 0).sum() >= 4                                       # routing is diverse
+        np.testing.assert_allclose(s.gate_mass.sum(), TOKENS, rtol=1e-6)  # softmax over the top-k
+        assert (s.freq > 0).sum() >= 4  # routing is diverse
         assert s.saliency_sum is not None and (s.saliency_sum[s.freq > 0] > 0).all()
 
 
-@pytest.mark.parametrize("name, ranks", [("tp2ep2", 4), ("tp2ep2_sp", 4), ("pp2ep2_grouped", 4),
-                                         ("pp2vpp2", 2)])
+@pytest.mark.parametrize("name, ranks", [("tp2ep2", 4), ("tp2ep2_sp", 4), ("pp2ep2_grouped", 4), ("pp2vpp2", 2)])
 def test_parallel_layouts_match_single_rank(ref, traced, name, ranks):
     folder = traced(name)
     merged = merge_folder(folder)
@@ -67,10 +67,10 @@ def test_parallel_layouts_match_single_rank(ref, traced, name, ranks):
     for s in merged.layers.values():
         assert s.freq.sum() == s.tokens * TOPK
     files = sorted(p.name for p in folder.glob("rank*.safetensors"))
-    if name == "tp2ep2":     # TP w/o SP: only TP rank 0 of each data-parallel replica records
+    if name == "tp2ep2":  # TP w/o SP: only TP rank 0 of each data-parallel replica records
         assert files == ["rank00000.safetensors", "rank00002.safetensors"]
-        assert all(s.saliency_sum is None for s in merged.layers.values())   # ETP=2: not exact
-    else:                    # SP: every rank has its own tokens; PP: each stage its layers
+        assert all(s.saliency_sum is None for s in merged.layers.values())  # ETP=2: not exact
+    else:  # SP: every rank has its own tokens; PP: each stage its layers
         assert len(files) == ranks
 
 
@@ -81,7 +81,7 @@ def test_pipeline_stages_hold_their_global_layers(traced):
         return sorted(tuple(load_stats(p).layer_ids) for p in traced(name).glob("rank*.safetensors"))
 
     assert layers("pp2ep2_grouped") == [("0", "1"), ("0", "1"), ("2", "3"), ("2", "3")]
-    assert layers("pp2vpp2") == [("0", "2"), ("1", "3")]     # interleaved: chunk v of rank r
+    assert layers("pp2vpp2") == [("0", "2"), ("1", "3")]  # interleaved: chunk v of rank r
 
 
 def test_recomputation_counts_each_token_once(ref, traced):

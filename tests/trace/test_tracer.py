@@ -1,4 +1,5 @@
 """Tracer rules without megatron: recomputation, TP duplicates, step counting, atomic flushes."""
+
 import json
 
 import numpy as np
@@ -27,8 +28,7 @@ def test_recomputation_in_backward_is_not_counted_twice(tmp_path, reentrant):
     tracer = Tracer(tmp_path, rank=0)
     info = RouterInfo("0", E, K)
     hidden = torch.randn(10, H, requires_grad=True)
-    out = torch.utils.checkpoint.checkpoint(lambda h: router_call(tracer, info, h), hidden,
-                                            use_reentrant=reentrant)
+    out = torch.utils.checkpoint.checkpoint(lambda h: router_call(tracer, info, h), hidden, use_reentrant=reentrant)
     out.sum().backward()
     stats = tracer.stats()
     assert stats.layers["0"].tokens == 10
@@ -62,11 +62,11 @@ def test_flush_every_n_steps_holds_whole_forward_passes(tmp_path):
             router_call(tracer, RouterInfo(layer, E, K), hidden)
         if step <= 2:
             assert not path.exists()
-        if step in (3, 4):   # written when step 3 began: steps 1-2, both layers complete
+        if step in (3, 4):  # written when step 3 began: steps 1-2, both layers complete
             s = load_stats(path)
             assert s.meta["steps"] == 2 and s.layers["1"].tokens == 12
     s = load_stats(path)
-    assert s.meta["steps"] == 4 and s.layers["0"].tokens == 24   # flushed when step 5 began
+    assert s.meta["steps"] == 4 and s.layers["0"].tokens == 24  # flushed when step 5 began
     assert tracer.close() == path
     s = load_stats(path)
     assert s.meta["steps"] == 5 and s.layers["0"].tokens == s.layers["1"].tokens == 30
@@ -74,14 +74,14 @@ def test_flush_every_n_steps_holds_whole_forward_passes(tmp_path):
     assert meta["rank"] == 3 and meta["dedupe"] == DEDUPE_RULE and meta["model_layers"] == ["0", "1"]
     assert meta["topk"] == K and meta["num_experts"] == E
     assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
-    router_call(tracer, RouterInfo("0", E, K), hidden)     # after close: ignored
+    router_call(tracer, RouterInfo("0", E, K), hidden)  # after close: ignored
     assert load_stats(path).layers["0"].tokens == 30
 
 
 def test_saliency_rows_are_summed_per_local_expert(tmp_path):
     tracer = Tracer(tmp_path, rank=0)
     router_call(tracer, RouterInfo("0", E, K), torch.randn(5, H))
-    out = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])       # norms 5, 1, 10
+    out = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])  # norms 5, 1, 10
     tracer.record_saliency("0", torch.tensor([2, 3]), out, torch.tensor([2, 1]))
     tracer.record_saliency("7", torch.tensor([2, 3]), out, torch.tensor([2, 1]))  # unknown layer
     np.testing.assert_allclose(tracer.stats().layers["0"].saliency_sum, [0, 0, 6, 10])

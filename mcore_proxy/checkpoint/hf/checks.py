@@ -4,6 +4,7 @@ A proxy is only as right as its config.json: transformers builds the model from 
 the tensors into that shape (or refuses with a traceback about a size mismatch deep inside the
 loader). So the reader checks what the model's shape depends on before anything else runs.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,14 +13,18 @@ from mcore_proxy.errors import CheckpointError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _ROUTER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.router\.weight$")
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.(\d+)\.linear_fc([12])\.weight$")
+_EXPERT = re.compile(
+    r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.(\d+)\.linear_fc([12])\.weight$"
+)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # (tensor, the Megatron arg that says it exists, the tensor whose layers it belongs to): where the
 # anchor exists, the tensor exists exactly when the arg (made from config.json) is true; a mismatch
 # would write a Megatron checkpoint that megatron-core refuses to load, or that lacks a tensor
-_OPTIONAL = (("self_attention.linear_qkv.bias", "add_qkv_bias", "self_attention.linear_qkv.weight"),
-             ("self_attention.q_layernorm.weight", "qk_layernorm", "self_attention.linear_qkv.weight"),
-             ("mlp.shared_experts.gate_weight", "moe_shared_expert_gate", "mlp.shared_experts.linear_fc2.weight"))
+_OPTIONAL = (
+    ("self_attention.linear_qkv.bias", "add_qkv_bias", "self_attention.linear_qkv.weight"),
+    ("self_attention.q_layernorm.weight", "qk_layernorm", "self_attention.linear_qkv.weight"),
+    ("mlp.shared_experts.gate_weight", "moe_shared_expert_gate", "mlp.shared_experts.linear_fc2.weight"),
+)
 _PREFIX = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 
 
@@ -29,8 +34,10 @@ def _where(view, name: str) -> str:
 
 
 def _fail(view, says: str, name: str) -> CheckpointError:
-    return CheckpointError(f"{view.config.path} says {says} but {_where(view, name)}; fix config.json or use the "
-                           "config.json that came with these weights")
+    return CheckpointError(
+        f"{view.config.path} says {says} but {_where(view, name)}; fix config.json or use the "
+        "config.json that came with these weights"
+    )
 
 
 def _expert_key(view) -> str:
@@ -47,13 +54,17 @@ def check_optional_tensors(view) -> None:
                 continue
             said, held = bool(getattr(view.args, arg, False)), f"{m.group(1)}.{leaf}" in names
             if said and not held:
-                raise CheckpointError(f"{view.config.path} makes Megatron args {arg}=True but no shard holds "
-                                      f"{m.group(1)}.{leaf} (beside {_where(view, name)}); fix config.json or copy "
-                                      "the missing shards")
+                raise CheckpointError(
+                    f"{view.config.path} makes Megatron args {arg}=True but no shard holds "
+                    f"{m.group(1)}.{leaf} (beside {_where(view, name)}); fix config.json or copy "
+                    "the missing shards"
+                )
             if held and not said:
-                raise CheckpointError(f"{view.config.path} makes Megatron args {arg}=False but "
-                                      f"{_where(view, f'{m.group(1)}.{leaf}')}; fix config.json or use the config.json "
-                                      "that came with these weights")
+                raise CheckpointError(
+                    f"{view.config.path} makes Megatron args {arg}=False but "
+                    f"{_where(view, f'{m.group(1)}.{leaf}')}; fix config.json or use the config.json "
+                    "that came with these weights"
+                )
 
 
 def check_config_matches(view) -> None:
@@ -65,16 +76,21 @@ def check_config_matches(view) -> None:
         beyond = next((n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= spec.num_layers), None)
         if beyond:
             raise _fail(view, f"num_hidden_layers={spec.num_layers}", beyond)
-        raise CheckpointError(f"{view.config.path} says num_hidden_layers={spec.num_layers} but the shards hold "
-                              f"decoder layers {present[0]}..{present[-1]} only; copy the missing shards or fix config.json")
+        raise CheckpointError(
+            f"{view.config.path} says num_hidden_layers={spec.num_layers} but the shards hold "
+            f"decoder layers {present[0]}..{present[-1]} only; copy the missing shards or fix config.json"
+        )
     routers = {m.group(1) for n in names if (m := _ROUTER.match(n))}
-    want = {f"decoder.layers.{L}" for L in spec.moe_layers} | {f"mtp.layers.{k}.transformer_layer"
-                                                               for k in range(spec.mtp_layers) if spec.moe_layers}
+    want = {f"decoder.layers.{L}" for L in spec.moe_layers} | {
+        f"mtp.layers.{k}.transformer_layer" for k in range(spec.mtp_layers) if spec.moe_layers
+    }
     for prefix in sorted(routers - want):
         raise _fail(view, f"layer {prefix.split('.')[2]} is dense", prefix + ".mlp.router.weight")
     for prefix in sorted(want - routers):
-        raise CheckpointError(f"{view.config.path} says {prefix} is a MoE layer but no shard holds its router "
-                              "(mlp.gate.weight); fix config.json or copy the missing shards")
+        raise CheckpointError(
+            f"{view.config.path} says {prefix} is a MoE layer but no shard holds its router "
+            "(mlp.gate.weight); fix config.json or copy the missing shards"
+        )
     H, E, F = spec.hidden_size, spec.num_experts, spec.moe_ffn_hidden_size
     experts: dict[str, set[int]] = {}
     for name in names:
@@ -93,5 +109,7 @@ def check_config_matches(view) -> None:
             name = f"{prefix}.mlp.experts.{max(ids)}.linear_fc1.weight"
             if odd >= E:
                 raise _fail(view, f"{_expert_key(view)}={E}", name)
-            raise CheckpointError(f"{view.config.path} says {_expert_key(view)}={E} but {prefix} lacks expert {odd}; "
-                                  "copy the missing shards or fix config.json")
+            raise CheckpointError(
+                f"{view.config.path} says {_expert_key(view)}={E} but {prefix} lacks expert {odd}; "
+                "copy the missing shards or fix config.json"
+            )

@@ -4,6 +4,7 @@ Every value comes from whoever made the file, so each access checks the type and
 and the key in its message. Nothing in the folder is imported or executed: `auto_map` and
 `trust_remote_code` model code are never loaded.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -14,14 +15,20 @@ from mcore_proxy.jsonfile import read_json_object
 from mcore_proxy.errors import CheckpointError
 
 CONFIG = "config.json"
-MAX_CONFIG_BYTES = 16 << 20   # a real config.json is a few KiB; refuse a file that is not one
+MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; refuse a file that is not one
 _MISSING = object()
 
 
 def read_json(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> dict:
     """A JSON object from `path`; CheckpointError naming the file otherwise."""
-    return read_json_object(path, what, "copy it again from the model's source", CheckpointError,
-                            missing_fix="copy it from the model's source", limit=limit)
+    return read_json_object(
+        path,
+        what,
+        "copy it again from the model's source",
+        CheckpointError,
+        missing_fix="copy it from the model's source",
+        limit=limit,
+    )
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,9 @@ class HFConfig:
         value = self.data.get(key, _MISSING)
         if value is _MISSING or value is None:
             if default is _MISSING:
-                raise CheckpointError(f"{self.path}: lacks {key!r}, which the model needs; add it (the model's "
-                                      "source config.json has it)")
+                raise CheckpointError(
+                    f"{self.path}: lacks {key!r}, which the model needs; add it (the model's source config.json has it)"
+                )
             return default
         return value
 
@@ -52,8 +60,7 @@ class HFConfig:
         if value is default and default is not _MISSING:
             return value
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected an integer >= {minimum}; fix "
-                                  "config.json")
+            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected an integer >= {minimum}; fix config.json")
         return int(value)
 
     def float(self, key: str, default=_MISSING) -> float:
@@ -92,8 +99,10 @@ class HFConfig:
             if self.has(key):
                 return self.int(key)
         if default is _MISSING:
-            raise CheckpointError(f"{self.path}: lacks {' / '.join(keys)}, which the model needs; add it (the "
-                                  "model's source config.json has it)")
+            raise CheckpointError(
+                f"{self.path}: lacks {' / '.join(keys)}, which the model needs; add it (the "
+                "model's source config.json has it)"
+            )
         return default
 
     def architecture(self) -> str:

@@ -23,6 +23,7 @@ Checked against transformers 5.24 `models/deepseek_v3`, `models/deepseek_v32` an
 - V3.2 adds an indexer per layer (`self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`; megatron
   `self_attention.core_attention.indexer.{linear_wq_b,linear_wk,k_norm,linear_weights_proj}`).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -43,23 +44,35 @@ MTP_ROWS = (
     Row("final_layernorm.weight", "shared_head.norm.weight", scope=MTP),
 )
 MTP_COPIES = (
-    Ignored("embed_tokens.weight", MTP, "megatron's MTP shares the main word embedding",
-            tied_to="embedding.word_embeddings.weight"),
-    Ignored("shared_head.head.weight", MTP, "megatron's MTP shares the main output layer",
-            tied_to="output_layer.weight"),
+    Ignored(
+        "embed_tokens.weight",
+        MTP,
+        "megatron's MTP shares the main word embedding",
+        tied_to="embedding.word_embeddings.weight",
+    ),
+    Ignored(
+        "shared_head.head.weight", MTP, "megatron's MTP shares the main output layer", tied_to="output_layer.weight"
+    ),
 )
-_MLA = SHARED_ROWS + MTP_ROWS + (
-    Row("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
-    Row("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-    Row("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
-    Row("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
-    Row("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-    Row("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-    Row("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-    Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
-    Row("mlp.shared_experts.linear_fc1.weight",
-        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), GLU),
-    Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
+_MLA = (
+    SHARED_ROWS
+    + MTP_ROWS
+    + (
+        Row("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+        Row("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+        Row("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+        Row("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
+        Row("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+        Row("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+        Row("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+        Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
+        Row(
+            "mlp.shared_experts.linear_fc1.weight",
+            ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+            GLU,
+        ),
+        Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
+    )
 )
 _INDEXER = (
     Row("self_attention.core_attention.indexer.linear_wq_b.weight", "self_attn.indexer.wq_b.weight"),
@@ -72,7 +85,7 @@ _IGNORED = MTP_COPIES + (
     Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),
 )
 TABLES = {V3: Table(_MLA, _IGNORED), V32: Table(_MLA + _INDEXER, _IGNORED)}
-HF_GROUP_SCORE_EXPERTS = 2   # transformers scores a routing group by the sum of its 2 best experts
+HF_GROUP_SCORE_EXPERTS = 2  # transformers scores a routing group by the sum of its 2 best experts
 
 
 def moe_pattern(config, layers: int) -> list[int]:
@@ -81,8 +94,10 @@ def moe_pattern(config, layers: int) -> list[int]:
     if config.has("mlp_layer_types"):
         types = config.list("mlp_layer_types")
         if len(types) != layers or set(types) - {"dense", "sparse"}:
-            raise CheckpointError(f"{config.path}: mlp_layer_types must list 'dense' or 'sparse' for each of "
-                                  f"the {layers} layers; fix config.json")
+            raise CheckpointError(
+                f"{config.path}: mlp_layer_types must list 'dense' or 'sparse' for each of "
+                f"the {layers} layers; fix config.json"
+            )
         return [int(t == "sparse") for t in types]
     first = config.int("first_k_dense_replace", 0)
     freq = config.int("moe_layer_freq", 1, minimum=1)
@@ -96,11 +111,16 @@ def _rope_args(config) -> dict:
         return {"rope_type": "rope", "rotary_base": float(rope["rope_theta"]), "rotary_scaling_factor": 1.0}
     if kind != "yarn":
         raise CheckpointError(f"{config.path}: rope type {kind!r} is not supported for DeepSeek (plain or yarn)")
-    return {"rope_type": "yarn", "rotary_base": float(rope["rope_theta"]),
-            "rotary_scaling_factor": float(rope.get("factor", 1.0)),
-            "mscale": float(rope.get("mscale", 1.0)), "mscale_all_dim": float(rope.get("mscale_all_dim", 0.0)),
-            "beta_fast": float(rope.get("beta_fast", 32)), "beta_slow": float(rope.get("beta_slow", 1)),
-            "original_max_position_embeddings": int(rope.get("original_max_position_embeddings", 4096))}
+    return {
+        "rope_type": "yarn",
+        "rotary_base": float(rope["rope_theta"]),
+        "rotary_scaling_factor": float(rope.get("factor", 1.0)),
+        "mscale": float(rope.get("mscale", 1.0)),
+        "mscale_all_dim": float(rope.get("mscale_all_dim", 0.0)),
+        "beta_fast": float(rope.get("beta_fast", 32)),
+        "beta_slow": float(rope.get("beta_slow", 1)),
+        "original_max_position_embeddings": int(rope.get("original_max_position_embeddings", 4096)),
+    }
 
 
 def sigmoid_router_args(config) -> dict:
@@ -111,19 +131,29 @@ def sigmoid_router_args(config) -> dict:
     groups, group_topk = config.int("n_group", 1, minimum=1), config.int("topk_group", 1, minimum=1)
     renormalised = config.bool("norm_topk_prob", True)
     if renormalised != (topk > 1):
-        raise CheckpointError(f"{config.path}: norm_topk_prob is {str(renormalised).lower()} with top-{topk}; "
-                              "megatron-core's sigmoid router renormalises the top-k weights exactly when k > 1, so "
-                              "this router has no megatron equivalent")
+        raise CheckpointError(
+            f"{config.path}: norm_topk_prob is {str(renormalised).lower()} with top-{topk}; "
+            "megatron-core's sigmoid router renormalises the top-k weights exactly when k > 1, so "
+            "this router has no megatron equivalent"
+        )
     if groups > 1 and topk // group_topk != HF_GROUP_SCORE_EXPERTS:
-        raise CheckpointError(f"{config.path}: top-{topk} over {group_topk} of {groups} groups scores a group by its "
-                              f"best {topk // group_topk} experts in megatron but by its best {HF_GROUP_SCORE_EXPERTS} "
-                              "in transformers; the two would route differently")
-    return dict(moe_router_topk=topk, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_pre_softmax=False,
-                # kept also when 1: a flattened proxy says so explicitly (MindSpeed-LLM falls back to the EP size)
-                moe_router_num_groups=groups, moe_router_group_topk=group_topk,
-                moe_router_topk_scaling_factor=config.float("routed_scaling_factor", 1.0),
-                moe_router_load_balancing_type="seq_aux_loss", moe_router_dtype="fp32")
+        raise CheckpointError(
+            f"{config.path}: top-{topk} over {group_topk} of {groups} groups scores a group by its "
+            f"best {topk // group_topk} experts in megatron but by its best {HF_GROUP_SCORE_EXPERTS} "
+            "in transformers; the two would route differently"
+        )
+    return dict(
+        moe_router_topk=topk,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_pre_softmax=False,
+        # kept also when 1: a flattened proxy says so explicitly (MindSpeed-LLM falls back to the EP size)
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_topk,
+        moe_router_topk_scaling_factor=config.float("routed_scaling_factor", 1.0),
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_router_dtype="fp32",
+    )
 
 
 def _args_from_config(config, mtp_layers: int = 0, *, family: str):
@@ -132,71 +162,121 @@ def _args_from_config(config, mtp_layers: int = 0, *, family: str):
     heads = config.int("num_attention_heads", minimum=1)
     experts = config.first_int("n_routed_experts", "num_local_experts")
     if config.data.get("rope_interleave", True) is not True and family == V3:
-        raise CheckpointError(f"{config.path}: rope_interleave is false; megatron-core's multi-latent attention "
-                              "rotates interleaved pairs, as DeepSeek's published weights need")
+        raise CheckpointError(
+            f"{config.path}: rope_interleave is false; megatron-core's multi-latent attention "
+            "rotates interleaved pairs, as DeepSeek's published weights need"
+        )
     vocab = config.int("vocab_size", minimum=1)
     positions = config.int("max_position_embeddings", 4096, minimum=1)
     q_lora = config.data.get("q_lora_rank")
     fields = dict(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=heads,
-        kv_channels=config.int("v_head_dim", minimum=1), group_query_attention=False,
-        multi_latent_attention=True, q_lora_rank=None if q_lora is None else config.int("q_lora_rank", minimum=1),
-        kv_lora_rank=config.int("kv_lora_rank", minimum=1), qk_head_dim=config.int("qk_nope_head_dim", minimum=1),
-        qk_pos_emb_head_dim=config.int("qk_rope_head_dim", minimum=1), v_head_dim=config.int("v_head_dim", minimum=1),
-        qk_layernorm=True, ffn_hidden_size=config.int("intermediate_size", minimum=1),
-        num_experts=experts, moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        kv_channels=config.int("v_head_dim", minimum=1),
+        group_query_attention=False,
+        multi_latent_attention=True,
+        q_lora_rank=None if q_lora is None else config.int("q_lora_rank", minimum=1),
+        kv_lora_rank=config.int("kv_lora_rank", minimum=1),
+        qk_head_dim=config.int("qk_nope_head_dim", minimum=1),
+        qk_pos_emb_head_dim=config.int("qk_rope_head_dim", minimum=1),
+        v_head_dim=config.int("v_head_dim", minimum=1),
+        qk_layernorm=True,
+        ffn_hidden_size=config.int("intermediate_size", minimum=1),
+        num_experts=experts,
+        moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
         moe_layer_freq=moe_pattern(config, layers),
-        moe_shared_expert_intermediate_size=(config.int("moe_intermediate_size") * config.int("n_shared_experts", 0)) or None,
+        moe_shared_expert_intermediate_size=(config.int("moe_intermediate_size") * config.int("n_shared_experts", 0))
+        or None,
         **sigmoid_router_args(config),
         norm_epsilon=config.float("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not config.bool("tie_word_embeddings", False),
-        padded_vocab_size=vocab, vocab_size=vocab, seq_length=positions, max_position_embeddings=positions,
-        mtp_num_layers=mtp_layers or None, **_rope_args(config), **dtype_fields(config))
+        padded_vocab_size=vocab,
+        vocab_size=vocab,
+        seq_length=positions,
+        max_position_embeddings=positions,
+        mtp_num_layers=mtp_layers or None,
+        **_rope_args(config),
+        **dtype_fields(config),
+    )
     if family == V32:
-        fields.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=config.int("index_n_heads", minimum=1),
-                      dsa_indexer_head_dim=config.int("index_head_dim", minimum=1),
-                      dsa_indexer_topk=config.int("index_topk", minimum=1))
+        fields.update(
+            experimental_attention_variant="dsa",
+            dsa_indexer_n_heads=config.int("index_n_heads", minimum=1),
+            dsa_indexer_head_dim=config.int("index_head_dim", minimum=1),
+            dsa_indexer_topk=config.int("index_topk", minimum=1),
+        )
     return local_spec_args(**fields)
 
 
 def _config_from_args(args, spec, *, family: str) -> dict:
-    require(args, [("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), True),
-                   ("swiglu", bool(getattr(args, "swiglu", False)), True),
-                   ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-                   ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
-                   ("moe_router_score_function", spec.score_function, "sigmoid")], family)
+    require(
+        args,
+        [
+            ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), True),
+            ("swiglu", bool(getattr(args, "swiglu", False)), True),
+            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
+            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
+            ("moe_router_score_function", spec.score_function, "sigmoid"),
+        ],
+        family,
+    )
     rope_type = getattr(args, "rope_type", "rope") or "rope"
     rope = {"rope_type": "default", "rope_theta": float(getattr(args, "rotary_base", 10000))}
     if rope_type == "yarn":
-        rope.update(rope_type="yarn", factor=float(args.rotary_scaling_factor), mscale=float(getattr(args, "mscale", 1.0)),
-                    mscale_all_dim=float(getattr(args, "mscale_all_dim", 0.0)), beta_fast=float(getattr(args, "beta_fast", 32)),
-                    beta_slow=float(getattr(args, "beta_slow", 1)),
-                    original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)))
+        rope.update(
+            rope_type="yarn",
+            factor=float(args.rotary_scaling_factor),
+            mscale=float(getattr(args, "mscale", 1.0)),
+            mscale_all_dim=float(getattr(args, "mscale_all_dim", 0.0)),
+            beta_fast=float(getattr(args, "beta_fast", 32)),
+            beta_slow=float(getattr(args, "beta_slow", 1)),
+            original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)),
+        )
     first_dense = next((i for i in range(spec.num_layers) if i in spec.moe_layers), spec.num_layers)
     if list(spec.moe_layers) != list(range(first_dense, spec.num_layers)):
-        raise CheckpointError(f"MoE layers {list(spec.moe_layers)} are not 'dense first, then MoE', which is all a "
-                              f"{family} config.json can say")
+        raise CheckpointError(
+            f"MoE layers {list(spec.moe_layers)} are not 'dense first, then MoE', which is all a "
+            f"{family} config.json can say"
+        )
     shared = spec.shared_expert_size or 0
     config = {
-        "architectures": [_ARCH[family]], "model_type": _MODEL_TYPE[family],
-        "vocab_size": int(args.padded_vocab_size), "hidden_size": spec.hidden_size,
-        "intermediate_size": int(spec.ffn_hidden_size), "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-        "num_hidden_layers": spec.num_layers, "num_attention_heads": int(args.num_attention_heads),
+        "architectures": [_ARCH[family]],
+        "model_type": _MODEL_TYPE[family],
+        "vocab_size": int(args.padded_vocab_size),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": int(spec.ffn_hidden_size),
+        "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": int(args.num_attention_heads),
         "num_key_value_heads": int(args.num_attention_heads),
-        "n_shared_experts": shared // int(spec.moe_ffn_hidden_size), "first_k_dense_replace": first_dense,
-        "q_lora_rank": getattr(args, "q_lora_rank", None), "kv_lora_rank": int(args.kv_lora_rank),
-        "qk_nope_head_dim": int(args.qk_head_dim), "qk_rope_head_dim": int(args.qk_pos_emb_head_dim),
-        "v_head_dim": int(args.v_head_dim), "hidden_act": "silu", "norm_topk_prob": spec.topk > 1,
+        "n_shared_experts": shared // int(spec.moe_ffn_hidden_size),
+        "first_k_dense_replace": first_dense,
+        "q_lora_rank": getattr(args, "q_lora_rank", None),
+        "kv_lora_rank": int(args.kv_lora_rank),
+        "qk_nope_head_dim": int(args.qk_head_dim),
+        "qk_rope_head_dim": int(args.qk_pos_emb_head_dim),
+        "v_head_dim": int(args.v_head_dim),
+        "hidden_act": "silu",
+        "norm_topk_prob": spec.topk > 1,
         "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
         "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)), "rope_parameters": rope,
-        "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0,
+        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
+        "rope_parameters": rope,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
         "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        "num_nextn_predict_layers": spec.mtp_layers, "dtype": dtype_name(args),
+        "num_nextn_predict_layers": spec.mtp_layers,
+        "dtype": dtype_name(args),
     }
     if family == V32:
-        config.update(index_n_heads=int(args.dsa_indexer_n_heads), index_head_dim=int(args.dsa_indexer_head_dim),
-                      index_topk=int(args.dsa_indexer_topk))
+        config.update(
+            index_n_heads=int(args.dsa_indexer_n_heads),
+            index_head_dim=int(args.dsa_indexer_head_dim),
+            index_topk=int(args.dsa_indexer_topk),
+        )
     return proxy_config(config, spec)
 
 
@@ -211,8 +291,14 @@ def proxy_config(config: dict, spec) -> dict:
 
 
 def _family(name: str) -> Family:
-    return Family(name, (_ARCH[name],), TABLES[name], partial(_args_from_config, family=name),
-                  partial(_config_from_args, family=name), proxy_config)
+    return Family(
+        name,
+        (_ARCH[name],),
+        TABLES[name],
+        partial(_args_from_config, family=name),
+        partial(_config_from_args, family=name),
+        proxy_config,
+    )
 
 
 FAMILIES = (_family(V3), _family(V32))

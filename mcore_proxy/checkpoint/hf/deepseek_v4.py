@@ -42,6 +42,7 @@ bench/deepseek_v4_megatron_dev.py (the dev tree loads the files strictly and com
 logits); what is not is in docs/families.md. MindSpeed-LLM saves DeepSeek-V4 under other names and
 shardings (tensor-parallel attention): `checkpoint/mindspeed_llm_v4.py` maps them to these.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,29 +61,36 @@ NAME = "DeepSeek-V4"
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 VARIANT = "dsv4_hybrid"
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-CSA_RATIO = 4                      # Megatron-LM builds the indexer exactly for this ratio (csa.py)
-MEGATRON_RATIOS = (0, 4, 128)      # what Megatron-LM dev's TransformerConfig accepts
-HC_EPS = 1e-6                      # Megatron-LM's mHC epsilons are constants (hyper_connection.py)
+CSA_RATIO = 4  # Megatron-LM builds the indexer exactly for this ratio (csa.py)
+MEGATRON_RATIOS = (0, 4, 128)  # what Megatron-LM dev's TransformerConfig accepts
+HC_EPS = 1e-6  # Megatron-LM's mHC epsilons are constants (hyper_connection.py)
 _LAYER_OF = re.compile(r"^(?:model\.)?(layers\.\d+|mtp\.\d+)$")
 _ATTN, _CORE = "self_attention.", "self_attention.core_attention."
 
 
 def _compressor(canonical: str, hf: str) -> tuple[Row, ...]:
-    return (Row(f"{canonical}.linear_wkv.weight", f"{hf}.wkv.weight"),
-            Row(f"{canonical}.linear_wgate.weight", f"{hf}.wgate.weight"),
-            Row(f"{canonical}.ape", f"{hf}.ape"),
-            Row(f"{canonical}.norm.weight", f"{hf}.norm.weight"))
+    return (
+        Row(f"{canonical}.linear_wkv.weight", f"{hf}.wkv.weight"),
+        Row(f"{canonical}.linear_wgate.weight", f"{hf}.wgate.weight"),
+        Row(f"{canonical}.ape", f"{hf}.ape"),
+        Row(f"{canonical}.norm.weight", f"{hf}.norm.weight"),
+    )
 
 
 def _hyper_connection(canonical: str, hf: str) -> tuple[Row, ...]:
-    return (Row(f"{canonical}.mapping_proj.weight", f"{hf}_fn"), Row(f"{canonical}.bias", f"{hf}_base"),
-            *(Row(f"{canonical}.alpha_{part}", f"{hf}_scale", PICK, index=i)
-              for i, part in enumerate(("pre", "post", "res"))))
+    return (
+        Row(f"{canonical}.mapping_proj.weight", f"{hf}_fn"),
+        Row(f"{canonical}.bias", f"{hf}_base"),
+        *(
+            Row(f"{canonical}.alpha_{part}", f"{hf}_scale", PICK, index=i)
+            for i, part in enumerate(("pre", "post", "res"))
+        ),
+    )
 
 
 ROWS = (
     Row("embedding.word_embeddings.weight", "model.embed_tokens.weight", scope=MODEL),
-    Row("embedding.word_embeddings.weight", "embed.weight", scope=MODEL, read_only=True),     # the release's
+    Row("embedding.word_embeddings.weight", "embed.weight", scope=MODEL, read_only=True),  # the release's
     Row("decoder.final_layernorm.weight", "model.norm.weight", scope=MODEL),
     Row("decoder.final_layernorm.weight", "norm.weight", scope=MODEL, read_only=True),
     Row("output_layer.weight", "head.weight", scope=MODEL),
@@ -121,6 +129,7 @@ TABLE = Table(ROWS, mtp_prefix="mtp.{k}.")
 
 # -- config.json -> Megatron-LM dev args ---------------------------------------------------------------
 
+
 def compress_ratios(config, layers: int) -> list[int]:
     """Per decoder layer: 0 (sliding window only), the CSA rate, or the HCA rate (`layer_types` and
     `compress_rates`, or the release's `compress_ratios`)."""
@@ -130,16 +139,21 @@ def compress_ratios(config, layers: int) -> list[int]:
         types = config.list("layer_types")
         rates = {CSA: CSA_RATIO, HCA: 128, **config.dict("compress_rates", {})}
         if len(types) != layers or set(types) - {SLIDING, CSA, HCA}:
-            raise CheckpointError(f"{config.path}: layer_types must name {SLIDING}, {CSA} or {HCA} for each of the "
-                                  f"{layers} layers; fix config.json")
+            raise CheckpointError(
+                f"{config.path}: layer_types must name {SLIDING}, {CSA} or {HCA} for each of the "
+                f"{layers} layers; fix config.json"
+            )
         if int(rates[CSA]) != CSA_RATIO or int(rates[HCA]) in (0, CSA_RATIO):
-            raise CheckpointError(f"{config.path}: compress_rates {rates} give a compressed sparse attention rate other "
-                                  f"than {CSA_RATIO} or a heavily compressed one of 0 or {CSA_RATIO}; Megatron-LM builds "
-                                  f"the indexer exactly for rate {CSA_RATIO}, so its layers would differ")
+            raise CheckpointError(
+                f"{config.path}: compress_rates {rates} give a compressed sparse attention rate other "
+                f"than {CSA_RATIO} or a heavily compressed one of 0 or {CSA_RATIO}; Megatron-LM builds "
+                f"the indexer exactly for rate {CSA_RATIO}, so its layers would differ"
+            )
         ratios = [0 if t == SLIDING else int(rates[t]) for t in types]
     if len(ratios) != layers:
-        raise CheckpointError(f"{config.path}: compress_ratios has {len(ratios)} entries for {layers} layers; "
-                              "fix config.json")
+        raise CheckpointError(
+            f"{config.path}: compress_ratios has {len(ratios)} entries for {layers} layers; fix config.json"
+        )
     return ratios
 
 
@@ -151,9 +165,11 @@ def hash_layers(config, layers: int) -> int:
     types = config.list("mlp_layer_types")
     n = next((i for i, t in enumerate(types) if t != "hash_moe"), len(types))
     if len(types) != layers or any(t != "moe" for t in types[n:]):
-        raise CheckpointError(f"{config.path}: mlp_layer_types must be 'hash_moe' for the first layers and 'moe' for "
-                              f"the rest, one entry for each of the {layers} layers, as Megatron-LM's "
-                              "moe_n_hash_layers says; fix config.json")
+        raise CheckpointError(
+            f"{config.path}: mlp_layer_types must be 'hash_moe' for the first layers and 'moe' for "
+            f"the rest, one entry for each of the {layers} layers, as Megatron-LM's "
+            "moe_n_hash_layers says; fix config.json"
+        )
     return n
 
 
@@ -166,11 +182,16 @@ def _mtp_ratios(config, depths: int, decoder: list[int]) -> list[int]:
 
     folder = config.path.parent
     wmap = weight_map(folder)
-    layer = lambda key: _LAYER_OF.sub(r"\1", key.split(".attn.")[0])   # noqa: E731  (`layers.3`, `mtp.0`)
+    layer = lambda key: _LAYER_OF.sub(r"\1", key.split(".attn.")[0])  # noqa: E731  (`layers.3`, `mtp.0`)
     apes = {}
     for file in sorted({f for k, f in wmap.items() if k.endswith(".attn.compressor.ape")}):
-        apes.update({layer(k): tuple(info.shape) for k, info in read_header(folder / file).items()
-                     if k.endswith(".attn.compressor.ape")})
+        apes.update(
+            {
+                layer(k): tuple(info.shape)
+                for k, info in read_header(folder / file).items()
+                if k.endswith(".attn.compressor.ape")
+            }
+        )
     indexed = {layer(k) for k in wmap if ".attn.indexer." in k}
     prefixes = [(f"layers.{i}", r) for i, r in enumerate(decoder)]
     out = []
@@ -182,9 +203,11 @@ def _mtp_ratios(config, depths: int, decoder: list[int]) -> list[int]:
         ape = apes.get(prefix)
         if (ape[0] if ape else 0) != ratio or (prefix in indexed) != (ratio == CSA_RATIO):
             said = " (config.json)" if prefix.startswith("layers.") else ""
-            raise CheckpointError(f"{config.path}: {prefix} has compress ratio {ratio}{said}, but its compressor "
-                                  f"holds {ape[0] if ape else 'no'} rows and it has {'an' if prefix in indexed else 'no'} "
-                                  "indexer; fix config.json or use the config.json that came with these weights")
+            raise CheckpointError(
+                f"{config.path}: {prefix} has compress ratio {ratio}{said}, but its compressor "
+                f"holds {ape[0] if ape else 'no'} rows and it has {'an' if prefix in indexed else 'no'} "
+                "indexer; fix config.json or use the config.json that came with these weights"
+            )
     return out
 
 
@@ -195,20 +218,31 @@ def _rope_args(config) -> dict:
     params = config.dict("rope_parameters", {})
     main, compress = params.get("main", {}), params.get("compress", {})
     if main.get("rope_type", "default") != "default":
-        raise CheckpointError(f"{config.path}: rope_parameters.main is {main.get('rope_type')!r}; Megatron-LM's "
-                              "DeepSeek-V4 uses plain RoPE in sliding-window layers")
-    fields = dict(rope_type="yarn", rotary_base=float(main.get("rope_theta", config.float("rope_theta", 10000.0))),
-                  csa_compress_rotary_base=float(compress.get("rope_theta",
-                                                              config.float("compress_rope_theta", 160000.0))),
-                  rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        raise CheckpointError(
+            f"{config.path}: rope_parameters.main is {main.get('rope_type')!r}; Megatron-LM's "
+            "DeepSeek-V4 uses plain RoPE in sliding-window layers"
+        )
+    fields = dict(
+        rope_type="yarn",
+        rotary_base=float(main.get("rope_theta", config.float("rope_theta", 10000.0))),
+        csa_compress_rotary_base=float(compress.get("rope_theta", config.float("compress_rope_theta", 160000.0))),
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
     kind = compress.get("rope_type", "default")
     if kind == "yarn":
-        fields.update(rotary_scaling_factor=float(compress.get("factor", 1.0)),
-                      original_max_position_embeddings=int(compress.get("original_max_position_embeddings", 4096)),
-                      beta_fast=float(compress.get("beta_fast", 32)), beta_slow=float(compress.get("beta_slow", 1)))
+        fields.update(
+            rotary_scaling_factor=float(compress.get("factor", 1.0)),
+            original_max_position_embeddings=int(compress.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(compress.get("beta_fast", 32)),
+            beta_slow=float(compress.get("beta_slow", 1)),
+        )
     elif kind != "default":
-        raise CheckpointError(f"{config.path}: rope_parameters.compress is {kind!r}; Megatron-LM's DeepSeek-V4 "
-                              "uses YaRN (or plain) RoPE in compressed layers")
+        raise CheckpointError(
+            f"{config.path}: rope_parameters.compress is {kind!r}; Megatron-LM's DeepSeek-V4 "
+            "uses YaRN (or plain) RoPE in compressed layers"
+        )
     return fields
 
 
@@ -219,45 +253,85 @@ def args_from_config(config, mtp_layers: int = 0):
     heads, head_dim = config.int("num_attention_heads", minimum=1), config.int("head_dim", minimum=1)
     rope_dim = int(head_dim * config.float("partial_rotary_factor", 64 / 512))
     if config.int("num_key_value_heads", 1) != 1 or config.int("n_shared_experts", 1) != 1:
-        raise CheckpointError(f"{config.path}: DeepSeek-V4 has one shared key/value head and one shared expert; "
-                              "num_key_value_heads and n_shared_experts must be 1")
+        raise CheckpointError(
+            f"{config.path}: DeepSeek-V4 has one shared key/value head and one shared expert; "
+            "num_key_value_heads and n_shared_experts must be 1"
+        )
     if config.float("hc_eps", HC_EPS) != HC_EPS:
-        raise CheckpointError(f"{config.path}: hc_eps is {config.float('hc_eps')}, but Megatron-LM's hyper-connections "
-                              f"use {HC_EPS}")
+        raise CheckpointError(
+            f"{config.path}: hc_eps is {config.float('hc_eps')}, but Megatron-LM's hyper-connections use {HC_EPS}"
+        )
     ratios = compress_ratios(config, layers)
     mtp_ratios = _mtp_ratios(config, mtp_layers, ratios)
     if set(ratios + mtp_ratios) - set(MEGATRON_RATIOS):
-        log.warning("%s: compress ratios %s: Megatron-LM dev's TransformerConfig accepts only %s; its code builds "
-                    "other ratios alike, but a launch refuses them", config.path, ratios + mtp_ratios, MEGATRON_RATIOS)
-    experts, ffn = config.first_int("n_routed_experts", "num_local_experts"), config.int("moe_intermediate_size", minimum=1)
+        log.warning(
+            "%s: compress ratios %s: Megatron-LM dev's TransformerConfig accepts only %s; its code builds "
+            "other ratios alike, but a launch refuses them",
+            config.path,
+            ratios + mtp_ratios,
+            MEGATRON_RATIOS,
+        )
+    experts, ffn = (
+        config.first_int("n_routed_experts", "num_local_experts"),
+        config.int("moe_intermediate_size", minimum=1),
+    )
     vocab = config.int("vocab_size", minimum=1)
     positions = config.int("max_position_embeddings", 4096, minimum=1)
     return local_spec_args(
-        num_layers=layers, hidden_size=config.int("hidden_size", minimum=1), num_attention_heads=heads,
-        num_query_groups=heads, kv_channels=head_dim, group_query_attention=False,
-        multi_latent_attention=True, q_lora_rank=config.int("q_lora_rank", minimum=1), qk_pos_emb_head_dim=rope_dim,
-        v_head_dim=head_dim, qk_head_dim=head_dim - rope_dim, kv_lora_rank=head_dim - rope_dim,  # as Megatron derives
-        qk_layernorm=True, o_groups=config.int("o_groups", minimum=1), o_lora_rank=config.int("o_lora_rank", minimum=1),
-        experimental_attention_variant=VARIANT, csa_window_size=config.int("sliding_window", minimum=1),
-        csa_compress_ratios=ratios + mtp_ratios, **_rope_args(config),
+        num_layers=layers,
+        hidden_size=config.int("hidden_size", minimum=1),
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        kv_channels=head_dim,
+        group_query_attention=False,
+        multi_latent_attention=True,
+        q_lora_rank=config.int("q_lora_rank", minimum=1),
+        qk_pos_emb_head_dim=rope_dim,
+        v_head_dim=head_dim,
+        qk_head_dim=head_dim - rope_dim,
+        kv_lora_rank=head_dim - rope_dim,  # as Megatron derives
+        qk_layernorm=True,
+        o_groups=config.int("o_groups", minimum=1),
+        o_lora_rank=config.int("o_lora_rank", minimum=1),
+        experimental_attention_variant=VARIANT,
+        csa_window_size=config.int("sliding_window", minimum=1),
+        csa_compress_ratios=ratios + mtp_ratios,
+        **_rope_args(config),
         dsa_indexer_n_heads=config.int("index_n_heads", minimum=1),
-        dsa_indexer_head_dim=config.int("index_head_dim", minimum=1), dsa_indexer_topk=config.int("index_topk", minimum=1),
-        num_experts=experts, moe_ffn_hidden_size=ffn, moe_layer_freq=[1] * layers,
-        moe_shared_expert_intermediate_size=ffn, moe_router_topk=config.int("num_experts_per_tok", minimum=1),
-        moe_router_score_function=config.str("scoring_func", "sqrtsoftplus"), moe_router_enable_expert_bias=True,
-        moe_router_pre_softmax=False, moe_router_num_groups=None, moe_router_group_topk=None,
+        dsa_indexer_head_dim=config.int("index_head_dim", minimum=1),
+        dsa_indexer_topk=config.int("index_topk", minimum=1),
+        num_experts=experts,
+        moe_ffn_hidden_size=ffn,
+        moe_layer_freq=[1] * layers,
+        moe_shared_expert_intermediate_size=ffn,
+        moe_router_topk=config.int("num_experts_per_tok", minimum=1),
+        moe_router_score_function=config.str("scoring_func", "sqrtsoftplus"),
+        moe_router_enable_expert_bias=True,
+        moe_router_pre_softmax=False,
+        moe_router_num_groups=None,
+        moe_router_group_topk=None,
         moe_router_topk_scaling_factor=config.float("routed_scaling_factor", 1.0),
-        moe_router_load_balancing_type="seq_aux_loss", moe_router_dtype="fp32",
-        moe_n_hash_layers=hash_layers(config, layers), activation_func_clamp_value=config.float("swiglu_limit", 10.0),
-        enable_hyper_connections=True, num_residual_streams=config.int("hc_mult", minimum=1),
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_router_dtype="fp32",
+        moe_n_hash_layers=hash_layers(config, layers),
+        activation_func_clamp_value=config.float("swiglu_limit", 10.0),
+        enable_hyper_connections=True,
+        num_residual_streams=config.int("hc_mult", minimum=1),
         mhc_sinkhorn_iterations=config.int("hc_sinkhorn_iters", 20, minimum=1),
         norm_epsilon=config.float("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not config.bool("tie_word_embeddings", False),
-        padded_vocab_size=vocab, vocab_size=vocab, seq_length=positions, max_position_embeddings=positions,
-        mtp_num_layers=mtp_layers or None, transformer_impl="transformer_engine", **dtype_fields(config))
+        padded_vocab_size=vocab,
+        vocab_size=vocab,
+        seq_length=positions,
+        max_position_embeddings=positions,
+        mtp_num_layers=mtp_layers or None,
+        transformer_impl="transformer_engine",
+        **dtype_fields(config),
+    )
 
 
 # -- Megatron-LM dev args -> config.json ----------------------------------------------------------------
+
 
 def claims(args, spec) -> bool:
     return getattr(args, "experimental_attention_variant", None) == VARIANT
@@ -267,56 +341,94 @@ def _layer_types(args, layers: int) -> tuple[list[str], dict]:
     ratios = [int(r) for r in list(args.csa_compress_ratios)[:layers]]
     heavy = sorted({r for r in ratios if r not in (0, CSA_RATIO)})
     if len(heavy) > 1:
-        raise CheckpointError(f"Megatron args csa_compress_ratios {ratios} hold several heavy rates {heavy}; a "
-                              "DeepSeek-V4 config.json has one heavily compressed rate")
+        raise CheckpointError(
+            f"Megatron args csa_compress_ratios {ratios} hold several heavy rates {heavy}; a "
+            "DeepSeek-V4 config.json has one heavily compressed rate"
+        )
     types = [SLIDING if r == 0 else CSA if r == CSA_RATIO else HCA for r in ratios]
     return types, {CSA: CSA_RATIO, HCA: heavy[0] if heavy else 128}
 
 
 def config_from_args(args, spec) -> dict:
     """A DeepSeek-V4 config.json for a Megatron-LM DeepSeek-V4 (Megatron -> HF)."""
-    require(args, [("enable_hyper_connections", bool(getattr(args, "enable_hyper_connections", False)), True),
-                   ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), True),
-                   ("swiglu", bool(getattr(args, "swiglu", False)), True),
-                   ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-                   ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
-                   ("moe_router_score_function", spec.score_function, "sqrtsoftplus"),
-                   ("moe_shared_expert_intermediate_size", spec.shared_expert_size, spec.moe_ffn_hidden_size),
-                   ("moe_layer_freq", list(spec.moe_layers), list(range(spec.num_layers)))], NAME)
+    require(
+        args,
+        [
+            ("enable_hyper_connections", bool(getattr(args, "enable_hyper_connections", False)), True),
+            ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), True),
+            ("swiglu", bool(getattr(args, "swiglu", False)), True),
+            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
+            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
+            ("moe_router_score_function", spec.score_function, "sqrtsoftplus"),
+            ("moe_shared_expert_intermediate_size", spec.shared_expert_size, spec.moe_ffn_hidden_size),
+            ("moe_layer_freq", list(spec.moe_layers), list(range(spec.num_layers))),
+        ],
+        NAME,
+    )
     layers, head_dim, rope_dim = spec.num_layers, int(args.v_head_dim), int(args.qk_pos_emb_head_dim)
     types, rates = _layer_types(args, layers)
     factor = float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0)
-    compress = {"rope_type": "default", "rope_theta": float(args.csa_compress_rotary_base),
-                "partial_rotary_factor": rope_dim / head_dim}
+    compress = {
+        "rope_type": "default",
+        "rope_theta": float(args.csa_compress_rotary_base),
+        "partial_rotary_factor": rope_dim / head_dim,
+    }
     if factor != 1.0:
-        compress.update(rope_type="yarn", factor=factor, attention_factor=1.0,
-                        original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)),
-                        beta_fast=float(getattr(args, "beta_fast", 32)), beta_slow=float(getattr(args, "beta_slow", 1)))
+        compress.update(
+            rope_type="yarn",
+            factor=factor,
+            attention_factor=1.0,
+            original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)),
+            beta_fast=float(getattr(args, "beta_fast", 32)),
+            beta_slow=float(getattr(args, "beta_slow", 1)),
+        )
     main = {"rope_type": "default", "rope_theta": float(args.rotary_base), "partial_rotary_factor": rope_dim / head_dim}
     hashed = int(getattr(args, "moe_n_hash_layers", 0) or 0)
-    return proxy_config({
-        "architectures": [ARCHITECTURE], "model_type": "deepseek_v4",
-        "vocab_size": int(args.padded_vocab_size), "hidden_size": spec.hidden_size,
-        "moe_intermediate_size": int(spec.moe_ffn_hidden_size), "num_hidden_layers": layers,
-        "num_attention_heads": int(args.num_attention_heads), "num_key_value_heads": 1, "head_dim": head_dim,
-        "q_lora_rank": int(args.q_lora_rank), "partial_rotary_factor": rope_dim / head_dim,
-        "o_groups": int(args.o_groups), "o_lora_rank": int(args.o_lora_rank),
-        "layer_types": types, "compress_rates": rates, "sliding_window": int(args.csa_window_size),
-        "index_n_heads": int(args.dsa_indexer_n_heads), "index_head_dim": int(args.dsa_indexer_head_dim),
-        "index_topk": int(args.dsa_indexer_topk),
-        "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
-        "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
-        "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
-        "swiglu_limit": float(getattr(args, "activation_func_clamp_value", None) or 10.0),
-        "hc_mult": int(args.num_residual_streams), "hc_sinkhorn_iters": int(getattr(args, "mhc_sinkhorn_iterations", 20)),
-        "hc_eps": HC_EPS, "rope_theta": main["rope_theta"], "compress_rope_theta": compress["rope_theta"],
-        "rope_parameters": {"main": main, "compress": compress},
-        "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-6)), "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "mlp_bias": False,
-        "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        "num_nextn_predict_layers": spec.mtp_layers, "dtype": dtype_name(args),
-    }, spec)
+    return proxy_config(
+        {
+            "architectures": [ARCHITECTURE],
+            "model_type": "deepseek_v4",
+            "vocab_size": int(args.padded_vocab_size),
+            "hidden_size": spec.hidden_size,
+            "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+            "num_hidden_layers": layers,
+            "num_attention_heads": int(args.num_attention_heads),
+            "num_key_value_heads": 1,
+            "head_dim": head_dim,
+            "q_lora_rank": int(args.q_lora_rank),
+            "partial_rotary_factor": rope_dim / head_dim,
+            "o_groups": int(args.o_groups),
+            "o_lora_rank": int(args.o_lora_rank),
+            "layer_types": types,
+            "compress_rates": rates,
+            "sliding_window": int(args.csa_window_size),
+            "index_n_heads": int(args.dsa_indexer_n_heads),
+            "index_head_dim": int(args.dsa_indexer_head_dim),
+            "index_topk": int(args.dsa_indexer_topk),
+            "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
+            "n_shared_experts": 1,
+            "scoring_func": "sqrtsoftplus",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
+            "swiglu_limit": float(getattr(args, "activation_func_clamp_value", None) or 10.0),
+            "hc_mult": int(args.num_residual_streams),
+            "hc_sinkhorn_iters": int(getattr(args, "mhc_sinkhorn_iterations", 20)),
+            "hc_eps": HC_EPS,
+            "rope_theta": main["rope_theta"],
+            "compress_rope_theta": compress["rope_theta"],
+            "rope_parameters": {"main": main, "compress": compress},
+            "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
+            "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-6)),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+            "num_nextn_predict_layers": spec.mtp_layers,
+            "dtype": dtype_name(args),
+        },
+        spec,
+    )
 
 
 def proxy_config(config: dict, spec) -> dict:
@@ -327,5 +439,14 @@ def proxy_config(config: dict, spec) -> dict:
     return out
 
 
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, None, claims,
-                variants=frozenset({MTP_MODEL_LAYER}))
+FAMILY = Family(
+    NAME,
+    (ARCHITECTURE,),
+    TABLE,
+    args_from_config,
+    config_from_args,
+    proxy_config,
+    None,
+    claims,
+    variants=frozenset({MTP_MODEL_LAYER}),
+)

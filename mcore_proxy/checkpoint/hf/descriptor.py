@@ -21,16 +21,28 @@ fused expert tensor, then copied tensor; a key that matches nothing is refused b
 copied key that looks like a routed expert's (`.experts.`) is refused too: a tensor is never
 dropped, or copied unpruned, by accident.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
 ROUTER, ROUTER_BIAS, SCORE_BIAS, HASH_TABLE, EXPERT, FUSED, COPY = (
-    "router", "router_bias", "score_bias", "hash_table", "expert", "fused", "copy")
+    "router",
+    "router_bias",
+    "score_bias",
+    "hash_table",
+    "expert",
+    "fused",
+    "copy",
+)
 # the canonical names of the router's tensors under a layer prefix (select and prune read these)
-ROUTER_LEAVES = {ROUTER: "mlp.router.weight", ROUTER_BIAS: "mlp.router.bias", SCORE_BIAS: "mlp.router.expert_bias",
-                 HASH_TABLE: "mlp.router.hash_table"}
+ROUTER_LEAVES = {
+    ROUTER: "mlp.router.weight",
+    ROUTER_BIAS: "mlp.router.bias",
+    SCORE_BIAS: "mlp.router.expert_bias",
+    HASH_TABLE: "mlp.router.hash_table",
+}
 _EXPERT_LOOKALIKE = re.compile(r"(^|\.)experts\.")
 # quantization companions of a weight, as checkpoints spell them: FP8 block scales (`X_scale_inv`),
 # compressed-tensors int4 (`X_packed`, `X_scale`, `X_shape`), MXFP4 (`X_blocks`, `X_scales`)
@@ -53,9 +65,9 @@ class Router:
     """The router's tensors (layer-relative patterns; each tuple: alternative spellings)."""
 
     weight: tuple[str, ...]
-    bias: tuple[str, ...] = ()          # [E] added to the logits
-    score_bias: tuple[str, ...] = ()    # [E] or [1, E] added to the scores for selection only
-    hash_table: tuple[str, ...] = ()    # [V, k] int: expert ids by token id
+    bias: tuple[str, ...] = ()  # [E] added to the logits
+    score_bias: tuple[str, ...] = ()  # [E] or [1, E] added to the scores for selection only
+    hash_table: tuple[str, ...] = ()  # [V, k] int: expert ids by token id
 
 
 @dataclass(frozen=True)
@@ -75,9 +87,9 @@ class ConfigKeys:
 
     experts: tuple[str, ...]
     topk: tuple[str, ...] = ("num_experts_per_tok",)
-    groups: tuple[str, str] | None = None         # (number of groups, groups chosen per token)
-    score_function: str | tuple[str, str] = "softmax"   # a constant, or (key, default)
-    mtp: tuple[str, ...] = ()                     # MTP layer count, read for checks only
+    groups: tuple[str, str] | None = None  # (number of groups, groups chosen per token)
+    score_function: str | tuple[str, str] = "softmax"  # a constant, or (key, default)
+    mtp: tuple[str, ...] = ()  # MTP layer count, read for checks only
 
 
 @dataclass(frozen=True)
@@ -110,13 +122,13 @@ class MoEFamily:
     config: ConfigKeys
     runtime: Runtime = Runtime()
     layers: tuple[str, ...] = ("model.layers.{L}.",)
-    copied: tuple[str, ...] = ()          # layer-relative globs of every other tensor of a layer
-    model_copied: tuple[str, ...] = ()    # whole-key globs outside layers
-    mtp: tuple[str, ...] = ()             # MTP layer prefixes (`mtp.layers.{k}.`); "after" in
-    mtp_after_decoder: bool = False       # ... or MTP layer k is decoder layer num_hidden_layers + k
-    mtp_copied: tuple[str, ...] = ()      # globs (relative to an MTP layer) of its own extra tensors
-    megatron: object | None = None        # an optional Megatron mapping (checkpoint/hf/family.Family)
-    notes: str = ""                       # what transformers does not do for this family (README, inspect)
+    copied: tuple[str, ...] = ()  # layer-relative globs of every other tensor of a layer
+    model_copied: tuple[str, ...] = ()  # whole-key globs outside layers
+    mtp: tuple[str, ...] = ()  # MTP layer prefixes (`mtp.layers.{k}.`); "after" in
+    mtp_after_decoder: bool = False  # ... or MTP layer k is decoder layer num_hidden_layers + k
+    mtp_copied: tuple[str, ...] = ()  # globs (relative to an MTP layer) of its own extra tensors
+    megatron: object | None = None  # an optional Megatron mapping (checkpoint/hf/family.Family)
+    notes: str = ""  # what transformers does not do for this family (README, inspect)
     _compiled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -138,13 +150,13 @@ class MoEFamily:
         "mtp.0" for MTP layer 0, None for keys outside layers."""
         for regex in self._compiled["mtp"]:
             if m := regex.match(key):
-                return f"mtp.{int(m.group('n'))}", key[:m.start("rest")], m.group("rest")
+                return f"mtp.{int(m.group('n'))}", key[: m.start("rest")], m.group("rest")
         for regex in self._compiled["layers"]:
             if m := regex.match(key):
                 n = int(m.group("n"))
                 if n >= num_layers and self.mtp_after_decoder:
-                    return f"mtp.{n - num_layers}", key[:m.start("rest")], m.group("rest")
-                return (str(n) if n < num_layers else f"beyond.{n}"), key[:m.start("rest")], m.group("rest")
+                    return f"mtp.{n - num_layers}", key[: m.start("rest")], m.group("rest")
+                return (str(n) if n < num_layers else f"beyond.{n}"), key[: m.start("rest")], m.group("rest")
         return None, "", key
 
     def role(self, layer_id: str | None, rest: str) -> tuple[str, str, int | None] | None:

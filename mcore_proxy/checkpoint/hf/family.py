@@ -6,6 +6,7 @@ to legacy or torch_dist with its args written, and the launch flags are printed 
 `config_from_args` is the way back, for Megatron -> HF. `proxy_config` edits a source
 config.json for a proxy: expert count and routing groups per the plan, everything else kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,10 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     table: Table
-    args_from_config: Callable       # (HFConfig, mtp_layers) -> argparse.Namespace
-    config_from_args: Callable       # (args, ModelSpec) -> dict (a new config.json)
-    proxy_config: Callable           # (dict, ModelSpec) -> dict (a source config.json for the view's experts)
-    qkv_groups: Callable | None = None   # (args) -> (heads, groups, head_dim) for the qkv transform
+    args_from_config: Callable  # (HFConfig, mtp_layers) -> argparse.Namespace
+    config_from_args: Callable  # (args, ModelSpec) -> dict (a new config.json)
+    proxy_config: Callable  # (dict, ModelSpec) -> dict (a source config.json for the view's experts)
+    qkv_groups: Callable | None = None  # (args) -> (heads, groups, head_dim) for the qkv transform
     # (args, ModelSpec) -> bool: Megatron args of this family's shape. Megatron -> HF writes the first
     # family of `reader.families()` that claims the args (Qwen3-MoE when none does: its checks then
     # say what the model lacks); claims are only what tells the families apart, `config_from_args`
@@ -39,12 +40,27 @@ def local_spec_args(**fields) -> argparse.Namespace:
     """Megatron args shared by every HF-derived model: RMSNorm, SwiGLU, no linear biases, rotary
     positions; the names written are megatron-core's local (non-TE) spec names, as MindSpeed-LLM
     saves them, so `transformer_impl` says local. Parallel sizes are 1 (a writer sets its target)."""
-    base = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
-                position_embedding_type="rope", rotary_percent=1.0, transformer_impl="local",
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                expert_tensor_parallel_size=1, moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
-                ckpt_format="torch", iteration=0, use_distributed_optimizer=False,
-                make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        transformer_impl="local",
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        ckpt_format="torch",
+        iteration=0,
+        use_distributed_optimizer=False,
+        make_vocab_size_divisible_by=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     base.update(fields)
     return argparse.Namespace(**base)
 
@@ -75,5 +91,7 @@ def require(args, checks: list[tuple[str, object, object]], family: str) -> None
     """Refuse Megatron args an HF model of `family` cannot express: (field, found, expected)."""
     for field, found, expected in checks:
         if found != expected:
-            raise CheckpointError(f"Megatron args {field} is {found!r} but a {family} checkpoint on Hugging Face "
-                                  f"needs {expected!r}; this model has no HF equivalent in that family")
+            raise CheckpointError(
+                f"Megatron args {field} is {found!r} but a {family} checkpoint on Hugging Face "
+                f"needs {expected!r}; this model has no HF equivalent in that family"
+            )

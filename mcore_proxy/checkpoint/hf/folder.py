@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint folder as files: which shard holds which tensor (the index, or the
 one model.safetensors) and every tensor's shape and dtype from the shards' headers, with no
 tensor data read. Both readers (`native`, `reader`) stand on it."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -23,8 +24,7 @@ def is_hf_checkpoint(path) -> bool:
     if not (path / "config.json").is_file():
         return False
     names = [p.name for p in path.iterdir() if p.is_file()]
-    return any(n.endswith(".safetensors") or n == INDEX or any(fnmatch.fnmatch(n, p) for p in PICKLED)
-               for n in names)
+    return any(n.endswith(".safetensors") or n == INDEX or any(fnmatch.fnmatch(n, p) for p in PICKLED) for n in names)
 
 
 def weight_map(folder: Path) -> dict[str, str]:
@@ -33,29 +33,44 @@ def weight_map(folder: Path) -> dict[str, str]:
     if index.is_file():
         doc = read_json(index, INDEX, limit=256 << 20)
         wmap = doc.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap or not all(isinstance(k, str) and isinstance(v, str)
-                                                              for k, v in wmap.items()):
-            raise CheckpointError(f"{index}: has no weight_map of tensor names to shard files; copy it again from "
-                                  "the model's source")
+        if (
+            not isinstance(wmap, dict)
+            or not wmap
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items())
+        ):
+            raise CheckpointError(
+                f"{index}: has no weight_map of tensor names to shard files; copy it again from the model's source"
+            )
         for name in set(wmap.values()):
             if not _SHARD_NAME.match(name):
-                raise CheckpointError(f"{index}: shard {name!r} is not a plain *.safetensors file name in the "
-                                      "checkpoint folder; the index is damaged or hostile, copy it again")
+                raise CheckpointError(
+                    f"{index}: shard {name!r} is not a plain *.safetensors file name in the "
+                    "checkpoint folder; the index is damaged or hostile, copy it again"
+                )
             if not (folder / name).is_file():
-                raise CheckpointError(f"{folder / name}: shard named in {INDEX} is missing; copy it from the "
-                                      "model's source")
+                raise CheckpointError(
+                    f"{folder / name}: shard named in {INDEX} is missing; copy it from the model's source"
+                )
         return dict(wmap)
     single = folder / SINGLE
     if single.is_file():
         return {key: SINGLE for key in read_header(single)}
     pickled = sorted(p.name for p in folder.iterdir() if any(fnmatch.fnmatch(p.name, pat) for pat in PICKLED))
     if pickled:
-        raise CheckpointError(f"{folder / pickled[0]}: pickle-based weights, which mcore-proxy never loads (unpickling "
-                              "can run code); save the model as safetensors (save_pretrained with "
-                              "safe_serialization) in a trusted environment first")
+        raise CheckpointError(
+            f"{folder / pickled[0]}: pickle-based weights, which mcore-proxy never loads (unpickling "
+            "can run code); save the model as safetensors (save_pretrained with "
+            "safe_serialization) in a trusted environment first"
+        )
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    raise CheckpointError(f"{folder}: no {INDEX} and no {SINGLE}" + (f" beside {len(shards)} shards; copy the index "
-                          "from the model's source" if shards else "; copy the weights from the model's source"))
+    raise CheckpointError(
+        f"{folder}: no {INDEX} and no {SINGLE}"
+        + (
+            f" beside {len(shards)} shards; copy the index from the model's source"
+            if shards
+            else "; copy the weights from the model's source"
+        )
+    )
 
 
 def read_headers(folder: Path, wmap: dict[str, str]) -> dict[str, TensorInfo]:
@@ -68,7 +83,9 @@ def read_headers(folder: Path, wmap: dict[str, str]) -> dict[str, TensorInfo]:
         absent, unlisted = sorted(listed - set(header)), sorted(set(header) - listed)
         if absent or unlisted:
             what = f"lacks {absent[0]}" if absent else f"holds {unlisted[0]}, which"
-            raise CheckpointError(f"{folder / file}: {what} {INDEX} {'lists in it' if absent else 'does not list'}; "
-                                  "the index and the shards are from different copies, copy both again")
+            raise CheckpointError(
+                f"{folder / file}: {what} {INDEX} {'lists in it' if absent else 'does not list'}; "
+                "the index and the shards are from different copies, copy both again"
+            )
         infos.update({k: header[k] for k in listed})
     return infos

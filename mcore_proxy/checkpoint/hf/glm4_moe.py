@@ -15,6 +15,7 @@ Checked against transformers 5.24 `models/glm4_moe` and megatron-core 0.16.1:
 The MLA variants under the same descriptor (`Glm4MoeLiteForCausalLM`, `GlmMoeDsaForCausalLM`) have
 no Megatron mapping here.
 """
+
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import deepseek, gqa
@@ -24,14 +25,24 @@ from mcore_proxy.errors import CheckpointError
 
 NAME = "GLM-4.5-MoE"
 ARCHITECTURE = "Glm4MoeForCausalLM"
-HF_ROTARY_DEFAULT = 0.5   # Glm4MoeConfig's partial_rotary_factor when config.json has none
+HF_ROTARY_DEFAULT = 0.5  # Glm4MoeConfig's partial_rotary_factor when config.json has none
 
-TABLE = Table(rows=SHARED_ROWS + deepseek.MTP_ROWS + (gqa.QKV_ROW, gqa.QKV_BIAS_ROW) + gqa.QK_NORM_ROWS + (
-    Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
-    Row("mlp.shared_experts.linear_fc1.weight",
-        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), GLU),
-    Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
-), ignored=deepseek.MTP_COPIES + (gqa.ROPE_FREQUENCIES,))
+TABLE = Table(
+    rows=SHARED_ROWS
+    + deepseek.MTP_ROWS
+    + (gqa.QKV_ROW, gqa.QKV_BIAS_ROW)
+    + gqa.QK_NORM_ROWS
+    + (
+        Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
+        Row(
+            "mlp.shared_experts.linear_fc1.weight",
+            ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+            GLU,
+        ),
+        Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
+    ),
+    ignored=deepseek.MTP_COPIES + (gqa.ROPE_FREQUENCIES,),
+)
 
 
 def args_from_config(config, mtp_layers: int = 0):
@@ -42,40 +53,62 @@ def args_from_config(config, mtp_layers: int = 0):
     first_dense = config.int("first_k_dense_replace", 1)
     moe_size = config.int("moe_intermediate_size", minimum=1)
     return local_spec_args(
-        **decoder, qk_layernorm=config.bool("use_qk_norm", False), add_qkv_bias=config.bool("attention_bias", False),
+        **decoder,
+        qk_layernorm=config.bool("use_qk_norm", False),
+        add_qkv_bias=config.bool("attention_bias", False),
         ffn_hidden_size=config.int("intermediate_size", minimum=1),
-        num_experts=config.first_int("n_routed_experts", "num_local_experts"), moe_ffn_hidden_size=moe_size,
+        num_experts=config.first_int("n_routed_experts", "num_local_experts"),
+        moe_ffn_hidden_size=moe_size,
         moe_layer_freq=[int(i >= first_dense) for i in range(layers)],
         moe_shared_expert_intermediate_size=moe_size * config.int("n_shared_experts", 1, minimum=1),
-        **deepseek.sigmoid_router_args(config), moe_aux_loss_coeff=config.float("router_aux_loss_coef", 0.0),
-        mtp_num_layers=mtp_layers or None)
+        **deepseek.sigmoid_router_args(config),
+        moe_aux_loss_coeff=config.float("router_aux_loss_coef", 0.0),
+        mtp_num_layers=mtp_layers or None,
+    )
 
 
 def config_from_args(args, spec) -> dict:
     """A GLM-4.5 config.json for a Megatron model (Megatron -> HF)."""
-    require(args, gqa.decoder_requirements(args, spec) + [
-        ("moe_router_score_function", spec.score_function, "sigmoid"),
-        ("moe_router_enable_expert_bias", spec.expert_bias, True),
-        ("moe_shared_expert_gate", bool(getattr(args, "moe_shared_expert_gate", False)), False)], NAME)
+    require(
+        args,
+        gqa.decoder_requirements(args, spec)
+        + [
+            ("moe_router_score_function", spec.score_function, "sigmoid"),
+            ("moe_router_enable_expert_bias", spec.expert_bias, True),
+            ("moe_shared_expert_gate", bool(getattr(args, "moe_shared_expert_gate", False)), False),
+        ],
+        NAME,
+    )
     moe_size, shared = int(spec.moe_ffn_hidden_size), spec.shared_expert_size or 0
     if not shared or shared % moe_size:
-        raise CheckpointError(f"Megatron args moe_shared_expert_intermediate_size is {shared or None} but a {NAME} "
-                              f"checkpoint on Hugging Face has n_shared_experts shared experts of {moe_size} "
-                              f"(moe_ffn_hidden_size) each; this model has no HF equivalent in that family")
+        raise CheckpointError(
+            f"Megatron args moe_shared_expert_intermediate_size is {shared or None} but a {NAME} "
+            f"checkpoint on Hugging Face has n_shared_experts shared experts of {moe_size} "
+            f"(moe_ffn_hidden_size) each; this model has no HF equivalent in that family"
+        )
     first_dense = next((i for i in range(spec.num_layers) if i in spec.moe_layers), spec.num_layers)
     if list(spec.moe_layers) != list(range(first_dense, spec.num_layers)):
-        raise CheckpointError(f"MoE layers {list(spec.moe_layers)} are not 'dense first, then MoE', which is all a "
-                              f"{NAME} config.json can say")
-    return deepseek.proxy_config({
-        "architectures": [ARCHITECTURE], "model_type": "glm4_moe", **gqa.decoder_config(args, spec, rotary_key=True),
-        "intermediate_size": int(spec.ffn_hidden_size), "moe_intermediate_size": moe_size,
-        "attention_bias": bool(getattr(args, "add_qkv_bias", False)),
-        "use_qk_norm": bool(getattr(args, "qk_layernorm", False)),
-        "n_shared_experts": shared // moe_size, "first_k_dense_replace": first_dense,
-        "norm_topk_prob": spec.topk > 1,   # what megatron does (`deepseek.sigmoid_router_args`)
-        "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
-        "num_nextn_predict_layers": spec.mtp_layers,
-    }, spec)
+        raise CheckpointError(
+            f"MoE layers {list(spec.moe_layers)} are not 'dense first, then MoE', which is all a "
+            f"{NAME} config.json can say"
+        )
+    return deepseek.proxy_config(
+        {
+            "architectures": [ARCHITECTURE],
+            "model_type": "glm4_moe",
+            **gqa.decoder_config(args, spec, rotary_key=True),
+            "intermediate_size": int(spec.ffn_hidden_size),
+            "moe_intermediate_size": moe_size,
+            "attention_bias": bool(getattr(args, "add_qkv_bias", False)),
+            "use_qk_norm": bool(getattr(args, "qk_layernorm", False)),
+            "n_shared_experts": shared // moe_size,
+            "first_k_dense_replace": first_dense,
+            "norm_topk_prob": spec.topk > 1,  # what megatron does (`deepseek.sigmoid_router_args`)
+            "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
+            "num_nextn_predict_layers": spec.mtp_layers,
+        },
+        spec,
+    )
 
 
 def claims(args, spec) -> bool:
@@ -83,5 +116,6 @@ def claims(args, spec) -> bool:
     return gqa.is_gqa(args) and spec.score_function == "sigmoid"
 
 
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, deepseek.proxy_config,
-                gqa.qkv_groups, claims)
+FAMILY = Family(
+    NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, deepseek.proxy_config, gqa.qkv_groups, claims
+)

@@ -16,22 +16,27 @@ Checked against transformers 5.24 (`models/{mixtral,qwen2_moe,glm4_moe}`) and me
   router gives with `moe_router_pre_softmax=False` (softmax over the top-k logits); without
   renormalisation it is `moe_router_pre_softmax=True` (softmax over all, then top-k).
 """
+
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf.family import dtype_fields, dtype_name
 from mcore_proxy.checkpoint.hf.mapping import LAYER, QKV, Ignored, Row
 from mcore_proxy.errors import CheckpointError
 
-QKV_ROW = Row("self_attention.linear_qkv.weight",
-              ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), QKV)
-QKV_BIAS_ROW = Row("self_attention.linear_qkv.bias",
-                   ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), QKV)
+QKV_ROW = Row(
+    "self_attention.linear_qkv.weight",
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    QKV,
+)
+QKV_BIAS_ROW = Row(
+    "self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), QKV
+)
 QK_NORM_ROWS = (
     Row("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
     Row("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
 )
 ROPE_FREQUENCIES = Ignored("self_attn.rotary_emb.inv_freq", LAYER, "RoPE frequencies, recomputed from rope_theta")
-WHOLE_HEADS = None   # `decoder_args(rotary_default=...)` of a family that rotates whole heads
+WHOLE_HEADS = None  # `decoder_args(rotary_default=...)` of a family that rotates whole heads
 
 
 def qkv_groups(args) -> tuple[int, int, int]:
@@ -48,26 +53,42 @@ def decoder_args(config, family: str, *, eps: float, rotary_default: float | Non
     heads = config.int("num_attention_heads", minimum=1)
     groups = config.int("num_key_value_heads", heads, minimum=1)
     if heads % groups:
-        raise CheckpointError(f"{config.path}: num_attention_heads {heads} is not a multiple of "
-                              f"num_key_value_heads {groups}; fix config.json")
+        raise CheckpointError(
+            f"{config.path}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {groups}; fix config.json"
+        )
     if config.data.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{config.path}: hidden_act is {config.data.get('hidden_act')!r}; {family} maps to "
-                              "megatron-core's SwiGLU (silu) only")
+        raise CheckpointError(
+            f"{config.path}: hidden_act is {config.data.get('hidden_act')!r}; {family} maps to "
+            "megatron-core's SwiGLU (silu) only"
+        )
     rope = config.rope()
     if rope["rope_type"] != "default":
-        raise CheckpointError(f"{config.path}: rope type {rope['rope_type']!r} is not supported for {family} "
-                              "(plain RoPE only); use the model's original config.json")
+        raise CheckpointError(
+            f"{config.path}: rope type {rope['rope_type']!r} is not supported for {family} "
+            "(plain RoPE only); use the model's original config.json"
+        )
     vocab = config.int("vocab_size", minimum=1)
     positions = config.int("max_position_embeddings", 4096, minimum=1)
     return dict(
-        num_layers=config.int("num_hidden_layers", minimum=1), hidden_size=hidden, num_attention_heads=heads,
-        group_query_attention=groups != heads, num_query_groups=groups,
-        kv_channels=config.int("head_dim", hidden // heads, minimum=1), multi_latent_attention=False,
-        rotary_base=float(rope["rope_theta"]), rotary_percent=_rotary_percent(config, rope, rotary_default),
-        rotary_interleaved=False, norm_epsilon=config.float("rms_norm_eps", eps),
+        num_layers=config.int("num_hidden_layers", minimum=1),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        group_query_attention=groups != heads,
+        num_query_groups=groups,
+        kv_channels=config.int("head_dim", hidden // heads, minimum=1),
+        multi_latent_attention=False,
+        rotary_base=float(rope["rope_theta"]),
+        rotary_percent=_rotary_percent(config, rope, rotary_default),
+        rotary_interleaved=False,
+        norm_epsilon=config.float("rms_norm_eps", eps),
         untie_embeddings_and_output_weights=not config.bool("tie_word_embeddings", False),
-        padded_vocab_size=vocab, vocab_size=vocab, seq_length=positions, max_position_embeddings=positions,
-        **dtype_fields(config))
+        padded_vocab_size=vocab,
+        vocab_size=vocab,
+        seq_length=positions,
+        max_position_embeddings=positions,
+        **dtype_fields(config),
+    )
 
 
 def _rotary_percent(config, rope: dict, default: float | None) -> float:
@@ -77,8 +98,9 @@ def _rotary_percent(config, rope: dict, default: float | None) -> float:
     value = rope.get("partial_rotary_factor", config.data.get("partial_rotary_factor"))
     value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise CheckpointError(f"{config.path}: partial_rotary_factor is {value!r}, expected a number in (0, 1]; "
-                              "fix config.json")
+        raise CheckpointError(
+            f"{config.path}: partial_rotary_factor is {value!r}, expected a number in (0, 1]; fix config.json"
+        )
     return float(value)
 
 
@@ -90,24 +112,32 @@ def decoder_config(args, spec, *, rotary_key: bool) -> dict:
     if rotary_key:
         rope["partial_rotary_factor"] = float(getattr(args, "rotary_percent", None) or 1.0)
     return {
-        "vocab_size": int(args.padded_vocab_size), "hidden_size": spec.hidden_size,
-        "num_hidden_layers": spec.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
-        "head_dim": head_dim, "hidden_act": "silu",
+        "vocab_size": int(args.padded_vocab_size),
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
         "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)), "rope_parameters": rope,
+        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
+        "rope_parameters": rope,
         "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        "attention_dropout": 0.0, "dtype": dtype_name(args),
+        "attention_dropout": 0.0,
+        "dtype": dtype_name(args),
     }
 
 
 def decoder_requirements(args, spec) -> list[tuple[str, object, object]]:
     """(field, found, expected) for `family.require`: what every GQA family here needs of Megatron args."""
-    return [("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), False),
-            ("swiglu", bool(getattr(args, "swiglu", False)), True),
-            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
-            ("position_embedding_type", getattr(args, "position_embedding_type", "learned_absolute"), "rope"),
-            ("rotary_interleaved", bool(getattr(args, "rotary_interleaved", False)), False)]
+    return [
+        ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), False),
+        ("swiglu", bool(getattr(args, "swiglu", False)), True),
+        ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
+        ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
+        ("position_embedding_type", getattr(args, "position_embedding_type", "learned_absolute"), "rope"),
+        ("rotary_interleaved", bool(getattr(args, "rotary_interleaved", False)), False),
+    ]
 
 
 def is_gqa(args) -> bool:
@@ -117,23 +147,33 @@ def is_gqa(args) -> bool:
 
 # -- the softmax router of Mixtral and Qwen2-MoE ---------------------------------------------------
 
+
 def softmax_router_args(config, *, renormalised: bool) -> dict:
-    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not renormalised,
-                moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_group_topk=None,
-                moe_router_topk_scaling_factor=None, moe_router_load_balancing_type="aux_loss",
-                moe_aux_loss_coeff=config.float("router_aux_loss_coef", 0.0))
+    return dict(
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not renormalised,
+        moe_router_enable_expert_bias=False,
+        moe_router_num_groups=None,
+        moe_router_group_topk=None,
+        moe_router_topk_scaling_factor=None,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=config.float("router_aux_loss_coef", 0.0),
+    )
 
 
 def softmax_router_requirements(args, spec) -> list[tuple[str, object, object]]:
-    return [("moe_router_score_function", spec.score_function, "softmax"),
-            ("moe_router_enable_expert_bias", spec.expert_bias, False),
-            ("moe_router_num_groups", spec.num_groups or 1, 1),
-            ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None) or 1.0, 1.0)]
+    return [
+        ("moe_router_score_function", spec.score_function, "softmax"),
+        ("moe_router_enable_expert_bias", spec.expert_bias, False),
+        ("moe_router_num_groups", spec.num_groups or 1, 1),
+        ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None) or 1.0, 1.0),
+    ]
 
 
 def expert_count_config(expert_keys: tuple[str, ...]):
     """The `proxy_config` of a family whose config.json spells E as one of `expert_keys`: every
     spelling present (else the first) set to the proxy's E, and its top-k."""
+
     def proxy_config(config: dict, spec) -> dict:
         out = dict(config)
         for key in [k for k in expert_keys if k in out] or [expert_keys[0]]:

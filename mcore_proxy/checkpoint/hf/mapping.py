@@ -27,6 +27,7 @@ canonical tensor), otherwise reading stops with its name: a dropped tensor is ne
 FP8 checkpoints store `X_scale_inv` beside a quantised `X`; it follows X's row (copy and glu
 only: block scales of one tensor cannot be re-interleaved per query group).
 """
+
 from __future__ import annotations
 
 import re
@@ -41,8 +42,8 @@ MODEL, LAYER, MTP = "model", "layer", "mtp"
 SCALE_SUFFIX = "_scale_inv"
 _PARTS = {COPY: 1, GLU: 2, QKV: 3, FUSED: 1, PICK: 1}
 
-_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")   # DeepSeek-V4's release: `layers.{i}.`
-_HF_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")     # DeepSeek-V4's MTP block `mtp.{k}.`
+_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")  # DeepSeek-V4's release: `layers.{i}.`
+_HF_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")  # DeepSeek-V4's MTP block `mtp.{k}.`
 _CANON_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _CANON_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
 _CANON_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
@@ -56,9 +57,9 @@ class Row:
     hf: tuple[str, ...]
     transform: str = COPY
     scope: str = LAYER
-    read_only: bool = False   # an alternative spelling accepted when reading, never written
+    read_only: bool = False  # an alternative spelling accepted when reading, never written
     index: int | None = None  # pick: the element of the HF tensor
-    dtypes: tuple | None = None   # (HF dtype, canonical dtype) when they differ
+    dtypes: tuple | None = None  # (HF dtype, canonical dtype) when they differ
 
     def __post_init__(self):
         hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
@@ -108,7 +109,9 @@ FUSED_EXPERT_ROWS = (
 )
 ROUTED_SWIGLU_ROWS = (
     Row("mlp.router.weight", "mlp.gate.weight"),
-    Row("mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU),
+    Row(
+        "mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU
+    ),
     Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight"),
 ) + FUSED_EXPERT_ROWS
 SHARED_ROWS = WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW,) + DENSE_SWIGLU_ROWS + ROUTED_SWIGLU_ROWS
@@ -161,11 +164,16 @@ class Table:
         """The pick rows reading the same HF tensor as `row`, in element order (`row` alone otherwise)."""
         if row.transform != PICK:
             return (row,)
-        return tuple(sorted((r for r in self.rows if r.transform == PICK and r.hf == row.hf and r.scope == row.scope),
-                            key=lambda r: r.index))
+        return tuple(
+            sorted(
+                (r for r in self.rows if r.transform == PICK and r.hf == row.hf and r.scope == row.scope),
+                key=lambda r: r.index,
+            )
+        )
 
 
 # -- where a key lives -------------------------------------------------------------------------
+
 
 def split_hf_key(key: str, num_layers: int) -> tuple[str, int | None, str]:
     """HF key -> (scope, layer index or MTP depth, remainder). Layers at or past
@@ -186,8 +194,7 @@ def canonical_name(row: Row, scope: str, index: int | None, expert: int | None) 
         return name
     if row.scope == MTP:
         return f"mtp.layers.{index}.{name}"
-    return (f"decoder.layers.{index}.{name}" if scope == LAYER
-            else f"mtp.layers.{index}.transformer_layer.{name}")
+    return f"decoder.layers.{index}.{name}" if scope == LAYER else f"mtp.layers.{index}.transformer_layer.{name}"
 
 
 def split_canonical(name: str) -> tuple[str, int | None, str, str]:
@@ -201,8 +208,9 @@ def split_canonical(name: str) -> tuple[str, int | None, str, str]:
     return MODEL, None, name, MODEL
 
 
-def hf_name(pattern: str, scope: str, index: int | None, expert: int | None, num_layers: int,
-            mtp_prefix: str | None = None) -> str:
+def hf_name(
+    pattern: str, scope: str, index: int | None, expert: int | None, num_layers: int, mtp_prefix: str | None = None
+) -> str:
     key = pattern.replace("{e}", str(expert)) if expert is not None else pattern
     if scope == MODEL:
         return key
@@ -212,6 +220,7 @@ def hf_name(pattern: str, scope: str, index: int | None, expert: int | None, num
 
 
 # -- transforms: pure functions of tensors ------------------------------------------------------
+
 
 def glu_join(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[F, H] gate, [F, H] up -> [2F, H] megatron `linear_fc1` (gate rows, then up rows)."""
@@ -227,8 +236,9 @@ def qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> 
     """q [G*r*d, H], k/v [G*d, H] -> megatron `linear_qkv` [G*(r+2)*d, H]: per query group its r
     query heads, then its key head, then its value head."""
     h = q.shape[1:]
-    return torch.cat([q.reshape(groups, -1, *h), k.reshape(groups, -1, *h), v.reshape(groups, -1, *h)],
-                     dim=1).reshape(-1, *h)
+    return torch.cat([q.reshape(groups, -1, *h), k.reshape(groups, -1, *h), v.reshape(groups, -1, *h)], dim=1).reshape(
+        -1, *h
+    )
 
 
 def qkv_split(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:

@@ -12,60 +12,101 @@ Checked against transformers 5.24 `models/mixtral` (and the `mixtral` entry of i
 - `sliding_window` (windowed attention) is refused: megatron-core's local spec attends to every
   earlier token.
 """
+
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import gqa
 from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import (ATTENTION_OUTPUT_ROW, FUSED_EXPERT_ROWS, GLU, LAYER_NORM_ROWS,
-                                               WHOLE_MODEL_ROWS, Row, Table)
+from mcore_proxy.checkpoint.hf.mapping import (
+    ATTENTION_OUTPUT_ROW,
+    FUSED_EXPERT_ROWS,
+    GLU,
+    LAYER_NORM_ROWS,
+    WHOLE_MODEL_ROWS,
+    Row,
+    Table,
+)
 from mcore_proxy.errors import CheckpointError
 
 NAME = "Mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
 EXPERT_KEYS = ("num_local_experts", "num_experts")
 
-TABLE = Table(rows=WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW, gqa.QKV_ROW) + (
-    Row("mlp.router.weight", "block_sparse_moe.gate.weight"),
-    Row("mlp.router.weight", "mlp.gate.weight", read_only=True),
-    Row("mlp.experts.{e}.linear_fc1.weight",
-        ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"), GLU),
-    Row("mlp.experts.{e}.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight"),
-) + FUSED_EXPERT_ROWS, ignored=(gqa.ROPE_FREQUENCIES,))
+TABLE = Table(
+    rows=WHOLE_MODEL_ROWS
+    + LAYER_NORM_ROWS
+    + (ATTENTION_OUTPUT_ROW, gqa.QKV_ROW)
+    + (
+        Row("mlp.router.weight", "block_sparse_moe.gate.weight"),
+        Row("mlp.router.weight", "mlp.gate.weight", read_only=True),
+        Row(
+            "mlp.experts.{e}.linear_fc1.weight",
+            ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+            GLU,
+        ),
+        Row("mlp.experts.{e}.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    )
+    + FUSED_EXPERT_ROWS,
+    ignored=(gqa.ROPE_FREQUENCIES,),
+)
 
 
 def args_from_config(config, mtp_layers: int = 0):
     """Megatron args of the Mixtral `config` (an HFConfig) describes; refuses what megatron-core
     would compute differently."""
     if config.data.get("sliding_window") is not None:
-        raise CheckpointError(f"{config.path}: sliding_window is {config.data['sliding_window']!r}; megatron-core's "
-                              f"local attention has no window, so this {NAME} has no Megatron equivalent")
+        raise CheckpointError(
+            f"{config.path}: sliding_window is {config.data['sliding_window']!r}; megatron-core's "
+            f"local attention has no window, so this {NAME} has no Megatron equivalent"
+        )
     experts = config.first_int(*EXPERT_KEYS)
     if experts < 1:
         raise CheckpointError(f"{config.path}: {NAME} with {experts} experts is not a MoE model; fix config.json")
     decoder = gqa.decoder_args(config, NAME, eps=1e-5, rotary_default=gqa.WHOLE_HEADS)
     ffn = config.int("intermediate_size", minimum=1)
     return local_spec_args(
-        **decoder, qk_layernorm=False, ffn_hidden_size=ffn, num_experts=experts, moe_ffn_hidden_size=ffn,
-        moe_router_topk=config.int("num_experts_per_tok", minimum=1), moe_layer_freq=[1] * decoder["num_layers"],
-        moe_shared_expert_intermediate_size=None, mtp_num_layers=None,
-        **gqa.softmax_router_args(config, renormalised=True))
+        **decoder,
+        qk_layernorm=False,
+        ffn_hidden_size=ffn,
+        num_experts=experts,
+        moe_ffn_hidden_size=ffn,
+        moe_router_topk=config.int("num_experts_per_tok", minimum=1),
+        moe_layer_freq=[1] * decoder["num_layers"],
+        moe_shared_expert_intermediate_size=None,
+        mtp_num_layers=None,
+        **gqa.softmax_router_args(config, renormalised=True),
+    )
 
 
 def config_from_args(args, spec) -> dict:
     """A Mixtral config.json for a Megatron model (Megatron -> HF)."""
-    require(args, gqa.decoder_requirements(args, spec) + gqa.softmax_router_requirements(args, spec) + [
-        ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), False),
-        ("add_qkv_bias", bool(getattr(args, "add_qkv_bias", False)), False),
-        ("rotary_percent", float(getattr(args, "rotary_percent", None) or 1.0), 1.0),
-        ("moe_router_pre_softmax", bool(getattr(args, "moe_router_pre_softmax", False)), False),
-        ("moe_shared_expert_intermediate_size", spec.shared_expert_size, None),
-        ("moe_layer_freq", [int(i in spec.moe_layers) for i in range(spec.num_layers)], [1] * spec.num_layers),
-        ("mtp_num_layers", spec.mtp_layers, 0)], NAME)
-    return proxy_config({
-        "architectures": [ARCHITECTURE], "model_type": "mixtral", **gqa.decoder_config(args, spec, rotary_key=False),
-        "intermediate_size": int(spec.moe_ffn_hidden_size), "sliding_window": None,
-        "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.topk,
-    }, spec)
+    require(
+        args,
+        gqa.decoder_requirements(args, spec)
+        + gqa.softmax_router_requirements(args, spec)
+        + [
+            ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), False),
+            ("add_qkv_bias", bool(getattr(args, "add_qkv_bias", False)), False),
+            ("rotary_percent", float(getattr(args, "rotary_percent", None) or 1.0), 1.0),
+            ("moe_router_pre_softmax", bool(getattr(args, "moe_router_pre_softmax", False)), False),
+            ("moe_shared_expert_intermediate_size", spec.shared_expert_size, None),
+            ("moe_layer_freq", [int(i in spec.moe_layers) for i in range(spec.num_layers)], [1] * spec.num_layers),
+            ("mtp_num_layers", spec.mtp_layers, 0),
+        ],
+        NAME,
+    )
+    return proxy_config(
+        {
+            "architectures": [ARCHITECTURE],
+            "model_type": "mixtral",
+            **gqa.decoder_config(args, spec, rotary_key=False),
+            "intermediate_size": int(spec.moe_ffn_hidden_size),
+            "sliding_window": None,
+            "num_local_experts": spec.num_experts,
+            "num_experts_per_tok": spec.topk,
+        },
+        spec,
+    )
 
 
 proxy_config = gqa.expert_count_config(EXPERT_KEYS)
@@ -73,9 +114,12 @@ proxy_config = gqa.expert_count_config(EXPERT_KEYS)
 
 def claims(args, spec) -> bool:
     """GQA without q/k norms, a softmax router and no shared expert."""
-    return (gqa.is_gqa(args) and not getattr(args, "qk_layernorm", False) and spec.score_function == "softmax"
-            and not spec.shared_expert_size)
+    return (
+        gqa.is_gqa(args)
+        and not getattr(args, "qk_layernorm", False)
+        and spec.score_function == "softmax"
+        and not spec.shared_expert_size
+    )
 
 
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, gqa.qkv_groups,
-                claims)
+FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, gqa.qkv_groups, claims)

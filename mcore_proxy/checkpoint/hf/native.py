@@ -16,6 +16,7 @@ view carries the spelling of every canonical name (`HFNativeSource.spelling`) fo
 which writes the proxy in the source's own spelling (per expert or fused). No Megatron mapping is
 involved: `megatron()` gives the Megatron-named view for families that have one.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,10 +28,17 @@ import torch
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
-from mcore_proxy.checkpoint.hf.descriptor import (COPY, EXPERT, FUSED, HASH_TABLE, ROUTER, ROUTER_LEAVES, MoEFamily,
-                                                  expert_leaf)
-from mcore_proxy.checkpoint.hf.quant import (FP8_BLOCK, MXFP4, check_pair, config_dtype, dequantize,
-                                              find_quantized)
+from mcore_proxy.checkpoint.hf.descriptor import (
+    COPY,
+    EXPERT,
+    FUSED,
+    HASH_TABLE,
+    ROUTER,
+    ROUTER_LEAVES,
+    MoEFamily,
+    expert_leaf,
+)
+from mcore_proxy.checkpoint.hf.quant import FP8_BLOCK, MXFP4, check_pair, config_dtype, dequantize, find_quantized
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError, ProxyError
@@ -50,8 +58,10 @@ def first_int(config: HFConfig, keys: tuple[str, ...], default=None) -> int:
             if cfg.has(key):
                 return cfg.int(key)
     if default is None:
-        raise CheckpointError(f"{config.path}: lacks {' / '.join(keys)}, which the model needs; add it (the model's "
-                              "source config.json has it)")
+        raise CheckpointError(
+            f"{config.path}: lacks {' / '.join(keys)}, which the model needs; add it (the model's "
+            "source config.json has it)"
+        )
     return default
 
 
@@ -64,8 +74,10 @@ def family_of(config: HFConfig) -> MoEFamily:
         if arch in family.architectures:
             return family
     supported = ", ".join(f"{a} ({f.name})" for f in FAMILIES for a in f.architectures)
-    raise CheckpointError(f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not a Mixture-"
-                          f"of-Experts family mcore-proxy knows; it reads {supported}")
+    raise CheckpointError(
+        f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not a Mixture-"
+        f"of-Experts family mcore-proxy knows; it reads {supported}"
+    )
 
 
 @dataclass(frozen=True)
@@ -113,14 +125,23 @@ class HFNativeView(ModelView):
         self._sources: dict[str, _Source] = {}
         self._order: list[str] = []
         spelling: dict[str, tuple[str, str]] = {}
-        self._experts: dict[tuple[str, str], dict[int, int]] = {}   # (layer, canonical pattern) -> expert -> E
+        self._experts: dict[tuple[str, str], dict[int, int]] = {}  # (layer, canonical pattern) -> expert -> E
         self._layers: set[int] = set()
         for key in sorted(wmap, key=_key_order):
             self._index(key, wmap[key], infos[key], spelling)
         spec = self._spec(text)
         self.source = HFNativeSource(self.path, dict(config.data), self.family.name, spelling)
-        super().__init__(ViewInfo(spec=spec, format="hf", path=self.path, iteration="release", args=None,
-                                  layout=None, format_info=self.source))
+        super().__init__(
+            ViewInfo(
+                spec=spec,
+                format="hf",
+                path=self.path,
+                iteration="release",
+                args=None,
+                layout=None,
+                format_info=self.source,
+            )
+        )
         self._check(spec)
 
     # -- indexing -------------------------------------------------------------------------------
@@ -128,16 +149,20 @@ class HFNativeView(ModelView):
         layer_id, prefix, rest = self.family.locate(key, self.num_layers)
         where = self.path / file
         if layer_id is not None and layer_id.startswith("beyond."):
-            raise CheckpointError(f"{where}: holds {key} of layer {layer_id.split('.')[1]}, but config.json says "
-                                  f"num_hidden_layers={self.num_layers} and {self.family.name} has no MTP layers there; "
-                                  "fix config.json or use the shards that came with it")
+            raise CheckpointError(
+                f"{where}: holds {key} of layer {layer_id.split('.')[1]}, but config.json says "
+                f"num_hidden_layers={self.num_layers} and {self.family.name} has no MTP layers there; "
+                "fix config.json or use the shards that came with it"
+            )
         if layer_id is not None and not layer_id.startswith("mtp."):
             self._layers.add(int(layer_id))
         found = self.family.role(layer_id, rest)
         if found is None:
-            raise CheckpointError(f"{where}: tensor {key} is not a part of {self.family.name} that mcore-proxy "
-                                  "accounts for (router, routed experts, or a tensor it copies); it is not dropped "
-                                  "or copied silently: check the architecture in config.json")
+            raise CheckpointError(
+                f"{where}: tensor {key} is not a part of {self.family.name} that mcore-proxy "
+                "accounts for (router, routed experts, or a tensor it copies); it is not dropped "
+                "or copied silently: check the architecture in config.json"
+            )
         kind, pattern, expert = found
         if kind == COPY:
             return self._add(key, _Source(key, file, info))
@@ -145,16 +170,20 @@ class HFNativeView(ModelView):
         template = _canonical(layer_id, kind, leaf)
         hf_template = prefix + pattern
         if spelling.setdefault(template, (hf_template, kind)) != (hf_template, kind):
-            raise CheckpointError(f"{where}: {key} spells {template.replace('{e}', 'e')} a second way (beside "
-                                  f"{spelling[template][0]}); per-expert and fused experts are mixed in one layer, "
-                                  "the checkpoint is inconsistent")
+            raise CheckpointError(
+                f"{where}: {key} spells {template.replace('{e}', 'e')} a second way (beside "
+                f"{spelling[template][0]}); per-expert and fused experts are mixed in one layer, "
+                "the checkpoint is inconsistent"
+            )
         if kind == EXPERT:
             self._note_expert(layer_id, template, expert, where, key)
             self._add(template.replace("{e}", str(expert)), _Source(key, file, info))
         elif kind == FUSED:
             if not info.shape or info.shape[0] > MAX_EXPERTS:
-                raise CheckpointError(f"{where}: fused expert tensor {key} has shape {list(info.shape)}; expected "
-                                      "the experts on its first axis")
+                raise CheckpointError(
+                    f"{where}: fused expert tensor {key} has shape {list(info.shape)}; expected "
+                    "the experts on its first axis"
+                )
             row = TensorInfo(info.shape[1:], info.dtype)
             for e in range(info.shape[0]):
                 self._note_expert(layer_id, template, e, where, key)
@@ -165,14 +194,18 @@ class HFNativeView(ModelView):
     def _note_expert(self, layer_id: str, template: str, expert: int, where: Path, key: str) -> None:
         seen = self._experts.setdefault((layer_id, template), {})
         if expert in seen:
-            raise CheckpointError(f"{where}: {key} holds expert {expert} of layer {layer_id} a second time; the "
-                                  "checkpoint is inconsistent, copy it again")
+            raise CheckpointError(
+                f"{where}: {key} holds expert {expert} of layer {layer_id} a second time; the "
+                "checkpoint is inconsistent, copy it again"
+            )
         seen[expert] = 1
 
     def _add(self, name: str, source: _Source) -> None:
         if name in self._sources:
-            raise CheckpointError(f"{self.path / source.file}: {source.key} names {name}, which "
-                                  f"{self._sources[name].key} names too; the checkpoint is inconsistent")
+            raise CheckpointError(
+                f"{self.path / source.file}: {source.key} names {name}, which "
+                f"{self._sources[name].key} names too; the checkpoint is inconsistent"
+            )
         self._sources[name] = source
         self._order.append(name)
 
@@ -183,68 +216,102 @@ class HFNativeView(ModelView):
         moe = sorted(int(p.split(".")[2]) for p in routers if p.startswith("decoder."))
         mtp = sorted(int(p.split(".")[2]) for p in routers if p.startswith("mtp."))
         if mtp != list(range(len(mtp))):
-            raise CheckpointError(f"{self.path}: holds MTP layers {mtp}; expected 0..{len(mtp) - 1}, copy the missing "
-                                  "shards")
+            raise CheckpointError(
+                f"{self.path}: holds MTP layers {mtp}; expected 0..{len(mtp) - 1}, copy the missing shards"
+            )
         experts = first_int(self.config, keys.experts)
         topk = first_int(self.config, keys.topk)
-        if experts and not 0 < topk <= experts:   # ModelSpec would refuse it without naming the file
-            raise CheckpointError(f"{self.config.path}: {' / '.join(keys.topk)} is {topk}, expected 1..{experts} (the "
-                                  "expert count); fix config.json")
-        groups = (first_int(self.config, keys.groups[:1], 1), first_int(self.config, keys.groups[1:], 1)) \
-            if keys.groups else (None, None)
-        score = keys.score_function if isinstance(keys.score_function, str) else \
-            str(text.data.get(keys.score_function[0]) or keys.score_function[1])
+        if experts and not 0 < topk <= experts:  # ModelSpec would refuse it without naming the file
+            raise CheckpointError(
+                f"{self.config.path}: {' / '.join(keys.topk)} is {topk}, expected 1..{experts} (the "
+                "expert count); fix config.json"
+            )
+        groups = (
+            (first_int(self.config, keys.groups[:1], 1), first_int(self.config, keys.groups[1:], 1))
+            if keys.groups
+            else (None, None)
+        )
+        score = (
+            keys.score_function
+            if isinstance(keys.score_function, str)
+            else str(text.data.get(keys.score_function[0]) or keys.score_function[1])
+        )
         hashed = sorted(n.split(".")[2] for n in self._sources if n.endswith(ROUTER_LEAVES[HASH_TABLE]))
-        return ModelSpec(num_layers=self.num_layers, hidden_size=text.int("hidden_size", minimum=1),
-                         num_experts=experts, topk=topk, moe_layers=tuple(moe), mtp_layers=len(mtp),
-                         score_function=score, num_groups=groups[0], group_topk=groups[1],
-                         moe_ffn_hidden_size=first_int(self.config, ("moe_intermediate_size", "intermediate_size"),
-                                                       0) or None,
-                         expert_bias=any(n.endswith(".mlp.router.expert_bias") for n in self._sources),
-                         extra={"hf_family": self.family.name, "hash_layers": hashed})
+        return ModelSpec(
+            num_layers=self.num_layers,
+            hidden_size=text.int("hidden_size", minimum=1),
+            num_experts=experts,
+            topk=topk,
+            moe_layers=tuple(moe),
+            mtp_layers=len(mtp),
+            score_function=score,
+            num_groups=groups[0],
+            group_topk=groups[1],
+            moe_ffn_hidden_size=first_int(self.config, ("moe_intermediate_size", "intermediate_size"), 0) or None,
+            expert_bias=any(n.endswith(".mlp.router.expert_bias") for n in self._sources),
+            extra={"hf_family": self.family.name, "hash_layers": hashed},
+        )
 
     def _check(self, spec: ModelSpec) -> None:
         """config.json against the tensors: the decoder layers, and the shape of every router, bias,
         hash table and expert set."""
         E, H, where = spec.num_experts, spec.hidden_size, self.config.path
         if self._layers != set(range(self.num_layers)):
-            raise CheckpointError(f"{where} says num_hidden_layers={self.num_layers} but the shards hold decoder "
-                                  f"layers {min(self._layers, default=0)}..{max(self._layers, default=-1)}; copy the "
-                                  "missing shards or fix config.json")
+            raise CheckpointError(
+                f"{where} says num_hidden_layers={self.num_layers} but the shards hold decoder "
+                f"layers {min(self._layers, default=0)}..{max(self._layers, default=-1)}; copy the "
+                "missing shards or fix config.json"
+            )
         if not spec.moe_layers:
-            raise CheckpointError(f"{self.path}: no MoE router found ({self.family.name}: "
-                                  f"{' or '.join(self.family.router.weight)}); this is not a MoE checkpoint")
+            raise CheckpointError(
+                f"{self.path}: no MoE router found ({self.family.name}: "
+                f"{' or '.join(self.family.router.weight)}); this is not a MoE checkpoint"
+            )
         for name, source in self._sources.items():
             if ".mlp.router." not in name:
                 continue
             shape, hashed = tuple(source.info.shape), name.endswith("hash_table")
             vocab = text_config(self.config).int("vocab_size", shape[0] if shape else 0) if hashed else 0
-            want = {"weight": (E, H), "bias": (E,), "expert_bias": shape[:-1] + (E,),
-                    "hash_table": (vocab, spec.topk)}[name.rsplit(".", 1)[1]]
+            want = {"weight": (E, H), "bias": (E,), "expert_bias": shape[:-1] + (E,), "hash_table": (vocab, spec.topk)}[
+                name.rsplit(".", 1)[1]
+            ]
             if shape != want:
-                says = (f"{E} experts, hidden_size={H}, top-k {spec.topk}" if name.endswith(".weight") else
-                        f"vocab_size={vocab}, top-k {spec.topk}" if hashed else f"{E} experts")
-                raise CheckpointError(f"{where} says {says} but {self.path / source.file} holds {source.key} of shape "
-                                      f"{list(shape)}; fix config.json or use the shards that came with it")
+                says = (
+                    f"{E} experts, hidden_size={H}, top-k {spec.topk}"
+                    if name.endswith(".weight")
+                    else f"vocab_size={vocab}, top-k {spec.topk}"
+                    if hashed
+                    else f"{E} experts"
+                )
+                raise CheckpointError(
+                    f"{where} says {says} but {self.path / source.file} holds {source.key} of shape "
+                    f"{list(shape)}; fix config.json or use the shards that came with it"
+                )
             if hashed and (source.info.dtype.is_floating_point or source.info.dtype == torch.bool):
-                raise CheckpointError(f"{self.path / source.file}: hash table {source.key} holds {source.info.dtype} "
-                                      "values, not integer expert ids; the shard is damaged, copy it again from the "
-                                      "model's source")
+                raise CheckpointError(
+                    f"{self.path / source.file}: hash table {source.key} holds {source.info.dtype} "
+                    "values, not integer expert ids; the shard is damaged, copy it again from the "
+                    "model's source"
+                )
         for (layer_id, template), seen in self._experts.items():
             if sorted(seen) != list(range(E)):
                 missing = sorted(set(range(E)) - set(seen)) or sorted(set(seen) - set(range(E)))
-                raise CheckpointError(f"{where} says {E} experts but layer {layer_id} has "
-                                      f"{template.rsplit('.', 1)[0].replace('{e}', str(missing[0]))}... "
-                                      f"{'missing' if missing[0] < E else 'beyond them'} (expert {missing[0]}); "
-                                      "copy the missing shards or fix config.json")
+                raise CheckpointError(
+                    f"{where} says {E} experts but layer {layer_id} has "
+                    f"{template.rsplit('.', 1)[0].replace('{e}', str(missing[0]))}... "
+                    f"{'missing' if missing[0] < E else 'beyond them'} (expert {missing[0]}); "
+                    "copy the missing shards or fix config.json"
+                )
             names = [template.replace("{e}", str(e)) for e in sorted(seen)]
             forms = collections.Counter((self.shape(n), self.dtype(n)) for n in names)
-            if len(forms) > 1:   # one expert unlike the others: transformers could not load the proxy
+            if len(forms) > 1:  # one expert unlike the others: transformers could not load the proxy
                 usual = forms.most_common(1)[0][0]
                 odd = next(self._sources[n] for n in names if (self.shape(n), self.dtype(n)) != usual)
-                raise CheckpointError(f"{self.path / odd.file}: {odd.key} is {list(odd.info.shape)} {odd.info.dtype}, "
-                                      f"but the other experts of layer {layer_id} are {list(usual[0])} {usual[1]}; "
-                                      "the shard is damaged or from another checkpoint, copy it again")
+                raise CheckpointError(
+                    f"{self.path / odd.file}: {odd.key} is {list(odd.info.shape)} {odd.info.dtype}, "
+                    f"but the other experts of layer {layer_id} are {list(usual[0])} {usual[1]}; "
+                    "the shard is damaged or from another checkpoint, copy it again"
+                )
 
     # -- the ModelView ------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -267,13 +334,17 @@ class HFNativeView(ModelView):
     def megatron(self) -> ModelView:
         """The same checkpoint under megatron-core names (HF -> Megatron conversion)."""
         if self.family.megatron is None:
-            raise ProxyError(f"{self.path}: {self.family.name} has no Megatron mapping in mcore-proxy; convert it to "
-                             "--format hf (Hugging Face to Hugging Face needs none)")
+            raise ProxyError(
+                f"{self.path}: {self.family.name} has no Megatron mapping in mcore-proxy; convert it to "
+                "--format hf (Hugging Face to Hugging Face needs none)"
+            )
         other = next((q for q in find_quantized(self.names()) if q.scheme != FP8_BLOCK), None)
-        if other is not None:   # the Megatron mapping reads FP8 block scales only (`_scale_inv`)
-            raise ProxyError(f"{self.path}: {self.hf_key(other.weight)} is quantized ({other.scheme}), which the "
-                             f"{self.family.name} Megatron mapping does not read; convert the folder to --format hf "
-                             "with --dequantize first, then that folder to Megatron")
+        if other is not None:  # the Megatron mapping reads FP8 block scales only (`_scale_inv`)
+            raise ProxyError(
+                f"{self.path}: {self.hf_key(other.weight)} is quantized ({other.scheme}), which the "
+                f"{self.family.name} Megatron mapping does not read; convert the folder to --format hf "
+                "with --dequantize first, then that folder to Megatron"
+            )
         from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 
         return HFCheckpoint(self.path)
@@ -302,26 +373,38 @@ class DequantizedNativeView(ModelView):
         self._names = [by_weight.get(n, n) for n in source.names() if n not in scales]
         quant = source.config.data.get("quantization_config") or {}
         block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
-                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):   # else exit 3 mid-write
-            raise CheckpointError(f"{source.config.path}: quantization_config.weight_block_size is {block!r}, expected "
-                                  "two positive integers (a block's rows and columns, e.g. [128, 128]); fix "
-                                  "config.json")
+        if block is not None and not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):  # else exit 3 mid-write
+            raise CheckpointError(
+                f"{source.config.path}: quantization_config.weight_block_size is {block!r}, expected "
+                "two positive integers (a block's rows and columns, e.g. [128, 128]); fix "
+                "config.json"
+            )
         self._block = tuple(block) if block is not None else None
-        for q in found:   # from the headers: an inconsistent pair is refused before anything is written
+        for q in found:  # from the headers: an inconsistent pair is refused before anything is written
             try:
-                check_pair(q, source.shape(q.weight), source.dtype(q.weight), source.shape(q.scale),
-                           source.dtype(q.scale), self._block)
+                check_pair(
+                    q,
+                    source.shape(q.weight),
+                    source.dtype(q.weight),
+                    source.shape(q.scale),
+                    source.dtype(q.scale),
+                    self._block,
+                )
             except CheckpointError as err:
                 raise CheckpointError(f"{source.path / source._sources[q.weight].file}: {err}") from None
         self._dtype = config_dtype(source.source.config)
         config = {k: v for k, v in source.source.config.items() if k not in ("quantization_config", "expert_dtype")}
         spelling = dict(source.source.spelling)
-        for template, (hf, kind) in source.source.spelling.items():   # MXFP4 `X_blocks` -> `X`
+        for template, (hf, kind) in source.source.spelling.items():  # MXFP4 `X_blocks` -> `X`
             if template.endswith("_blocks"):
-                spelling[template[:-len("_blocks")]] = (hf[:-len("_blocks")], kind)
-        info = dataclasses.replace(source.info, format_info=dataclasses.replace(source.source, config=config,
-                                                                               spelling=spelling))
+                spelling[template[: -len("_blocks")]] = (hf[: -len("_blocks")], kind)
+        info = dataclasses.replace(
+            source.info, format_info=dataclasses.replace(source.source, config=config, spelling=spelling)
+        )
         super().__init__(info)
 
     def names(self) -> list[str]:
@@ -332,9 +415,9 @@ class DequantizedNativeView(ModelView):
         if q is None:
             return self.source.shape(name)
         shape = self.source.shape(q.weight)
-        if q.scheme == MXFP4:     # blocks [.., out, in/32, 16] -> weight [.., in, out]
+        if q.scheme == MXFP4:  # blocks [.., out, in/32, 16] -> weight [.., in, out]
             return (*shape[:-3], shape[-2] * 32, shape[-3])
-        if self.source.dtype(q.weight) == torch.int8:   # FP4 pairs [R, C/2] -> [R, C]
+        if self.source.dtype(q.weight) == torch.int8:  # FP4 pairs [R, C/2] -> [R, C]
             return (*shape[:-1], shape[-1] * 2)
         return shape
 
@@ -347,7 +430,7 @@ class DequantizedNativeView(ModelView):
             return self.source.get(name)
         try:
             return dequantize(q, self.source.get(q.weight), self.source.get(q.scale), self._block, self._dtype)
-        except CheckpointError as err:   # quant.py names the tensor: name its shard too
+        except CheckpointError as err:  # quant.py names the tensor: name its shard too
             raise CheckpointError(f"{self.source.path / self.source._sources[q.weight].file}: {err}") from None
 
     def named_for(self, framework: str) -> ModelView:
@@ -355,7 +438,7 @@ class DequantizedNativeView(ModelView):
             return self
         from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 
-        self.source.megatron()   # refuses a family without a Megatron mapping
+        self.source.megatron()  # refuses a family without a Megatron mapping
         return HFCheckpoint(self.source.path, dequantize_fp8=True)
 
 
@@ -371,6 +454,6 @@ def open_hf(path) -> HFNativeView:
     """A Hugging Face folder as its family's descriptor sees it: what `open_checkpoint` returns."""
     path = Path(path)
     config = HFConfig.load(path)
-    family_of(config)   # an unknown architecture is refused before any shard is read
+    family_of(config)  # an unknown architecture is refused before any shard is read
     wmap = weight_map(path)
     return HFNativeView(path, wmap, read_headers(path, wmap), config)

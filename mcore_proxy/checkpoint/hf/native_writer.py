@@ -7,6 +7,7 @@ tensor stacked on axis 0 are its rows' bytes back to back, so no stacked copy is
 other tensor keeps its key. config.json is the source's with the expert count, top-k and routing
 groups of the view in every spelling it has (`proxy_config`).
 """
+
 from __future__ import annotations
 
 import re
@@ -53,7 +54,7 @@ def native_outputs(view) -> list[NativeOut]:
             if kind == FUSED:
                 if hf not in fused:
                     fused[hf] = []
-                    outs.append(NativeOut(hf, (), (), view.dtype(name)))   # completed below
+                    outs.append(NativeOut(hf, (), (), view.dtype(name)))  # completed below
                 fused[hf].append(name)
                 continue
             outs.append(NativeOut(hf.replace("{e}", m.group("e")), (name,), tuple(view.shape(name)), view.dtype(name)))
@@ -93,5 +94,5 @@ def proxy_config(source: dict, spec, family: MoEFamily) -> dict:
     if keys.groups:
         _set_every(config, keys.groups[:1], spec.num_groups or 1)
         _set_every(config, keys.groups[1:], spec.group_topk or 1)
-    config.pop("auto_map", None)   # the model is built into transformers; no remote code
+    config.pop("auto_map", None)  # the model is built into transformers; no remote code
     return config

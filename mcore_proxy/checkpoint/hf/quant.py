@@ -16,6 +16,7 @@ Schemes (the weight `X`, its companion, what the real weight is):
 Block sizes come from config.json's `quantization_config.weight_block_size` when it has one,
 else from the scale grid (`rows // scale_rows`), as transformers derives them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from mcore_proxy.errors import CheckpointError
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0             # largest finite float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's weight_block_size
 FP8_BLOCK, V4_SCALE, MXFP4, INT4_PACKED = "fp8-block", "e8m0-scale", "mxfp4", "int4-packed"
 
@@ -50,12 +51,12 @@ def find_quantized(names: list[str]) -> list[Quantized]:
     for n in names:
         if n + "_scale_inv" in present:
             found.append(Quantized(n, n, n + "_scale_inv", FP8_BLOCK))
-        elif n.endswith(".weight") and n[:-len("weight")] + "scale" in present:
-            found.append(Quantized(n, n, n[:-len("weight")] + "scale", V4_SCALE))
-        elif n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in present:
-            found.append(Quantized(n[:-len("_blocks")], n, n[:-len("_blocks")] + "_scales", MXFP4))
-        elif n.endswith("weight_packed") and n[:-len("_packed")] + "_scale" in present:   # else a KeyError
-            found.append(Quantized(n[:-len("_packed")], n, n[:-len("_packed")] + "_scale", INT4_PACKED))
+        elif n.endswith(".weight") and n[: -len("weight")] + "scale" in present:
+            found.append(Quantized(n, n, n[: -len("weight")] + "scale", V4_SCALE))
+        elif n.endswith("_blocks") and n[: -len("_blocks")] + "_scales" in present:
+            found.append(Quantized(n[: -len("_blocks")], n, n[: -len("_blocks")] + "_scales", MXFP4))
+        elif n.endswith("weight_packed") and n[: -len("_packed")] + "_scale" in present:  # else a KeyError
+            found.append(Quantized(n[: -len("_packed")], n, n[: -len("_packed")] + "_scale", INT4_PACKED))
     return found
 
 
@@ -78,32 +79,39 @@ def _expand(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -
 
 def block_of(weight_shape, scale_shape, block: tuple[int, int] | None, where: str) -> tuple[int, int]:
     """The block size of FP8 block scales: config.json's, else derived from the grid."""
-    if len(weight_shape) != 2 or len(scale_shape) != 2 or 0 in (*weight_shape, *scale_shape):   # else exit 3
-        raise CheckpointError(f"{where}: block scales of shape {list(scale_shape)} for a weight of shape "
-                              f"{list(weight_shape)}; expected both 2-D and not empty, the checkpoint is inconsistent")
+    if len(weight_shape) != 2 or len(scale_shape) != 2 or 0 in (*weight_shape, *scale_shape):  # else exit 3
+        raise CheckpointError(
+            f"{where}: block scales of shape {list(scale_shape)} for a weight of shape "
+            f"{list(weight_shape)}; expected both 2-D and not empty, the checkpoint is inconsistent"
+        )
     rows, cols = weight_shape
     if block is None:
         block = (-(-rows // scale_shape[0]), -(-cols // scale_shape[1]))
     grid = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale_shape) != grid:
-        raise CheckpointError(f"{where}: block scales of shape {list(scale_shape)} do not fit a {rows}x{cols} weight in "
-                              f"{block[0]}x{block[1]} blocks (expected {list(grid)}); the checkpoint is inconsistent")
+        raise CheckpointError(
+            f"{where}: block scales of shape {list(scale_shape)} do not fit a {rows}x{cols} weight in "
+            f"{block[0]}x{block[1]} blocks (expected {list(grid)}); the checkpoint is inconsistent"
+        )
     return block
 
 
-def check_pair(q: Quantized, weight_shape, weight_dtype, scale_shape, scale_dtype,
-               block: tuple[int, int] | None) -> None:
+def check_pair(
+    q: Quantized, weight_shape, weight_dtype, scale_shape, scale_dtype, block: tuple[int, int] | None
+) -> None:
     """CheckpointError unless the shapes and dtypes of `q`'s weight and scale (from the shard
     headers) are ones its scheme dequantizes: checked before anything is read or written."""
     w, s = tuple(weight_shape), tuple(scale_shape)
-    if q.scheme in (MXFP4, V4_SCALE) and scale_dtype.itemsize != 1:   # E8M0 exponents are bytes
-        raise CheckpointError(f"{q.scale}: E8M0 scales of dtype {scale_dtype}; expected one byte each (uint8 or "
-                              "float8_e8m0fnu), the checkpoint is inconsistent")
+    if q.scheme in (MXFP4, V4_SCALE) and scale_dtype.itemsize != 1:  # E8M0 exponents are bytes
+        raise CheckpointError(
+            f"{q.scale}: E8M0 scales of dtype {scale_dtype}; expected one byte each (uint8 or "
+            "float8_e8m0fnu), the checkpoint is inconsistent"
+        )
     if q.scheme in (FP8_BLOCK, V4_SCALE) and weight_dtype != torch.int8:
         block_of(w, s, block, q.weight)
         return
     if q.scheme == MXFP4:
-        one_byte = weight_dtype in (torch.uint8, torch.int8)   # FP4 pairs: another dtype would unpack to more
+        one_byte = weight_dtype in (torch.uint8, torch.int8)  # FP4 pairs: another dtype would unpack to more
         want = w[:-1] if len(w) >= 3 and w[-1] == 16 and 0 not in w and one_byte else None
         what = "MXFP4 blocks [.., out, in/32, 16] of bytes with scales [.., out, in/32]"
     elif q.scheme == V4_SCALE:
@@ -112,12 +120,19 @@ def check_pair(q: Quantized, weight_shape, weight_dtype, scale_shape, scale_dtyp
     else:
         return
     if s != want:
-        raise CheckpointError(f"{q.weight}: {weight_dtype} {list(w)} with {q.scale} of shape {list(s)}; expected "
-                              f"{what}, the checkpoint is inconsistent")
+        raise CheckpointError(
+            f"{q.weight}: {weight_dtype} {list(w)} with {q.scale} of shape {list(s)}; expected "
+            f"{what}, the checkpoint is inconsistent"
+        )
 
 
-def dequantize_blocks(weight: torch.Tensor, factors: torch.Tensor, block: tuple[int, int] | None, where: str,
-                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_blocks(
+    weight: torch.Tensor,
+    factors: torch.Tensor,
+    block: tuple[int, int] | None,
+    where: str,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """FP8 [R, C] x float32 factors [ceil(R/b0), ceil(C/b1)], one per block (the last blocks of a
     dimension may be partial) -> `dtype` [R, C]."""
     if weight.dim() != 2:
@@ -126,20 +141,27 @@ def dequantize_blocks(weight: torch.Tensor, factors: torch.Tensor, block: tuple[
     return (weight.to(torch.float32) * _expand(factors.to(torch.float32), *weight.shape, block)).to(dtype)
 
 
-def dequantize(q: Quantized, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(
+    q: Quantized,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """The real weight of one quantized tensor, in `dtype` (what transformers loads it as: the
     checkpoint's own dtype)."""
     if q.scheme == INT4_PACKED:
-        raise CheckpointError(f"{q.weight}: compressed-tensors int4 weights are pruned as they are but not "
-                              "dequantized by mcore-proxy; leave out --dequantize")
+        raise CheckpointError(
+            f"{q.weight}: compressed-tensors int4 weights are pruned as they are but not "
+            "dequantized by mcore-proxy; leave out --dequantize"
+        )
     if q.scheme == MXFP4:
-        values = fp4_unpack(weight).reshape(*weight.shape[:-2], -1, 32)     # [.., out, in/32, 32]
-        real = (values * e8m0(scale).unsqueeze(-1)).reshape(*weight.shape[:-2], -1)   # [.., out, in]
+        values = fp4_unpack(weight).reshape(*weight.shape[:-2], -1, 32)  # [.., out, in/32, 32]
+        real = (values * e8m0(scale).unsqueeze(-1)).reshape(*weight.shape[:-2], -1)  # [.., out, in]
         return real.transpose(-1, -2).contiguous().to(dtype)
-    if q.scheme == V4_SCALE and weight.dtype == torch.int8:   # FP4 experts: one scale per row and 32 columns
+    if q.scheme == V4_SCALE and weight.dtype == torch.int8:  # FP4 experts: one scale per row and 32 columns
         values = fp4_unpack(weight)
-        return (values * e8m0(scale).repeat_interleave(32, dim=-1)[..., :values.shape[-1]]).to(dtype)
+        return (values * e8m0(scale).repeat_interleave(32, dim=-1)[..., : values.shape[-1]]).to(dtype)
     return dequantize_blocks(weight, e8m0(scale) if q.scheme == V4_SCALE else scale, block, q.weight, dtype)
 
 

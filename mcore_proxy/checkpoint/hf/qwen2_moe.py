@@ -13,6 +13,7 @@ Checked against transformers 5.24 `models/qwen2_moe` and megatron-core 0.16.1
   `intermediate_size`, without a shared expert;
 - sliding-window attention (`use_sliding_window`) is refused: megatron-core's local spec has none.
 """
+
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import gqa
@@ -24,13 +25,21 @@ NAME = "Qwen2-MoE"
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 EXPERT_KEYS = ("num_experts", "num_local_experts")
 
-TABLE = Table(rows=SHARED_ROWS + (
-    gqa.QKV_ROW, gqa.QKV_BIAS_ROW,
-    Row("mlp.shared_experts.linear_fc1.weight",
-        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), GLU),
-    Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
-    Row("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"),
-), ignored=(gqa.ROPE_FREQUENCIES,))
+TABLE = Table(
+    rows=SHARED_ROWS
+    + (
+        gqa.QKV_ROW,
+        gqa.QKV_BIAS_ROW,
+        Row(
+            "mlp.shared_experts.linear_fc1.weight",
+            ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+            GLU,
+        ),
+        Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
+        Row("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"),
+    ),
+    ignored=(gqa.ROPE_FREQUENCIES,),
+)
 
 
 def moe_pattern(config, layers: int, experts: int) -> list[int]:
@@ -44,42 +53,65 @@ def args_from_config(config, mtp_layers: int = 0):
     """Megatron args of the Qwen2-MoE `config` (an HFConfig) describes; refuses what megatron-core
     would compute differently."""
     if config.bool("use_sliding_window", False):
-        raise CheckpointError(f"{config.path}: use_sliding_window is true; megatron-core's local attention has no "
-                              f"window, so this {NAME} has no Megatron equivalent")
+        raise CheckpointError(
+            f"{config.path}: use_sliding_window is true; megatron-core's local attention has no "
+            f"window, so this {NAME} has no Megatron equivalent"
+        )
     experts = config.first_int(*EXPERT_KEYS)
     shared = config.int("shared_expert_intermediate_size", minimum=1)
     if experts < 1:
         raise CheckpointError(f"{config.path}: {NAME} with {experts} experts is not a MoE model; fix config.json")
     decoder = gqa.decoder_args(config, NAME, eps=1e-6, rotary_default=gqa.WHOLE_HEADS)
     return local_spec_args(
-        **decoder, qk_layernorm=False, add_qkv_bias=config.bool("qkv_bias", True),
+        **decoder,
+        qk_layernorm=False,
+        add_qkv_bias=config.bool("qkv_bias", True),
         ffn_hidden_size=config.int("intermediate_size", minimum=1),
-        num_experts=experts, moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
+        num_experts=experts,
+        moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
         moe_router_topk=config.int("num_experts_per_tok", minimum=1),
         moe_layer_freq=moe_pattern(config, decoder["num_layers"], experts),
-        moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True, mtp_num_layers=None,
-        **gqa.softmax_router_args(config, renormalised=config.bool("norm_topk_prob", False)))
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=True,
+        mtp_num_layers=None,
+        **gqa.softmax_router_args(config, renormalised=config.bool("norm_topk_prob", False)),
+    )
 
 
 def config_from_args(args, spec) -> dict:
     """A Qwen2-MoE config.json for a Megatron model (Megatron -> HF)."""
-    require(args, gqa.decoder_requirements(args, spec) + gqa.softmax_router_requirements(args, spec) + [
-        ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), False),
-        ("rotary_percent", float(getattr(args, "rotary_percent", None) or 1.0), 1.0),
-        ("moe_shared_expert_intermediate_size", bool(spec.shared_expert_size), True),
-        ("moe_shared_expert_gate", bool(getattr(args, "moe_shared_expert_gate", False)), True),
-        ("mtp_num_layers", spec.mtp_layers, 0)], NAME)
+    require(
+        args,
+        gqa.decoder_requirements(args, spec)
+        + gqa.softmax_router_requirements(args, spec)
+        + [
+            ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), False),
+            ("rotary_percent", float(getattr(args, "rotary_percent", None) or 1.0), 1.0),
+            ("moe_shared_expert_intermediate_size", bool(spec.shared_expert_size), True),
+            ("moe_shared_expert_gate", bool(getattr(args, "moe_shared_expert_gate", False)), True),
+            ("mtp_num_layers", spec.mtp_layers, 0),
+        ],
+        NAME,
+    )
     dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers]
-    return proxy_config({
-        "architectures": [ARCHITECTURE], "model_type": "qwen2_moe", **gqa.decoder_config(args, spec, rotary_key=False),
-        "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
-        "qkv_bias": bool(getattr(args, "add_qkv_bias", False)), "use_sliding_window": False,
-        "decoder_sparse_step": 1, "mlp_only_layers": dense,
-        "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-        "shared_expert_intermediate_size": int(spec.shared_expert_size),
-        "norm_topk_prob": not bool(getattr(args, "moe_router_pre_softmax", False)),
-        "num_experts": spec.num_experts, "num_experts_per_tok": spec.topk,
-    }, spec)
+    return proxy_config(
+        {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen2_moe",
+            **gqa.decoder_config(args, spec, rotary_key=False),
+            "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
+            "qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+            "use_sliding_window": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+            "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+            "shared_expert_intermediate_size": int(spec.shared_expert_size),
+            "norm_topk_prob": not bool(getattr(args, "moe_router_pre_softmax", False)),
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.topk,
+        },
+        spec,
+    )
 
 
 proxy_config = gqa.expert_count_config(EXPERT_KEYS)
@@ -87,9 +119,12 @@ proxy_config = gqa.expert_count_config(EXPERT_KEYS)
 
 def claims(args, spec) -> bool:
     """GQA without q/k norms, a softmax router and a shared expert."""
-    return (gqa.is_gqa(args) and not getattr(args, "qk_layernorm", False) and spec.score_function == "softmax"
-            and bool(spec.shared_expert_size))
+    return (
+        gqa.is_gqa(args)
+        and not getattr(args, "qk_layernorm", False)
+        and spec.score_function == "softmax"
+        and bool(spec.shared_expert_size)
+    )
 
 
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, gqa.qkv_groups,
-                claims)
+FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, gqa.qkv_groups, claims)

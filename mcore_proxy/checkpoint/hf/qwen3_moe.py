@@ -15,6 +15,7 @@ Checked against transformers 5.24 `models/qwen3_moe` and megatron-core 0.16.1:
 - config.json spells the expert count `num_experts` (Hub) or `num_local_experts` (transformers 5's
   `attribute_map` target, what its save_pretrained writes).
 """
+
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
@@ -25,14 +26,19 @@ NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 EXPERT_KEYS = ("num_experts", "num_local_experts")
 
-TABLE = Table(rows=SHARED_ROWS + (
-    Row("self_attention.linear_qkv.weight",
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), QKV),
-    Row("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-    Row("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-), ignored=(
-    Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),
-))
+TABLE = Table(
+    rows=SHARED_ROWS
+    + (
+        Row(
+            "self_attention.linear_qkv.weight",
+            ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+            QKV,
+        ),
+        Row("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+        Row("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+    ),
+    ignored=(Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),),
+)
 
 
 def _moe_pattern(config, layers: int, experts: int) -> list[int]:
@@ -51,38 +57,64 @@ def args_from_config(config, mtp_layers: int = 0):
     groups = config.int("num_key_value_heads", heads, minimum=1)
     experts = config.first_int(*EXPERT_KEYS)
     rope = config.rope()
-    for key, bad, why in (("attention_bias", True, "q/k/v/o biases"), ("use_sliding_window", True, "sliding-window attention"),
-                          ("hidden_act", None, "an activation other than silu")):
+    for key, bad, why in (
+        ("attention_bias", True, "q/k/v/o biases"),
+        ("use_sliding_window", True, "sliding-window attention"),
+        ("hidden_act", None, "an activation other than silu"),
+    ):
         value = config.data.get(key)
         if (bad is not None and value == bad) or (bad is None and value not in (None, "silu")):
-            raise CheckpointError(f"{config.path}: {key} is {value!r}: {why} are not supported for {NAME} "
-                                  "(megatron-core's SwiGLU GQA without biases is the model mcore-proxy maps to)")
+            raise CheckpointError(
+                f"{config.path}: {key} is {value!r}: {why} are not supported for {NAME} "
+                "(megatron-core's SwiGLU GQA without biases is the model mcore-proxy maps to)"
+            )
     if rope["rope_type"] != "default":
-        raise CheckpointError(f"{config.path}: rope type {rope['rope_type']!r} is not supported for {NAME} "
-                              "(plain RoPE only); use the model's original config.json")
+        raise CheckpointError(
+            f"{config.path}: rope type {rope['rope_type']!r} is not supported for {NAME} "
+            "(plain RoPE only); use the model's original config.json"
+        )
     if experts < 1:
         raise CheckpointError(f"{config.path}: {NAME} with {experts} experts is not a MoE model; fix config.json")
     if heads % groups:
-        raise CheckpointError(f"{config.path}: num_attention_heads {heads} is not a multiple of "
-                              f"num_key_value_heads {groups}; fix config.json")
+        raise CheckpointError(
+            f"{config.path}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {groups}; fix config.json"
+        )
     vocab = config.int("vocab_size", minimum=1)
     positions = config.int("max_position_embeddings", 4096, minimum=1)
     return local_spec_args(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        group_query_attention=groups != heads, num_query_groups=groups,
-        kv_channels=config.int("head_dim", hidden // heads, minimum=1), qk_layernorm=True,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        group_query_attention=groups != heads,
+        num_query_groups=groups,
+        kv_channels=config.int("head_dim", hidden // heads, minimum=1),
+        qk_layernorm=True,
         ffn_hidden_size=config.int("intermediate_size", minimum=1),
-        num_experts=experts, moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
+        num_experts=experts,
+        moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
         moe_router_topk=config.int("num_experts_per_tok", minimum=1),
         moe_layer_freq=_moe_pattern(config, layers, experts),
-        moe_router_score_function="softmax", moe_router_pre_softmax=not config.bool("norm_topk_prob", False),
-        moe_router_enable_expert_bias=False, moe_shared_expert_intermediate_size=None,
-        moe_router_num_groups=None, moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=config.float("router_aux_loss_coef", 0.0),
-        norm_epsilon=config.float("rms_norm_eps", 1e-6), rotary_base=float(rope["rope_theta"]),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not config.bool("norm_topk_prob", False),
+        moe_router_enable_expert_bias=False,
+        moe_shared_expert_intermediate_size=None,
+        moe_router_num_groups=None,
+        moe_router_group_topk=None,
+        moe_router_topk_scaling_factor=None,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=config.float("router_aux_loss_coef", 0.0),
+        norm_epsilon=config.float("rms_norm_eps", 1e-6),
+        rotary_base=float(rope["rope_theta"]),
         untie_embeddings_and_output_weights=not config.bool("tie_word_embeddings", False),
-        padded_vocab_size=vocab, vocab_size=vocab, seq_length=positions, max_position_embeddings=positions,
-        multi_latent_attention=False, mtp_num_layers=None, **dtype_fields(config))
+        padded_vocab_size=vocab,
+        vocab_size=vocab,
+        seq_length=positions,
+        max_position_embeddings=positions,
+        multi_latent_attention=False,
+        mtp_num_layers=None,
+        **dtype_fields(config),
+    )
 
 
 def qkv_groups(args) -> tuple[int, int, int]:
@@ -92,37 +124,56 @@ def qkv_groups(args) -> tuple[int, int, int]:
 
 def config_from_args(args, spec) -> dict:
     """A Qwen3-MoE config.json for a Megatron model (Megatron -> HF)."""
-    require(args, [("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), False),
-                   ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), True),
-                   ("swiglu", bool(getattr(args, "swiglu", False)), True),
-                   ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-                   ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
-                   ("position_embedding_type", getattr(args, "position_embedding_type", "learned_absolute"), "rope"),
-                   ("rotary_percent", float(getattr(args, "rotary_percent", 1.0) or 1.0), 1.0),
-                   ("moe_router_score_function", spec.score_function, "softmax"),
-                   ("moe_router_enable_expert_bias", spec.expert_bias, False),
-                   ("moe_shared_expert_intermediate_size", spec.shared_expert_size, None),
-                   ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None), None),
-                   ("mtp_num_layers", spec.mtp_layers, 0)], NAME)
+    require(
+        args,
+        [
+            ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), False),
+            ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), True),
+            ("swiglu", bool(getattr(args, "swiglu", False)), True),
+            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
+            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
+            ("position_embedding_type", getattr(args, "position_embedding_type", "learned_absolute"), "rope"),
+            ("rotary_percent", float(getattr(args, "rotary_percent", 1.0) or 1.0), 1.0),
+            ("moe_router_score_function", spec.score_function, "softmax"),
+            ("moe_router_enable_expert_bias", spec.expert_bias, False),
+            ("moe_shared_expert_intermediate_size", spec.shared_expert_size, None),
+            ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None), None),
+            ("mtp_num_layers", spec.mtp_layers, 0),
+        ],
+        NAME,
+    )
     heads, groups, head_dim = qkv_groups(args)
     positions = int(getattr(args, "max_position_embeddings", None) or args.seq_length)
     dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers]
-    return proxy_config({
-        "architectures": [ARCHITECTURE], "model_type": "qwen3_moe",
-        "vocab_size": int(args.padded_vocab_size), "hidden_size": spec.hidden_size,
-        "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
-        "num_hidden_layers": spec.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
-        "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": positions,
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(getattr(args, "rotary_base", 10000))},
-        "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
-        "decoder_sparse_step": 1, "mlp_only_layers": dense,
-        "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-        "norm_topk_prob": not bool(getattr(args, "moe_router_pre_softmax", False)),
-        "num_experts": spec.num_experts, "num_experts_per_tok": spec.topk,
-        "dtype": dtype_name(args),
-    }, spec)
+    return proxy_config(
+        {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3_moe",
+            "vocab_size": int(args.padded_vocab_size),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": groups,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": positions,
+            "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(getattr(args, "rotary_base", 10000))},
+            "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+            "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+            "norm_topk_prob": not bool(getattr(args, "moe_router_pre_softmax", False)),
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.topk,
+            "dtype": dtype_name(args),
+        },
+        spec,
+    )
 
 
 def proxy_config(config: dict, spec) -> dict:

@@ -6,6 +6,7 @@ tensors agree. `get(name)` reads only that tensor's bytes (its HF parts, or one 
 a fused tensor). The folder's Python files, `auto_map` and pickles are never used: weights come
 from safetensors only, and a `pytorch_model*.bin` folder is refused.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,23 @@ from mcore_proxy.checkpoint.hf import quant
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.family import Family
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
-from mcore_proxy.checkpoint.hf.mapping import (COPY, FUSED, GLU, LAYER, MODEL, MTP, PICK, QKV, SCALE_SUFFIX, Row,
-                                               canonical_name, glu_join, joined_shape, qkv_join, split_hf_key)
+from mcore_proxy.checkpoint.hf.mapping import (
+    COPY,
+    FUSED,
+    GLU,
+    LAYER,
+    MODEL,
+    MTP,
+    PICK,
+    QKV,
+    SCALE_SUFFIX,
+    Row,
+    canonical_name,
+    glu_join,
+    joined_shape,
+    qkv_join,
+    split_hf_key,
+)
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.names import canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
@@ -42,8 +58,10 @@ def family_of(config: HFConfig) -> Family:
         if arch in family.architectures:
             return family
     supported = ", ".join(f"{a} ({f.name})" for f in families() for a in f.architectures)
-    raise CheckpointError(f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not supported; "
-                          f"mcore-proxy reads {supported}")
+    raise CheckpointError(
+        f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not supported; "
+        f"mcore-proxy reads {supported}"
+    )
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ class HFSource:
     folder: Path
     config: dict
     family: str
-    fp8_block: tuple[int, int] | None = None   # weight_block_size of an FP8 checkpoint
+    fp8_block: tuple[int, int] | None = None  # weight_block_size of an FP8 checkpoint
 
 
 @dataclass(frozen=True)
@@ -62,7 +80,7 @@ class _Part:
     file: str
     key: str
     info: TensorInfo
-    index: int | None = None      # row of a fused tensor
+    index: int | None = None  # row of a fused tensor
     scale: "_Part | None" = None  # the FP8 block scales of this part
 
 
@@ -96,10 +114,21 @@ class HFCheckpoint(ModelView):
         args = self.family.args_from_config(self.config, self.mtp_layers)
         spec = ModelSpec.from_args(args, str(self.config.path))
         spec = dataclasses.replace(spec, extra={**spec.extra, "hf_family": self.family.name})
-        self.hf = HFSource(self.path, dict(self.config.data), self.family.name,
-                           None if dequantize_fp8 else self._fp8_block)
-        super().__init__(ViewInfo(spec=spec, format="hf", path=self.path, iteration="release", args=args,
-                                  layout=None, format_info=self.hf, variants=self.family.variants))
+        self.hf = HFSource(
+            self.path, dict(self.config.data), self.family.name, None if dequantize_fp8 else self._fp8_block
+        )
+        super().__init__(
+            ViewInfo(
+                spec=spec,
+                format="hf",
+                path=self.path,
+                iteration="release",
+                args=args,
+                layout=None,
+                format_info=self.hf,
+                variants=self.family.variants,
+            )
+        )
         from mcore_proxy.checkpoint.hf.checks import check_config_matches
 
         check_config_matches(self)
@@ -111,8 +140,10 @@ class HFCheckpoint(ModelView):
         config = self.config.dict("quantization_config", {})
         block = config.get("weight_block_size", list(quant.DEFAULT_BLOCK))
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise CheckpointError(f"{self.config.path}: quantization_config.weight_block_size is {block!r}, expected "
-                                  "two positive integers; fix config.json")
+            raise CheckpointError(
+                f"{self.config.path}: quantization_config.weight_block_size is {block!r}, expected "
+                "two positive integers; fix config.json"
+            )
         return tuple(block)
 
     def _index(self, wmap: dict[str, str], infos: dict[str, TensorInfo]) -> None:
@@ -124,9 +155,11 @@ class HFCheckpoint(ModelView):
             if found is None:
                 ignored = table.ignored_for(scope, rest)
                 if ignored is None:
-                    raise CheckpointError(f"{self.path / wmap[key]}: tensor {key} matches no {self.family.name} name "
-                                          "that mcore-proxy maps; it is not dropped silently: this checkpoint is not "
-                                          f"a plain {self.family.name} (check its architecture in config.json)")
+                    raise CheckpointError(
+                        f"{self.path / wmap[key]}: tensor {key} matches no {self.family.name} name "
+                        "that mcore-proxy maps; it is not dropped silently: this checkpoint is not "
+                        f"a plain {self.family.name} (check its architecture in config.json)"
+                    )
                 log.info("%s: %s not read (%s)", self.path.name, key, ignored.why)
                 continue
             row, part, expert = found
@@ -139,57 +172,82 @@ class HFCheckpoint(ModelView):
                     info = TensorInfo(infos[key].shape[1:], infos[key].dtype)
                     self._add(canonical_name(row, scope, index, e), row, 0, _Part(wmap[key], key, info, e), key)
             else:
-                for each in table.siblings(row):   # a pick row's HF tensor holds several canonical ones
-                    self._add(canonical_name(each, scope, index, expert), each, part,
-                              _Part(wmap[key], key, infos[key], scale=scale), key)
-        orphans = sorted(s for s in scales if s[:-len(SCALE_SUFFIX)] not in wmap)
+                for each in table.siblings(row):  # a pick row's HF tensor holds several canonical ones
+                    self._add(
+                        canonical_name(each, scope, index, expert),
+                        each,
+                        part,
+                        _Part(wmap[key], key, infos[key], scale=scale),
+                        key,
+                    )
+        orphans = sorted(s for s in scales if s[: -len(SCALE_SUFFIX)] not in wmap)
         if orphans:
-            raise CheckpointError(f"{self.path / wmap[orphans[0]]}: {orphans[0]} scales a tensor the checkpoint does "
-                                  "not hold; the shards are incomplete, copy them again")
+            raise CheckpointError(
+                f"{self.path / wmap[orphans[0]]}: {orphans[0]} scales a tensor the checkpoint does "
+                "not hold; the shards are incomplete, copy them again"
+            )
 
     def _check_scaled(self, key: str, file: str, info: TensorInfo, row: Row) -> None:
         """Block scales are copied with their tensor where the row keeps blocks whole (copy,
         glu); q/k/v interleaving would cut them, so those are read dequantised only."""
         if info.dtype != quant.FP8 or row.transform == FUSED:
-            raise CheckpointError(f"{self.path / file}: {key} has block scales but is {info.dtype}"
-                                  f"{' (fused experts)' if row.transform == FUSED else ''}; only per-tensor "
-                                  "float8_e4m3fn weights with *_scale_inv are supported")
+            raise CheckpointError(
+                f"{self.path / file}: {key} has block scales but is {info.dtype}"
+                f"{' (fused experts)' if row.transform == FUSED else ''}; only per-tensor "
+                "float8_e4m3fn weights with *_scale_inv are supported"
+            )
         if row.transform == QKV and not self.dequantize_fp8:
-            raise CheckpointError(f"{self.path / file}: {key} is FP8 with block scales, which cannot follow the "
-                                  "per-group q/k/v interleave; pass --dequantize-fp8 to read it as bf16")
+            raise CheckpointError(
+                f"{self.path / file}: {key} is FP8 with block scales, which cannot follow the "
+                "per-group q/k/v interleave; pass --dequantize-fp8 to read it as bf16"
+            )
 
     def _add(self, name: str, row: Row, part: int, piece: _Part, key: str) -> None:
         entry = self._entries.setdefault(name, _Entry(row, {}))
         if part in entry.parts or entry.row.hf != row.hf:
-            raise CheckpointError(f"{self.path / piece.file}: {key} names canonical tensor {name} a second time "
-                                  "(per-expert and fused experts mixed?); the checkpoint is inconsistent")
+            raise CheckpointError(
+                f"{self.path / piece.file}: {key} names canonical tensor {name} a second time "
+                "(per-expert and fused experts mixed?); the checkpoint is inconsistent"
+            )
         entry.parts[part] = piece
 
     def _check_complete(self) -> None:
         for name, entry in self._entries.items():
             missing = [p for i, p in enumerate(entry.row.hf) if i not in entry.parts]
             if missing:
-                raise CheckpointError(f"{self.path}: {name} needs {', '.join(missing)} too, which no shard holds; "
-                                      "the checkpoint is incomplete, copy it again")
+                raise CheckpointError(
+                    f"{self.path}: {name} needs {', '.join(missing)} too, which no shard holds; "
+                    "the checkpoint is incomplete, copy it again"
+                )
             joined_shape(entry.row.transform, [p.info.shape for p in entry.parts.values()])
             elements = len(self.family.table.siblings(entry.row))
             if entry.row.transform == PICK and tuple(entry.parts[0].info.shape) != (elements,):
-                raise CheckpointError(f"{self.path}: {entry.parts[0].key} has shape {list(entry.parts[0].info.shape)}, "
-                                      f"expected [{elements}]; the checkpoint is not a plain {self.family.name}")
+                raise CheckpointError(
+                    f"{self.path}: {entry.parts[0].key} has shape {list(entry.parts[0].info.shape)}, "
+                    f"expected [{elements}]; the checkpoint is not a plain {self.family.name}"
+                )
             if len({p.info.dtype for p in entry.parts.values()}) != 1:
-                raise CheckpointError(f"{self.path}: the parts of {name} have different dtypes; the checkpoint is "
-                                      "inconsistent")
+                raise CheckpointError(
+                    f"{self.path}: the parts of {name} have different dtypes; the checkpoint is inconsistent"
+                )
 
     def _mtp_depths(self) -> int:
         depths = sorted({int(n.split(".")[2]) for n in self._entries if n.startswith("mtp.layers.")})
         declared = self.config.int("num_nextn_predict_layers", 0)
         if depths and (depths != list(range(len(depths))) or len(depths) > declared):
-            raise CheckpointError(f"{self.config.path}: num_hidden_layers={self.num_layers} and "
-                                  f"num_nextn_predict_layers={declared}, but the shards hold layers "
-                                  f"{[self.num_layers + d for d in depths]} past the decoder; fix config.json")
+            raise CheckpointError(
+                f"{self.config.path}: num_hidden_layers={self.num_layers} and "
+                f"num_nextn_predict_layers={declared}, but the shards hold layers "
+                f"{[self.num_layers + d for d in depths]} past the decoder; fix config.json"
+            )
         if declared > len(depths):
-            log.info("%s: config.json declares %d MTP layers, the shards hold %d (transformers' save_pretrained "
-                     "writes none)", self.path, declared, len(depths))
+            log.info(
+                "%s: config.json declares %d MTP layers, the shards hold %d (transformers' save_pretrained "
+                "writes none)",
+                self.path,
+                declared,
+                len(depths),
+            )
         return len(depths)
 
     # -- the ModelView ------------------------------------------------------------------------
@@ -200,8 +258,8 @@ class HFCheckpoint(ModelView):
         return sorted(names, key=canonical_sort_key)
 
     def _entry(self, name: str) -> tuple[_Entry, bool]:
-        if name.endswith(SCALE_SUFFIX) and self.hf.fp8_block and name[:-len(SCALE_SUFFIX)] in self._entries:
-            return self._entries[name[:-len(SCALE_SUFFIX)]], True
+        if name.endswith(SCALE_SUFFIX) and self.hf.fp8_block and name[: -len(SCALE_SUFFIX)] in self._entries:
+            return self._entries[name[: -len(SCALE_SUFFIX)]], True
         try:
             return self._entries[name], False
         except KeyError:
@@ -229,7 +287,7 @@ class HFCheckpoint(ModelView):
         if row.transform == QKV:
             return qkv_join(*tensors, groups=self.family.qkv_groups(self.args)[1])
         if row.transform == PICK:
-            return tensors[0][row.index:row.index + 1].clone()
+            return tensors[0][row.index : row.index + 1].clone()
         return tensors[0]
 
     def shape(self, name: str) -> tuple[int, ...]:

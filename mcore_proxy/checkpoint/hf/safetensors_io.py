@@ -10,6 +10,7 @@ whole (safetensors' `save_file` needs the whole dict). The layout is the safeten
 8-byte little-endian header length, the JSON header padded with spaces to a multiple of 8, the
 data in header order.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,20 @@ from mcore_proxy.checkpoint.zipwrite import HashingSink
 from mcore_proxy.errors import CheckpointError
 
 DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": getattr(torch, "uint16", None),
+    "U32": getattr(torch, "uint32", None),
     # DeepSeek-V4's FP4 expert scales (torch >= 2.7 names the dtype)
     "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
 }
@@ -52,13 +63,17 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 piece = f.get_slice(key)
                 dtype = DTYPES.get(piece.get_dtype())
                 if dtype is None:
-                    raise CheckpointError(f"{path}: tensor {key} has dtype {piece.get_dtype()}, which mcore-proxy "
-                                          f"does not handle (supported: {', '.join(DTYPES)})")
+                    raise CheckpointError(
+                        f"{path}: tensor {key} has dtype {piece.get_dtype()}, which mcore-proxy "
+                        f"does not handle (supported: {', '.join(DTYPES)})"
+                    )
                 out[key] = TensorInfo(tuple(piece.get_shape()), dtype)
             return out
     except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path}: not a complete safetensors file ({' '.join(str(err).split())[:120]}); it "
-                              "may be truncated, copy it again from the model's source") from None
+        raise CheckpointError(
+            f"{path}: not a complete safetensors file ({' '.join(str(err).split())[:120]}); it "
+            "may be truncated, copy it again from the model's source"
+        ) from None
 
 
 def read_tensor(path: Path, key: str, index: int | None = None) -> torch.Tensor:
@@ -69,8 +84,10 @@ def read_tensor(path: Path, key: str, index: int | None = None) -> torch.Tensor:
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(key) if index is None else f.get_slice(key)[index]
     except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path}: reading {key} failed ({' '.join(str(err).split())[:120]}); the shard "
-                              "may be damaged, copy it again from the model's source") from None
+        raise CheckpointError(
+            f"{path}: reading {key} failed ({' '.join(str(err).split())[:120]}); the shard "
+            "may be damaged, copy it again from the model's source"
+        ) from None
 
 
 def header_bytes(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict | None = None) -> bytes:
@@ -102,8 +119,10 @@ class StreamingWriter:
     def write(self, key: str, tensor: torch.Tensor) -> None:
         want_key, shape, dtype = self._layout[self._next]
         if key != want_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise RuntimeError(f"{self.path}: tensor {key} {tuple(tensor.shape)} {tensor.dtype} written where the "
-                               f"header declares {want_key} {tuple(shape)} {dtype}")
+            raise RuntimeError(
+                f"{self.path}: tensor {key} {tuple(tensor.shape)} {tensor.dtype} written where the "
+                f"header declares {want_key} {tuple(shape)} {dtype}"
+            )
         if tensor.numel():
             self._sink.write(tensor.detach().cpu().contiguous())
         self._next += 1
@@ -113,10 +132,15 @@ class StreamingWriter:
         the same bytes as the stacked tensor, without making it."""
         want_key, shape, dtype = self._layout[self._next]
         got = (len(rows), *rows[0].shape) if rows else (0,)
-        if key != want_key or tuple(got) != tuple(shape) or any(r.dtype != dtype or r.shape != rows[0].shape
-                                                                for r in rows):
-            raise RuntimeError(f"{self.path}: rows of {key} {tuple(got)} written where the header declares "
-                               f"{want_key} {tuple(shape)} {dtype}")
+        if (
+            key != want_key
+            or tuple(got) != tuple(shape)
+            or any(r.dtype != dtype or r.shape != rows[0].shape for r in rows)
+        ):
+            raise RuntimeError(
+                f"{self.path}: rows of {key} {tuple(got)} written where the header declares "
+                f"{want_key} {tuple(shape)} {dtype}"
+            )
         for row in rows:
             if row.numel():
                 self._sink.write(row.detach().cpu().contiguous())

@@ -11,6 +11,7 @@ canonical tensor once and writing its HF pieces; `finish` writes the small files
 the index to be written last). Shards are filled in canonical order up to the source's largest
 shard size (HF sources) or transformers' historical default of 5 GB.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,19 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.hf.family import Family
-from mcore_proxy.checkpoint.hf.mapping import (GLU, MTP, PICK, QKV, SCALE_SUFFIX, Row, canonical_name, glu_split,
-                                               hf_name, qkv_split, split_canonical)
+from mcore_proxy.checkpoint.hf.mapping import (
+    GLU,
+    MTP,
+    PICK,
+    QKV,
+    SCALE_SUFFIX,
+    Row,
+    canonical_name,
+    glu_split,
+    hf_name,
+    qkv_split,
+    split_canonical,
+)
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, native_source
 from mcore_proxy.checkpoint.hf.native_writer import proxy_config as native_proxy_config
 from mcore_proxy.checkpoint.hf.folder import INDEX
@@ -37,8 +49,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 CONFIG_FILES = ("generation_config.json",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # config.json keys that point at code or at settings the output no longer has
 DROPPED_CONFIG_KEYS = ("auto_map",)
 
@@ -88,8 +109,10 @@ def _row_for(family: Family, name: str) -> tuple[Row, str, int | None, int | Non
     scope, index, rest, row_scope = split_canonical(name)
     found = family.table.match_canonical(row_scope, rest)
     if found is None:
-        raise CheckpointError(f"tensor {name} has no {family.name} Hugging Face name; this model has a part that "
-                              f"the transformers {family.name} model lacks, so it cannot be written as one")
+        raise CheckpointError(
+            f"tensor {name} has no {family.name} Hugging Face name; this model has a part that "
+            f"the transformers {family.name} model lacks, so it cannot be written as one"
+        )
     return found[0], scope, index, found[1]
 
 
@@ -105,22 +128,32 @@ def _piece_shapes(row: Row, shape: tuple[int, ...], view: ModelView, family: Fam
 def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
     """The HF tensors canonical `name` becomes."""
     scale = name.endswith(SCALE_SUFFIX)
-    row, scope, index, expert = _row_for(family, name[:-len(SCALE_SUFFIX)] if scale else name)
+    row, scope, index, expert = _row_for(family, name[: -len(SCALE_SUFFIX)] if scale else name)
     if scale and row.transform not in ("copy", GLU):
-        raise CheckpointError(f"{name}: FP8 block scales cannot follow a {row.transform} transform; convert with "
-                              "--dequantize")
+        raise CheckpointError(
+            f"{name}: FP8 block scales cannot follow a {row.transform} transform; convert with --dequantize"
+        )
     shapes = _piece_shapes(row, tuple(view.shape(name)), view, family)
     num_layers, mtp_prefix = view.spec.num_layers, family.table.mtp_prefix
     dtype = row.dtypes[0] if row.dtypes is not None else view.dtype(name)
     gather = ()
-    if row.transform == PICK:   # the first element's row writes the HF tensor of all its siblings
+    if row.transform == PICK:  # the first element's row writes the HF tensor of all its siblings
         siblings = family.table.siblings(row)
         if row is not siblings[0]:
             return []
         gather = tuple(canonical_name(s, scope, index, None) for s in siblings[1:])
         shapes = [(len(siblings),) + tuple(shapes[0][1:])]
-    return [Out(hf_name(pattern, scope, index, expert, num_layers, mtp_prefix) + (SCALE_SUFFIX if scale else ""),
-                name, i, shape, dtype, gather) for i, (pattern, shape) in enumerate(zip(row.hf, shapes))]
+    return [
+        Out(
+            hf_name(pattern, scope, index, expert, num_layers, mtp_prefix) + (SCALE_SUFFIX if scale else ""),
+            name,
+            i,
+            shape,
+            dtype,
+            gather,
+        )
+        for i, (pattern, shape) in enumerate(zip(row.hf, shapes))
+    ]
 
 
 def _tied_copies(view: ModelView, family: Family, depth: int, present: set[str]) -> list[Out]:
@@ -128,8 +161,15 @@ def _tied_copies(view: ModelView, family: Family, depth: int, present: set[str])
     out = []
     for ign in family.table.ignored:
         if ign.scope == MTP and ign.tied_to and ign.tied_to in present:
-            out.append(Out(f"model.layers.{view.spec.num_layers + depth}.{ign.hf}", ign.tied_to, 0,
-                           tuple(view.shape(ign.tied_to)), view.dtype(ign.tied_to)))
+            out.append(
+                Out(
+                    f"model.layers.{view.spec.num_layers + depth}.{ign.hf}",
+                    ign.tied_to,
+                    0,
+                    tuple(view.shape(ign.tied_to)),
+                    view.dtype(ign.tied_to),
+                )
+            )
     return out
 
 
@@ -186,9 +226,11 @@ class HFWriter(Writer):
         """HF output has no parallel layout: the options that set one are refused."""
         given = [_FLAGS[name] for name in options.given()]
         if given:
-            raise ProxyError(f"{', '.join(given)} set a Megatron layout, but a Hugging Face checkpoint is not sharded "
-                             "by parallel rank (transformers and vLLM shard it at load); leave them out or choose "
-                             "--format legacy or torch_dist")
+            raise ProxyError(
+                f"{', '.join(given)} set a Megatron layout, but a Hugging Face checkpoint is not sharded "
+                "by parallel rank (transformers and vLLM shard it at load); leave them out or choose "
+                "--format legacy or torch_dist"
+            )
         return None
 
     def check(self, view: ModelView, target=None) -> None:
@@ -205,9 +247,11 @@ class HFWriter(Writer):
         self.config(view)
         spec = view.spec
         if spec.num_groups and spec.num_groups > 1 and spec.num_experts // spec.num_groups < 2:
-            raise ProxyError(f"{spec.num_experts} experts in {spec.num_groups} routing groups leave "
-                             f"{spec.num_experts // spec.num_groups} per group, but transformers scores a group by its "
-                             "2 best experts; keep at least 2 per group or flatten the groups (--group-policy flatten)")
+            raise ProxyError(
+                f"{spec.num_experts} experts in {spec.num_groups} routing groups leave "
+                f"{spec.num_experts // spec.num_groups} per group, but transformers scores a group by its "
+                "2 best experts; keep at least 2 per group or flatten the groups (--group-policy flatten)"
+            )
 
     def shard_bytes(self, view: ModelView) -> int:
         if self.max_shard_bytes:
@@ -266,8 +310,9 @@ class HFWriter(Writer):
         """Write config.json, the generation config and the tokenizer; return the index (the
         completeness marker) for the caller to write last."""
         root = Path(root)
-        files = [_write_small(root, "config.json",
-                              (json.dumps(self.config(view), indent=2, sort_keys=True) + "\n").encode())]
+        files = [
+            _write_small(root, "config.json", (json.dumps(self.config(view), indent=2, sort_keys=True) + "\n").encode())
+        ]
         source = hf_source(view) or native_source(view)
         if source is not None:
             for name in CONFIG_FILES + TOKENIZER_FILES:
@@ -275,25 +320,34 @@ class HFWriter(Writer):
                 if src.is_file():
                     files.append(_write_small(root, name, src.read_bytes()))
         shards = self.shards(view)
-        index = {"metadata": {"total_size": sum(o.nbytes for s in shards for o in s.tensors)},
-                 "weight_map": {o.key: s.file for s in shards for o in s.tensors}}
+        index = {
+            "metadata": {"total_size": sum(o.nbytes for s in shards for o in s.tensors)},
+            "weight_map": {o.key: s.file for s in shards for o in s.tensors},
+        }
         return Finished(tuple(files), {INDEX: (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()})
 
 
 # TargetOptions fields -> the convert flags that set them (for the refusal above)
-_FLAGS = {"tp": "--target-tp", "pp": "--target-pp", "ep": "--target-ep", "etp": "--target-etp",
-          "expert_layout": "--expert-layout", "stage_layers": "--target-stage-layers",
-          "pipeline_layout": "--target-pipeline-layout", "vpp": "--target-vpp",
-          "tp_extend_ep": "--moe-tp-extend-ep"}
+_FLAGS = {
+    "tp": "--target-tp",
+    "pp": "--target-pp",
+    "ep": "--target-ep",
+    "etp": "--target-etp",
+    "expert_layout": "--expert-layout",
+    "stage_layers": "--target-stage-layers",
+    "pipeline_layout": "--target-pipeline-layout",
+    "vpp": "--target-vpp",
+    "tp_extend_ep": "--moe-tp-extend-ep",
+}
 
 
 def _write_megatron_named(view: ModelView, family: Family, writer: StreamingWriter, shard: Shard, progress) -> None:
     firsts = [i for i, o in enumerate(shard.tensors) if o.piece == 0]
     for i, (_, tensor) in zip(firsts, stream(view, [shard.tensors[i].source for i in firsts])):
         count = _count(shard.tensors, i)
-        if shard.tensors[i].gather:   # a pick row's HF tensor: its elements from their canonical tensors
+        if shard.tensors[i].gather:  # a pick row's HF tensor: its elements from their canonical tensors
             tensor = torch.cat([tensor] + [view.get(n) for n in shard.tensors[i].gather])
-        for out, piece in zip(shard.tensors[i:i + count], _pieces(view, family, tensor, count)):
+        for out, piece in zip(shard.tensors[i : i + count], _pieces(view, family, tensor, count)):
             writer.write(out.key, piece.to(out.dtype))
         if progress is not None:
             progress(tensor.numel() * tensor.element_size())

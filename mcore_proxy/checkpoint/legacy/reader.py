@@ -3,6 +3,7 @@
 Opening parses each rank file's pickle once (no tensor bytes), builds an index from canonical
 names to the shards that hold them, and reads a tensor's bytes only when `get` asks for it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,12 +17,21 @@ import torch
 from mcore_proxy.checkpoint.iteration import TRACKER, is_iteration_folder_name, resolve_iteration_dir
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint import mindspeed_llm_v4 as v4
-from mcore_proxy.checkpoint.mindspeed_llm import (MLADims, detect_naming, join_up, megatron_keys,
-                                                  split_parts)
+from mcore_proxy.checkpoint.mindspeed_llm import MLADims, detect_naming, join_up, megatron_keys, split_parts
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args, rank_dir_name
-from mcore_proxy.checkpoint.names import (OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS, LocalKey,
-                                          canonical_sort_key, embeddings_tied, layer_number, parse_local_key,
-                                          split_expert_name, te_grouped_extra_state)
+from mcore_proxy.checkpoint.names import (
+    OUTPUT_LAYER,
+    SEQUENTIAL,
+    TE_GROUPED,
+    WORD_EMBEDDINGS,
+    LocalKey,
+    canonical_sort_key,
+    embeddings_tied,
+    layer_number,
+    parse_local_key,
+    split_expert_name,
+    te_grouped_extra_state,
+)
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state, holds_state
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
@@ -41,16 +51,22 @@ def _rank_dirs(folder: Path) -> list[Path]:
 
 def is_legacy_checkpoint(path: Path) -> bool:
     path = Path(path)
-    return path.is_dir() and ((path / TRACKER).is_file() or bool(_rank_dirs(path))
-                              or any(is_iteration_folder_name(p.name) for p in path.iterdir()))
+    return path.is_dir() and (
+        (path / TRACKER).is_file()
+        or bool(_rank_dirs(path))
+        or any(is_iteration_folder_name(p.name) for p in path.iterdir())
+    )
 
 
 def resolve_legacy_dir(path) -> tuple[Path, int | str]:
     """Checkpoint root or iteration folder -> (iteration folder, iteration); an iteration folder
     holds mp_rank_* folders."""
-    return resolve_iteration_dir(path, lambda folder: bool(_rank_dirs(folder)),
-                                 f"not a Megatron checkpoint (no {TRACKER}, iter_* or mp_rank_* folders); pass "
-                                 "the folder Megatron saved with --save")
+    return resolve_iteration_dir(
+        path,
+        lambda folder: bool(_rank_dirs(folder)),
+        f"not a Megatron checkpoint (no {TRACKER}, iter_* or mp_rank_* folders); pass "
+        "the folder Megatron saved with --save",
+    )
 
 
 class _GroupedExpert:
@@ -64,8 +80,10 @@ class _GroupedExpert:
         self.lazy, self.fc, self.j, self.el = lazy, fc, j, local_experts
         rows, cols = lazy.shape
         if (cols if fc == 1 else rows) % local_experts:
-            raise CheckpointError(f"{lazy.file.path}: GroupedMLP weight{fc} shape {tuple(lazy.shape)} "
-                                  f"does not divide into {local_experts} experts")
+            raise CheckpointError(
+                f"{lazy.file.path}: GroupedMLP weight{fc} shape {tuple(lazy.shape)} "
+                f"does not divide into {local_experts} experts"
+            )
         self.shape = (cols // local_experts, rows) if fc == 1 else (cols, rows // local_experts)
         self.dtype = lazy.dtype
 
@@ -110,8 +128,10 @@ class _Rows:
         self.lazy, self.start, self.count = lazy, start, count
         self.cols = lazy.shape[1] if len(lazy.shape) == 2 else 0
         if not self.cols or start + count > lazy.shape[0]:
-            raise CheckpointError(f"{lazy.file.path}: fused linear_qkv of shape {list(lazy.shape)} does not hold "
-                                  f"rows {start}..{start + count}; the args' MLA sizes do not match the files")
+            raise CheckpointError(
+                f"{lazy.file.path}: fused linear_qkv of shape {list(lazy.shape)} does not hold "
+                f"rows {start}..{start + count}; the args' MLA sizes do not match the files"
+            )
         self.shape, self.dtype = (count, self.cols), lazy.dtype
 
     def byte_ranges(self) -> list[tuple[Path, int, int]]:
@@ -122,7 +142,7 @@ class _Rows:
 
     def load(self) -> torch.Tensor:
         if not self.lazy.is_contiguous():
-            return self.lazy.load()[self.start:self.start + self.count].clone()
+            return self.lazy.load()[self.start : self.start + self.count].clone()
         return self.lazy.read_flat(self.start * self.cols, self.count * self.cols).view(self.shape)
 
 
@@ -168,6 +188,7 @@ class _Entry:
 
 # -- the reader ------------------------------------------------------------------------------
 
+
 def _stage_representatives(coords) -> list[tuple[int, int, int]]:
     """The lowest (tp, pp, ep) folder of every pipeline stage."""
     return sorted({min(c for c in coords if c[1] == pp) for pp in {c[1] for c in coords}})
@@ -178,8 +199,10 @@ def _parse_rank_dir(name: str, layout: ParallelLayout) -> tuple[int, int, int]:
     suffixes = [int(g) for g in m.groups()[1:] if g is not None]
     expected = (layout.pp > 1) + (layout.ep > 1)
     if len(suffixes) != expected:
-        raise CheckpointError(f"{name}: rank folder name does not fit {layout.describe()} from the "
-                              "checkpoint's args; the folder comes from another run, remove it")
+        raise CheckpointError(
+            f"{name}: rank folder name does not fit {layout.describe()} from the "
+            "checkpoint's args; the folder comes from another run, remove it"
+        )
     pp = suffixes.pop(0) if layout.pp > 1 else 0
     ep = suffixes.pop(0) if layout.ep > 1 else 0
     return int(m.group(1)), pp, ep
@@ -189,18 +212,21 @@ def _check_rank_dirs(it_dir: Path, coords: dict[tuple[int, int, int], Path], lay
     """Every folder a Megatron save of this layout writes must be there (and no stranger)."""
     for c, path in coords.items():
         if c[0] >= layout.tp or c[1] >= layout.pp or c[2] >= layout.ep:
-            raise CheckpointError(f"{path}: rank folder outside {layout.describe()}; it comes from "
-                                  "another run, remove it")
+            raise CheckpointError(
+                f"{path}: rank folder outside {layout.describe()}; it comes from another run, remove it"
+            )
     for pp in range(layout.pp):
         for tp in range(layout.tp):
             for ep in range(layout.ep):
                 needed = layout.etp == layout.tp or layout.tp_extend_ep
-                covered = (any((tp, pp, e) in coords for e in range(layout.ep))
-                           and any((t, pp, ep) in coords for t in range(layout.tp)))
+                covered = any((tp, pp, e) in coords for e in range(layout.ep)) and any(
+                    (t, pp, ep) in coords for t in range(layout.tp)
+                )
                 if (tp, pp, ep) not in coords and (needed or not covered):
                     missing = it_dir / rank_dir_name(tp, pp, ep, layout)
-                    raise CheckpointError(f"{missing}: rank folder missing for {layout.describe()}; "
-                                          "copy it from the source checkpoint")
+                    raise CheckpointError(
+                        f"{missing}: rank folder missing for {layout.describe()}; copy it from the source checkpoint"
+                    )
 
 
 class LegacyCheckpoint(ModelView):
@@ -210,38 +236,50 @@ class LegacyCheckpoint(ModelView):
         self.path, iteration = resolve_legacy_dir(path)
         dirs = _rank_dirs(self.path)
         if not dirs:
-            raise CheckpointError(f"{self.path}: no mp_rank_* folders; the iteration folder is empty "
-                                  "or incomplete, copy it again from the source")
+            raise CheckpointError(
+                f"{self.path}: no mp_rank_* folders; the iteration folder is empty "
+                "or incomplete, copy it again from the source"
+            )
         first = self._open(dirs[0])
         args = first.obj.get("args")
         if args is None:
-            raise CheckpointError(f"{first.path}: no 'args' entry; mcore-proxy needs the args Megatron "
-                                  "saves (was the checkpoint written with --no-save-args?)")
+            raise CheckpointError(
+                f"{first.path}: no 'args' entry; mcore-proxy needs the args Megatron "
+                "saves (was the checkpoint written with --no-save-args?)"
+            )
         mindspeed_v4 = v4.is_mindspeed_v4(args)
-        if mindspeed_v4:   # read under Megatron-LM dev's names and args (checkpoint/mindspeed_llm_v4.py)
+        if mindspeed_v4:  # read under Megatron-LM dev's names and args (checkpoint/mindspeed_llm_v4.py)
             args = v4.canonical_args(args, str(first.path))
         self._spec = ModelSpec.from_args(args, where=str(first.path))
         layout = layout_from_args(args, dirs[0])
         if self._spec.noop_layers and layout.vpp > 1:
-            raise CheckpointError(f"{self.path}: args say noop_layers {list(self._spec.noop_layers)} (MindSpeed "
-                                  f"--noop-layers) with {layout.vpp} virtual pipeline stages, which mcore-proxy does "
-                                  "not read; the nearest supported kind is noop layers without virtual stages")
+            raise CheckpointError(
+                f"{self.path}: args say noop_layers {list(self._spec.noop_layers)} (MindSpeed "
+                f"--noop-layers) with {layout.vpp} virtual pipeline stages, which mcore-proxy does "
+                "not read; the nearest supported kind is noop layers without virtual stages"
+            )
         coords = {_parse_rank_dir(d.name, layout): d for d in dirs}
         _check_rank_dirs(self.path, coords, layout)
         if layout.etp not in (1, layout.tp):
-            raise CheckpointError(f"{self.path}: expert tensor parallel size {layout.etp} differs from "
-                                  f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
-                                  "they hold, re-save with ETP=1 or ETP=TP")
+            raise CheckpointError(
+                f"{self.path}: expert tensor parallel size {layout.etp} differs from "
+                f"both 1 and TP={layout.tp}; such folders do not say which expert shard "
+                "they hold, re-save with ETP=1 or ETP=TP"
+            )
         checkpoint_version = first.obj.get("checkpoint_version")
         # One file per stage tells the spec (EP and TP ranks hold the same local keys); the others
         # are opened, indexed and forgotten one at a time, so the reader holds the canonical
         # entries and not every rank file's records (hundreds of files at scale: bench/RESULTS.md).
-        stage_files = {c: (first if coords[c] == dirs[0] else self._open(coords[c]))
-                       for c in _stage_representatives(coords)}
+        stage_files = {
+            c: (first if coords[c] == dirs[0] else self._open(coords[c])) for c in _stage_representatives(coords)
+        }
         shapes = self._local_shapes(stage_files.values(), layout)
         layout = self._with_tp_extend_ep(args, layout, stage_files.values())
-        self._naming = v4.MindSpeedV4Naming(mtp=bool(self._spec.mtp_layers)) if mindspeed_v4 else \
-            detect_naming(args, shapes, str(first.path))
+        self._naming = (
+            v4.MindSpeedV4Naming(mtp=bool(self._spec.mtp_layers))
+            if mindspeed_v4
+            else detect_naming(args, shapes, str(first.path))
+        )
         if self._naming is not None:
             # MindSpeed-LLM's local MLA: its rows first, then megatron-core local-spec names
             self._check_mindspeed_spec(args, first.path)
@@ -258,9 +296,12 @@ class LegacyCheckpoint(ModelView):
             self._index_file(c, tf, layout)
             tf.drop_structure()
         if self._reset_states:
-            log.warning("%s: %d TEGroupedMLP extra states hold FP8 metadata for all local experts; they are "
-                        "reset to TE's empty state (never unpickled, see checkpoint/te_extra_state.py)",
-                        self.path, self._reset_states)
+            log.warning(
+                "%s: %d TEGroupedMLP extra states hold FP8 metadata for all local experts; they are "
+                "reset to TE's empty state (never unpickled, see checkpoint/te_extra_state.py)",
+                self.path,
+                self._reset_states,
+            )
         self._check_complete()
         self._drop_tied_output_copy(args)
         if mindspeed_v4:
@@ -270,18 +311,32 @@ class LegacyCheckpoint(ModelView):
             self._entries = _canonical_entries(self._entries, MLADims.from_args(args, str(first.path)))
             self._layer_spec = LOCAL_SPEC
         self._names = sorted(self._entries, key=canonical_sort_key)
-        super().__init__(ViewInfo(
-            spec=self._spec, format="legacy", path=self.path, iteration=iteration, args=args,
-            checkpoint_version=checkpoint_version,
-            layout=dataclasses.replace(layout, expert_layout=self._expert_layout),
-            variants=frozenset(self._variants), linear_extra_state=self._linear_extra_state,
-            layer_spec=self._layer_spec, naming=self._naming))
+        super().__init__(
+            ViewInfo(
+                spec=self._spec,
+                format="legacy",
+                path=self.path,
+                iteration=iteration,
+                args=args,
+                checkpoint_version=checkpoint_version,
+                layout=dataclasses.replace(layout, expert_layout=self._expert_layout),
+                variants=frozenset(self._variants),
+                linear_extra_state=self._linear_extra_state,
+                layer_spec=self._layer_spec,
+                naming=self._naming,
+            )
+        )
 
     def _with_tp_extend_ep(self, args, layout: ParallelLayout, files) -> ParallelLayout:
         """MindSpeed-LLM's --moe-tp-extend-ep when the args do not say either way: every file holds
         E / (EP x TP) local experts (the most `files` number) instead of E / EP."""
         num_experts = self._spec.num_experts
-        if hasattr(args, "moe_tp_extend_ep") or layout.tp == 1 or not num_experts or num_experts % (layout.ep * layout.tp):
+        if (
+            hasattr(args, "moe_tp_extend_ep")
+            or layout.tp == 1
+            or not num_experts
+            or num_experts % (layout.ep * layout.tp)
+        ):
             return layout
         local = re.compile(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.weight(\d+)$)")
         most = 0
@@ -298,9 +353,11 @@ class LegacyCheckpoint(ModelView):
     def _check_mindspeed_spec(args, path) -> None:
         said = getattr(args, "transformer_impl", None)
         if said not in (None, LOCAL_SPEC):
-            raise CheckpointError(f"{path}: MindSpeed-LLM's multi-latent attention names with transformer_impl "
-                                  f"{said!r} are not mapped; the nearest supported kind is MindSpeed-LLM's local "
-                                  "spec (--transformer-impl local, as its DeepSeek-V3 recipes save)")
+            raise CheckpointError(
+                f"{path}: MindSpeed-LLM's multi-latent attention names with transformer_impl "
+                f"{said!r} are not mapped; the nearest supported kind is MindSpeed-LLM's local "
+                "spec (--transformer-impl local, as its DeepSeek-V3 recipes save)"
+            )
 
     @staticmethod
     def _open(rank_dir: Path) -> TorchFile:
@@ -316,8 +373,10 @@ class LegacyCheckpoint(ModelView):
         else:
             chunks = [obj.get("model")]
         if any(not isinstance(c, dict) for c in chunks):
-            raise CheckpointError(f"{tf.path}: no model state ('model' or 'model0'..) for "
-                                  f"{layout.describe()}; the file is not a Megatron model checkpoint")
+            raise CheckpointError(
+                f"{tf.path}: no model state ('model' or 'model0'..) for "
+                f"{layout.describe()}; the file is not a Megatron model checkpoint"
+            )
         return chunks
 
     def _local_shapes(self, files, layout: ParallelLayout) -> dict[str, tuple[int, ...] | None]:
@@ -349,11 +408,15 @@ class LegacyCheckpoint(ModelView):
     def _check_layer_range(self, key: str, lk: LocalKey, offset: int, count: int, tf: TorchFile) -> None:
         layer = layer_number(lk.canonical)
         if layer is not None and not offset <= layer < offset + count:
-            raise CheckpointError(f"{tf.path}: key {key} lies outside this stage's {count} layers; the "
-                                  "args' pipeline split does not match the files")
+            raise CheckpointError(
+                f"{tf.path}: key {key} lies outside this stage's {count} layers; the "
+                "args' pipeline split does not match the files"
+            )
         if layer in self._spec.noop_layers:
-            raise CheckpointError(f"{tf.path}: key {key} is a tensor of layer {layer}, which args noop_layers "
-                                  f"{list(self._spec.noop_layers)} say has none; the args do not match the files")
+            raise CheckpointError(
+                f"{tf.path}: key {key} is a tensor of layer {layer}, which args noop_layers "
+                f"{list(self._spec.noop_layers)} say has none; the args do not match the files"
+            )
 
     def _pieces(self, lk: LocalKey, value, local_experts: int, chunk: int, tf: TorchFile):
         """(canonical name, shard piece) pairs one local key contributes; `chunk`: which chunk of
@@ -383,9 +446,11 @@ class LegacyCheckpoint(ModelView):
             self._linear_extra_state = True
             return
         if lk.kind == "expert" and lk.local_expert >= local_experts:
-            raise CheckpointError(f"{tf.path}: local expert {lk.local_expert} but args say "
-                                  f"{self._spec.num_experts} experts over {self._spec.num_experts // local_experts} "
-                                  "expert ranks (EP, or EP x TP with moe_tp_extend_ep)")
+            raise CheckpointError(
+                f"{tf.path}: local expert {lk.local_expert} but args say "
+                f"{self._spec.num_experts} experts over {self._spec.num_experts // local_experts} "
+                "expert ranks (EP, or EP x TP with moe_tp_extend_ep)"
+            )
         yield lk.canonical, value if isinstance(value, LazyTensor) else _Constant(value)
 
     def _add(self, name, rule, parts, shard, piece, path) -> None:
@@ -395,13 +460,15 @@ class LegacyCheckpoint(ModelView):
             if old.shape is not None and tuple(old.shape) != tuple(piece.shape):
                 raise CheckpointError(
                     f"{path}: {name} has shape {list(piece.shape)} but {entry.where[shard]} has "
-                    f"{list(old.shape)}; the rank folders come from different runs, re-copy them")
+                    f"{list(old.shape)}; the rank folders come from different runs, re-copy them"
+                )
             return
         for other, old in enumerate(entry.shards):
             if old is not None and old.shape is not None and tuple(old.shape) != tuple(piece.shape):
                 raise CheckpointError(
                     f"{path}: shard of {name} has shape {list(piece.shape)} but {entry.where[other]} has "
-                    f"{list(old.shape)}; the rank folders come from different runs, re-copy them")
+                    f"{list(old.shape)}; the rank folders come from different runs, re-copy them"
+                )
         entry.shards[shard] = piece
         entry.where[shard] = path
 
@@ -410,16 +477,20 @@ class LegacyCheckpoint(ModelView):
         lacking = sorted(set(range(self._spec.num_layers)) - held - set(self._spec.noop_layers))
         if lacking:
             extra = f" and noop_layers {list(self._spec.noop_layers)}" if self._spec.noop_layers else ""
-            raise CheckpointError(f"{self.path}: no rank file holds a tensor of decoder layer {lacking[0]}, "
-                                  f"though args say num_layers={self._spec.num_layers}{extra}; the checkpoint is "
-                                  "incomplete or its args are wrong")
+            raise CheckpointError(
+                f"{self.path}: no rank file holds a tensor of decoder layer {lacking[0]}, "
+                f"though args say num_layers={self._spec.num_layers}{extra}; the checkpoint is "
+                "incomplete or its args are wrong"
+            )
         for name, entry in self._entries.items():
             missing = [r for r, piece in enumerate(entry.shards) if piece is None]
             if missing:
-                raise CheckpointError(f"{self.path}: tensor {name} lacks shard(s) {missing}; a rank "
-                                      "folder is missing or incomplete, copy it from the source")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} lacks shard(s) {missing}; a rank "
+                    "folder is missing or incomplete, copy it from the source"
+                )
         if self._spec.num_experts:
-            experts: dict[str, set[int]] = {}     # `P.mlp.experts` -> expert ids held
+            experts: dict[str, set[int]] = {}  # `P.mlp.experts` -> expert ids held
             for name in self._entries:
                 if parts := split_expert_name(name):
                     experts.setdefault(parts[0], set()).add(parts[1])
@@ -428,7 +499,8 @@ class LegacyCheckpoint(ModelView):
                 if len(found) != self._spec.num_experts:
                     raise CheckpointError(
                         f"{self.path}: MoE layer {layer_id} holds {len(found)} experts but args say "
-                        f"num_experts={self._spec.num_experts}; the checkpoint is incomplete")
+                        f"num_experts={self._spec.num_experts}; the checkpoint is incomplete"
+                    )
 
     def _drop_tied_output_copy(self, args) -> None:
         """With tied embeddings and PP > 1 the last stage saves `output_layer.weight`, its copy of the
@@ -439,12 +511,16 @@ class LegacyCheckpoint(ModelView):
             return
         where = self._entries[OUTPUT_LAYER].where[0]
         if WORD_EMBEDDINGS not in self._entries:
-            raise CheckpointError(f"{where}: args say the output layer is tied to the word embeddings, but no rank "
-                                  f"file holds {WORD_EMBEDDINGS}; copy the first stage's rank folders too")
+            raise CheckpointError(
+                f"{where}: args say the output layer is tied to the word embeddings, but no rank "
+                f"file holds {WORD_EMBEDDINGS}; copy the first stage's rank folders too"
+            )
         copy, original = self.shape(OUTPUT_LAYER), self.shape(WORD_EMBEDDINGS)
         if copy != original:
-            raise CheckpointError(f"{where}: {OUTPUT_LAYER} {list(copy)} should be the tied copy of {WORD_EMBEDDINGS} "
-                                  f"{list(original)}; the rank folders come from different runs, re-copy them")
+            raise CheckpointError(
+                f"{where}: {OUTPUT_LAYER} {list(copy)} should be the tied copy of {WORD_EMBEDDINGS} "
+                f"{list(original)}; the rank folders come from different runs, re-copy them"
+            )
         del self._entries[OUTPUT_LAYER]
 
     # -- ModelView ---------------------------------------------------------------------------
@@ -524,19 +600,26 @@ def _v4_canonical_entries(entries: dict[str, _Entry], hidden: int) -> dict[str, 
         canon = v4.to_canonical_keys(name)
         if len(canon) == 1:
             if name.endswith(v4.HASH_TABLE):
-                entry = _Entry(entry.rule, entry.parts, [_Cast(s, v4.DEV_HASH_DTYPE) for s in entry.shards],
-                               entry.where)
+                entry = _Entry(
+                    entry.rule, entry.parts, [_Cast(s, v4.DEV_HASH_DTYPE) for s in entry.shards], entry.where
+                )
             out[canon[0]] = entry
             continue
         slices = v4.part_slices(name, hidden)
         dim, _, count = slices[0]
         for shard, where in zip(entry.shards, entry.where):
             if len(shard.shape) <= dim or shard.shape[dim] != len(canon) * count:
-                raise CheckpointError(f"{where}: {name} has shape {list(shard.shape)}, expected {len(canon) * count} "
-                                      f"along dim {dim} ({' | '.join(canon)}); the args do not match the files")
+                raise CheckpointError(
+                    f"{where}: {name} has shape {list(shard.shape)}, expected {len(canon) * count} "
+                    f"along dim {dim} ({' | '.join(canon)}); the args do not match the files"
+                )
         for target, (dim, start, count) in zip(canon, slices):
-            out[target] = _Entry(rule_for(target, LOCAL_SPEC), entry.parts,
-                                 [_Slice(s, dim, start, count) for s in entry.shards], list(entry.where))
+            out[target] = _Entry(
+                rule_for(target, LOCAL_SPEC),
+                entry.parts,
+                [_Slice(s, dim, start, count) for s in entry.shards],
+                list(entry.where),
+            )
     return out
 
 
@@ -548,22 +631,25 @@ def _canonical_entries(entries: dict[str, _Entry], dims: MLADims) -> dict[str, _
     out: dict[str, _Entry] = {}
     for name, entry in entries.items():
         if name.endswith(".self_attention.linear_qkv.bias"):
-            raise CheckpointError(f"{entry.where[0]}: tensor {name} is a bias of MindSpeed-LLM's "
-                                  "fused MLA down projection (add_qkv_bias), which mcore-proxy does not map; the "
-                                  "nearest supported kind is multi-latent attention without linear biases (DeepSeek-V3)")
+            raise CheckpointError(
+                f"{entry.where[0]}: tensor {name} is a bias of MindSpeed-LLM's "
+                "fused MLA down projection (add_qkv_bias), which mcore-proxy does not map; the "
+                "nearest supported kind is multi-latent attention without linear biases (DeepSeek-V3)"
+            )
         canon = megatron_keys(name)
-        if len(canon) == 2:                                   # fused down projection
+        if len(canon) == 2:  # fused down projection
             q_rows = (0, dims.q_lora), (dims.q_lora, dims.kv_lora + dims.rope)
             for target, (start, count) in zip(canon, q_rows):
                 out[target] = _Entry(entry.rule, 1, [_Rows(entry.shards[0], start, count)], entry.where[:1])
-        elif canon[0] != name:                                # an --mla-mm-split part
+        elif canon[0] != name:  # an --mla-mm-split part
             parts = split_parts(canon[0])
             if name != parts[0]:
                 continue
             other = entries.get(parts[1])
             if other is None or other.parts != entry.parts:
-                raise CheckpointError(f"{entry.where[0]}: {name} has no matching {parts[1]}; "
-                                      "the checkpoint is incomplete")
+                raise CheckpointError(
+                    f"{entry.where[0]}: {name} has no matching {parts[1]}; the checkpoint is incomplete"
+                )
             which = "q" if ".linear_qk_nope." in name else "kv"
             shards = [_JoinedHeads(a, b, which, dims) for a, b in zip(entry.shards, other.shards)]
             out[canon[0]] = _Entry(rule_for(canon[0], LOCAL_SPEC), entry.parts, shards, list(entry.where))

@@ -4,12 +4,14 @@ Units: one per (pipeline stage, EP rank): the TP rank files `mp_rank_TT[_PPP][_E
 stage and EP rank (each file's `model`, or with virtual stages `model0`, `model1`, ... for its
 chunks, local layer numbers restarting at 0 in each, as Megatron-LM's `generate_state_dict`
 writes them; which chunk holds what: `target.chunks_of`), which share one read of every tensor
-they hold (an expert is read once for all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced once per
+they hold (an expert is read once for all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced
+once per
 destination file (`ShardRule.shard`), never split whole for every rank.
 
 Optimizer and RNG state are not written; `iteration` and `checkpoint_version` are kept. Local
 linears get their `_extra_state: None` entries when the source had them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,20 +23,43 @@ from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
-from mcore_proxy.checkpoint.mindspeed_llm import (MegatronNamedView, MindSpeedNamedView, has_extra_state,
-                                                  naming_args, written_naming)
+from mcore_proxy.checkpoint.mindspeed_llm import (
+    MegatronNamedView,
+    MindSpeedNamedView,
+    has_extra_state,
+    naming_args,
+    written_naming,
+)
 from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming, MindSpeedV4NamedView
-from mcore_proxy.checkpoint.names import (GROUPED, OUTPUT_LAYER, SEQUENTIAL, TE_GROUPED, WORD_EMBEDDINGS,
-                                          embeddings_tied, linear_extra_state, local_expert_key, restore_variant,
-                                          split_expert_name, to_local_layer, to_mtp_model_layer)
+from mcore_proxy.checkpoint.names import (
+    GROUPED,
+    OUTPUT_LAYER,
+    SEQUENTIAL,
+    TE_GROUPED,
+    WORD_EMBEDDINGS,
+    embeddings_tied,
+    linear_extra_state,
+    local_expert_key,
+    restore_variant,
+    split_expert_name,
+    to_local_layer,
+    to_mtp_model_layer,
+)
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import (check_fits, checkpoint_version, chunks_of, refuse_dsv4_tp, refuse_noop_layers,
-                                          target_args)
+from mcore_proxy.checkpoint.target import (
+    check_fits,
+    checkpoint_version,
+    chunks_of,
+    refuse_dsv4_tp,
+    refuse_noop_layers,
+    target_args,
+)
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.errors import CheckpointError
 from mcore_proxy.sharding import rule_for
+
 
 class _RankOut:
     """One output rank file being streamed: `model` or `model0`, `model1`, ... (`chunk_keys`)."""
@@ -75,13 +100,17 @@ def _stage_names(view: ModelView, target: ParallelLayout, stage: int) -> dict[st
     stages = target.stages(view.spec.mtp_layers)
     out = {}
     for name in view.names():
-        held = [(chunk_key(target, s.vp), s.decoder[0] if s.decoder else 0, name)
-                for s in chunks_of(name, stages) if s.pp == stage]
+        held = [
+            (chunk_key(target, s.vp), s.decoder[0] if s.decoder else 0, name)
+            for s in chunks_of(name, stages)
+            if s.pp == stage
+        ]
         if held:
             out[name] = held
     if _tied_output_copy(view, target, stage):
         out.setdefault(WORD_EMBEDDINGS, []).extend(
-            (chunk_key(target, s.vp), 0, OUTPUT_LAYER) for s in chunks_of(OUTPUT_LAYER, stages) if s.pp == stage)
+            (chunk_key(target, s.vp), 0, OUTPUT_LAYER) for s in chunks_of(OUTPUT_LAYER, stages) if s.pp == stage
+        )
     return out
 
 
@@ -90,8 +119,12 @@ def _tied_output_copy(view: ModelView, target: ParallelLayout, stage: int) -> bo
     embeddings megatron-core allocates an output weight on the last stage unless it is also the
     first (`GPTModel`: `skip_weight_param_allocation=pre_process and share_embeddings...`)."""
     names = view.names()
-    return (target.pp > 1 and stage == target.pp - 1 and WORD_EMBEDDINGS in names
-            and embeddings_tied(view.args, OUTPUT_LAYER in names))
+    return (
+        target.pp > 1
+        and stage == target.pp - 1
+        and WORD_EMBEDDINGS in names
+        and embeddings_tied(view.args, OUTPUT_LAYER in names)
+    )
 
 
 def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
@@ -100,16 +133,18 @@ def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
     return None if parts is None else parts[1] // (view.spec.num_experts // target.ep)
 
 
-def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int, ep: int, args, header: dict,
-                progress=None) -> list[WrittenFile]:
+def write_files(
+    view: ModelView, root: Path, target: ParallelLayout, stage: int, ep: int, args, header: dict, progress=None
+) -> list[WrittenFile]:
     """Write the TP rank files of one (stage, EP rank), reading each canonical tensor once (the
     next ones read ahead) and slicing it once per file; hashed while written, synced at close.
 
     Memory: one canonical tensor, plus one layer's local experts for a GroupedMLP target."""
     it_dir = folder_name(view.iteration)
     keys = [chunk_key(target, v) for v in range(target.vpp)]
-    outs = [_RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}", keys)
-            for t in range(target.tp)]
+    outs = [
+        _RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}", keys) for t in range(target.tp)
+    ]
     extra_state, variants, naming = view.info.linear_extra_state, view.info.variants, view.info.naming
     num_experts = view.spec.num_experts
     per = num_experts // target.expert_ranks if num_experts else 0
@@ -121,15 +156,17 @@ def write_files(view: ModelView, root: Path, target: ParallelLayout, stage: int,
             parts = rule.parts(target)
             for t, out in enumerate(outs):
                 if rule.expert and target.expert_chunk(t, ep) != split_expert_name(name)[1] // per:
-                    continue                       # --moe-tp-extend-ep: another TP rank's expert
+                    continue  # --moe-tp-extend-ep: another TP rank's expert
                 # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
                 shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
                 for chunk, offset, written_as in placed[name]:
-                    _add(out, chunk, written_as, shard, offset, rule, target, per, extra_state, variants, present,
-                         naming)
-            if progress is not None:   # as `units` counts (an object's tensor: 0)
-                progress(tensor_nbytes(view, name) * _files_holding(rule, target) // rule.parts(target)
-                         * len(placed[name]))
+                    _add(
+                        out, chunk, written_as, shard, offset, rule, target, per, extra_state, variants, present, naming
+                    )
+            if progress is not None:  # as `units` counts (an object's tensor: 0)
+                progress(
+                    tensor_nbytes(view, name) * _files_holding(rule, target) // rule.parts(target) * len(placed[name])
+                )
             del tensor
         return [out.close({**header, "args": args}) for out in outs]
     except BaseException:
@@ -144,22 +181,38 @@ def _files_holding(rule, target: ParallelLayout) -> int:
     return 1 if rule.expert and target.tp_extend_ep else target.tp
 
 
-def _add(out: _RankOut, chunk: str, name: str, shard: list, offset: int, rule, target: ParallelLayout, per: int,
-         extra_state: bool, variants, present: set[str], naming=None) -> None:
+def _add(
+    out: _RankOut,
+    chunk: str,
+    name: str,
+    shard: list,
+    offset: int,
+    rule,
+    target: ParallelLayout,
+    per: int,
+    extra_state: bool,
+    variants,
+    present: set[str],
+    naming=None,
+) -> None:
     """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key;
     `present`: the view's names (a linear whose extra state the view holds gets that, not None);
     `naming`: the MindSpeed-LLM naming written (its fused `linear_qkv` has no extra state)."""
     if not rule.expert:
         key = restore_variant(to_local_layer(name, offset), variants)
         out.add(chunk, key, shard)
-        if extra_state and (extra := linear_extra_state(key)) and linear_extra_state(name) not in present \
-                and has_extra_state(key, naming):
+        if (
+            extra_state
+            and (extra := linear_extra_state(key))
+            and linear_extra_state(name) not in present
+            and has_extra_state(key, naming)
+        ):
             out.add(chunk, extra, None)
         return
     prefix, e, rest = split_expert_name(name)
     local_prefix = to_mtp_model_layer(to_local_layer(prefix, offset), variants)
     if rest.endswith("._extra_state") and target.expert_layout != SEQUENTIAL:
-        return   # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
+        return  # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
     if target.expert_layout == GROUPED:
         _add_grouped(out, chunk, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
         return
@@ -167,7 +220,7 @@ def _add(out: _RankOut, chunk: str, name: str, shard: list, offset: int, rule, t
     out.add(chunk, key, shard)
     if target.expert_layout == TE_GROUPED and e % per == 0 and rest.endswith(".weight"):
         # one state for all local experts: TE's empty "no FP8 state" (te_extra_state.py)
-        out.add(chunk, f"{local_prefix}.{rest[:-len('.weight')]}._extra_state", empty_extra_state())
+        out.add(chunk, f"{local_prefix}.{rest[: -len('.weight')]}._extra_state", empty_extra_state())
     extra = linear_extra_state(key)
     if extra_state and target.expert_layout == SEQUENTIAL and extra and linear_extra_state(name) not in present:
         out.add(chunk, extra, None)
@@ -177,12 +230,14 @@ def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shar
     """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
     fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
     if fc is None:
-        raise CheckpointError(f"{prefix}.{j}.{rest}: GroupedMLP stores only expert fc1/fc2 weights; "
-                              "write this checkpoint with the sequential expert layout")
+        raise CheckpointError(
+            f"{prefix}.{j}.{rest}: GroupedMLP stores only expert fc1/fc2 weights; "
+            "write this checkpoint with the sequential expert layout"
+        )
     pending = out.grouped.setdefault((chunk, prefix, fc), {})
     pending[j] = shard.t()
     if len(pending) == per:
-        stacked = torch.stack([pending[i] for i in range(per)])      # [El, H, n] or [El, m, H]
+        stacked = torch.stack([pending[i] for i in range(per)])  # [El, H, n] or [El, m, H]
         rows = stacked.shape[1] if fc == 1 else stacked.shape[0] * stacked.shape[1]
         out.add(chunk, f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
         del out.grouped[(chunk, prefix, fc)]
@@ -210,10 +265,14 @@ class LegacyWriter(Writer):
             extend = bool(naming is not None and source is not None and source.tp_extend_ep)
         if extend:
             if options.etp not in (None, 1):
-                raise CheckpointError(f"--moe-tp-extend-ep keeps experts whole: --target-etp must be 1, not {options.etp}")
+                raise CheckpointError(
+                    f"--moe-tp-extend-ep keeps experts whole: --target-etp must be 1, not {options.etp}"
+                )
             if view.spec.num_experts % (target.ep * target.tp):
-                raise CheckpointError(f"{view.spec.num_experts} experts do not divide over EP x TP = "
-                                      f"{target.ep * target.tp} ranks (--moe-tp-extend-ep); choose sizes that divide it")
+                raise CheckpointError(
+                    f"{view.spec.num_experts} experts do not divide over EP x TP = "
+                    f"{target.ep * target.tp} ranks (--moe-tp-extend-ep); choose sizes that divide it"
+                )
             target = dataclasses.replace(target, etp=1, tp_extend_ep=True)
         return dataclasses.replace(target, naming=naming)
 
@@ -225,8 +284,10 @@ class LegacyWriter(Writer):
         check_fits(view, target)
         refuse_dsv4_tp(view, target)
         if target.etp not in (1, target.tp):
-            raise CheckpointError(f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
-                                  "rank folders cannot say which other expert shard they hold")
+            raise CheckpointError(
+                f"target ETP={target.etp} must be 1 or equal to TP={target.tp}: legacy "
+                "rank folders cannot say which other expert shard they hold"
+            )
         target_args(view, target)
         checkpoint_version(view)
 
@@ -242,8 +303,9 @@ class LegacyWriter(Writer):
                     sizes[(p, e)] += nbytes
         return [Unit(key, n) for key, n in sizes.items()]
 
-    def write_unit(self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit,
-                   progress=None) -> list[WrittenFile]:
+    def write_unit(
+        self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit, progress=None
+    ) -> list[WrittenFile]:
         stage, ep = unit.key
         view = _named(view, target)
         (Path(root) / folder_name(view.iteration)).mkdir(exist_ok=True)

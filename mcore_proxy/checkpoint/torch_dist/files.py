@@ -25,14 +25,19 @@ Keys are ShardedTensor keys, not module names:
 
 The key mapping lives in the name registry (`checkpoint/names.py`: `KeyStyle`, `parse_dist_key`).
 """
+
 from __future__ import annotations
 
 CONFIG_FILE = "metadata.json"
 DCP_METADATA = ".metadata"
 COMMON_FILE = "common.pt"
 BACKEND = "torch_dist"
-CONFIG = {"sharded_backend": BACKEND, "sharded_backend_version": 1,
-          "common_backend": "torch", "common_backend_version": 1}
+CONFIG = {
+    "sharded_backend": BACKEND,
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 # The `sharded_state_dict` flags Megatron reads back from common.pt before loading; False is the
 # layout described above (True splits experts and GLU halves into separate keys).
 CONTENT_METADATA = {"singleton_local_shards": False}

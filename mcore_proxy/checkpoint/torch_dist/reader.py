@@ -5,6 +5,7 @@ class as inert data, `common.pt` and the chunks through torchfile's restricted r
 `torch.load` nor `FileSystemReader.read_metadata()` (a plain `pickle.load`) is used, and no
 process group is needed.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,11 +23,27 @@ import torch
 from mcore_proxy.checkpoint.iteration import resolve_iteration_dir, tracked_folder
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
 from mcore_proxy.checkpoint.layout import ParallelLayout, layout_from_args
-from mcore_proxy.checkpoint.names import (GROUPED, SEQUENTIAL, TE_GROUPED, DistName, canonical_sort_key,
-                                          is_ignored_dist_key, parse_dist_key, parse_object_key, uses_local_spec)
+from mcore_proxy.checkpoint.names import (
+    GROUPED,
+    SEQUENTIAL,
+    TE_GROUPED,
+    DistName,
+    canonical_sort_key,
+    is_ignored_dist_key,
+    parse_dist_key,
+    parse_object_key,
+    uses_local_spec,
+)
 from mcore_proxy.checkpoint.safe_globals import unresolved_class
 from mcore_proxy.checkpoint.torch_dist.files import BACKEND, COMMON_FILE, CONFIG_FILE, DCP_METADATA
-from mcore_proxy.checkpoint.torchfile import UNREADABLE, LazyTensor, TorchFile, brief_error, materialize, unpickle_torch_zip
+from mcore_proxy.checkpoint.torchfile import (
+    UNREADABLE,
+    LazyTensor,
+    TorchFile,
+    brief_error,
+    materialize,
+    unpickle_torch_zip,
+)
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.errors import CheckpointError, ProxyError
 from mcore_proxy.megatron_args import arg, arg_int
@@ -36,9 +53,14 @@ from mcore_proxy.spec import ModelSpec, layer_module_prefix
 
 # -- locating the iteration folder ------------------------------------------------------------
 
+
 def _has_markers(folder: Path) -> bool:
-    return folder.is_dir() and ((folder / CONFIG_FILE).is_file() or (folder / DCP_METADATA).is_file()
-                                or (folder / COMMON_FILE).is_file() or any(folder.glob("*.distcp")))
+    return folder.is_dir() and (
+        (folder / CONFIG_FILE).is_file()
+        or (folder / DCP_METADATA).is_file()
+        or (folder / COMMON_FILE).is_file()
+        or any(folder.glob("*.distcp"))
+    )
 
 
 def _is_dist_folder(folder: Path) -> bool:
@@ -67,18 +89,23 @@ def resolve_dist_dir(path) -> tuple[Path, int | str]:
     """Checkpoint root (with tracker) or an iteration folder -> (iteration folder, iteration):
     the legacy rules and messages, with torch_dist's files marking an iteration folder."""
     return resolve_iteration_dir(
-        path, _has_markers, f"not a torch_dist checkpoint (no {CONFIG_FILE}, {DCP_METADATA} or *.distcp "
-        "files); pass the folder Megatron saved with --ckpt-format torch_dist")
+        path,
+        _has_markers,
+        f"not a torch_dist checkpoint (no {CONFIG_FILE}, {DCP_METADATA} or *.distcp "
+        "files); pass the folder Megatron saved with --ckpt-format torch_dist",
+    )
 
 
 # -- reading .metadata without running foreign code -------------------------------------------
+
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch", "Size"):
             return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None),
-                                            (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
@@ -88,15 +115,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: Path):
     """The `.metadata` file as records: `.state_dict_metadata`, `.storage_data` (dicts)."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing; the torch_dist save did not finish or the file was "
-                              "lost, copy the iteration folder again from the source")
+        raise CheckpointError(
+            f"{path}: missing; the torch_dist save did not finish or the file was "
+            "lost, copy the iteration folder again from the source"
+        )
     try:
         with open(path, "rb") as fh:
             md = _MetadataUnpickler(fh).load()
         sd_md, storage = md.state_dict_metadata, md.storage_data
     except UNREADABLE as err:
-        raise CheckpointError(f"{path}: not a readable PyTorch DCP metadata file ({brief_error(err)}); it is "
-                              "truncated or damaged, copy it again from the source") from None
+        raise CheckpointError(
+            f"{path}: not a readable PyTorch DCP metadata file ({brief_error(err)}); it is "
+            "truncated or damaged, copy it again from the source"
+        ) from None
     if not isinstance(sd_md, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{path}: holds no key table; it is damaged, copy it again from the source")
     return sd_md, storage
@@ -104,8 +135,10 @@ def read_dcp_metadata(path: Path):
 
 def _byte_count(value, path: Path, key) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointError(f"{path}: storage entry of {str(key)[:60]} has byte offset or length "
-                              f"{str(value)[:40]}; the file is damaged, copy it again")
+        raise CheckpointError(
+            f"{path}: storage entry of {str(key)[:60]} has byte offset or length "
+            f"{str(value)[:40]}; the file is damaged, copy it again"
+        )
     return value
 
 
@@ -119,6 +152,7 @@ def _props_dtype(props) -> torch.dtype:
 
 
 # -- reading chunks ---------------------------------------------------------------------------
+
 
 class _Window(io.RawIOBase):
     """A read-only view of bytes [start, start + length) of an open file."""
@@ -187,8 +221,10 @@ class _Blob:
 
     def _damaged(self, why: str) -> CheckpointError:
         c = self._chunk
-        return CheckpointError(f"{c.file}: the chunk of {c.key} at byte {c.start} is not a readable torch.save "
-                               f"blob ({why}); the file is damaged, copy it again from the source")
+        return CheckpointError(
+            f"{c.file}: the chunk of {c.key} at byte {c.start} is not a readable torch.save "
+            f"blob ({why}); the file is damaged, copy it again from the source"
+        )
 
     def read_elements(self, storage, start: int, count: int) -> torch.Tensor:
         """`count` elements from element `start` of a storage (the LazyTensor protocol)."""
@@ -197,8 +233,11 @@ class _Blob:
             info = self._zip.getinfo(storage.member)
         except KeyError:
             raise self._damaged(f"no member {storage.member}") from None
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size < storage.numel * item \
-                or start + count > storage.numel:
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.file_size < storage.numel * item
+            or start + count > storage.numel
+        ):
             raise self._damaged(f"member {storage.member} does not hold its {storage.numel} elements")
         window = _Window(self._fh, self._chunk.start, self._chunk.length)
         window.seek(info.header_offset)
@@ -224,11 +263,13 @@ def _read_block(chunk: _Chunk, local: tuple[int, ...], inner: tuple[int, ...], d
         lazy = blob.obj
         if not isinstance(lazy, LazyTensor) or tuple(lazy.shape) != chunk.sizes or lazy.dtype != dtype:
             got = (tuple(lazy.shape), lazy.dtype) if isinstance(lazy, LazyTensor) else type(lazy).__name__
-            raise CheckpointError(f"{chunk.file}: chunk of {chunk.key} at byte {chunk.start} holds {got}, "
-                                  f"metadata says {chunk.sizes} {dtype}; the file does not belong to "
-                                  "this .metadata, copy the folder again")
+            raise CheckpointError(
+                f"{chunk.file}: chunk of {chunk.key} at byte {chunk.start} holds {got}, "
+                f"metadata says {chunk.sizes} {dtype}; the file does not belong to "
+                "this .metadata, copy the folder again"
+            )
         start = 0  # row-major position of `local` on the prepended axes, in blocks
-        for i, n in zip(local, chunk.sizes[:len(local)]):
+        for i, n in zip(local, chunk.sizes[: len(local)]):
             start = start * n + i
         per = math.prod(inner)
         return lazy.read_flat(start * per, per).view(inner)
@@ -244,12 +285,14 @@ def _read_object(chunk: _Chunk):
     finally:
         blob.close()
     if not isinstance(value, list) or not value:
-        raise CheckpointError(f"{chunk.file}: object {chunk.key} is not a saved [value] list; the file "
-                              "is damaged, copy it again")
+        raise CheckpointError(
+            f"{chunk.file}: object {chunk.key} is not a saved [value] list; the file is damaged, copy it again"
+        )
     return value[0]
 
 
 # -- the reader -------------------------------------------------------------------------------
+
 
 @dataclass
 class _TensorEntry:
@@ -270,8 +313,9 @@ class _ObjectEntry:
 def _read_common(it_dir: Path):
     path = it_dir / COMMON_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing; Megatron writes args and iteration there, copy it from "
-                              "the source checkpoint")
+        raise CheckpointError(
+            f"{path}: missing; Megatron writes args and iteration there, copy it from the source checkpoint"
+        )
     common = TorchFile(path).obj
     if not isinstance(common, dict):
         raise CheckpointError(f"{path}: holds {type(common).__name__}, not Megatron's common state dict")
@@ -281,15 +325,19 @@ def _read_common(it_dir: Path):
 def _check_config(it_dir: Path) -> None:
     path = it_dir / CONFIG_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing, so the torch_dist save did not complete (Megatron writes "
-                              "it last); use a checkpoint whose save finished")
+        raise CheckpointError(
+            f"{path}: missing, so the torch_dist save did not complete (Megatron writes "
+            "it last); use a checkpoint whose save finished"
+        )
     try:
         backend = json.loads(path.read_bytes()).get("sharded_backend")
     except (ValueError, OSError, AttributeError, RecursionError) as err:
         raise CheckpointError(f"{path}: unreadable ({err}); copy it again from the source") from None
     if backend != BACKEND:
-        raise CheckpointError(f"{path}: sharded backend {backend!r} is not supported, only {BACKEND!r}; "
-                              "re-save the checkpoint with --ckpt-format torch_dist")
+        raise CheckpointError(
+            f"{path}: sharded backend {backend!r} is not supported, only {BACKEND!r}; "
+            "re-save the checkpoint with --ckpt-format torch_dist"
+        )
 
 
 def _layout_of(args, where: Path) -> ParallelLayout:
@@ -304,9 +352,12 @@ def _layout_of(args, where: Path) -> ParallelLayout:
     except ProxyError:  # e.g. pipeline_model_parallel_layout: keep sizes, no stage split
         size = lambda n: arg_int(args, n, str(where), minimum=1, maximum=1 << 20)  # noqa: E731
         tp = size("tensor_model_parallel_size") or 1
-        base = ParallelLayout(tp=tp, pp=size("pipeline_model_parallel_size") or 1,
-                              ep=size("expert_model_parallel_size") or 1,
-                              etp=size("expert_tensor_parallel_size") or tp)
+        base = ParallelLayout(
+            tp=tp,
+            pp=size("pipeline_model_parallel_size") or 1,
+            ep=size("expert_model_parallel_size") or 1,
+            etp=size("expert_tensor_parallel_size") or tp,
+        )
     return dataclasses.replace(base, expert_layout=expert_layout)
 
 
@@ -323,22 +374,30 @@ class TorchDistCheckpoint(ModelView):
         common = _read_common(self.path)
         args = common.get("args")
         if args is None:
-            raise CheckpointError(f"{self.path / COMMON_FILE}: no 'args' entry; mcore-proxy needs the args "
-                                  "Megatron saves (was the checkpoint written with --no-save-args?)")
+            raise CheckpointError(
+                f"{self.path / COMMON_FILE}: no 'args' entry; mcore-proxy needs the args "
+                "Megatron saves (was the checkpoint written with --no-save-args?)"
+            )
         if isinstance(iteration, str) and iteration != "release" and isinstance(common.get("iteration"), int):
             iteration = common["iteration"]  # a folder not named iter_*: trust common.pt
         content = common.get("content_metadata") or {}
         if not isinstance(content, dict):
-            raise CheckpointError(f"{self.path / COMMON_FILE}: content_metadata is a {type(content).__name__}, "
-                                  "not Megatron's dict of flags; the file is damaged, copy it again")
+            raise CheckpointError(
+                f"{self.path / COMMON_FILE}: content_metadata is a {type(content).__name__}, "
+                "not Megatron's dict of flags; the file is damaged, copy it again"
+            )
         if content.get("singleton_local_shards"):
-            raise CheckpointError(f"{self.path}: saved with singleton_local_shards (one key per expert and "
-                                  "GLU half), which is not supported yet; re-save without it")
+            raise CheckpointError(
+                f"{self.path}: saved with singleton_local_shards (one key per expert and "
+                "GLU half), which is not supported yet; re-save without it"
+            )
         self._spec = ModelSpec.from_args(args, where=str(self.path / COMMON_FILE))
         if self._spec.noop_layers:
-            raise CheckpointError(f"{self.path}: args say noop_layers {list(self._spec.noop_layers)} (MindSpeed "
-                                  "--noop-layers), which mcore-proxy reads from legacy checkpoints only; the nearest "
-                                  "supported kind is the same model saved with --ckpt-format torch")
+            raise CheckpointError(
+                f"{self.path}: args say noop_layers {list(self._spec.noop_layers)} (MindSpeed "
+                "--noop-layers), which mcore-proxy reads from legacy checkpoints only; the nearest "
+                "supported kind is the same model saved with --ckpt-format torch"
+            )
         self.local_spec = uses_local_spec(args)
         sd_md, storage = read_dcp_metadata(self.path / DCP_METADATA)
         self._layer_spec = infer_layer_spec(args, dict.fromkeys(sd_md), 1, str(self.path / COMMON_FILE))
@@ -352,11 +411,20 @@ class TorchDistCheckpoint(ModelView):
         for name in list(self._tensors) + list(self._objects):
             rule_for(name, self._layer_spec)  # a name no sharding rule knows is an error, never silently kept
         self._names = sorted(list(self._tensors) + list(self._objects), key=canonical_sort_key)
-        super().__init__(ViewInfo(
-            spec=self._spec, format="torch_dist", path=self.path, iteration=iteration, args=args,
-            checkpoint_version=common.get("checkpoint_version"), layout=_layout_of(args, self.path),
-            # writers re-create None extra states for every linear of the target modules
-            linear_extra_state=dropped > 0, layer_spec=self._layer_spec))
+        super().__init__(
+            ViewInfo(
+                spec=self._spec,
+                format="torch_dist",
+                path=self.path,
+                iteration=iteration,
+                args=args,
+                checkpoint_version=common.get("checkpoint_version"),
+                layout=_layout_of(args, self.path),
+                # writers re-create None extra states for every linear of the target modules
+                linear_extra_state=dropped > 0,
+                layer_spec=self._layer_spec,
+            )
+        )
 
     # -- indexing ----------------------------------------------------------------------------
     def _index_storage(self, storage: dict) -> dict:
@@ -373,26 +441,40 @@ class TorchDistCheckpoint(ModelView):
                 start, length = info.offset, info.length
                 transforms = getattr(info, "transform_descriptors", None)
             except (AttributeError, TypeError) as err:
-                raise CheckpointError(f"{md_path}: storage table entry without {err}; the file is damaged, "
-                                      "copy it again") from None
+                raise CheckpointError(
+                    f"{md_path}: storage table entry without {err}; the file is damaged, copy it again"
+                ) from None
             if not isinstance(fqn, str) or not all(isinstance(o, int) for o in offset or ()):
-                raise CheckpointError(f"{md_path}: storage table entry {str(fqn)[:60]} is damaged; copy the "
-                                      "file again")
-            out[(fqn, offset)] = (self._data_file(name), _byte_count(start, md_path, fqn),
-                                  _byte_count(length, md_path, fqn))
+                raise CheckpointError(f"{md_path}: storage table entry {str(fqn)[:60]} is damaged; copy the file again")
+            out[(fqn, offset)] = (
+                self._data_file(name),
+                _byte_count(start, md_path, fqn),
+                _byte_count(length, md_path, fqn),
+            )
             if transforms:
-                raise CheckpointError(f"{md_path}: chunks are stored with transforms "
-                                      f"{transforms} (compression), which is not supported; re-save without")
+                raise CheckpointError(
+                    f"{md_path}: chunks are stored with transforms "
+                    f"{transforms} (compression), which is not supported; re-save without"
+                )
         return out
 
     def _data_file(self, name) -> Path:
         """A data file named by `.metadata`, confined to this iteration folder."""
-        bad = (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-               or "\0" in name or Path(name).is_absolute())
+        bad = (
+            not isinstance(name, str)
+            or not name
+            or name in (".", "..")
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+            or Path(name).is_absolute()
+        )
         if bad:
-            raise CheckpointError(f"{self.path / DCP_METADATA}: names the data file {str(name)[:80]!r}, which "
-                                  "is not a file of this folder; the metadata is damaged or hostile, copy the "
-                                  "checkpoint again from its source")
+            raise CheckpointError(
+                f"{self.path / DCP_METADATA}: names the data file {str(name)[:80]!r}, which "
+                "is not a file of this folder; the metadata is damaged or hostile, copy the "
+                "checkpoint again from its source"
+            )
         return self.path / name
 
     def _index_metadata(self, sd_md: dict) -> None:
@@ -400,8 +482,10 @@ class TorchDistCheckpoint(ModelView):
         try:
             for key, md in sd_md.items():
                 if not isinstance(key, str):
-                    raise CheckpointError(f"{self.path / DCP_METADATA}: key {str(key)[:60]} is not a string; "
-                                          "the file is damaged, copy it again")
+                    raise CheckpointError(
+                        f"{self.path / DCP_METADATA}: key {str(key)[:60]} is not a string; "
+                        "the file is damaged, copy it again"
+                    )
                 if is_ignored_dist_key(key):
                     continue
                 if getattr(md, "_name", "") == "BytesStorageMetadata":
@@ -413,14 +497,18 @@ class TorchDistCheckpoint(ModelView):
         except ProxyError:
             raise
         except (TypeError, AttributeError, ValueError, IndexError, OverflowError, RuntimeError) as err:
-            raise CheckpointError(f"{self.path / DCP_METADATA}: a key record is damaged ({brief_error(err)}); "
-                                  "copy the file again from the source") from None
+            raise CheckpointError(
+                f"{self.path / DCP_METADATA}: a key record is damaged ({brief_error(err)}); "
+                "copy the file again from the source"
+            ) from None
 
     def _chunk(self, key: str, offsets) -> _Chunk:
         where = self._storage.get((key, offsets))
         if where is None:
-            raise CheckpointError(f"{self.path / DCP_METADATA}: no storage entry for {key} at {offsets}; "
-                                  "the file is damaged, copy it again")
+            raise CheckpointError(
+                f"{self.path / DCP_METADATA}: no storage entry for {key} at {offsets}; "
+                "the file is damaged, copy it again"
+            )
         return _Chunk(key, offsets or (), (), *where)
 
     def _index_tensor(self, key: str, md) -> None:
@@ -434,14 +522,22 @@ class TorchDistCheckpoint(ModelView):
         itemsize = torch.empty((), dtype=dtype).element_size()
         for c in md.chunks:
             offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-            if not all(isinstance(x, int) and x >= 0 for x in offsets + sizes) or len(sizes) != len(size) or \
-                    len(offsets) != len(size) or any(o + s > g for o, s, g in zip(offsets, sizes, size)):
-                raise CheckpointError(f"{self.path / DCP_METADATA}: chunk {offsets}+{sizes} of {key} lies "
-                                      f"outside its shape {size}; the file is damaged")
+            if (
+                not all(isinstance(x, int) and x >= 0 for x in offsets + sizes)
+                or len(sizes) != len(size)
+                or len(offsets) != len(size)
+                or any(o + s > g for o, s, g in zip(offsets, sizes, size))
+            ):
+                raise CheckpointError(
+                    f"{self.path / DCP_METADATA}: chunk {offsets}+{sizes} of {key} lies "
+                    f"outside its shape {size}; the file is damaged"
+                )
             where = self._chunk(key, offsets)
             if where.length < math.prod(sizes) * itemsize:  # before anything is allocated for it
-                raise CheckpointError(f"{self.path / DCP_METADATA}: chunk {offsets}+{sizes} of {key} declares "
-                                      f"more elements than its {where.length} stored bytes hold; the file is damaged")
+                raise CheckpointError(
+                    f"{self.path / DCP_METADATA}: chunk {offsets}+{sizes} of {key} declares "
+                    f"more elements than its {where.length} stored bytes hold; the file is damaged"
+                )
             chunk = _Chunk(key, offsets, sizes, where.file, where.start, where.length)
             ranges = [range(o, o + s) for o, s in zip(offsets[:n], sizes[:n])]
             for index in _product(ranges):
@@ -452,25 +548,31 @@ class TorchDistCheckpoint(ModelView):
     def _index_object(self, unique: str) -> None:
         parsed = parse_object_key(unique)
         if parsed is None:
-            raise CheckpointError(f"{self.path / DCP_METADATA}: object key {unique} lacks the "
-                                  "/shard_<offsets>_<shape> suffix megatron writes; the file is damaged")
+            raise CheckpointError(
+                f"{self.path / DCP_METADATA}: object key {unique} lacks the "
+                "/shard_<offsets>_<shape> suffix megatron writes; the file is damaged"
+            )
         key, offsets = parsed
         dist = parse_dist_key(key, self.local_spec)
-        index = offsets[:len(dist.axes)]
+        index = offsets[: len(dist.axes)]
         chunk = self._chunk(unique, None)
         self._objects[dist.canonical(index)] = _ObjectEntry(chunk)
 
     def _check_axes(self, key: str, dist: DistName, size: tuple[int, ...]) -> None:
         expected = {"layer": self._spec.num_layers, "expert": self._spec.num_experts}
         if len(size) <= len(dist.axes):
-            raise CheckpointError(f"{self.path / DCP_METADATA}: key {key} has shape {size}, too few "
-                                  f"dimensions for its {dist.axes} axes; the file is damaged")
+            raise CheckpointError(
+                f"{self.path / DCP_METADATA}: key {key} has shape {size}, too few "
+                f"dimensions for its {dist.axes} axes; the file is damaged"
+            )
         for kind, n in zip(dist.axes, size):
             if n != expected[kind]:
                 what = "num_layers" if kind == "layer" else "num_experts"
-                raise CheckpointError(f"{self.path}: key {key} has {n} entries on its {kind} axis but the "
-                                      f"args in common.pt say {what}={expected[kind]}; common.pt and "
-                                      ".metadata come from different saves, copy the folder again")
+                raise CheckpointError(
+                    f"{self.path}: key {key} has {n} entries on its {kind} axis but the "
+                    f"args in common.pt say {what}={expected[kind]}; common.pt and "
+                    ".metadata come from different saves, copy the folder again"
+                )
 
     def _check_files(self) -> None:
         """Every data file exists and is long enough for the chunks it should hold."""
@@ -482,26 +584,34 @@ class TorchDistCheckpoint(ModelView):
                 raise CheckpointError(f"{file}: data file missing; copy it from the source checkpoint")
             size = file.stat().st_size
             if size < end:
-                raise CheckpointError(f"{file}: holds {size} bytes but .metadata places chunks up to byte "
-                                      f"{end}; the file is truncated, copy it again from the source")
+                raise CheckpointError(
+                    f"{file}: holds {size} bytes but .metadata places chunks up to byte "
+                    f"{end}; the file is truncated, copy it again from the source"
+                )
 
     def _check_complete(self) -> None:
         for name, entry in self._tensors.items():
             n = len(entry.index)
             covered = sum(math.prod(c.sizes[n:]) for c in entry.chunks)
             if covered != math.prod(entry.shape):
-                raise CheckpointError(f"{self.path / DCP_METADATA}: chunks of {name} cover {covered} of "
-                                      f"{math.prod(entry.shape)} elements; the save is incomplete")
+                raise CheckpointError(
+                    f"{self.path / DCP_METADATA}: chunks of {name} cover {covered} of "
+                    f"{math.prod(entry.shape)} elements; the save is incomplete"
+                )
             stored = sum(length for _, _, length in {(c.file, c.start, c.length) for c in entry.chunks})
             if math.prod(entry.shape) * torch.empty((), dtype=entry.dtype).element_size() > stored:
-                raise CheckpointError(f"{self.path / DCP_METADATA}: {name} declares shape {list(entry.shape)}, more "
-                                      f"than the {stored} bytes of its chunks hold; the file is damaged")
+                raise CheckpointError(
+                    f"{self.path / DCP_METADATA}: {name} declares shape {list(entry.shape)}, more "
+                    f"than the {stored} bytes of its chunks hold; the file is damaged"
+                )
         for layer_id in self._spec.moe_layer_ids if self._spec.num_experts else ():
             prefix = f"{layer_module_prefix(layer_id)}.mlp.experts."
-            found = {n[len(prefix):].split(".")[0] for n in self._tensors if n.startswith(prefix)}
+            found = {n[len(prefix) :].split(".")[0] for n in self._tensors if n.startswith(prefix)}
             if len(found) != self._spec.num_experts:
-                raise CheckpointError(f"{self.path}: MoE layer {layer_id} holds {len(found)} experts but args "
-                                      f"say num_experts={self._spec.num_experts}; the checkpoint is incomplete")
+                raise CheckpointError(
+                    f"{self.path}: MoE layer {layer_id} holds {len(found)} experts but args "
+                    f"say num_experts={self._spec.num_experts}; the checkpoint is incomplete"
+                )
 
     def _resolve_none_objects(self) -> int:
         """Drop `_extra_state` objects that hold None (local linears), as the legacy reader does;

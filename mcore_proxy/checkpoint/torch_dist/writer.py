@@ -16,6 +16,7 @@ since torch 2.0, and `filesystem._StorageInfo`, private but unchanged since 2.0,
 `FileSystemWriter.finish` does) and writes `common.pt`; metadata.json and the tracker are the
 markers. `dcp.save` itself is not used: it needs the whole state dict in memory at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,21 @@ from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.mindspeed_llm import naming_args
 from mcore_proxy.checkpoint.names import KeyStyle, linear_extra_state, object_key
 from mcore_proxy.checkpoint.safe_globals import check_writable
-from mcore_proxy.checkpoint.target import (check_fits, checkpoint_version, refuse_dsv4_tp, refuse_noop_layers,
-                                          target_args)
-from mcore_proxy.checkpoint.torch_dist.files import BACKEND, COMMON_FILE, CONFIG, CONFIG_FILE, CONTENT_METADATA, DCP_METADATA
+from mcore_proxy.checkpoint.target import (
+    check_fits,
+    checkpoint_version,
+    refuse_dsv4_tp,
+    refuse_noop_layers,
+    target_args,
+)
+from mcore_proxy.checkpoint.torch_dist.files import (
+    BACKEND,
+    COMMON_FILE,
+    CONFIG,
+    CONFIG_FILE,
+    CONTENT_METADATA,
+    DCP_METADATA,
+)
 from mcore_proxy.checkpoint.torchfile import save_object
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.checkpoint.zipwrite import HashingSink
@@ -45,7 +58,7 @@ def dist_args(view: ModelView, target: ParallelLayout):
     """common.pt `args`: `target_args`, and `no_save_optim`/`no_save_rng`, which tell Megatron's
     loader there is no optimizer or RNG state to look for, so it loads the weights instead of
     failing on their absence."""
-    args = naming_args(target_args(view, target), target)   # megatron names: MindSpeed-LLM's flags off
+    args = naming_args(target_args(view, target), target)  # megatron names: MindSpeed-LLM's flags off
     args.ckpt_format = BACKEND
     args.no_save_optim = True
     args.no_save_rng = True
@@ -62,14 +75,24 @@ def _write_tensor(sink: HashingSink, key: str, index, sizes, tensor: torch.Tenso
         piece = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, box))].reshape(lead + box)
         start = sink.position
         save_object(piece, sink=sink)
-        records.append(("tensor", key, str(tensor.dtype).removeprefix("torch."), size,
-                        tuple(index) + tuple(offsets), lead + box, start, sink.position - start))
+        records.append(
+            (
+                "tensor",
+                key,
+                str(tensor.dtype).removeprefix("torch."),
+                size,
+                tuple(index) + tuple(offsets),
+                lead + box,
+                start,
+                sink.position - start,
+            )
+        )
 
 
 def _write_object(sink: HashingSink, unique: str, value, records) -> None:
     """A ShardedObject as torch.save([value]); record ("object", key, byte start, byte length).
     It may hold Unresolved objects (TE extra state read back): torchfile's pickler keeps them."""
-    if value is not None and not isinstance(value, torch.Tensor):   # a tensor is data (TE's byte tensor)
+    if value is not None and not isinstance(value, torch.Tensor):  # a tensor is data (TE's byte tensor)
         check_writable(value, f"object {unique}")
     start = sink.position
     save_object([value], sink=sink)
@@ -81,8 +104,9 @@ def is_extra_state(name: str) -> bool:
     return name.endswith("._extra_state")
 
 
-def write_group(view: ModelView, names: list[str], it_dir: Path, file: str, style: KeyStyle,
-                target: ParallelLayout, progress=None) -> WrittenFile:
+def write_group(
+    view: ModelView, names: list[str], it_dir: Path, file: str, style: KeyStyle, target: ParallelLayout, progress=None
+) -> WrittenFile:
     """One data file: the tensors of one streaming group, one canonical tensor in memory at a time
     (the next ones read ahead: `view.stream`), hashed while written and synced before returning.
 
@@ -98,8 +122,9 @@ def write_group(view: ModelView, names: list[str], it_dir: Path, file: str, styl
                 _write_object(sink, object_key(key, index, sizes), value, records)
                 continue
             rule = rule_for(name, view.layer_spec)
-            _write_tensor(sink, key, index, sizes, value, rule.chunk_boxes(tuple(value.shape), rule.parts(target)),
-                          records)
+            _write_tensor(
+                sink, key, index, sizes, value, rule.chunk_boxes(tuple(value.shape), rule.parts(target)), records
+            )
             extra = linear_extra_state(name)
             if view.info.linear_extra_state and extra and extra not in present:
                 _write_object(sink, object_key(linear_extra_state(key), index, sizes), None, records)
@@ -114,8 +139,14 @@ def dcp_metadata(results: list[list[WrittenFile]]):
     """torch DCP `Metadata` of everything the units wrote, from their records, as FileSystemWriter
     would pickle it."""
     from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     tensors: dict[str, tuple[str, tuple, list]] = {}
     sd_md, storage = {}, {}
@@ -133,13 +164,16 @@ def dcp_metadata(results: list[list[WrittenFile]]):
             _, key, dtype, size, offsets, sizes, start, length = record
             entry = tensors.setdefault(key, (dtype, tuple(size), []))
             if entry[:2] != (dtype, tuple(size)):
-                raise CheckpointError(f"{key}: chunks of {tuple(size)} {dtype} and {entry[1]} {entry[0]}; every "
-                                      "layer must have the same shapes and dtypes")
+                raise CheckpointError(
+                    f"{key}: chunks of {tuple(size)} {dtype} and {entry[1]} {entry[0]}; every "
+                    "layer must have the same shapes and dtypes"
+                )
             entry[2].append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             storage[MetadataIndex(key, torch.Size(offsets))] = filesystem._StorageInfo(file, start, length)
     for key, (dtype, size, chunks) in tensors.items():
-        sd_md[key] = TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, dtype)),
-                                           size=torch.Size(size), chunks=chunks)
+        sd_md[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(size), chunks=chunks
+        )
     md = Metadata(state_dict_metadata=sd_md, storage_data=storage)
     if hasattr(md, "version") and hasattr(filesystem, "CURRENT_DCP_VERSION"):
         md.version = filesystem.CURRENT_DCP_VERSION
@@ -162,20 +196,25 @@ class DistWriter(Writer):
         for name in view.names():
             key, _, sizes = style.locate(name)
             shape = view.shape(name)
-            if shape is None or is_extra_state(name):   # objects: nothing to stack
+            if shape is None or is_extra_state(name):  # objects: nothing to stack
                 continue
             got = (tuple(sizes) + tuple(shape), view.dtype(name))
             if seen.setdefault(key, got) != got:
-                raise CheckpointError(f"{name}: {tuple(shape)} {got[1]} does not stack with the other layers' "
-                                      f"{key} ({seen[key][0][len(sizes):]} {seen[key][1]}); every layer must "
-                                      "have the same shapes and dtypes")
+                raise CheckpointError(
+                    f"{name}: {tuple(shape)} {got[1]} does not stack with the other layers' "
+                    f"{key} ({seen[key][0][len(sizes) :]} {seen[key][1]}); every layer must "
+                    "have the same shapes and dtypes"
+                )
 
     def units(self, view: ModelView, target: ParallelLayout) -> list[Unit]:
-        return [Unit((n, group), sum(tensor_nbytes(view, name) for name in names))
-                for n, (group, names) in enumerate(view.groups().items())]
+        return [
+            Unit((n, group), sum(tensor_nbytes(view, name) for name in names))
+            for n, (group, names) in enumerate(view.groups().items())
+        ]
 
-    def write_unit(self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit,
-                   progress=None) -> list[WrittenFile]:
+    def write_unit(
+        self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit, progress=None
+    ) -> list[WrittenFile]:
         n, group = unit.key
         it_dir = Path(root) / folder_name(view.iteration)
         it_dir.mkdir(exist_ok=True)
@@ -189,11 +228,18 @@ class DistWriter(Writer):
         with HashingSink(it_dir / DCP_METADATA) as sink:
             sink.write(pickle.dumps(dcp_metadata(results)))
             metadata = sink.close()
-        common = {"args": dist_args(view, target), "checkpoint_version": checkpoint_version(view),
-                  "iteration": header_iteration(view.iteration), "content_metadata": dict(CONTENT_METADATA)}
+        common = {
+            "args": dist_args(view, target),
+            "checkpoint_version": checkpoint_version(view),
+            "iteration": header_iteration(view.iteration),
+            "content_metadata": dict(CONTENT_METADATA),
+        }
         written = save_object(common, it_dir / COMMON_FILE)
-        files = (WrittenFile(f"{sub}/{DCP_METADATA}", *metadata),
-                 WrittenFile(f"{sub}/{COMMON_FILE}", written.size, written.sha256))
+        files = (
+            WrittenFile(f"{sub}/{DCP_METADATA}", *metadata),
+            WrittenFile(f"{sub}/{COMMON_FILE}", written.size, written.sha256),
+        )
         # metadata.json marks the iteration complete for megatron-core, the tracker the checkpoint
-        return Finished(files, {f"{sub}/{CONFIG_FILE}": json.dumps(CONFIG).encode(),
-                                TRACKER: tracker_bytes(view.iteration)})
+        return Finished(
+            files, {f"{sub}/{CONFIG_FILE}": json.dumps(CONFIG).encode(), TRACKER: tracker_bytes(view.iteration)}
+        )

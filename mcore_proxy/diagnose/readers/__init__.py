@@ -20,6 +20,7 @@ Wrong or unreadable input raises `LogError`: one sentence naming the file and th
 no state between calls, so re-reading a growing log gives its new points; the last line (record)
 of a file still being written is skipped until it is complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,7 @@ def _trl_json(path: Path) -> bool:
         return True
     if path.name == STATE:
         return True
-    try:   # a small file whose log_history comes late
+    try:  # a small file whose log_history comes late
         return path.stat().st_size < 65536 and isinstance(json.loads(head), dict) and "log_history" in json.loads(head)
     except (ValueError, OSError):
         return False
@@ -108,9 +109,17 @@ def detect_format(path: Path) -> str:
     return "console"
 
 
-READERS = {"mlflow": read_mlflow, "wandb": read_wandb, "swanlab": read_swanlab, "trl-state": read_trainer_state,
-           "tensorboard": read_tensorboard, "jsonl": read_jsonl, "csv": read_csv,
-           "mlflow-sqlite": read_mlflow_sqlite, "console": read_console}
+READERS = {
+    "mlflow": read_mlflow,
+    "wandb": read_wandb,
+    "swanlab": read_swanlab,
+    "trl-state": read_trainer_state,
+    "tensorboard": read_tensorboard,
+    "jsonl": read_jsonl,
+    "csv": read_csv,
+    "mlflow-sqlite": read_mlflow_sqlite,
+    "console": read_console,
+}
 
 
 def read_log(path) -> RunLog:
@@ -124,5 +133,7 @@ def read_log(path) -> RunLog:
             raise LogError(f"{path}: a binary file of no known log format; {FORMATS_HINT}")
         return READERS[fmt](path)
     except (OSError, UnicodeError) as err:
-        raise LogError(f"{path}: cannot be read ({err.strerror if isinstance(err, OSError) else err}); "
-                       "check the path and its permissions") from None
+        raise LogError(
+            f"{path}: cannot be read ({err.strerror if isinstance(err, OSError) else err}); "
+            "check the path and its permissions"
+        ) from None

@@ -1,4 +1,5 @@
 """What the readers share: numbers from log text, complete lines of a growing file, the RunLog."""
+
 from __future__ import annotations
 
 import logging
@@ -12,11 +13,13 @@ from mcore_proxy.errors import LogError
 log = logging.getLogger("mcore_proxy.diagnose.readers")
 
 STEP_KEYS = ("step", "global_step", "iteration", "iter", "_step")
-FORMATS_HINT = ("pass a TensorBoard folder, a JSONL/CSV file, a console log of Megatron, MindSpeed-RL, "
-                "verl or TRL, a TRL trainer_state.json, an MLflow run folder, or a W&B/SwanLab offline run")
+FORMATS_HINT = (
+    "pass a TensorBoard folder, a JSONL/CSV file, a console log of Megatron, MindSpeed-RL, "
+    "verl or TRL, a TRL trainer_state.json, an MLflow run folder, or a W&B/SwanLab offline run"
+)
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
-Points = dict   # raw metric name -> [(step, value), ...]
+Points = dict  # raw metric name -> [(step, value), ...]
 
 
 def new_points() -> dict:
@@ -50,7 +53,7 @@ def complete_lines(path: Path) -> list[str]:
     still being written may end in half a line, whose last number would be cut short."""
     text = path.read_text(errors="replace")
     lines = text.split("\n")
-    tail = lines.pop()          # "" when the file ends with a newline
+    tail = lines.pop()  # "" when the file ends with a newline
     if tail.strip():
         log.info("%s: the last line has no newline yet (still being written?); skipped", path)
     return lines

@@ -25,6 +25,7 @@ most records (ties: Megatron/MindSpeed-RL, then verl, then TRL).
 
 The last line of a file still being written (no newline yet) is skipped.
 """
+
 from __future__ import annotations
 
 import ast
@@ -77,8 +78,10 @@ VERL_START = re.compile(r"(?<![\w/.\-])step:(\d+)(?=\s+-\s|\s*$)")
 VERL_SEP = re.compile(r"\s+-\s+")
 RAY_PREFIX = re.compile(r"^\s*\([\w.\-]+(?: [\w.\-]+)? pid=\d+(?:, ip=[\w.:\-]+)?\)\s?")
 RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]")
-NUMPY_SCALAR = re.compile(r"(?:np|numpy)\.(?:float|int|uint|longdouble|double|single|half|longlong)\w*"
-                          r"\(\s*([^()]*?)\s*\)")
+NUMPY_SCALAR = re.compile(
+    r"(?:np|numpy)\.(?:float|int|uint|longdouble|double|single|half|longlong)\w*"
+    r"\(\s*([^()]*?)\s*\)"
+)
 CONTINUATION = re.compile(r"(?:-\s+)?[^\s]+(?:\s+-\s+[^\s]+)*(?:\s+-)?")
 
 
@@ -111,14 +114,14 @@ def verl_pair(piece: str) -> tuple[str, float] | None:
 def _join(record: str, cont: str) -> str:
     """A verl record and the next piece of it on the following line."""
     head, cont = record.rstrip(), cont.strip()
-    if cont.startswith("- "):                      # cut just before a separator
+    if cont.startswith("- "):  # cut just before a separator
         return head + " " + cont
-    if head.endswith(" -"):                        # cut just after one
+    if head.endswith(" -"):  # cut just after one
         return head + " " + cont
     pieces, first = VERL_SEP.split(head), VERL_SEP.split(cont)[0]
     if verl_pair(pieces[-1]) is not None and verl_pair(first) is not None:
-        return head + " - " + cont                 # cut at a separator whose spaces were dropped
-    return head + cont                             # cut inside a key or a number
+        return head + " - " + cont  # cut at a separator whose spaces were dropped
+    return head + cont  # cut inside a key or a number
 
 
 def _continues(record: str, line: str) -> str | None:
@@ -126,7 +129,7 @@ def _continues(record: str, line: str) -> str | None:
     text = RAY_REPEATED.sub("", RAY_PREFIX.sub("", line)).strip()
     if not text or VERL_START.search(text) or CONTINUATION.fullmatch(text) is None:
         return None
-    if ":" not in text and " - " not in text:      # a lone fragment: only the rest of a cut value
+    if ":" not in text and " - " not in text:  # a lone fragment: only the rest of a cut value
         if verl_pair(VERL_SEP.split(_join(record, text))[-1]) is None:
             return None
     return text
@@ -160,7 +163,7 @@ def parse_verl(lines: list[str]) -> tuple[dict, int]:
             match = VERL_START.search(piece)
             if match is not None:
                 flush()
-                record, step = piece[match.end():], int(match.group(1))
+                record, step = piece[match.end() :], int(match.group(1))
         # a record ends at the end of its line unless the next line continues it
     flush()
     return points, records
@@ -220,6 +223,10 @@ def read_console(path: Path) -> RunLog:
         points, records = parse(lines)
         if records > best[2]:
             best = (kind, points, records)
-    return finish(path, best[0], best[1],
-                  "no metric line of Megatron or MindSpeed-RL ('iteration i / N | key: value |'), "
-                  "verl ('step:N - key:value - ...') or TRL ({'loss': ..., 'reward': ...})")
+    return finish(
+        path,
+        best[0],
+        best[1],
+        "no metric line of Megatron or MindSpeed-RL ('iteration i / N | key: value |'), "
+        "verl ('step:N - key:value - ...') or TRL ({'loss': ..., 'reward': ...})",
+    )

@@ -15,6 +15,7 @@ MLflow >= 3.7 defaults to a SQLite database (`mlflow.db`) and keeps the file sto
 `MLFLOW_ALLOW_FILE_STORE=true`; verl's mlflow backend defaults to `sqlite:////tmp/mlruns.db`. Such a
 database is read too (`read_mlflow_sqlite`: its `runs` and `metrics` tables, with Python's sqlite3).
 """
+
 from __future__ import annotations
 
 import sqlite3
@@ -71,10 +72,12 @@ def _live(run: Path) -> bool:
 def runs(folder: Path) -> list[Path]:
     if is_run(folder):
         return [folder]
-    experiments = [folder] if is_experiment(folder) else sorted(
-        p for p in folder.iterdir() if p.is_dir() and p.name != ".trash" and is_experiment(p))
-    return [r for e in experiments if _live(e) for r in sorted(e.iterdir())
-            if r.is_dir() and is_run(r) and _live(r)]
+    experiments = (
+        [folder]
+        if is_experiment(folder)
+        else sorted(p for p in folder.iterdir() if p.is_dir() and p.name != ".trash" and is_experiment(p))
+    )
+    return [r for e in experiments if _live(e) for r in sorted(e.iterdir()) if r.is_dir() and is_run(r) and _live(r)]
 
 
 def _name(run: Path) -> str:
@@ -92,15 +95,18 @@ def _tag(run: Path, tag: str) -> str:
 
 def _refuse_many(path: Path, names: list[str], example: str) -> LogError:
     listed = ", ".join(names[:LISTED]) + (f" and {len(names) - LISTED} more" if len(names) > LISTED else "")
-    return LogError(f"{path}: an MLflow store with {len(names)} runs ({listed}); pass the folder of one "
-                    f"run, e.g. {example}")
+    return LogError(
+        f"{path}: an MLflow store with {len(names)} runs ({listed}); pass the folder of one run, e.g. {example}"
+    )
 
 
 def read_mlflow(path: Path) -> RunLog:
     found = runs(path)
     if not found:
-        raise LogError(f"{path}: an MLflow store with no live run; pass the folder of a run that "
-                       "logged metrics (mlruns/<experiment id>/<run id>)")
+        raise LogError(
+            f"{path}: an MLflow store with no live run; pass the folder of a run that "
+            "logged metrics (mlruns/<experiment id>/<run id>)"
+        )
     if len(found) > 1:
         raise _refuse_many(path, [_name(r) for r in found], str(found[-1]))
     run = found[0]
@@ -137,10 +143,13 @@ def read_mlflow_sqlite(path: Path, run_id: str | None = None) -> RunLog:
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not {"runs", "metrics"} <= tables:
-            raise LogError(f"{path}: a SQLite database without MLflow's runs and metrics tables; pass an "
-                           "MLflow tracking database (mlflow.db) or a file-store run folder")
-        live = con.execute("SELECT run_uuid, name FROM runs WHERE lifecycle_stage != 'deleted' "
-                           "ORDER BY start_time").fetchall()
+            raise LogError(
+                f"{path}: a SQLite database without MLflow's runs and metrics tables; pass an "
+                "MLflow tracking database (mlflow.db) or a file-store run folder"
+            )
+        live = con.execute(
+            "SELECT run_uuid, name FROM runs WHERE lifecycle_stage != 'deleted' ORDER BY start_time"
+        ).fetchall()
         if run_id is not None:
             live = [r for r in live if r[0] == run_id]
         if not live:
@@ -148,18 +157,22 @@ def read_mlflow_sqlite(path: Path, run_id: str | None = None) -> RunLog:
         if len(live) > 1:
             listed = ", ".join(f"{r[0]} ({r[1]})" if r[1] else r[0] for r in live[:LISTED])
             more = f" and {len(live) - LISTED} more" if len(live) > LISTED else ""
-            raise LogError(f"{path}: an MLflow database with {len(live)} runs ({listed}{more}); export the "
-                           "run to compare (mlflow's client: get_metric_history) to CSV, or log each run "
-                           "to its own database or file store")
+            raise LogError(
+                f"{path}: an MLflow database with {len(live)} runs ({listed}{more}); export the "
+                "run to compare (mlflow's client: get_metric_history) to CSV, or log each run "
+                "to its own database or file store"
+            )
         points = new_points()
-        rows = con.execute("SELECT key, value, step, is_nan FROM metrics WHERE run_uuid = ? "
-                           "ORDER BY timestamp", (live[0][0],))
+        rows = con.execute(
+            "SELECT key, value, step, is_nan FROM metrics WHERE run_uuid = ? ORDER BY timestamp", (live[0][0],)
+        )
         for key, value, step, is_nan in rows:
             if not is_nan and value is not None:
                 points[key].append((int(step or 0), float(value)))
     except sqlite3.Error as err:
-        raise LogError(f"{path}: cannot read the MLflow database ({err}); if the run is writing it, "
-                       "read it again in a moment") from None
+        raise LogError(
+            f"{path}: cannot read the MLflow database ({err}); if the run is writing it, read it again in a moment"
+        ) from None
     finally:
         con.close()
     return finish(path, "mlflow", points, f"run {live[0][0]} has no metric")

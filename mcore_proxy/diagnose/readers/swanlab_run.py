@@ -10,6 +10,7 @@ the end of a run still writing ends the read.
 
 Accepted paths: the `.swanlab` file, its run folder, or a `swanlog/` folder holding exactly one run.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,10 @@ from mcore_proxy.diagnose.readers.common import finish, new_points
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
 
-EXPORT = ("or sync it (swanlab sync) and export its metrics as CSV, or log the run to TensorBoard too "
-          "(swanlab.sync_tensorboard_torch / a SummaryWriter)")
+EXPORT = (
+    "or sync it (swanlab sync) and export its metrics as CSV, or log the run to TensorBoard too "
+    "(swanlab.sync_tensorboard_torch / a SummaryWriter)"
+)
 
 
 def run_file(folder: Path) -> Path | None:
@@ -29,8 +32,7 @@ def run_file(folder: Path) -> Path | None:
 
 
 def run_folders(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("run-")
-                  and run_file(p) is not None)
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("run-") and run_file(p) is not None)
 
 
 def is_swanlab(folder: Path) -> bool:
@@ -43,10 +45,12 @@ def _swanlab_api(file: Path):
         from swanlab.sdk.internal.core_python.store import DataStoreReader
     except ModuleNotFoundError as err:
         if err.name == "swanlab":
-            raise MissingDependency(f"{missing_message(['swanlab'], f'{file}: reading a SwanLab run')} ({EXPORT})",
-                                    ("swanlab",)) from None
-        raise LogError(f"{file}: this swanlab version has no record reader where it was (swanlab 0.10 "
-                       f"had one; {err}); {EXPORT}") from None
+            raise MissingDependency(
+                f"{missing_message(['swanlab'], f'{file}: reading a SwanLab run')} ({EXPORT})", ("swanlab",)
+            ) from None
+        raise LogError(
+            f"{file}: this swanlab version has no record reader where it was (swanlab 0.10 had one; {err}); {EXPORT}"
+        ) from None
     except ImportError as err:
         raise LogError(f"{file}: swanlab cannot be imported ({err}); {EXPORT}") from None
     return Record, DataStoreReader
@@ -58,7 +62,9 @@ def read_swanlab(path: Path) -> RunLog:
         if file is None:
             found = run_folders(path)
             if len(found) > 1:
-                listed = ", ".join(p.name for p in found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+                listed = ", ".join(p.name for p in found[:8]) + (
+                    f" and {len(found) - 8} more" if len(found) > 8 else ""
+                )
                 raise LogError(f"{path}: a SwanLab folder with {len(found)} runs ({listed}); pass one run's folder")
             file = run_file(found[0])
     else:

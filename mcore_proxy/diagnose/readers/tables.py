@@ -7,6 +7,7 @@
 - CSV (`*.csv`): a header with a step column (the same names); a last row without its newline is
   skipped for the same reason.
 """
+
 from __future__ import annotations
 
 import csv
@@ -36,11 +37,13 @@ def read_jsonl(path: Path) -> RunLog:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            if index == len(lines):     # the last line of a log still being written
+            if index == len(lines):  # the last line of a log still being written
                 log.warning("%s: line %d is incomplete; skipped", path, index)
                 continue
-            raise LogError(f"{path}: line {index} is not JSON ({err.msg}); each line must be one "
-                           'object such as {"step": 3, "data": {"actor/kl_loss": 0.01}}') from None
+            raise LogError(
+                f"{path}: line {index} is not JSON ({err.msg}); each line must be one "
+                'object such as {"step": 3, "data": {"actor/kl_loss": 0.01}}'
+            ) from None
         if not isinstance(record, dict):
             continue
         step = next((record[k] for k in STEP_KEYS if k in record), None)
@@ -48,8 +51,10 @@ def read_jsonl(path: Path) -> RunLog:
         if not isinstance(step, (int, float)) or isinstance(step, bool):
             step = next((data[k] for k in STEP_KEYS if isinstance(data.get(k), (int, float))), None)
         if step is None:
-            raise LogError(f"{path}: line {index} has no step ({', '.join(STEP_KEYS)}); write "
-                           '{"step": N, "data": {...}} or {"step": N, "metric": value}')
+            raise LogError(
+                f"{path}: line {index} has no step ({', '.join(STEP_KEYS)}); write "
+                '{"step": N, "data": {...}} or {"step": N, "metric": value}'
+            )
         for key, value in data.items():
             value = number(value)
             if key not in STEP_KEYS and value is not None:
@@ -65,8 +70,7 @@ def read_csv(path: Path) -> RunLog:
     lowered = [h.lower() for h in header]
     step_col = next((lowered.index(k) for k in STEP_KEYS if k in lowered), None)
     if step_col is None:
-        raise LogError(f"{path}: no step column in the header {header[:6]}; name one of "
-                       f"{', '.join(STEP_KEYS)}")
+        raise LogError(f"{path}: no step column in the header {header[:6]}; name one of {', '.join(STEP_KEYS)}")
     points = new_points()
     for row in rows[1:]:
         if len(row) <= step_col:
@@ -74,7 +78,7 @@ def read_csv(path: Path) -> RunLog:
         step = number(row[step_col])
         if step is None or not math.isfinite(step):
             continue
-        for col, cell in enumerate(row[:len(header)]):
+        for col, cell in enumerate(row[: len(header)]):
             value = number(cell) if col != step_col else None
             if value is not None:
                 points[header[col]].append((int(step), value))

@@ -2,6 +2,7 @@
 restarted run's later file wins on a step logged twice), read with the `tensorboard` package's
 event-file loader (scalars written as `simple_value` or as scalar tensors). The tensorboard package
 comes with the `diagnose` extra."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,9 @@ def event_files(path: Path) -> list[Path]:
 def read_tensorboard(path: Path) -> RunLog:
     files = event_files(path)
     if not files:
-        raise LogError(f"{path}: folder holds no TensorBoard event file ({TB_PATTERN}) nor another known "
-                       f"log; {FORMATS_HINT}")
+        raise LogError(
+            f"{path}: folder holds no TensorBoard event file ({TB_PATTERN}) nor another known log; {FORMATS_HINT}"
+        )
     logging.getLogger("tensorboard").setLevel(logging.ERROR)
     why = f"{path}: reading TensorBoard logs"
     EventFileLoader = require("tensorboard.backend.event_processing.event_file_loader", why=why).EventFileLoader
@@ -37,6 +39,8 @@ def read_tensorboard(path: Path) -> RunLog:
                     if array is not None and array.size == 1 and array.dtype.kind in "fiub":
                         points[value.tag].append((event.step, float(array.reshape(-1)[0])))
         except Exception as err:  # the loader raises protobuf/IO errors of many kinds on bad files
-            raise LogError(f"{file}: not a readable TensorBoard event file ({type(err).__name__}: "
-                           f"{err}); pass the folder a SummaryWriter wrote") from None
+            raise LogError(
+                f"{file}: not a readable TensorBoard event file ({type(err).__name__}: "
+                f"{err}); pass the folder a SummaryWriter wrote"
+            ) from None
     return finish(path, "tensorboard", points, f"{len(files)} event file(s) without scalars")

@@ -9,6 +9,7 @@ Accepted paths: the file itself, a `checkpoint-N` folder holding it, or an outpu
 newest wins: the highest `global_step`, the top-level file on a tie (each checkpoint's state holds
 the whole history up to it, so the newest is a superset).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,11 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
 def checkpoints(folder: Path) -> list[Path]:
     """checkpoint-N folders holding a trainer state, by N."""
-    found = [(int(m.group(1)), p) for p in folder.glob("checkpoint-*")
-             if (m := CHECKPOINT.match(p.name)) and (p / STATE).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.glob("checkpoint-*")
+        if (m := CHECKPOINT.match(p.name)) and (p / STATE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -39,11 +43,15 @@ def load_state(path: Path) -> dict:
     try:
         state = json.loads(path.read_text(errors="replace"))
     except json.JSONDecodeError as err:
-        raise LogError(f"{path}: not complete JSON ({err.msg} at line {err.lineno}); if the trainer is "
-                       "saving a checkpoint right now, read it again in a moment") from None
+        raise LogError(
+            f"{path}: not complete JSON ({err.msg} at line {err.lineno}); if the trainer is "
+            "saving a checkpoint right now, read it again in a moment"
+        ) from None
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
-        raise LogError(f"{path}: no 'log_history' list; pass the trainer_state.json a transformers/TRL "
-                       "Trainer wrote (in its output folder or a checkpoint-N folder)")
+        raise LogError(
+            f"{path}: no 'log_history' list; pass the trainer_state.json a transformers/TRL "
+            "Trainer wrote (in its output folder or a checkpoint-N folder)"
+        )
     return state
 
 
@@ -59,6 +67,7 @@ def newest_state(folder: Path) -> Path:
             return int(json.loads(p.read_text(errors="replace")).get("global_step", -1))
         except (ValueError, TypeError, AttributeError):
             return -1
+
     top, last = candidates
     return top if global_step(top) >= global_step(last) else last
 

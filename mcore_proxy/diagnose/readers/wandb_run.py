@@ -11,6 +11,7 @@ shows them.
 Accepted paths: the `.wandb` file, its run folder, or a `wandb/` folder holding exactly one run
 (with several, the reader refuses and lists them; `wandb/latest-run` names the newest).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,11 @@ def run_file(folder: Path) -> Path | None:
 
 
 def run_folders(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
-                  and p.name.startswith(("offline-run-", "run-")) and run_file(p) is not None)
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and not p.is_symlink() and p.name.startswith(("offline-run-", "run-")) and run_file(p) is not None
+    )
 
 
 def is_wandb(folder: Path) -> bool:
@@ -55,23 +59,32 @@ def read_wandb(path: Path) -> RunLog:
         if file is None:
             found = run_folders(path)
             if len(found) > 1:
-                listed = ", ".join(p.name for p in found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
-                raise LogError(f"{path}: a W&B folder with {len(found)} runs ({listed}); pass one run's "
-                               f"folder, e.g. {path / 'latest-run'}")
+                listed = ", ".join(p.name for p in found[:8]) + (
+                    f" and {len(found) - 8} more" if len(found) > 8 else ""
+                )
+                raise LogError(
+                    f"{path}: a W&B folder with {len(found)} runs ({listed}); pass one run's "
+                    f"folder, e.g. {path / 'latest-run'}"
+                )
             file = run_file(found[0])
     else:
         file = path
     if not available("wandb"):
         raise MissingDependency(f"{missing_message(['wandb'], f'{file}: reading a W&B run')} ({EXPORT})", ("wandb",))
     try:
-        done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(file)],
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        done = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(file)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise LogError(f"{file}: wandb could not read it ({err}); {EXPORT}") from None
     if done.returncode != 0 and not done.stdout.strip():
         why = " ".join((done.stderr.strip().splitlines() or ["no message"])[-1].split())
-        raise LogError(f"{file}: `wandb leet inspect` failed ({why}); it needs wandb >= 0.31 (pip install "
-                       f"-U wandb), {EXPORT}")
+        raise LogError(
+            f"{file}: `wandb leet inspect` failed ({why}); it needs wandb >= 0.31 (pip install -U wandb), {EXPORT}"
+        )
     points = new_points()
     for line in done.stdout.splitlines():
         try:

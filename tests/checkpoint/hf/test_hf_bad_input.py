@@ -1,5 +1,6 @@
 """Bad Hugging Face input: one sentence naming the file and the fix, exit code 2, nothing
 written. Each case is a real copy of the transformers-built Qwen3-MoE with one thing wrong."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ def edit_config(**changes):
         config = json.loads((folder / "config.json").read_text())
         config.update(changes)
         (folder / "config.json").write_text(json.dumps(config))
+
     return edit
 
 
@@ -33,11 +35,15 @@ def drop_shard(folder):
 
 CASES = {
     # an architecture that is no MoE family mcore-proxy knows: the sentence lists the ones it knows
-    "architecture": (edit_config(architectures=["LlamaForCausalLM"]),
-                     ["LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV4ForCausalLM",
-                      "GptOssForCausalLM"]),
+    "architecture": (
+        edit_config(architectures=["LlamaForCausalLM"]),
+        ["LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV4ForCausalLM", "GptOssForCausalLM"],
+    ),
     # another family's architecture: its descriptor accounts for none of Qwen3-MoE's expert names
-    "family": (edit_config(architectures=["MixtralForCausalLM"]), ["model.layers.0.mlp.down_proj.weight", "not a part of Mixtral"]),
+    "family": (
+        edit_config(architectures=["MixtralForCausalLM"]),
+        ["model.layers.0.mlp.down_proj.weight", "not a part of Mixtral"],
+    ),
     "missing shard": (drop_shard, ["model-00002-of-", "is missing"]),
     # config.json disagrees with the tensors: more experts, more layers, another hidden size
     "expert count": (edit_config(num_experts=32, num_local_experts=32), ["config.json", "32"]),
@@ -53,7 +59,7 @@ def test_bad_hf_input_is_one_sentence_and_exit_2(hf_model, tmp_path, capsys, cas
     edit, words = CASES[case]
     folder = broken(hf_model, tmp_path, edit)
     before = sorted((p.name, p.stat().st_size) for p in folder.iterdir())
-    capsys.readouterr()     # building the fixture (first use) prints transformers' progress
+    capsys.readouterr()  # building the fixture (first use) prints transformers' progress
     out = tmp_path / "out"
     for argv in (["inspect", str(folder)], ["convert", str(folder), "-o", str(out), "--format", "legacy"]):
         assert main(argv) == 2, argv
@@ -62,11 +68,12 @@ def test_bad_hf_input_is_one_sentence_and_exit_2(hf_model, tmp_path, capsys, cas
         for word in words:
             assert word in err, (word, err)
     assert not out.exists()
-    assert sorted((p.name, p.stat().st_size) for p in folder.iterdir()) == before    # the input untouched
+    assert sorted((p.name, p.stat().st_size) for p in folder.iterdir()) == before  # the input untouched
 
 
 def edit_tensor(key, change):
     """Rewrite the shard holding `key` with `change(tensor)` in its place (a valid safetensors file)."""
+
     def edit(folder):
         from safetensors.torch import load_file, save_file
 
@@ -75,6 +82,7 @@ def edit_tensor(key, change):
         tensors = load_file(str(shard))
         tensors[key] = change(tensors[key]).contiguous()
         save_file(tensors, str(shard), metadata={"format": "pt"})
+
     return edit
 
 
@@ -82,16 +90,28 @@ def edit_tensor(key, change):
 # transformers cannot load, or loads with other routing
 TENSOR_CASES = {
     # DeepSeek-V4's tid2eid is [vocab_size, top-k]: one row short
-    "hash table rows": ("deepseek_v4", edit_tensor("model.layers.0.ffn.gate.tid2eid", lambda t: t[:-1]),
-                        ["config.json", "vocab_size=128, top-k 2", "tid2eid", "[127, 2]"]),
+    "hash table rows": (
+        "deepseek_v4",
+        edit_tensor("model.layers.0.ffn.gate.tid2eid", lambda t: t[:-1]),
+        ["config.json", "vocab_size=128, top-k 2", "tid2eid", "[127, 2]"],
+    ),
     # expert ids as floats
-    "hash table dtype": ("deepseek_v4", edit_tensor("model.layers.0.ffn.gate.tid2eid", lambda t: t.float()),
-                         ["tid2eid", "torch.float32", "not integer expert ids"]),
+    "hash table dtype": (
+        "deepseek_v4",
+        edit_tensor("model.layers.0.ffn.gate.tid2eid", lambda t: t.float()),
+        ["tid2eid", "torch.float32", "not integer expert ids"],
+    ),
     # one expert of a layer unlike the others
-    "expert shape": ("qwen2_moe", edit_tensor("model.layers.1.mlp.experts.3.down_proj.weight", lambda t: t[:-1]),
-                     ["experts.3.down_proj.weight is [31, 16]", "other experts of layer 1 are [32, 16]"]),
-    "expert dtype": ("qwen2_moe", edit_tensor("model.layers.2.mlp.experts.5.up_proj.weight", lambda t: t.half()),
-                     ["experts.5.up_proj.weight is [16, 32] torch.float16", "are [16, 32] torch.float32"]),
+    "expert shape": (
+        "qwen2_moe",
+        edit_tensor("model.layers.1.mlp.experts.3.down_proj.weight", lambda t: t[:-1]),
+        ["experts.3.down_proj.weight is [31, 16]", "other experts of layer 1 are [32, 16]"],
+    ),
+    "expert dtype": (
+        "qwen2_moe",
+        edit_tensor("model.layers.2.mlp.experts.5.up_proj.weight", lambda t: t.half()),
+        ["experts.5.up_proj.weight is [16, 32] torch.float16", "are [16, 32] torch.float32"],
+    ),
 }
 
 
@@ -120,8 +140,15 @@ def synthetic_plan(folder, path):
 
     view = open_checkpoint(folder)
     spec = view.spec
-    stats, _ = planted_stats(spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=4,
-                             hidden=spec.hidden_size, tokens=300, seed=1)
+    stats, _ = planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=4,
+        hidden=spec.hidden_size,
+        tokens=300,
+        seed=1,
+    )
     select_experts(view, stats, spec.num_experts // 2).save(path)
     return path
 
@@ -136,12 +163,18 @@ def test_a_plan_for_another_top_k_is_refused_naming_the_plan(hf_model, tmp_path,
     edit_config(num_experts_per_tok=3)(folder)
     capsys.readouterr()
     out = tmp_path / "out"
-    for argv in (["convert", str(folder), "--plan", str(plan), "-o", str(out)],
-                 ["verify", "--orig", str(folder), "--proxy", str(folder), "--plan", str(plan)]):
+    for argv in (
+        ["convert", str(folder), "--plan", str(plan), "-o", str(out)],
+        ["verify", "--orig", str(folder), "--proxy", str(folder), "--plan", str(plan)],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and f"{plan}: the plan is for a router choosing the top 2 experts but the " \
-            f"checkpoint's chooses the top 3; select again for this checkpoint (checkpoint {folder})" in err, err
+        assert (
+            len(err.splitlines()) == 1
+            and f"{plan}: the plan is for a router choosing the top 2 experts but the "
+            f"checkpoint's chooses the top 3; select again for this checkpoint (checkpoint {folder})"
+            in err
+        ), err
     assert not out.exists()
 
 
@@ -162,8 +195,10 @@ def test_hash_table_ids_beyond_the_experts_name_the_checkpoint(hf_model, tmp_pat
     out = tmp_path / "out"
     assert main(["convert", str(folder), "--plan", str(plan), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert f"{folder}: decoder.layers.0.mlp.router.hash_table: holds expert ids 0..8, but the layer has 8 experts" \
-        in err.splitlines()[-1], err
+    assert (
+        f"{folder}: decoder.layers.0.mlp.router.hash_table: holds expert ids 0..8, but the layer has 8 experts"
+        in err.splitlines()[-1]
+    ), err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
@@ -182,8 +217,10 @@ def test_a_malformed_fp8_block_size_is_refused_before_dequantizing(hf_model, tmp
     out = tmp_path / "out"
     assert main(["convert", str(folder), "--plan", str(plan), "-o", str(out), "--dequantize"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{folder / 'config.json'}: quantization_config.weight_block_size is {block!r}, expected two positive " \
-        "integers" in err, err
+    assert (
+        f"{folder / 'config.json'}: quantization_config.weight_block_size is {block!r}, expected two positive "
+        "integers" in err
+    ), err
     assert not out.exists()
 
 
@@ -201,8 +238,9 @@ def test_block_scales_that_do_not_fit_name_their_shard(hf_model, tmp_path, capsy
     out = tmp_path / "out"
     assert main(["convert", str(folder), "--plan", str(plan), "-o", str(out), "--dequantize"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{folder / index['weight_map'][key]}: model.layers.0.self_attn.q_proj.weight: block scales of shape" \
-        in err, err
+    assert (
+        f"{folder / index['weight_map'][key]}: model.layers.0.self_attn.q_proj.weight: block scales of shape" in err
+    ), err
     assert not out.exists()
 
 
@@ -240,6 +278,7 @@ def test_a_packed_weight_without_its_scale_is_no_quantized_pair(hf_model, tmp_pa
 
 def add_tensors(tensors_of):
     """Add `tensors_of(folder)` ({key: tensor}) to the shard of the first key's neighbour and the index."""
+
     def edit(folder):
         from safetensors.torch import load_file, save_file
 
@@ -251,40 +290,60 @@ def add_tensors(tensors_of):
         save_file(tensors, str(shard), metadata={"format": "pt"})
         index["weight_map"].update({k: shard.name for k in new})
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
     return edit
 
 
 def _stray_mxfp4(folder):
     stem = "model.layers.2.self_attn.q_proj"
-    return {stem + "_blocks": torch.zeros((0, 1, 16), dtype=torch.uint8),
-            stem + "_scales": torch.zeros((0, 1), dtype=torch.uint8)}
+    return {
+        stem + "_blocks": torch.zeros((0, 1, 16), dtype=torch.uint8),
+        stem + "_scales": torch.zeros((0, 1), dtype=torch.uint8),
+    }
 
 
 # name -> (model, its quantized copy (testing/quantized.py), edit, the shard's key, words)
 QUANT_CASES = {
     # fuzz: RuntimeError (cannot reshape a tensor of 0 elements), exit 3
-    "stray mxfp4 pair": ("qwen2_moe", "fp8_copy", add_tensors(_stray_mxfp4), "model.layers.2.self_attn.q_proj.weight",
-                         ["q_proj_blocks: torch.uint8 [0, 1, 16] with", "expected MXFP4 blocks [.., out, in/32, 16]"]),
+    "stray mxfp4 pair": (
+        "qwen2_moe",
+        "fp8_copy",
+        add_tensors(_stray_mxfp4),
+        "model.layers.2.self_attn.q_proj.weight",
+        ["q_proj_blocks: torch.uint8 [0, 1, 16] with", "expected MXFP4 blocks [.., out, in/32, 16]"],
+    ),
     # fused MXFP4 experts whose scales lack a column (a broadcast RuntimeError, exit 3)
-    "mxfp4 scales": ("gpt_oss", "mxfp4_copy", edit_tensor("model.layers.1.mlp.experts.down_proj_scales",
-                                                          lambda s: s[..., :-1]),
-                     "model.layers.1.mlp.experts.down_proj_scales",
-                     ["down_proj_blocks: torch.uint8", "expected MXFP4"]),
+    "mxfp4 scales": (
+        "gpt_oss",
+        "mxfp4_copy",
+        edit_tensor("model.layers.1.mlp.experts.down_proj_scales", lambda s: s[..., :-1]),
+        "model.layers.1.mlp.experts.down_proj_scales",
+        ["down_proj_blocks: torch.uint8", "expected MXFP4"],
+    ),
     # E8M0 scales stored as float16: read as twice the exponents (a RuntimeError mid-write, exit 3)
-    "mxfp4 scales dtype": ("gpt_oss", "mxfp4_copy", edit_tensor("model.layers.0.mlp.experts.gate_up_proj_scales",
-                                                                lambda s: s.to(torch.float16)),
-                           "model.layers.0.mlp.experts.gate_up_proj_blocks",
-                           ["gate_up_proj_scales: E8M0 scales of dtype torch.float16", "expected one byte each"]),
+    "mxfp4 scales dtype": (
+        "gpt_oss",
+        "mxfp4_copy",
+        edit_tensor("model.layers.0.mlp.experts.gate_up_proj_scales", lambda s: s.to(torch.float16)),
+        "model.layers.0.mlp.experts.gate_up_proj_blocks",
+        ["gate_up_proj_scales: E8M0 scales of dtype torch.float16", "expected one byte each"],
+    ),
     # MXFP4 blocks read as float32: unpacked to 4 times the columns (a RuntimeError mid-write, exit 3)
-    "mxfp4 blocks dtype": ("gpt_oss", "mxfp4_copy", edit_tensor("model.layers.1.mlp.experts.gate_up_proj_blocks",
-                                                                lambda b: b.float()),
-                           "model.layers.1.mlp.experts.gate_up_proj_blocks",
-                           ["gate_up_proj_blocks: torch.float32", "MXFP4 blocks [.., out, in/32, 16] of bytes"]),
+    "mxfp4 blocks dtype": (
+        "gpt_oss",
+        "mxfp4_copy",
+        edit_tensor("model.layers.1.mlp.experts.gate_up_proj_blocks", lambda b: b.float()),
+        "model.layers.1.mlp.experts.gate_up_proj_blocks",
+        ["gate_up_proj_blocks: torch.float32", "MXFP4 blocks [.., out, in/32, 16] of bytes"],
+    ),
     # FP8 block scales flattened (IndexError, exit 3)
-    "fp8 scales 1-D": ("qwen2_moe", "fp8_copy", edit_tensor("model.layers.0.self_attn.o_proj.weight_scale_inv",
-                                                            lambda s: s.reshape(-1)),
-                       "model.layers.0.self_attn.o_proj.weight", ["o_proj.weight: block scales of shape [16]",
-                                                                  "expected both 2-D and not empty"]),
+    "fp8 scales 1-D": (
+        "qwen2_moe",
+        "fp8_copy",
+        edit_tensor("model.layers.0.self_attn.o_proj.weight_scale_inv", lambda s: s.reshape(-1)),
+        "model.layers.0.self_attn.o_proj.weight",
+        ["o_proj.weight: block scales of shape [16]", "expected both 2-D and not empty"],
+    ),
 }
 
 

@@ -12,6 +12,7 @@ prune alike; the release's spelling converts once dequantized. That Megatron-LM 
 files and computes transformers' logits is bench/deepseek_v4_megatron_dev.py's (off CI,
 bench/RESULTS.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,11 @@ from mcore_proxy.testing.hf_fixtures import hf_tensors
 
 EP2 = ["--target-ep", "2"]
 # output -> convert options: EP 2, and legacy at PP 2 (the hash layer with the embedding, hc_head beside the final norm)
-OUTPUTS = {"legacy": ["--format", "legacy", *EP2], "torch_dist": ["--format", "torch_dist", *EP2],
-           "legacy_pp2": ["--format", "legacy", "--target-pp", "2", *EP2]}
+OUTPUTS = {
+    "legacy": ["--format", "legacy", *EP2],
+    "torch_dist": ["--format", "torch_dist", *EP2],
+    "legacy_pp2": ["--format", "legacy", "--target-pp", "2", *EP2],
+}
 
 
 def _convert(src, out, *extra) -> None:
@@ -66,28 +70,53 @@ def _assert_bitwise(got: dict, want: dict) -> None:
 
 def test_megatron_args_and_launch_flags_are_megatron_lm_devs(v4, capsys):
     args = open_checkpoint(v4["legacy"]).args
-    assert (args.experimental_attention_variant, args.multi_latent_attention, args.transformer_impl) == \
-        ("dsv4_hybrid", True, "transformer_engine")
+    assert (args.experimental_attention_variant, args.multi_latent_attention, args.transformer_impl) == (
+        "dsv4_hybrid",
+        True,
+        "transformer_engine",
+    )
     # layer types sliding / CSA / HCA(8) / CSA, and the MTP block's compressor (ape of 4 rows) and indexer
     assert args.csa_compress_ratios == [0, 4, 8, 4, 4] and args.csa_window_size == 8
-    assert (args.moe_n_hash_layers, args.moe_router_score_function, args.moe_router_topk_scaling_factor) == \
-        (1, "sqrtsoftplus", 1.5)
+    assert (args.moe_n_hash_layers, args.moe_router_score_function, args.moe_router_topk_scaling_factor) == (
+        1,
+        "sqrtsoftplus",
+        1.5,
+    )
     assert (args.enable_hyper_connections, args.num_residual_streams, args.mhc_sinkhorn_iterations) == (True, 4, 20)
-    assert (args.o_groups, args.o_lora_rank, args.q_lora_rank, args.v_head_dim, args.qk_pos_emb_head_dim) == \
-        (2, 16, 16, 32, 8)
-    assert (args.qk_head_dim, args.kv_lora_rank) == (24, 24)   # as Megatron-LM derives them for dsv4_hybrid
+    assert (args.o_groups, args.o_lora_rank, args.q_lora_rank, args.v_head_dim, args.qk_pos_emb_head_dim) == (
+        2,
+        16,
+        16,
+        32,
+        8,
+    )
+    assert (args.qk_head_dim, args.kv_lora_rank) == (24, 24)  # as Megatron-LM derives them for dsv4_hybrid
     assert (args.rotary_base, args.csa_compress_rotary_base, args.rotary_scaling_factor) == (1e4, 1.6e5, 1.0)
     assert (args.activation_func_clamp_value, args.moe_layer_freq, args.mtp_num_layers) == (10.0, [1] * 4, 1)
     assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (1, 2)
     capsys.readouterr()
-    assert main(["convert", str(v4["src"]), "-o", str(v4["legacy"].parent / "dry"), "--format", "legacy", *EP2,
-                 "--dry-run"]) == 0
+    assert (
+        main(
+            ["convert", str(v4["src"]), "-o", str(v4["legacy"].parent / "dry"), "--format", "legacy", *EP2, "--dry-run"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    for flag in ("--experimental-attention-variant dsv4_hybrid", '--csa-compress-ratios "[0, 4, 8, 4, 4]"',
-                 "--moe-n-hash-layers 1", "--enable-hyper-connections", "--num-residual-streams 4",
-                 "--o-groups 2", "--o-lora-rank 16", "--csa-window-size 8", "--csa-compress-rotary-base 160000",
-                 "--moe-router-score-function sqrtsoftplus", "--activation-func-clamp-value 10",
-                 "--expert-model-parallel-size 2", "--tensor-model-parallel-size 1"):
+    for flag in (
+        "--experimental-attention-variant dsv4_hybrid",
+        '--csa-compress-ratios "[0, 4, 8, 4, 4]"',
+        "--moe-n-hash-layers 1",
+        "--enable-hyper-connections",
+        "--num-residual-streams 4",
+        "--o-groups 2",
+        "--o-lora-rank 16",
+        "--csa-window-size 8",
+        "--csa-compress-rotary-base 160000",
+        "--moe-router-score-function sqrtsoftplus",
+        "--activation-func-clamp-value 10",
+        "--expert-model-parallel-size 2",
+        "--tensor-model-parallel-size 1",
+    ):
         assert flag in printed, flag
 
 
@@ -99,24 +128,36 @@ def test_legacy_files_hold_megatron_lm_dev_names_and_expert_shards(v4):
     model, src = rank1["model"], hf_tensors(v4["src"])
     table = model["decoder.layers.0.mlp.router.tid2eid"]
     assert table.dtype == torch.int32 and torch.equal(table.long(), src["model.layers.0.ffn.gate.tid2eid"])
-    assert "decoder.layers.0.mlp.router.expert_bias" not in model   # hash layers have none
+    assert "decoder.layers.0.mlp.router.expert_bias" not in model  # hash layers have none
     fc1 = model["mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.1.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([src["mtp.0.ffn.experts.5.w1.weight"], src["mtp.0.ffn.experts.5.w3.weight"]]))
     scale = src["model.layers.2.hc_ffn_scale"]
     for i, part in enumerate(("pre", "post", "res")):
-        assert torch.equal(model[f"decoder.layers.2.mlp_hyper_connection.alpha_{part}"], scale[i:i + 1])
-    assert torch.equal(model["decoder.layers.1.self_attention.linear_o_group_proj"], src["model.layers.1.attn.wo_a.weight"])
+        assert torch.equal(model[f"decoder.layers.2.mlp_hyper_connection.alpha_{part}"], scale[i : i + 1])
+    assert torch.equal(
+        model["decoder.layers.1.self_attention.linear_o_group_proj"], src["model.layers.1.attn.wo_a.weight"]
+    )
     assert "mtp.layers.0.e_proj._extra_state" in model and not any(".transformer_layer." in k for k in model)
     assert not [k for k in model if re.search(r"local_experts\.[4-9]\.", k)]
     # PP 2: stage 0 holds layers 0-1 (the hash layer beside the embedding), stage 1 layers 2-3 as local
     # 0-1, the final norm, hc_head, the output layer, the MTP block and its copy of the embedding
-    stages = [torch.load(v4["legacy_pp2"] / "release" / f"mp_rank_00_{p:03d}_000" / "model_optim_rng.pt",
-                         weights_only=False)["model"] for p in (0, 1)]
+    stages = [
+        torch.load(v4["legacy_pp2"] / "release" / f"mp_rank_00_{p:03d}_000" / "model_optim_rng.pt", weights_only=False)[
+            "model"
+        ]
+        for p in (0, 1)
+    ]
     assert "decoder.layers.0.mlp.router.tid2eid" in stages[0] and "decoder.hc_head_fn" not in stages[0]
-    assert {"decoder.hc_head_fn", "decoder.final_layernorm.weight", "embedding.word_embeddings.weight",
-            "mtp.layers.0.hc_head_fn", "decoder.layers.1.mlp.router.expert_bias"} <= set(stages[1])
-    assert torch.equal(stages[1]["decoder.layers.0.self_attention.linear_o_group_proj"],
-                       src["model.layers.2.attn.wo_a.weight"])
+    assert {
+        "decoder.hc_head_fn",
+        "decoder.final_layernorm.weight",
+        "embedding.word_embeddings.weight",
+        "mtp.layers.0.hc_head_fn",
+        "decoder.layers.1.mlp.router.expert_bias",
+    } <= set(stages[1])
+    assert torch.equal(
+        stages[1]["decoder.layers.0.self_attention.linear_o_group_proj"], src["model.layers.2.attn.wo_a.weight"]
+    )
 
 
 @pytest.mark.parametrize("fmt", OUTPUTS)
@@ -133,9 +174,22 @@ def test_megatron_tensors_equal_the_hf_source_under_the_mapping(v4, fmt):
 def test_hf_megatron_hf_round_trip_is_bit_for_bit(v4, fmt):
     _assert_bitwise(hf_tensors(v4[f"{fmt}_hf"]), hf_tensors(v4["src"]))
     config, source = (json.loads((p / "config.json").read_text()) for p in (v4[f"{fmt}_hf"], v4["src"]))
-    for key in ("layer_types", "compress_rates", "mlp_layer_types", "rope_parameters", "hc_mult", "o_groups",
-                "sliding_window", "index_topk", "n_routed_experts", "num_experts_per_tok", "routed_scaling_factor",
-                "partial_rotary_factor", "num_nextn_predict_layers", "swiglu_limit"):
+    for key in (
+        "layer_types",
+        "compress_rates",
+        "mlp_layer_types",
+        "rope_parameters",
+        "hc_mult",
+        "o_groups",
+        "sliding_window",
+        "index_topk",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "routed_scaling_factor",
+        "partial_rotary_factor",
+        "num_nextn_predict_layers",
+        "swiglu_limit",
+    ):
         assert config[key] == source[key], key
 
 
@@ -149,7 +203,7 @@ def test_megatron_proxy_equals_the_hf_proxy_bit_for_bit(v4):
     from mcore_proxy.select.plan import load_plan
 
     plan = load_plan(v4["plan"])
-    assert plan.layers["0"].substitutes            # the hash layer's dropped experts have substitutes
+    assert plan.layers["0"].substitutes  # the hash layer's dropped experts have substitutes
     table = open_checkpoint(v4["proxy"]).get("decoder.layers.0.mlp.router.tid2eid")
     original = hf_tensors(v4["src"])["model.layers.0.ffn.gate.tid2eid"]
     assert table.dtype == torch.int32 and int(table.max()) < plan.num_experts
@@ -163,8 +217,10 @@ def test_selecting_from_the_megatron_checkpoint_gives_the_same_plan(v4, tmp_path
     """The Megatron checkpoint knows its hash-routed layers from `moe_n_hash_layers`: select there
     gives the HF plan, substitutes included."""
     out = tmp_path / "plan.json"
-    assert main(["select", "--ckpt", str(v4["legacy"]), "--stats", str(v4["stats"]), "--num-experts", "4",
-                 "-o", str(out)]) == 0
+    assert (
+        main(["select", "--ckpt", str(v4["legacy"]), "--stats", str(v4["stats"]), "--num-experts", "4", "-o", str(out)])
+        == 0
+    )
     got, want = (json.loads(p.read_text()) for p in (out, v4["plan"]))
     assert got["layers"] == want["layers"] and got["source"] == want["source"]
     assert got["params"]["hash_routing"] == want["params"]["hash_routing"]
@@ -201,10 +257,11 @@ def test_megatron_lm_limits_are_refused_in_one_sentence(v4, tmp_path, capsys):
     config = json.loads((wrong / "config.json").read_text())
     config["layer_types"][1] = "heavily_compressed_attention"
     (wrong / "config.json").write_text(json.dumps(config))
-    for src, extra, says in ((v4["src"], ["--target-tp", "2"], "tensor-parallel size 1 only"),
-                             (v4["src"], ["--naming", "mindspeed-llm", "--format", "torch_dist"],
-                              "written in the legacy format only"),
-                             (wrong, [], "layers.1 has compress ratio 8 (config.json), but its compressor holds 4 rows")):
+    for src, extra, says in (
+        (v4["src"], ["--target-tp", "2"], "tensor-parallel size 1 only"),
+        (v4["src"], ["--naming", "mindspeed-llm", "--format", "torch_dist"], "written in the legacy format only"),
+        (wrong, [], "layers.1 has compress ratio 8 (config.json), but its compressor holds 4 rows"),
+    ):
         out = tmp_path / "out"
         assert main(["convert", str(src), "-o", str(out), "--format", "legacy", *extra]) == 2
         err = capsys.readouterr().err.strip()

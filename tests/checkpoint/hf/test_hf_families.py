@@ -6,6 +6,7 @@ experts (within 1e-5), and the restriction changes them measurably; `verify --fu
 `fidelity` run on each. Routers carry nonzero logit biases (gpt-oss) and selection biases
 (DeepSeek, GLM, Kimi, MiniMax, ERNIE); DeepSeek-V4's hash-routed layer sends tokens to kept and
 dropped experts alike."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ def lookup(config: dict, dotted: str):
 
 
 def test_every_family_has_a_fixture():
-    assert {family for family, _, _ in CASES.values()} | {"Qwen3-MoE", "DeepSeek-V3", "DeepSeek-V3.2"} == \
-        {f.name for f in FAMILIES}
+    assert {family for family, _, _ in CASES.values()} | {"Qwen3-MoE", "DeepSeek-V3", "DeepSeek-V3.2"} == {
+        f.name for f in FAMILIES
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -62,7 +64,7 @@ def test_proxy_equals_the_restricted_original(hf_proxy, name):
         reference = run(original, TOKENS)
     unrestricted, got = run(original, TOKENS), run(pruned, TOKENS)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
-    assert (unrestricted - reference).abs().max() > 0.1            # the restriction is measurable
+    assert (unrestricted - reference).abs().max() > 0.1  # the restriction is measurable
     config = json.loads((proxy / "config.json").read_text())
     for key in expert_keys:
         assert lookup(config, key) == view.spec.num_experts // 2, key
@@ -134,15 +136,35 @@ def test_fidelity(hf_proxy, tmp_path, capsys, name):
     orig, _, plan_path, _, proxy = hf_proxy(name)
     data = calibration_jsonl(tmp_path / "eval.jsonl", records=8, seed=3)
     capsys.readouterr()
-    assert main(["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path),
-                 "--data", str(data), "--json"]) == 0
+    assert (
+        main(
+            [
+                "fidelity",
+                "--orig",
+                str(orig),
+                "--proxy",
+                str(proxy),
+                "--plan",
+                str(plan_path),
+                "--data",
+                str(data),
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] > 0 and 0 < report["next_token_kl"]
     assert all(0 < layer["gate_mass_share"] < 1 for layer in report["moe_layers"])
 
 
-@pytest.mark.parametrize("name,key", [("qwen3_next", "mtp.layers.0.mlp.experts.{e}.down_proj.weight"),
-                                      ("deepseek_v4", "mtp.0.ffn.experts.{e}.w2.weight")])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("qwen3_next", "mtp.layers.0.mlp.experts.{e}.down_proj.weight"),
+        ("deepseek_v4", "mtp.0.ffn.experts.{e}.w2.weight"),
+    ],
+)
 def test_mtp_layers_transformers_does_not_build_are_pruned_by_router_weights(hf_proxy, name, key):
     """Qwen3-Next's `mtp.*` and DeepSeek-V4's `mtp.0.*` hold a MoE layer of their own, which no
     token reaches in transformers: collect says so, select keeps the router view's medoids there

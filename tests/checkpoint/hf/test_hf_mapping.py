@@ -1,13 +1,26 @@
 """The pure pieces of the HF mapping: transforms by round trip and against transformers'
 own computation, the tables by what they match, FP8 block scales against their definition."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from mcore_proxy.checkpoint.hf import deepseek, qwen3_moe
-from mcore_proxy.checkpoint.hf.mapping import (GLU, LAYER, MODEL, MTP, QKV, canonical_name, glu_join, glu_split,
-                                               qkv_join, qkv_split, split_canonical, split_hf_key)
+from mcore_proxy.checkpoint.hf.mapping import (
+    GLU,
+    LAYER,
+    MODEL,
+    MTP,
+    QKV,
+    canonical_name,
+    glu_join,
+    glu_split,
+    qkv_join,
+    qkv_split,
+    split_canonical,
+    split_hf_key,
+)
 
 
 def test_qkv_interleave_is_megatrons_per_group_layout_and_round_trips():
@@ -17,9 +30,9 @@ def test_qkv_interleave_is_megatrons_per_group_layout_and_round_trips():
     # megatron views linear_qkv as [groups, (heads/groups + 2) * d]: group g = its 3 query heads, k_g, v_g
     per = qkv.reshape(groups, heads // groups + 2, d, h)
     for g in range(groups):
-        torch.testing.assert_close(per[g, :3].reshape(-1, h), q[g * 3 * d:(g + 1) * 3 * d], rtol=0, atol=0)
-        torch.testing.assert_close(per[g, 3], k[g * d:(g + 1) * d], rtol=0, atol=0)
-        torch.testing.assert_close(per[g, 4], v[g * d:(g + 1) * d], rtol=0, atol=0)
+        torch.testing.assert_close(per[g, :3].reshape(-1, h), q[g * 3 * d : (g + 1) * 3 * d], rtol=0, atol=0)
+        torch.testing.assert_close(per[g, 3], k[g * d : (g + 1) * d], rtol=0, atol=0)
+        torch.testing.assert_close(per[g, 4], v[g * d : (g + 1) * d], rtol=0, atol=0)
     for a, b in zip(qkv_split(qkv, heads, groups, d), (q, k, v)):
         assert torch.equal(a, b)
 
@@ -35,11 +48,14 @@ def test_glu_join_is_the_layout_of_transformers_fused_experts():
     assert all(torch.equal(a, b) for a, b in zip(glu_split(fc1), (gate, up)))
 
 
-@pytest.mark.parametrize("key,layers,expected", [
-    ("model.embed_tokens.weight", 4, (MODEL, None, "model.embed_tokens.weight")),
-    ("model.layers.3.self_attn.q_proj.weight", 4, (LAYER, 3, "self_attn.q_proj.weight")),
-    ("model.layers.61.enorm.weight", 61, (MTP, 0, "enorm.weight")),
-])
+@pytest.mark.parametrize(
+    "key,layers,expected",
+    [
+        ("model.embed_tokens.weight", 4, (MODEL, None, "model.embed_tokens.weight")),
+        ("model.layers.3.self_attn.q_proj.weight", 4, (LAYER, 3, "self_attn.q_proj.weight")),
+        ("model.layers.61.enorm.weight", 61, (MTP, 0, "enorm.weight")),
+    ],
+)
 def test_hf_keys_split_into_scope_layer_and_rest(key, layers, expected):
     assert split_hf_key(key, layers) == expected
 
@@ -65,9 +81,11 @@ def test_every_row_maps_back_to_its_own_hf_names():
 def test_tables_know_the_family_tensors():
     assert qwen3_moe.TABLE.match_hf(LAYER, "self_attn.q_proj.weight")[0].transform == QKV
     assert qwen3_moe.TABLE.match_hf(LAYER, "mlp.experts.7.up_proj.weight")[1:] == (1, 7)
-    assert qwen3_moe.TABLE.match_hf(LAYER, "self_attn.q_a_proj.weight") is None     # not a Qwen3 tensor
+    assert qwen3_moe.TABLE.match_hf(LAYER, "self_attn.q_a_proj.weight") is None  # not a Qwen3 tensor
     v3, v32 = deepseek.TABLES[deepseek.V3], deepseek.TABLES[deepseek.V32]
-    assert v3.match_hf(LAYER, "self_attn.indexer.wq_b.weight") is None and v32.match_hf(LAYER, "self_attn.indexer.wq_b.weight")
+    assert v3.match_hf(LAYER, "self_attn.indexer.wq_b.weight") is None and v32.match_hf(
+        LAYER, "self_attn.indexer.wq_b.weight"
+    )
     assert v3.match_hf(MTP, "enorm.weight") is not None and v3.match_hf(LAYER, "enorm.weight") is None
     assert v3.match_hf(MTP, "shared_experts.gate_proj.weight") is None
     assert v3.match_hf(LAYER, "mlp.shared_experts.gate_proj.weight")[0].transform == GLU

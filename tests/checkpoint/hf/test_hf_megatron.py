@@ -8,6 +8,7 @@ equal the Megatron trace's on the same tokens. DeepSeek-V3 (multi-latent attenti
 in megatron-core's local spec: down projections column-parallel) converts to legacy and
 torch_dist and megatron-core computes the HF model's logits.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,11 @@ from mcore_proxy.stats import load_stats, merge_stats
 from mcore_proxy.functional.run import fixed_tokens
 from mcore_proxy.testing.families import StagedLayout, family_from_args, load_and_run
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 LAYOUT = ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2", "--target-etp", "1"]
 MEGATRON = StagedLayout(tp=2, pp=2, ep=2, etp=1)
-CLOSE = dict(rtol=1e-4, atol=1e-4)   # fp32 logits of size ~1 from two frameworks' op orders
+CLOSE = dict(rtol=1e-4, atol=1e-4)  # fp32 logits of size ~1 from two frameworks' op orders
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,14 @@ def qwen3_in_megatron(hf_model, hf_proxy, tmp_path_factory):
     assert main(["convert", str(src), "-o", str(dist), "--format", "torch_dist", *LAYOUT]) == 0
     assert main(["convert", str(src), "--plan", str(plan), "-o", str(proxy), "--format", "legacy", *LAYOUT]) == 0
     model, small = (family_from_args(open_checkpoint(p).args) for p in (legacy, proxy))
-    logits = load_and_run([(model, MEGATRON, "legacy", legacy, tmp / "legacy.pt"),
-                           (model, MEGATRON, "torch_dist", dist, tmp / "dist.pt"),
-                           (small, MEGATRON, "legacy", proxy, tmp / "proxy.pt")], trace_dirs=[trace, None, None])
+    logits = load_and_run(
+        [
+            (model, MEGATRON, "legacy", legacy, tmp / "legacy.pt"),
+            (model, MEGATRON, "torch_dist", dist, tmp / "dist.pt"),
+            (small, MEGATRON, "legacy", proxy, tmp / "proxy.pt"),
+        ],
+        trace_dirs=[trace, None, None],
+    )
     return src, model, legacy, logits, trace, hf_proxy_dir
 
 
@@ -84,11 +89,11 @@ def test_qwen3_collect_and_megatron_trace_agree_on_the_same_tokens(qwen3_in_mega
     argv = ["collect", "--hf", str(src), "--data", str(data), "-o", str(tmp_path / "hf"), "--batch-size", "2"]
     assert main(argv) == 0
     written = (tmp_path / "hf" / "routing_stats.safetensors").read_bytes()
-    assert main(argv) == 2                  # an existing statistics file is refused without --force
+    assert main(argv) == 2  # an existing statistics file is refused without --force
     assert (tmp_path / "hf" / "routing_stats.safetensors").read_bytes() == written
     hf = load_stats(tmp_path / "hf" / "routing_stats.safetensors")
     files = sorted(trace.glob("rank*.safetensors"))
-    assert len(files) == 2          # TP rank 0 of each pipeline stage records (TP without SP: one copy)
+    assert len(files) == 2  # TP rank 0 of each pipeline stage records (TP without SP: one copy)
     mg = merge_stats([(f, load_stats(f)) for f in files])
     assert hf.layer_ids == mg.layer_ids == ["1", "2", "3"]
     for lid in hf.layer_ids:
@@ -107,7 +112,11 @@ def test_qwen3_megatron_to_hf_computes_megatrons_logits(family_ckpt, tmp_path, f
     out = tmp_path / "hf"
     assert main(["convert", str(getattr(megatron_qwen3, fmt)), "-o", str(out), "--format", "hf"]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert (config["architectures"], config["num_experts"], config["mlp_only_layers"]) == (["Qwen3MoeForCausalLM"], 32, [0])
+    assert (config["architectures"], config["num_experts"], config["mlp_only_layers"]) == (
+        ["Qwen3MoeForCausalLM"],
+        32,
+        [0],
+    )
     assert (config["rms_norm_eps"], config["rope_parameters"]["rope_theta"], config["head_dim"]) == (1e-6, 1e6, 12)
     reference = torch.load(megatron_qwen3.logits)[0]
     got = run(load_model(out), fixed_tokens(megatron_qwen3.model))
@@ -129,14 +138,22 @@ def test_deepseek_hf_to_megatron_computes_the_hf_logits(hf_model, tmp_path):
 
     src = hf_model("deepseek_v3")
     legacy, dist = tmp_path / "legacy", tmp_path / "dist"
-    convert(ConvertRequest(ckpt=src, out=legacy, format="legacy",
-                           target=TargetOptions(tp=2, pp=1, ep=2, etp=1)), progress=False)
-    convert(ConvertRequest(ckpt=src, out=dist, format="torch_dist",
-                           target=TargetOptions(tp=2, pp=1, ep=2, etp=1)), progress=False)
+    convert(
+        ConvertRequest(ckpt=src, out=legacy, format="legacy", target=TargetOptions(tp=2, pp=1, ep=2, etp=1)),
+        progress=False,
+    )
+    convert(
+        ConvertRequest(ckpt=src, out=dist, format="torch_dist", target=TargetOptions(tp=2, pp=1, ep=2, etp=1)),
+        progress=False,
+    )
     model = family_from_args(open_checkpoint(legacy).args)
     assert model.attention == "mla"
-    logits = load_and_run([(model, StagedLayout(tp=2, pp=1, ep=2, etp=1), "legacy", legacy, tmp_path / "l.pt"),
-                           (model, StagedLayout(tp=1, pp=1, ep=1), "torch_dist", dist, tmp_path / "d.pt")])
+    logits = load_and_run(
+        [
+            (model, StagedLayout(tp=2, pp=1, ep=2, etp=1), "legacy", legacy, tmp_path / "l.pt"),
+            (model, StagedLayout(tp=1, pp=1, ep=1), "torch_dist", dist, tmp_path / "d.pt"),
+        ]
+    )
     want = run(load_model(src), fixed_tokens(model))
     for got in logits:
         torch.testing.assert_close(got[0], want, **CLOSE)

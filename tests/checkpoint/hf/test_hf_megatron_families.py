@@ -9,6 +9,7 @@ partial RoPE's q/k norms) are nonzero, so a wrong mapping of any would change th
 
 All families' Megatron runs share one set of ranks: spawning costs seconds per rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,11 @@ from mcore_proxy.launch_flags import model_flags
 from mcore_proxy.testing.families import StagedLayout, family_from_args, load_and_run
 from mcore_proxy.testing.hf_fixtures import hf_tensors
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 LAYOUT = ["--target-tp", "2", "--target-pp", "1", "--target-ep", "2", "--target-etp", "1"]
 LOADED = {"legacy": StagedLayout(tp=2, pp=1, ep=2, etp=1), "torch_dist": StagedLayout(tp=1, pp=1, ep=1)}
-CLOSE = dict(rtol=1e-4, atol=1e-4)   # fp32 logits of size ~1 from two frameworks' op orders
+CLOSE = dict(rtol=1e-4, atol=1e-4)  # fp32 logits of size ~1 from two frameworks' op orders
 
 
 @dataclass(frozen=True)
@@ -49,27 +49,70 @@ class Case:
 
 
 CASES = {
-    "mixtral": Case("mixtral", "MixtralForCausalLM",
-                    dict(moe_layer_freq=[1, 1], rotary_base=1e6, norm_epsilon=1e-5, add_qkv_bias=False,
-                         qk_layernorm=False, moe_shared_expert_intermediate_size=None, moe_router_pre_softmax=False),
-                    ("decoder.layers.1.mlp.router.weight",)),
-    "qwen2_moe": Case("qwen2_moe", "Qwen2MoeForCausalLM",
-                      dict(moe_layer_freq=[0, 1, 1], add_qkv_bias=True, qk_layernorm=False, norm_epsilon=1e-6,
-                           moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True,
-                           moe_router_pre_softmax=False),
-                      ("decoder.layers.1.mlp.router.weight", "decoder.layers.0.self_attention.linear_qkv.bias",
-                       "decoder.layers.1.mlp.shared_experts.gate_weight")),
+    "mixtral": Case(
+        "mixtral",
+        "MixtralForCausalLM",
+        dict(
+            moe_layer_freq=[1, 1],
+            rotary_base=1e6,
+            norm_epsilon=1e-5,
+            add_qkv_bias=False,
+            qk_layernorm=False,
+            moe_shared_expert_intermediate_size=None,
+            moe_router_pre_softmax=False,
+        ),
+        ("decoder.layers.1.mlp.router.weight",),
+    ),
+    "qwen2_moe": Case(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        dict(
+            moe_layer_freq=[0, 1, 1],
+            add_qkv_bias=True,
+            qk_layernorm=False,
+            norm_epsilon=1e-6,
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_gate=True,
+            moe_router_pre_softmax=False,
+        ),
+        (
+            "decoder.layers.1.mlp.router.weight",
+            "decoder.layers.0.self_attention.linear_qkv.bias",
+            "decoder.layers.1.mlp.shared_experts.gate_weight",
+        ),
+    ),
     # Qwen1.5-MoE's router: top-k of the softmax over all experts, not renormalised (same weights)
-    "qwen2_moe_unnormalised": Case("qwen2_moe", "Qwen2MoeForCausalLM", dict(moe_router_pre_softmax=True),
-                                   ("decoder.layers.1.mlp.router.weight",), config=dict(norm_topk_prob=False)),
-    "glm4_moe": Case("glm4_moe", "Glm4MoeForCausalLM",
-                     dict(moe_layer_freq=[0, 1, 1], add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5,
-                          kv_channels=8, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                          moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
-                          moe_shared_expert_intermediate_size=16, mtp_num_layers=1),
-                     ("decoder.layers.2.mlp.router.weight", "decoder.layers.2.mlp.router.expert_bias",
-                      "decoder.layers.2.self_attention.linear_qkv.bias",
-                      "mtp.layers.0.transformer_layer.mlp.router.expert_bias")),
+    "qwen2_moe_unnormalised": Case(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        dict(moe_router_pre_softmax=True),
+        ("decoder.layers.1.mlp.router.weight",),
+        config=dict(norm_topk_prob=False),
+    ),
+    "glm4_moe": Case(
+        "glm4_moe",
+        "Glm4MoeForCausalLM",
+        dict(
+            moe_layer_freq=[0, 1, 1],
+            add_qkv_bias=True,
+            qk_layernorm=True,
+            rotary_percent=0.5,
+            kv_channels=8,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            moe_router_topk_scaling_factor=2.5,
+            moe_shared_expert_intermediate_size=16,
+            mtp_num_layers=1,
+        ),
+        (
+            "decoder.layers.2.mlp.router.weight",
+            "decoder.layers.2.mlp.router.expert_bias",
+            "decoder.layers.2.self_attention.linear_qkv.bias",
+            "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+        ),
+    ),
 }
 
 
@@ -102,8 +145,9 @@ def in_megatron(hf_model, tmp_path_factory):
         jobs += [(model, LOADED[fmt], fmt, out, tmp / f"{fmt}.pt") for fmt, out in ckpts.items()]
         made[name] = (src, model, ckpts)
     logits = iter(load_and_run(jobs))
-    return {name: (src, model, ckpts, {fmt: next(logits) for fmt in ckpts})
-            for name, (src, model, ckpts) in made.items()}
+    return {
+        name: (src, model, ckpts, {fmt: next(logits) for fmt in ckpts}) for name, (src, model, ckpts) in made.items()
+    }
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -112,9 +156,9 @@ def test_hf_to_megatron_computes_the_hf_logits(in_megatron, name):
     case = CASES[name]
     view = open_checkpoint(ckpts["legacy"])
     assert {k: getattr(view.args, k) for k in case.args} == case.args
-    for tensor in case.nonzero:              # a mapping that dropped or misplaced them would change the logits
+    for tensor in case.nonzero:  # a mapping that dropped or misplaced them would change the logits
         assert view.get(tensor).abs().min() > 0, tensor
-    flags = model_flags(view.args)            # what convert prints for the Megatron launch
+    flags = model_flags(view.args)  # what convert prints for the Megatron launch
     for arg, flag in (("add_qkv_bias", "--add-qkv-bias"), ("moe_shared_expert_gate", "--moe-shared-expert-gate")):
         assert (flag in flags) == bool(getattr(view.args, arg, False)), flag
     assert ("--rotary-percent 0.5" in flags) == (view.args.rotary_percent == 0.5)

@@ -4,6 +4,7 @@ the canonical view, written back, pruned by a plan made from `collect` statistic
 transformers: the proxy computes what the original computes when its gates may only choose
 the kept experts (group-limited routing included), and that restriction changes the output.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,7 @@ def test_fixtures_are_sharded_transformers_checkpoints(hf_model, name):
     view = open_checkpoint(folder)
     assert view.info.format == "hf" and view.spec.num_experts == 16 and view.spec.topk == 4
     if name != "qwen3_moe":
-        assert view.spec.moe_layer_ids == ["1", "2", "mtp.0"]       # MTP layer = HF layer num_hidden_layers
+        assert view.spec.moe_layer_ids == ["1", "2", "mtp.0"]  # MTP layer = HF layer num_hidden_layers
         assert (view.spec.num_groups, view.spec.group_topk, view.spec.expert_bias) == (4, 2, True)
         # the family's view keeps HF keys beside the canonical router and experts; megatron's names its own
         assert "model.layers.3.eh_proj.weight" in keys and "model.layers.3.eh_proj.weight" in view.names()
@@ -67,11 +68,11 @@ def test_proxy_equals_the_original_with_gates_restricted_to_the_kept_experts(hf_
         reference = run(original, TOKENS)
     unrestricted, got = run(original, TOKENS), run(pruned, TOKENS)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
-    assert (unrestricted - reference).abs().max() > 0.1          # the restriction is measurable
+    assert (unrestricted - reference).abs().max() > 0.1  # the restriction is measurable
     if name != "qwen3_moe":
         assert (pruned.config.n_routed_experts, pruned.config.n_group, pruned.config.topk_group) == (8, 4, 2)
-        for group in range(4):   # the plan kept 2 experts of each original routing group, in order
-            assert [e // 4 for e in plan.kept("1")[2 * group:2 * group + 2]] == [group, group]
+        for group in range(4):  # the plan kept 2 experts of each original routing group, in order
+            assert [e // 4 for e in plan.kept("1")[2 * group : 2 * group + 2]] == [group, group]
     else:
         assert pruned.config.num_local_experts == 8
 
@@ -80,8 +81,14 @@ def test_proxy_equals_the_original_with_gates_restricted_to_the_kept_experts(hf_
 def test_proxy_files_tensors_and_config(hf_proxy, name):
     orig, _, plan_path, plan, proxy = hf_proxy(name)
     names = {p.name for p in proxy.iterdir()}
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.safetensors.index.json", "manifest.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "manifest.json",
+    } <= names
     config, source_config = (json.loads((d / "config.json").read_text()) for d in (proxy, orig))
     changed = {k for k in config if config[k] != source_config.get(k)}
     assert changed == ({"num_local_experts"} if name == "qwen3_moe" else {"n_routed_experts"})
@@ -89,12 +96,16 @@ def test_proxy_files_tensors_and_config(hf_proxy, name):
     kept = plan.kept("2")
     for j, e in enumerate(kept):
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            assert torch.equal(b[f"model.layers.2.mlp.experts.{j}.{proj}.weight"], a[f"model.layers.2.mlp.experts.{e}.{proj}.weight"])
+            assert torch.equal(
+                b[f"model.layers.2.mlp.experts.{j}.{proj}.weight"], a[f"model.layers.2.mlp.experts.{e}.{proj}.weight"]
+            )
     assert torch.equal(b["model.layers.2.mlp.gate.weight"], a["model.layers.2.mlp.gate.weight"][kept])
     if name != "qwen3_moe":
         mtp = plan.kept("mtp.0")
-        assert torch.equal(b["model.layers.3.mlp.gate.e_score_correction_bias"],
-                           a["model.layers.3.mlp.gate.e_score_correction_bias"][mtp])
+        assert torch.equal(
+            b["model.layers.3.mlp.gate.e_score_correction_bias"],
+            a["model.layers.3.mlp.gate.e_score_correction_bias"][mtp],
+        )
         assert torch.equal(b["model.layers.3.embed_tokens.weight"], a["model.embed_tokens.weight"])
         assert torch.equal(b["model.layers.3.shared_head.head.weight"], a["lm_head.weight"])
     assert main(["verify", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--functional"]) == 0
@@ -147,8 +158,22 @@ def test_hf_to_megatron_with_a_plan_prints_the_proxys_expert_count(hf_proxy, tmp
     """From HF every model flag comes from config.json's args, but the expert count and routing
     flags are the plan's: the proxy has K experts, not the source's E."""
     orig, _, plan_path, plan, _ = hf_proxy("qwen3_moe")
-    assert main(["convert", str(orig), "--plan", str(plan_path), "-o", str(tmp_path / "m"), "--format", "legacy",
-                 "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(orig),
+                "--plan",
+                str(plan_path),
+                "-o",
+                str(tmp_path / "m"),
+                "--format",
+                "legacy",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert f"--num-experts {plan.num_experts} " in text and f"--moe-router-topk {plan.router.topk} " in text
     assert text.count("--num-experts ") == 1 and "--hidden-size " in text

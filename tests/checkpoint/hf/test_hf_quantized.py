@@ -4,6 +4,7 @@ the release's own key names). Each is pruned with the plan of its unquantized or
 dequantizing: every kept weight and its scales bit for bit. Dequantizing (`--dequantize`) gives
 what transformers computes: both proxies, loaded in transformers, equal the quantized original
 (which transformers dequantizes on CPU) with every router restricted to the kept experts."""
+
 from __future__ import annotations
 
 import functools
@@ -32,17 +33,26 @@ from mcore_proxy.testing.quantized import (
 
 # 4x4 blocks for DeepSeek-V3: transformers' FP8 dequantization refuses partial blocks, which
 # mcore-proxy's handles (test_fp8_blocks_dequantize_by_definition_including_partial_blocks)
-COPIES = {"deepseek_v3": functools.partial(fp8_copy, block=(4, 4)), "gpt_oss": mxfp4_copy,
-          "deepseek_v4": v4_release_copy}
+COPIES = {
+    "deepseek_v3": functools.partial(fp8_copy, block=(4, 4)),
+    "gpt_oss": mxfp4_copy,
+    "deepseek_v4": v4_release_copy,
+}
 # the stored dtypes of each layout's experts, so that a copy which quantized nothing fails
-STORED = {"deepseek_v3": {FP8, torch.float32}, "gpt_oss": {torch.uint8},
-          "deepseek_v4": {torch.int8, torch.float8_e8m0fnu}}
+STORED = {
+    "deepseek_v3": {FP8, torch.float32},
+    "gpt_oss": {torch.uint8},
+    "deepseek_v4": {torch.int8, torch.float8_e8m0fnu},
+}
 TOKENS = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(11))
 
 
 def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8),
-                                                                     y.contiguous().view(torch.uint8))
+    return (
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +66,7 @@ def quantized(hf_proxy, tmp_path_factory):
             base = tmp_path_factory.mktemp(f"quant-{name}")
             src, pruned, deq = COPIES[name](orig, base / "src"), base / "pruned", base / "dequantized"
             assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(pruned)]) == 0
-            flag = "--dequantize-fp8" if name == "deepseek_v3" else "--dequantize"   # the older spelling too
+            flag = "--dequantize-fp8" if name == "deepseek_v3" else "--dequantize"  # the older spelling too
             assert main(["convert", str(src), "--plan", str(plan_path), "-o", str(deq), flag]) == 0
             made[name] = (src, plan_path, plan, pruned, deq)
         return made[name]
@@ -85,19 +95,26 @@ def test_kept_experts_and_their_scales_are_copied_bit_for_bit(quantized, name):
     assert checked & companions, "no expert scale was checked"
     assert {source[k].dtype for k in checked} >= STORED[name]
     experts = {k for k in source if ".experts." in k and ".shared_experts." not in k}
-    others = [k for k in source if k not in experts and not k.endswith(("gate.weight", "router.weight", "gate.bias",
-                                                                        "router.bias", "e_score_correction_bias",
-                                                                        "tid2eid"))]
-    assert any(k in companions for k in others) or name == "gpt_oss"   # attention's scales are copied too
+    others = [
+        k
+        for k in source
+        if k not in experts
+        and not k.endswith(
+            ("gate.weight", "router.weight", "gate.bias", "router.bias", "e_score_correction_bias", "tid2eid")
+        )
+    ]
+    assert any(k in companions for k in others) or name == "gpt_oss"  # attention's scales are copied too
     assert all(same_bytes(got[k], source[k]) for k in others)
-    assert json.loads((pruned / "config.json").read_text())["quantization_config"] == \
-        json.loads((src / "config.json").read_text())["quantization_config"]
+    assert (
+        json.loads((pruned / "config.json").read_text())["quantization_config"]
+        == json.loads((src / "config.json").read_text())["quantization_config"]
+    )
 
 
 @pytest.mark.parametrize("name", sorted(COPIES))
 def test_dequantized_proxy_is_what_transformers_computes(quantized, name):
     src, _, plan, pruned, deq = quantized(name)
-    original = load_model(src)       # transformers dequantizes the release itself (CPU)
+    original = load_model(src)  # transformers dequantizes the release itself (CPU)
     with restrict_gates(original, plan):
         reference = run(original, TOKENS)
     assert (run(original, TOKENS) - reference).abs().max() > 0.1
@@ -116,6 +133,6 @@ def test_fp8_blocks_dequantize_by_definition_including_partial_blocks():
     back = dequantize_blocks(q, scale, (8, 8), "w", torch.float32)
     # block (2, 1) is rows 16..19, columns 8..12: a partial block scaled by its own factor
     torch.testing.assert_close(back[16:, 8:], q[16:, 8:].float() * scale[2, 1], rtol=0, atol=0)
-    assert (back - w).abs().max() <= w.abs().max() * 0.07        # e4m3: 3 mantissa bits
+    assert (back - w).abs().max() <= w.abs().max() * 0.07  # e4m3: 3 mantissa bits
     with pytest.raises(CheckpointError, match="do not fit"):
         dequantize_blocks(q, scale[:2], (8, 8), "w")

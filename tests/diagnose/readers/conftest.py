@@ -2,6 +2,7 @@
 services and environment variables stay there): a transformers Trainer run with TRL's GRPO metrics,
 MLflow file and SQLite stores, a W&B offline run and a SwanLab offline run. A library that is not
 installed skips the tests that need it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,13 @@ import pytest
 
 
 def _run(script: str, *args, env=None, timeout=300):
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -77,8 +83,12 @@ def trl_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl")
     console = root / "train.log"
     with console.open("w") as out:
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINER), str(root / "out")], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(TRAINER), str(root / "out")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
     assert done.returncode == 0, console.read_text()[-3000:]
     return console, root / "out"
 

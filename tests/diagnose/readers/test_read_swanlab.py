@@ -1,5 +1,6 @@
 """SwanLab offline runs (mcore_proxy/diagnose/readers/swanlab_run.py), written by swanlab itself in
 offline mode (conftest.swanlog: two runs) and read back with swanlab's record reader."""
+
 import pytest
 
 from mcore_proxy.diagnose.aliases import canonical_metrics
@@ -25,9 +26,9 @@ def test_cut_and_foreign_files(swanlog, tmp_path):
     file = next(sorted(p for p in swanlog.iterdir() if p.is_dir())[0].glob("run-*.swanlab"))
     data = file.read_bytes()
     cut = tmp_path / "run-cut.swanlab"
-    cut.write_bytes(data[:len(data) - 40])          # a run still writing: the read ends at the cut
+    cut.write_bytes(data[: len(data) - 40])  # a run still writing: the read ends at the cut
     assert read_log(cut).metrics["actor/kl_loss"].steps[0] == 0
     other = tmp_path / "run-other.swanlab"
-    other.write_bytes(b":SWL\xd6\xe1\x09" + data[7:])   # another format version
+    other.write_bytes(b":SWL\xd6\xe1\x09" + data[7:])  # another format version
     with pytest.raises(LogError, match=r"swanlab cannot read it \(.*version.*\); or sync it"):
         read_log(other)

@@ -1,6 +1,7 @@
 """TRL / transformers trainer_state.json (mcore_proxy/diagnose/readers/trl.py), written by a real
 transformers Trainer run with TRL's GRPO metric names (conftest.trl_run): the file, a checkpoint
 folder, the output folder (newest checkpoint), and a trainer_state.json caught while being written."""
+
 import json
 import shutil
 
@@ -17,8 +18,13 @@ def test_output_folder_reads_the_newest_checkpoint(trl_run):
     run = read_log(out)
     assert run.format == "trl-state" and run.source == str(out / "checkpoint-6" / "trainer_state.json")
     assert canonical_metrics(run.metrics) == {
-        "reward": "reward", "kl_loss": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
-        "response_length": "completions/mean_length", "clipfrac": "clip_ratio/region_mean"}
+        "reward": "reward",
+        "kl_loss": "kl",
+        "entropy": "entropy",
+        "grad_norm": "grad_norm",
+        "response_length": "completions/mean_length",
+        "clipfrac": "clip_ratio/region_mean",
+    }
     assert run.metrics["loss"].steps.tolist() == list(range(1, 7))
     np.testing.assert_allclose(run.metrics["kl"].values, 0.001 * np.arange(1, 7))
     assert run.metrics["eval_loss"].steps.tolist() == [3, 6]
@@ -45,7 +51,7 @@ def test_state_being_written_and_wrong_json(trl_run, tmp_path):
     text = (out / "checkpoint-6" / "trainer_state.json").read_text()
     half = tmp_path / "checkpoint-8" / "trainer_state.json"
     half.parent.mkdir()
-    half.write_text(text[:len(text) // 2])
+    half.write_text(text[: len(text) // 2])
     with pytest.raises(LogError, match="not complete JSON .*read it again"):
         read_log(half)
     other = tmp_path / "trainer_state.json"

@@ -1,5 +1,6 @@
 """W&B offline runs (mcore_proxy/diagnose/readers/wandb_run.py), written by wandb itself in offline
 mode (conftest.wandb_dir: two runs) and read back through `python -m wandb leet inspect --json`."""
+
 import pytest
 
 from mcore_proxy.diagnose.aliases import canonical_metrics
@@ -14,7 +15,7 @@ def test_offline_run_folder_and_file(wandb_dir):
     assert canonical_metrics(run.metrics) == {"kl_loss": "actor/kl_loss", "reward": "critic/score/mean"}
     assert run.metrics["actor/kl_loss"].steps.tolist() == list(range(10))
     assert run.metrics["critic/score/mean"].values[-1] == pytest.approx(0.45)
-    assert run.metrics["perf.throughput"].values[0] == 100.0           # a nested dict, flattened
+    assert run.metrics["perf.throughput"].values[0] == 100.0  # a nested dict, flattened
     assert "note" not in run.metrics and not any(k.startswith("_") for k in run.metrics)
     assert read_log(run.source).metrics["actor/kl_loss"].values.tolist() == run.metrics["actor/kl_loss"].values.tolist()
 

@@ -13,6 +13,7 @@ and step: routing maps and probabilities of every router, the routed experts' ou
 MoE layer, logits of a no-grad (rollout) and a grad-enabled (training) forward on fixed tokens,
 the parameters after the optimizer step, and the session's report.
 """
+
 import sys
 import warnings
 
@@ -65,13 +66,15 @@ def train(gpt, initial, spec, model_cfg, from_env=False):
         record["train_logits"].append(logits.detach().clone())
         for key in ("probs", "maps", "experts"):
             record[key].append(dict(seen[key]))
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 tokens[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        record["params"].append({k: v.detach().clone() for k, v in gpt.state_dict().items()
-                                 if isinstance(v, torch.Tensor)})
+        record["params"].append(
+            {k: v.detach().clone() for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+        )
     if from_env:
         from mcore_proxy.faults import runtime
 
@@ -97,12 +100,11 @@ def register_mindspeed_style_replacement():
     original = moe_layer.MoELayer.__init__
     original = getattr(original, "__wrapped__", original)
 
-    def moe_layer_init(self, *args, **kwargs):   # a replacement, as MindSpeed-LLM registers them
+    def moe_layer_init(self, *args, **kwargs):  # a replacement, as MindSpeed-LLM registers them
         original(self, *args, **kwargs)
         self.replaced_by_mindspeed = True
 
-    MindSpeedPatchesManager.register_patch(
-        "megatron.core.transformer.moe.moe_layer.MoELayer.__init__", moe_layer_init)
+    MindSpeedPatchesManager.register_patch("megatron.core.transformer.moe.moe_layer.MoELayer.__init__", moe_layer_init)
     MindSpeedPatchesManager.apply_patches()
 
 
@@ -124,8 +126,9 @@ def main():
     results = {}
     if sys.argv[2] == "--env":
         results[sys.argv[3]] = train(gpt, initial, None, model_cfg, from_env=True)
-        results[sys.argv[3]]["replaced"] = [getattr(m, "replaced_by_mindspeed", False)
-                                            for m in gpt.modules() if hasattr(m, "router")]
+        results[sys.argv[3]]["replaced"] = [
+            getattr(m, "replaced_by_mindspeed", False) for m in gpt.modules() if hasattr(m, "router")
+        ]
     else:
         for arg in sys.argv[2:]:
             name, _, spec = arg.partition("=")
@@ -133,7 +136,7 @@ def main():
                 from mcore_proxy import faults
 
                 gpt.load_state_dict(initial)
-                faults.inject(spec, model=gpt).close()     # attached, then switched off
+                faults.inject(spec, model=gpt).close()  # attached, then switched off
                 spec = "none"
             results[name] = train(gpt, initial, spec, model_cfg)
     torch.save(results, out)

@@ -7,6 +7,7 @@ test model (identical global weights, the tokens of the other tests).
 PYTHONPATH: register a replacement of TopKRouter.forward with the patch manager and apply.
 Prints one JSON line: the replacement's calls and the final TopKRouter.forward's name.
 """
+
 import json
 import sys
 
@@ -22,7 +23,8 @@ def register_mindspeed_style_replacement():
         return self.routing(logits, padding_mask=padding_mask)
 
     MindSpeedPatchesManager.register_patch(
-        "megatron.core.transformer.moe.router.TopKRouter.forward", topk_router_forward)
+        "megatron.core.transformer.moe.router.TopKRouter.forward", topk_router_forward
+    )
     MindSpeedPatchesManager.apply_patches()
 
 
@@ -40,9 +42,16 @@ def main():
     from megatron.core.transformer.moe.router import TopKRouter
 
     forward_fn = TopKRouter.forward
-    print(json.dumps({"calls": CALLS, "forward": forward_fn.__name__,
-                      "traced": bool(getattr(forward_fn, "__mcore_proxy_traced__", False)),
-                      "trace_imported": "mcore_proxy.trace.runtime" in sys.modules}))
+    print(
+        json.dumps(
+            {
+                "calls": CALLS,
+                "forward": forward_fn.__name__,
+                "traced": bool(getattr(forward_fn, "__mcore_proxy_traced__", False)),
+                "trace_imported": "mcore_proxy.trace.runtime" in sys.modules,
+            }
+        )
+    )
     destroy_distributed()
 
 

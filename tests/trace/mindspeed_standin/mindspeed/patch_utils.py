@@ -7,6 +7,7 @@ Behaviour imitated from MindSpeed (mindspeed/patch_utils.py): `register_patch(na
 registration order, `final = wrapper(final)`, and sets the attribute. A second replacement
 without `force_patch` is an error, as in MindSpeed. Nothing else of MindSpeed is imitated.
 """
+
 import importlib
 
 
