@@ -31,8 +31,12 @@ class FaultSpecError(ProxyError):
     """A fault specification that cannot be parsed or names an unknown kind or parameter."""
 
 
-def _float(text: str) -> float:
-    return float(text)
+def _std(text: str) -> float:
+    """A noise scale: a negative, infinite or NaN one is a typo, not a fault to inject."""
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -96,14 +100,14 @@ SCHEDULE_PARAMS = {
 LAYERS = {"layers": (_layers, None, True)}
 KINDS: dict[str, dict] = {
     # Gaussian noise of `std` (logit units) added to every router logit.
-    "router_noise": {"std": (_float, 0.05, False), **LAYERS},
+    "router_noise": {"std": (_std, 0.05, False), **LAYERS},
     # The router weight seen as W + N, N fixed per layer with std `std` x rms(W) (logits + x N^T).
-    "router_weight": {"std": (_float, 0.1, False), **LAYERS},
+    "router_weight": {"std": (_std, 0.1, False), **LAYERS},
     # Each top-k choice, with probability `rate`: `swap` for an expert the token did not choose
     # (keeping its probability), or `drop` (the token uses fewer experts).
     "topk": {"mode": (_choice("swap", "drop"), "swap", False), "rate": (_rate, 0.1, False), **LAYERS},
     # Relative element-wise noise on the routed experts' output: out * (1 + std * N(0, 1)).
-    "expert_noise": {"std": (_float, 0.01, False), **LAYERS},
+    "expert_noise": {"std": (_std, 0.01, False), **LAYERS},
     # Output logits rounded to bf16/fp16/fp8 (E4M3) in rollout forward passes (training stays fp32):
     # `when=no_grad` forward passes without autograd, `rollout` inside `faults.rollout()`, `always`.
     "logprob_precision": {

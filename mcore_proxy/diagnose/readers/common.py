@@ -66,3 +66,12 @@ def head_bytes(path: Path, size: int = 4096) -> bytes:
 
 def strip_ansi(text: str) -> str:
     return ANSI.sub("", text) if "\x1b" in text else text
+
+
+LISTED = 8
+
+
+def listed(names: list[str]) -> str:
+    """The first `LISTED` names, and how many more: for a refusal of a folder that holds several runs."""
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more

@@ -24,6 +24,7 @@ from pathlib import Path
 from mcore_proxy.diagnose.readers.common import (
     complete_lines,
     finish,
+    listed,
     new_points,
     number,
 )
@@ -31,7 +32,6 @@ from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-LISTED = 8
 
 
 def meta(folder: Path) -> dict[str, str]:
@@ -94,9 +94,8 @@ def _tag(run: Path, tag: str) -> str:
 
 
 def _refuse_many(path: Path, names: list[str], example: str) -> LogError:
-    listed = ", ".join(names[:LISTED]) + (f" and {len(names) - LISTED} more" if len(names) > LISTED else "")
     return LogError(
-        f"{path}: an MLflow store with {len(names)} runs ({listed}); pass the folder of one run, e.g. {example}"
+        f"{path}: an MLflow store with {len(names)} runs ({listed(names)}); pass the folder of one run, e.g. {example}"
     )
 
 
@@ -155,10 +154,9 @@ def read_mlflow_sqlite(path: Path, run_id: str | None = None) -> RunLog:
         if not live:
             raise LogError(f"{path}: an MLflow database with no live run; pass one whose run logged metrics")
         if len(live) > 1:
-            listed = ", ".join(f"{r[0]} ({r[1]})" if r[1] else r[0] for r in live[:LISTED])
-            more = f" and {len(live) - LISTED} more" if len(live) > LISTED else ""
+            names = listed([f"{r[0]} ({r[1]})" if r[1] else r[0] for r in live])
             raise LogError(
-                f"{path}: an MLflow database with {len(live)} runs ({listed}{more}); export the "
+                f"{path}: an MLflow database with {len(live)} runs ({names}); export the "
                 "run to compare (mlflow's client: get_metric_history) to CSV, or log each run "
                 "to its own database or file store"
             )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mcore_proxy.optional import MissingDependency, missing_message
-from mcore_proxy.diagnose.readers.common import finish, new_points
+from mcore_proxy.diagnose.readers.common import finish, listed, new_points
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
 
@@ -62,10 +62,8 @@ def read_swanlab(path: Path) -> RunLog:
         if file is None:
             found = run_folders(path)
             if len(found) > 1:
-                listed = ", ".join(p.name for p in found[:8]) + (
-                    f" and {len(found) - 8} more" if len(found) > 8 else ""
-                )
-                raise LogError(f"{path}: a SwanLab folder with {len(found)} runs ({listed}); pass one run's folder")
+                names = listed([p.name for p in found])
+                raise LogError(f"{path}: a SwanLab folder with {len(found)} runs ({names}); pass one run's folder")
             file = run_file(found[0])
     else:
         file = path

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from mcore_proxy.optional import MissingDependency, available, missing_message
-from mcore_proxy.diagnose.readers.common import finish, new_points, number
+from mcore_proxy.diagnose.readers.common import finish, listed, new_points, number
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.errors import LogError
 
@@ -59,11 +59,8 @@ def read_wandb(path: Path) -> RunLog:
         if file is None:
             found = run_folders(path)
             if len(found) > 1:
-                listed = ", ".join(p.name for p in found[:8]) + (
-                    f" and {len(found) - 8} more" if len(found) > 8 else ""
-                )
                 raise LogError(
-                    f"{path}: a W&B folder with {len(found)} runs ({listed}); pass one run's "
+                    f"{path}: a W&B folder with {len(found)} runs ({listed([p.name for p in found])}); pass one run's "
                     f"folder, e.g. {path / 'latest-run'}"
                 )
             file = run_file(found[0])
