@@ -19,26 +19,15 @@ Checked against transformers 5.24 `models/qwen3_moe` and megatron-core 0.16.1:
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import QKV, SHARED_ROWS, Ignored, Row, Table
+from mcore_proxy.checkpoint.hf.gqa import QK_NORM_ROWS, QKV_ROW, ROPE_FREQUENCIES, expert_count_config, qkv_groups
+from mcore_proxy.checkpoint.hf.mapping import SHARED_ROWS, Table
 from mcore_proxy.errors import CheckpointError
 
 NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 EXPERT_KEYS = ("num_experts", "num_local_experts")
 
-TABLE = Table(
-    rows=SHARED_ROWS
-    + (
-        Row(
-            "self_attention.linear_qkv.weight",
-            ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-            QKV,
-        ),
-        Row("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-        Row("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-    ),
-    ignored=(Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),),
-)
+TABLE = Table(rows=SHARED_ROWS + (QKV_ROW, *QK_NORM_ROWS), ignored=(ROPE_FREQUENCIES,))
 
 
 def _moe_pattern(config, layers: int, experts: int) -> list[int]:
@@ -117,11 +106,6 @@ def args_from_config(config, mtp_layers: int = 0):
     )
 
 
-def qkv_groups(args) -> tuple[int, int, int]:
-    heads = int(args.num_attention_heads)
-    return heads, int(getattr(args, "num_query_groups", None) or heads), int(args.kv_channels)
-
-
 def config_from_args(args, spec) -> dict:
     """A Qwen3-MoE config.json for a Megatron model (Megatron -> HF)."""
     require(
@@ -176,12 +160,8 @@ def config_from_args(args, spec) -> dict:
     )
 
 
-def proxy_config(config: dict, spec) -> dict:
-    out = dict(config)
-    key = next((k for k in EXPERT_KEYS if k in out), EXPERT_KEYS[0])
-    out[key] = spec.num_experts
-    out["num_experts_per_tok"] = spec.topk
-    return out
+# every spelling of E config.json has is set (one left stale would describe the original's E)
+proxy_config = expert_count_config(EXPERT_KEYS)
 
 
 FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, qkv_groups)
