@@ -304,6 +304,15 @@ def triage(work: Path) -> dict:
 
 # -- pictures and the record ----------------------------------------------------------------------
 PICTURES = [("precision", "logprob_diff"), ("precision", "rollout_kl"), ("omission", "reward"), ("different", "reward")]
+# canonical metric -> the name TRL's log_history (and the example's trainer) logs it under
+TRL_NAMES = {
+    "reward": "reward",
+    "kl_loss": "kl",
+    "logprob_diff": "sampling/sampling_logp_difference/mean",
+    "rollout_kl": "rollout_corr/k3_kl",
+    "entropy": "entropy",
+}
+LOG_SCALE = ("logprob_diff", "rollout_kl")  # near 0 in a baseline: orders of magnitude apart
 
 
 def curves_figure(work: Path, path: Path) -> None:
@@ -313,12 +322,6 @@ def curves_figure(work: Path, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    raw = {
-        "reward": "reward",
-        "kl_loss": "kl",
-        "logprob_diff": "sampling/sampling_logp_difference/mean",
-        "rollout_kl": "rollout_corr/k3_kl",
-    }
     rows = [
         ("precision", "logprob_diff"),
         ("precision", "rollout_kl"),
@@ -334,12 +337,11 @@ def curves_figure(work: Path, path: Path) -> None:
                 if not folder.is_dir():
                     continue
                 h = history(folder)
-                ax.plot(
-                    [r["step"] for r in h], [r[raw[metric]] for r in h], color=color, label=FAULTS.get(f, "baseline")
-                )
+                values = [r[TRL_NAMES[metric]] for r in h]
+                ax.plot([r["step"] for r in h], values, color=color, label=FAULTS.get(f, "baseline"))
             ax.set_title(f"{model}: {metric}", fontsize=9)
             ax.legend(fontsize=7)
-            if metric in ("logprob_diff", "rollout_kl"):
+            if metric in LOG_SCALE:
                 ax.set_yscale("log")
     for ax in axes[-1]:
         ax.set_xlabel("GRPO step (TRL global_step)")
@@ -356,25 +358,20 @@ def watch_figure(work: Path, results: dict, path: Path) -> None:
 
     runs = work / "campaign" / "heldout" / "runs"
     base = history(runs / "baseline")
-    metrics = (
-        ("reward", "reward"),
-        ("kl_loss", "kl"),
-        ("logprob_diff", "sampling/sampling_logp_difference/mean"),
-        ("rollout_kl", "rollout_corr/k3_kl"),
-        ("entropy", "entropy"),
-    )
+    metrics = ("reward", "kl_loss", "logprob_diff", "rollout_kl", "entropy")
     names = ("midrun_precision", "midrun_router_noise")
     fig, axes = plt.subplots(len(names), len(metrics), figsize=(18, 6))
     for row, name in zip(axes, names):
         h = history(runs / name)
         noticed = results["campaign"]["watch"]["watches"][name].get("first_alert", {}).get("noticed_at_step")
-        for ax, (metric, key) in zip(row, metrics):
+        for ax, metric in zip(row, metrics):
+            key = TRL_NAMES[metric]
             ax.plot([r["step"] for r in base], [r[key] for r in base], color="tab:blue", label="baseline")
             ax.plot([r["step"] for r in h], [r[key] for r in h], color="tab:red", label=name)
             ax.axvline(MIDRUN_ONSET + 1, color="gray", ls="--", lw=1, label="fault on")
             if noticed is not None:
                 ax.axvline(noticed, color="black", lw=1, label=f"first alert ({noticed})")
-            if metric in ("logprob_diff", "rollout_kl"):
+            if metric in LOG_SCALE:
                 ax.set_yscale("log")
             ax.set_title(f"{name}: {metric}", fontsize=9)
         row[0].legend(fontsize=7)
