@@ -3,9 +3,12 @@
 The new run's signature against its baseline (`compare.pair_signature`) is matched with every
 informative library entry (a run that departed from the campaign's baseline in some metric), metric
 by metric with `compare.match_signatures`, the one rule of agreement. A metric's score, in [0, 1],
-is the mean of five agreements: direction, trend, onset (within `onset_window` steps), shift-curve
-correlation (when either has a trend; clipped at 0) and size (the smaller |shift| over the larger,
-when either shifted; strengths in a library differ, so size is one vote of five, not a gate).
+is the mean of four agreements (direction, trend, onset within `onset_window` steps, shift-curve
+correlation when either has a trend, clipped at 0) times a size gate: 1 when both shifts are equal,
+falling linearly with their ratio in decades to 0 at `SIZE_DECADES` (1000x) apart. Strengths in a
+library differ, so the gate is wide; but two faults that move the same metric the same way often
+differ by orders of magnitude in how far (the rollout KL of a bf16 rollout against router noise:
+3000x), and as one vote of five that difference was outvoted by four agreements of direction.
 Only metrics where the entry or the run shifted count: agreeing that nothing happened in a metric
 tells faults apart no better than chance. An entry's score is the mean over those metrics
 (0 when none is shared); a fault's score is its best entry's. Faults are ranked by score, ties by
@@ -14,6 +17,7 @@ the number of matching metrics.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mcore_proxy.diagnose.compare import MetricMatch, match_signatures
@@ -21,9 +25,17 @@ from mcore_proxy.diagnose.library import Library, LibraryEntry
 from mcore_proxy.diagnose.signature import FaultSignature, MetricSignature
 
 
+SIZE_DECADES = 3.0
+
+
 def size_agreement(a: MetricSignature, b: MetricSignature) -> float:
+    """1 for equal |shift|, 0 for shifts SIZE_DECADES or more decades apart (or one of them 0)."""
     big, small = sorted((abs(a.shift), abs(b.shift)), reverse=True)
-    return small / big if big > 0 else 1.0
+    if big == 0:
+        return 1.0
+    if small == 0:
+        return 0.0
+    return max(0.0, 1.0 - math.log10(big / small) / SIZE_DECADES)
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,7 @@ class MetricEvidence:
 
     @property
     def score(self) -> float:
-        return (4 * self.match.score + self.size) / 5
+        return self.match.score * self.size
 
     def describe(self) -> str:
         lib, run = self.match.orig, self.match.proxy

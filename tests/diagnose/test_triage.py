@@ -11,7 +11,8 @@ from mcore_proxy.cli import main
 from mcore_proxy.diagnose.compare import pair_signature
 from mcore_proxy.diagnose.library import Library, LibraryEntry, LibraryError, earliest_warning, load_library
 from mcore_proxy.diagnose.readers import read_log
-from mcore_proxy.diagnose.triage import rank_faults
+from mcore_proxy.diagnose.signature import MetricSignature
+from mcore_proxy.diagnose.triage import rank_faults, size_agreement
 
 FAULTS = ("omission", "precision", "noise")
 
@@ -82,3 +83,17 @@ def test_bad_input(tmp_path, synthetic, library, capsys):
     assert main(["compare", "--run", run, "--baseline", base, "--library", str(library), "--orig-base", base]) == 2
     assert "two modes" in capsys.readouterr().err
     assert main(["compare", "--orig-base", base]) == 2
+
+
+def _shifted_by(shift: float) -> MetricSignature:
+    return MetricSignature("rollout_kl", 30, 0, 29, 1 if shift else 0, shift, None, None, 0.0, 0, 0.0, 1.0, 0.0, 1)
+
+
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [(0.05, 0.05, 1.0), (0.05, 0.5, 2 / 3), (5e-6, 0.043, 0.0), (0.0, 0.1, 0.0), (0.0, 0.0, 1.0)],
+)
+def test_size_gate_counts_decades_apart(a, b, expected):
+    """The rollout KL of a bf16 rollout (+5e-6) and of router noise (+0.043) agree in direction,
+    trend and onset; the size gate is what tells them apart."""
+    assert size_agreement(_shifted_by(a), _shifted_by(b)) == pytest.approx(expected)
