@@ -9,8 +9,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mcore_proxy", "mcore_proxy.*"]),
     # the activation a launch puts on PYTHONPATH (`mcore-proxy patches`; a checkout's patches/
-    # links to it): package data, since mcore_proxy/_patches is a folder, not a package
-    package_data={"mcore_proxy": ["_patches/sitecustomize.py"]},
+    # links to it): package data, since mcore_proxy/activation/_patches is a folder, not a package
+    package_data={"mcore_proxy.activation": ["_patches/sitecustomize.py"]},
     install_requires=["torch>=2.1", "numpy", "safetensors", "kmedoids", "tqdm"],
     extras_require={
         # trl: the fault demonstration inside GRPOTrainer; mlflow-skinny (+ sqlalchemy, alembic for

@@ -376,7 +376,7 @@ def write_checkpoint(
     """Write the legacy checkpoint (and its planted routing statistics) under `root`, complete or
     not at all: built in a sibling folder, renamed into place last. `naming`: megatron-core's
     local-spec names or MindSpeed-LLM's (`mindspeed_llm_state`)."""
-    from mcore_proxy.stats import RoutingStats, save_stats
+    from mcore_proxy.core.stats import RoutingStats, save_stats
     from mcore_proxy.testing.build import training_extras
 
     if root.exists():

@@ -28,8 +28,8 @@ import torch
 from mcore_proxy.checkpoint.view import DictModelView
 from mcore_proxy.select import select_experts
 from mcore_proxy.select.synthetic import planted_layer
-from mcore_proxy.spec import ModelSpec, expert_bias_name, router_weight_name
-from mcore_proxy.stats import RoutingStats
+from mcore_proxy.mcore.spec import ModelSpec, expert_bias_name, router_weight_name
+from mcore_proxy.core.stats import RoutingStats
 
 
 def build(num_layers: int, dense: int, experts: int, hidden: int, tokens: int, seed: int):

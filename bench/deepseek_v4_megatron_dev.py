@@ -87,7 +87,7 @@ def stage_hf(work: Path) -> None:
     import torch
 
     from mcore_proxy.cli import main
-    from mcore_proxy.hf_models import load_model, run
+    from mcore_proxy.hf.models import load_model, run
     from mcore_proxy.testing.hf_fixtures import build_cached
 
     src = build_cached("deepseek_v4", work / "fixtures")

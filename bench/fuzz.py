@@ -120,7 +120,7 @@ def _build_megatron_inputs(corpus: Path, legacy_ckpt: Path, megatron_dist: Path 
     from mcore_proxy.cli import main
     from mcore_proxy.select import select_experts
     from mcore_proxy.select.synthetic import planted_stats
-    from mcore_proxy.stats import save_stats
+    from mcore_proxy.core.stats import save_stats
 
     shutil.copytree(legacy_ckpt, corpus / "legacy")
     view = open_checkpoint(corpus / "legacy")
@@ -1921,7 +1921,7 @@ def preload(corpus: Path | None = None) -> None:
         "mcore_proxy.convert.pipeline",
         "mcore_proxy.convert.verify",
         "mcore_proxy.select.selector",
-        "mcore_proxy.stats",
+        "mcore_proxy.core.stats",
         "mcore_proxy.trace.summary",
         "mcore_proxy.checkpoint.hf",
         "mcore_proxy.checkpoint.hf.native_writer",

@@ -1,10 +1,10 @@
 """`mcore-proxy` console entry point: a thin argparse layer; every command lives in its package.
 
 Each command module exposes `register(subparsers)`, which adds its parser through
-`mcore_proxy.flags` (the spelling table, help layout, `--json` and `--force`) and sets `func`.
+`mcore_proxy.cli_support.flags` (the spelling table, help layout, `--json` and `--force`) and sets `func`.
 Heavy imports (kmedoids, matplotlib, megatron) happen inside the command functions only.
-Exit codes: `mcore_proxy.flags.EXIT_CODES`. An optional package a command needs and the install
-lacks is exit 2 with one sentence naming the extra (`mcore_proxy.optional`), also when the command
+Exit codes: `mcore_proxy.cli_support.flags.EXIT_CODES`. An optional package a command needs and the install
+lacks is exit 2 with one sentence naming the extra (`mcore_proxy.core.optional`), also when the command
 did not check for it first.
 """
 
@@ -18,14 +18,14 @@ import signal
 import sys
 import traceback
 
-from mcore_proxy.errors import CheckFailed, Interrupted, ProxyError
-from mcore_proxy.optional import from_import_error
+from mcore_proxy.core.errors import CheckFailed, Interrupted, ProxyError
+from mcore_proxy.core.optional import from_import_error
 
 # in pipeline order: the order of the top-level help
 COMMAND_MODULES = (
     "mcore_proxy.checkpoint.cli",
     "mcore_proxy.estimate.cli",
-    "mcore_proxy.patches_cli",
+    "mcore_proxy.activation.cli",
     "mcore_proxy.trace.cli",
     "mcore_proxy.trace.collect_cli",
     "mcore_proxy.select.cli",
@@ -67,7 +67,7 @@ command takes --json (one JSON object on stdout), and every command that writes 
 
 def build_parser() -> argparse.ArgumentParser:
     from mcore_proxy import __version__
-    from mcore_proxy.flags import HelpFormatter, exit_codes_text
+    from mcore_proxy.cli_support.flags import HelpFormatter, exit_codes_text
 
     parser = argparse.ArgumentParser(
         prog="mcore-proxy",
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse; a usage error shows the usage of the (sub)command it belongs to, not the top level's."""
-    from mcore_proxy.flags import finish
+    from mcore_proxy.cli_support.flags import finish
 
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -104,7 +104,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mcore_proxy.interrupts import signal_name, stop_on_signals
+    from mcore_proxy.cli_support.interrupts import signal_name, stop_on_signals
 
     args = parse(build_parser(), argv)
     logging.basicConfig(

@@ -1,1 +1,1 @@
-../mcore_proxy/_patches/sitecustomize.py
+../mcore_proxy/activation/_patches/sitecustomize.py

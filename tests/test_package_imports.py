@@ -1,5 +1,5 @@
-"""The package's import graph: no cycles, no module using another module's private names, and the
-conversion path independent of the test helpers (issue 9).
+"""The package's import graph: its parts and the directions between them, no cycles, no module
+using another module's private names, and the library independent of the test helpers.
 
 Every `import` statement counts, at module level or inside a function: a lazy import hides a
 cycle from the interpreter, not from a reader.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import mcore_proxy
 
@@ -118,3 +120,71 @@ def test_the_library_does_not_import_the_test_helpers():
         if imported.startswith("mcore_proxy.testing")
     ]
     assert not bad, "\n".join(bad)
+
+
+# The parts of the package, bottom up, and the parts each may import (besides itself and the root
+# `mcore_proxy`, which holds the version). The data flow is reader -> ModelView -> select/prune ->
+# writer; a new arrow here is a design decision a reviewer should see.
+ALLOWED = {
+    "core": set(),
+    "mcore": {"core"},
+    "cli_support": {"core"},
+    "activation": {"core", "cli_support"},
+    "checkpoint": {"core", "mcore", "cli_support"},
+    "functional": {"core", "mcore", "checkpoint"},
+    "select": {"core", "mcore", "cli_support", "checkpoint"},
+    "hf": {"core", "checkpoint", "select"},
+    "convert": {"core", "mcore", "cli_support", "checkpoint", "functional", "select", "hf"},
+    "trace": {"core", "mcore", "cli_support", "activation", "checkpoint", "hf"},
+    "faults": {"core", "activation", "trace"},
+    "diagnose": {"core", "cli_support"},
+    "campaign": {"core", "cli_support", "activation", "diagnose", "faults"},
+    "estimate": {"core", "mcore", "cli_support", "checkpoint", "select"},
+    "fidelity": {"core", "cli_support", "checkpoint", "select", "hf", "convert"},
+    "testing": {"core", "mcore", "cli_support", "checkpoint", "functional", "select", "convert", "trace"},
+}
+# the command-line entry points at the root: they may import every part, and no part imports them
+ENTRY_POINTS = {"mcore_proxy.cli", "mcore_proxy.__main__"}
+
+
+def _part(module: str) -> str | None:
+    """The part (top-level subpackage) a module belongs to; None for the root's own modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and MODULES[module].name == "__init__.py") else None
+
+
+def test_the_package_root_holds_only_the_entry_points_and_parts():
+    loose = sorted(
+        p.name
+        for p in ROOT.iterdir()
+        if p.name not in {"__init__.py", "__main__.py", "cli.py", "__pycache__"}
+        and not (p.is_dir() and (p / "__init__.py").is_file())
+    )
+    assert not loose, f"give {loose} a home in one of the parts {sorted(ALLOWED)}"
+    assert {_part(m) for m in MODULES} - {None} == set(ALLOWED), "every part has a row in ALLOWED"
+
+
+def test_the_allowed_directions_have_no_cycle():
+    assert _cycle({part: set(uses) for part, uses in ALLOWED.items()}) is None
+
+
+def test_every_import_goes_in_an_allowed_direction():
+    bad = []
+    for module in MODULES:
+        mine = _part(module)
+        for imported, _, line in _imports(module):
+            target = _resolve(imported)
+            theirs = _part(target) if target else None
+            where = f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {imported}"
+            if target in ENTRY_POINTS and module not in ENTRY_POINTS:
+                bad.append(f"{where}: nothing imports the command-line entry point")
+            elif mine is not None and theirs not in (None, mine) and theirs not in ALLOWED[mine]:
+                bad.append(f"{where}: {mine} may import only {sorted(ALLOWED[mine])}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_direction_checker_sees_a_violation(monkeypatch):
+    monkeypatch.setitem(ALLOWED, "core", set())
+    monkeypatch.setitem(ALLOWED, "diagnose", {"core"})
+    with pytest.raises(AssertionError, match="diagnose may import only"):
+        test_every_import_goes_in_an_allowed_direction()

@@ -8,11 +8,11 @@ it was. `pip wheel --no-deps --no-build-isolation` builds with this interpreter'
 (nothing downloaded). Checked:
 
 - every module of the source package is in the wheel (a folder without __init__.py would be
-  silently left out by find_packages), and the activation folder `mcore_proxy/_patches/` with its
+  silently left out by find_packages), and the activation folder `mcore_proxy/activation/_patches/` with its
   `sitecustomize.py`, byte for byte the file a checkout's `patches/sitecustomize.py` links to;
 - nothing but `mcore_proxy/` and its dist-info: no tests/, bench/, patches/, examples/, docs/,
   tools/, and no __pycache__;
-- the console script `mcore-proxy`, and every extra `mcore_proxy.optional` names in its
+- the console script `mcore-proxy`, and every extra `mcore_proxy.core.optional` names in its
   sentences is declared with that package in the metadata.
 
 `tests/tools/test_wheel.py` uses `build_wheel` and `check_wheel` and installs the result.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "mcore_proxy"
-ACTIVATION = f"{PACKAGE}/_patches/sitecustomize.py"
+ACTIVATION = f"{PACKAGE}/activation/_patches/sitecustomize.py"
 # .gitignore's entries: at the top of the tree, and anywhere
 NOT_SOURCE_TOP = (".git", ".venv*", "build", "dist", "*.egg-info", "out*", ".ruff_cache", ".pytest_cache")
 NOT_SOURCE = ("__pycache__", "*.pyc")
@@ -86,7 +86,7 @@ def check_wheel(wheel: Path, repo: Path = REPO) -> dict:
     """The wheel's summary; AssertionError listing every problem found."""
     sys.path.insert(0, str(repo))
     try:
-        from mcore_proxy.optional import PACKAGES
+        from mcore_proxy.core.optional import PACKAGES
     finally:
         sys.path.remove(str(repo))
     problems = []
@@ -121,7 +121,7 @@ def check_wheel(wheel: Path, repo: Path = REPO) -> dict:
         if package.extra and package.dist.lower() not in extras.get(package.extra, set()):
             problems.append(
                 f"extra [{package.extra}] does not require {package.dist} "
-                "(mcore_proxy.optional names it in its sentences)"
+                "(mcore_proxy.core.optional names it in its sentences)"
             )
     if problems:
         raise AssertionError(f"{wheel.name}:\n  " + "\n  ".join(problems))

@@ -163,7 +163,7 @@ def measure(ckpt: Path, stats: Path, k: int, row: Row, work: Path, test, ref, te
 def run_shape(
     shape: str, out_root: Path, smoke: bool = False, only: list[str] | None = None, only_k: list[int] | None = None
 ) -> dict:
-    from mcore_proxy.stats import load_stats
+    from mcore_proxy.core.stats import load_stats
 
     t_start = time.time()
     ckpt = train.trained_checkpoint(shape) if not smoke else smoke_checkpoint(out_root)
@@ -341,7 +341,7 @@ def default_method(res: dict) -> str:
 
 
 def plot(res: dict, out_dir: Path) -> list[Path]:
-    from mcore_proxy.plotting import require_matplotlib
+    from mcore_proxy.cli_support.plotting import require_matplotlib
 
     require_matplotlib("the ablation plots")
     from matplotlib.figure import Figure

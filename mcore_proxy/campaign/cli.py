@@ -3,8 +3,8 @@ signature library and print which metric warns earliest for each fault."""
 
 from __future__ import annotations
 
-from mcore_proxy.errors import CheckFailed
-from mcore_proxy.flags import add_command, emit
+from mcore_proxy.core.errors import CheckFailed
+from mcore_proxy.cli_support.flags import add_command, emit
 
 
 def register(subparsers) -> None:
@@ -80,7 +80,7 @@ def require_library_packages(config) -> None:
     (A TensorBoard log is known for sure only once it exists; a `tfevents` name is checked here.)"""
     from pathlib import Path
 
-    from mcore_proxy.optional import check
+    from mcore_proxy.core.optional import check
 
     tensorboard = any("tfevents" in Path(entry.log).name for entry in config.entries)
     modules = ["scipy", "ruptures"] + (["tensorboard"] if tensorboard else [])
@@ -114,7 +114,7 @@ def run_campaign_command(args) -> int:
         emit(args, "campaign", {"config": str(config.path), "dry_run": True, "runs": runs}, text)
         return 0
     if args.png:
-        from mcore_proxy.plotting import require_matplotlib
+        from mcore_proxy.cli_support.plotting import require_matplotlib
 
         require_matplotlib("--png")
     require_library_packages(config)

@@ -36,8 +36,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mcore_proxy.jsonfile import read_json_object
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.jsonfile import read_json_object
+from mcore_proxy.core.errors import ProxyError
 
 FORMAT = "mcore-proxy-campaign-config/1"
 BASELINE = "baseline"

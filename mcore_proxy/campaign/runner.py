@@ -78,7 +78,7 @@ def run_env(config: CampaignConfig, entry: Entry, base: dict | None = None) -> d
         if patches is None:
             raise ConfigError(
                 f"{config.path}: \"patches\": true, but this mcore-proxy install lacks its "
-                "activation folder (mcore_proxy/_patches); reinstall mcore-proxy, or put a "
+                "activation folder (mcore_proxy/activation/_patches); reinstall mcore-proxy, or put a "
                 'checkout\'s patches/ on PYTHONPATH yourself (in "env") and set "patches": false'
             )
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(patches), env.get("PYTHONPATH")]))
@@ -98,7 +98,7 @@ def finished(entry: Entry) -> dict | None:
 
 
 def _start(config: CampaignConfig, entry: Entry) -> tuple[subprocess.Popen, float]:
-    from mcore_proxy.interrupts import die_with_parent
+    from mcore_proxy.cli_support.interrupts import die_with_parent
 
     shutil.rmtree(entry.run_dir, ignore_errors=True)
     entry.run_dir.mkdir(parents=True)
@@ -139,7 +139,7 @@ def _stop(running: dict) -> None:
 def build_library(config: CampaignConfig) -> Library | None:
     """The library of every finished run (None before the baseline finished); written atomically,
     with stop signals held until it is written (no temporary file left behind by a SIGINT)."""
-    from mcore_proxy.interrupts import deferred
+    from mcore_proxy.cli_support.interrupts import deferred
 
     with deferred():
         return _build_library(config)

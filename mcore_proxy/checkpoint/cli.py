@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mcore_proxy.flags import add_checkpoint_argument, add_command, emit
+from mcore_proxy.cli_support.flags import add_checkpoint_argument, add_command, emit
 
 
 def register(sub) -> None:

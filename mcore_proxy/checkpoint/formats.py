@@ -12,12 +12,12 @@ from pathlib import Path
 
 from mcore_proxy.checkpoint import hf, legacy, torch_dist
 from mcore_proxy.checkpoint.interface import Format, TargetOptions
-from mcore_proxy.checkpoint.output import refuse_staging, staged_output, write_markers
+from mcore_proxy.core.output import refuse_staging, staged_output, write_markers
 from mcore_proxy.checkpoint.target import complete_target
 from mcore_proxy.checkpoint.view import ModelView
-from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.memory import return_freed_buffers_to_os
-from mcore_proxy.progress import byte_bar
+from mcore_proxy.core.errors import CheckpointError, ProxyError
+from mcore_proxy.cli_support.memory import return_freed_buffers_to_os
+from mcore_proxy.cli_support.progress import byte_bar
 
 # Tried in order: a torch_dist iteration folder also has a tracker beside it, as legacy ones do.
 FORMATS: tuple[Format, ...] = (

@@ -10,7 +10,7 @@ from mcore_proxy.checkpoint.hf.quant import FP8_BLOCK, INT4_PACKED, MXFP4, V4_SC
 from mcore_proxy.checkpoint.layer_spec import attention_kind
 from mcore_proxy.checkpoint.names import split_expert_name
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
-from mcore_proxy.units import format_bytes
+from mcore_proxy.core.units import format_bytes
 
 
 _ATTENTION = {"mla": "multi-latent attention", "gqa": "grouped-query attention"}

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import re
 
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.megatron_args import DEFAULTS, arg, arg_int
-from mcore_proxy.sharding import LOCAL_SPEC, TE_SPEC
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.megatron_args import DEFAULTS, arg, arg_int
+from mcore_proxy.mcore.sharding import LOCAL_SPEC, TE_SPEC
 
 _FUSED_MLA_NORM = re.compile(r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$")
 _MLA_NORM = re.compile(r"\.self_attention\.(q|kv)_layernorm\.weight$")

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from mcore_proxy.checkpoint.names import EXPERT_LAYOUTS, SEQUENTIAL
-from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.megatron_args import arg, arg_bool, arg_int
+from mcore_proxy.core.errors import CheckpointError, ProxyError
+from mcore_proxy.mcore.megatron_args import arg, arg_bool, arg_int
 
 
 def stage_layer_counts(
@@ -90,7 +90,7 @@ class ParallelLayout:
     def chunk_offsets(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(stage, virtual chunk) -> (global offset of its first layer, layer count)."""
         if self.pipeline_layout:
-            from mcore_proxy.pipeline_layout import parse_pipeline_layout
+            from mcore_proxy.mcore.pipeline_layout import parse_pipeline_layout
 
             stages = parse_pipeline_layout(self.pipeline_layout, self.pp).stages
             return {(s.pp, s.vp): (s.decoder[0] if s.decoder else 0, len(s.decoder)) for s in stages}
@@ -118,7 +118,7 @@ class ParallelLayout:
     def stages(self, mtp_layers: int = 0):
         """Every (pp, vp) model chunk as a `pipeline_layout.PipelineLayout`: parsed from the layout
         string, else the chunks megatron-core builds from the stage sizes (MTP layers last)."""
-        from mcore_proxy.pipeline_layout import chunk_stages, parse_pipeline_layout
+        from mcore_proxy.mcore.pipeline_layout import chunk_stages, parse_pipeline_layout
 
         if self.pipeline_layout:
             return parse_pipeline_layout(self.pipeline_layout, self.pp)
@@ -203,7 +203,7 @@ def _layout_from_args(args, folder) -> ParallelLayout:
 def _layout_from_string(args, text, tp, pp, ep, etp, num_layers, where) -> ParallelLayout:
     """The layout of a run saved with `--pipeline-model-parallel-layout` (validated as
     megatron-core does); stage_layers are each pipeline rank's decoder layers over its chunks."""
-    from mcore_proxy.pipeline_layout import parse_pipeline_layout
+    from mcore_proxy.mcore.pipeline_layout import parse_pipeline_layout
 
     if not isinstance(text, str):
         raise CheckpointError(

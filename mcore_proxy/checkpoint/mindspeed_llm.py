@@ -39,9 +39,9 @@ import torch
 
 from mcore_proxy.checkpoint.names import apply_variants, canonical_sort_key, restore_variant
 from mcore_proxy.checkpoint.view import ModelView
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.megatron_args import arg, arg_int
-from mcore_proxy.sharding import MINDSPEED_SPEC
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.megatron_args import arg, arg_int
+from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
 
 MEGATRON, MINDSPEED_LLM = "megatron", "mindspeed-llm"
 NAMINGS = (MEGATRON, MINDSPEED_LLM)
@@ -294,7 +294,7 @@ def written_naming(view, naming: str | None, fmt: str):
     or by default the source's (MindSpeed-LLM names are written to legacy checkpoints only, as
     MindSpeed-LLM saves them). Returns a MindSpeedNaming or None (megatron-core names)."""
     from mcore_proxy.checkpoint.layer_spec import attention_kind
-    from mcore_proxy.errors import ProxyError
+    from mcore_proxy.core.errors import ProxyError
 
     if naming not in (None, *NAMINGS):
         raise ProxyError(f"--naming {naming!r} is not one of {', '.join(NAMINGS)}")

@@ -65,9 +65,9 @@ import torch
 
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER, canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.megatron_args import arg_int
-from mcore_proxy.sharding import MINDSPEED_SPEC
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.megatron_args import arg_int
+from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +450,7 @@ FLAGS = (
 
 def launch_flags(args) -> list[str]:
     """MindSpeed-LLM's model flags for DeepSeek-V4 `args` (MindSpeed-LLM's namespace)."""
-    from mcore_proxy.launch_flags import model_flags
+    from mcore_proxy.mcore.launch_flags import model_flags
 
     return [
         "--transformer-impl local",

@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.layer_pattern import parse_layer_pattern
-from mcore_proxy.megatron_args import arg
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
+from mcore_proxy.mcore.megatron_args import arg
 
 # -- canonical names ---------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import pickle
 
 import torch
 
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

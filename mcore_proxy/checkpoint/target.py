@@ -14,9 +14,9 @@ from mcore_proxy.checkpoint.layout import ParallelLayout, stage_layer_counts
 from mcore_proxy.checkpoint.names import GROUPED, OUTPUT_LAYER, SEQUENTIAL, embeddings_tied, layer_number, mtp_depth
 from mcore_proxy.checkpoint.safe_globals import writable_args
 from mcore_proxy.checkpoint.view import holds_fp8
-from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.megatron_args import DEFAULTS
-from mcore_proxy.sharding import TE_SPEC, rule_for
+from mcore_proxy.core.errors import CheckpointError, ProxyError
+from mcore_proxy.mcore.megatron_args import DEFAULTS
+from mcore_proxy.mcore.sharding import TE_SPEC, rule_for
 
 
 def refuse_noop_layers(view, fmt: str, target: ParallelLayout | None = None) -> None:
@@ -92,7 +92,7 @@ def pipeline_split(
     num_layers and the MTP layers as megatron-core does), or Megatron's even interleaved split
     into `vpp` chunks per rank (`--target-vpp`: chunk (pp, vp) holds layers (vp*PP + pp)*n ..
     +n), or plain stage sizes (even by default). Contradictions are one sentence naming the flag."""
-    from mcore_proxy.pipeline_layout import parse_pipeline_layout
+    from mcore_proxy.mcore.pipeline_layout import parse_pipeline_layout
 
     if pipeline_layout is not None:
         if stage_layers:

@@ -41,7 +41,7 @@ from mcore_proxy.checkpoint.safe_globals import (
     unresolved_class,
 )
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 # -- reading -------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import torch
 
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.names import group_of
-from mcore_proxy.spec import ModelSpec, expert_bias_name, router_weight_name
+from mcore_proxy.mcore.spec import ModelSpec, expert_bias_name, router_weight_name
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class ModelView(ABC):
     def dequantized(self) -> "ModelView":
         """The same checkpoint with block-quantised (FP8) weights read as bf16 and no scale tensors
         (`convert --dequantize`); a view that holds none refuses."""
-        from mcore_proxy.errors import ProxyError
+        from mcore_proxy.core.errors import ProxyError
 
         raise ProxyError(
             f"--dequantize: {self.info.path or 'the checkpoint'} holds no FP8 weights with block "

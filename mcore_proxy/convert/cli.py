@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mcore_proxy.flags import add_checkpoint_argument, add_command, add_not_yet, add_option, emit
-from mcore_proxy.units import format_bytes
+from mcore_proxy.cli_support.flags import add_checkpoint_argument, add_command, add_not_yet, add_option, emit
+from mcore_proxy.core.units import format_bytes
 
 # checkpoint.formats' writable rows (tests/checkpoint/test_formats.py keeps them equal), spelled out
 # so that building the parser does not import every reader and torch (`--help`, `watch`: issue 23)
@@ -286,7 +286,7 @@ def require_functional_framework(orig) -> None:
     """--functional runs the models in their framework (transformers for Hugging Face checkpoints,
     megatron-core for Megatron ones): checked before the bit-for-bit pass, which may take long."""
     from mcore_proxy.checkpoint.formats import detect_format, get_format
-    from mcore_proxy.optional import check
+    from mcore_proxy.core.optional import check
 
     framework = get_format(detect_format(orig)).framework
     module = {"transformers": "transformers", "megatron-core": "megatron"}.get(framework)
@@ -296,7 +296,7 @@ def require_functional_framework(orig) -> None:
 
 def run_verify(args) -> int:
     from mcore_proxy.convert.verify import verify
-    from mcore_proxy.errors import CheckFailed
+    from mcore_proxy.core.errors import CheckFailed
 
     if args.functional:
         require_functional_framework(args.orig)

@@ -57,8 +57,8 @@ def write_manifest(folder: Path, info: dict, files: dict[str, dict], pending: di
     report, or reported with another size, is an InternalError, never an unlisted file.
     `pending`: files written after the manifest (the completeness markers, relative path -> bytes),
     listed with the hash of the bytes they will hold: the tracker stays the last file written."""
-    from mcore_proxy.checkpoint.output import write_synced
-    from mcore_proxy.errors import InternalError
+    from mcore_proxy.core.output import write_synced
+    from mcore_proxy.core.errors import InternalError
 
     on_disk = {
         str(p.relative_to(folder)): p.stat().st_size

@@ -29,17 +29,17 @@ from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint import mindspeed_llm_v4 as mindspeed_v4
 from mcore_proxy.checkpoint.mindspeed_llm import written_naming
-from mcore_proxy.checkpoint.output import staged_output, write_markers
+from mcore_proxy.core.output import staged_output, write_markers
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.checkpoint.target import first_last
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
-from mcore_proxy.errors import ProxyError
-from mcore_proxy.launch_flags import model_flags
-from mcore_proxy.megatron_args import DEFAULTS
-from mcore_proxy.memory import return_freed_buffers_to_os
-from mcore_proxy.progress import byte_bar
+from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.mcore.launch_flags import model_flags
+from mcore_proxy.mcore.megatron_args import DEFAULTS
+from mcore_proxy.cli_support.memory import return_freed_buffers_to_os
+from mcore_proxy.cli_support.progress import byte_bar
 
 FILE_OVERHEAD = 64 << 10  # bytes allowed per output file beyond its tensors (zip headers, pickles)
 PLANNED_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-router-num-groups", "--moe-router-group-topk")
@@ -102,7 +102,7 @@ def open_views(
         source = source.named_for(get_format(fmt).framework)
     if plan_path is None:
         return source, source, None
-    from mcore_proxy.errors import PlanError
+    from mcore_proxy.core.errors import PlanError
     from mcore_proxy.select.plan import load_plan
 
     plan = load_plan(plan_path)
@@ -264,7 +264,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     `convert --dry-run` runs exactly this: the views and plan, the target layout, the writer's
     checks (the args it will store: dropped and needed fields), the output path, its lock and
     free space."""
-    from mcore_proxy.checkpoint.output import check_free_space, check_output_path, output_lock, write_failure
+    from mcore_proxy.core.output import check_free_space, check_output_path, output_lock, write_failure
 
     fmt = output_format(req)
     source, view, plan = open_views(req.ckpt, req.plan, req.dequantize, fmt)
@@ -448,7 +448,7 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
     units and reports their files (sizes, hashes, records) through the store; rank 0 then runs the
     writer's finish, writes manifest and markers and renames, or removes the folder if any rank
     failed. Other ranks wait for rank 0's verdict."""
-    from mcore_proxy.interrupts import die_with_parent
+    from mcore_proxy.cli_support.interrupts import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the launcher died: stop (and clean up) as for its own SIGTERM
     ranks = _Ranks()

@@ -3,7 +3,7 @@
 Kept experts are renumbered in plan order (new expert j is original `kept[j]`), router rows
 (`weight` [E, H]: axis 0) and bias entries (`bias`, `expert_bias` [E] or [1, E]: the last axis)
 are taken in the same order, a hash-routed layer's table [V, k] of expert ids is rewritten to the
-new ids, a dropped expert's slots to its substitutes by the plan's rule (`substitute_rows`), and every
+new ids, a dropped expert's slots to its substitutes by the plan's rule (`select.plan.substitute_rows`), and every
 other tensor is the source's, bit for bit. Dropped experts are never read. The hash table is
 `mlp.router.hash_table` in a Hugging Face view (checkpoint/hf/native.py) and `mlp.router.tid2eid`
 under Megatron-LM's names (HF -> Megatron, and Megatron checkpoints): one rule for both.
@@ -18,6 +18,7 @@ import torch
 
 from mcore_proxy.checkpoint.names import group_of, split_expert_name
 from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.select.plan import substitute_rows
 
 _ROUTER_ROWS = re.compile(r"^(.*)\.mlp\.router\.(weight|bias|expert_bias)$")
 _HASH_TABLE = re.compile(r"^(.*)\.mlp\.router\.(hash_table|tid2eid)$")
@@ -114,43 +115,3 @@ def new_ids(kept: list[int], num_experts: int) -> torch.Tensor:
     out = torch.full((num_experts,), -1, dtype=torch.int64)
     out[list(kept)] = torch.arange(len(kept))
     return out
-
-
-def substitute_rows(table: torch.Tensor, plan, layer_id: str, num_experts: int, where: str) -> torch.Tensor:
-    """A hash-routed layer's table [V, k] of original expert ids with every slot that names a dropped
-    expert given the first of its ranked substitutes (`LayerPlan.substitutes`) that the row does not
-    already name, slots in order: a row of k distinct experts keeps k distinct kept experts. Still
-    original ids, in the table's dtype; the proxy's table and the reference of a restricted original
-    both come from here."""
-    from mcore_proxy.errors import CheckpointError, PlanError
-
-    ids = table.long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise CheckpointError(
-            f"{where}: holds expert ids {int(ids.min())}..{int(ids.max())}, but the layer has "
-            f"{num_experts} experts; the checkpoint is damaged, copy it again"
-        )
-    kept, subs = plan.kept(layer_id), plan.layers[layer_id].substitutes
-    is_kept = torch.zeros(num_experts, dtype=torch.bool)
-    is_kept[list(kept)] = True
-    missing = sorted(set(ids[~is_kept[ids]].unique().tolist()) - set(subs))
-    if missing:
-        raise PlanError(
-            f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
-            f"dropped expert {missing[0]}; make the plan again with this version of select"
-        )
-    ranking = torch.zeros((num_experts, len(kept)), dtype=torch.int64)
-    for e, ranked in subs.items():
-        ranking[e] = torch.tensor(ranked)
-    used = torch.zeros((ids.shape[0], num_experts), dtype=torch.bool)
-    used.scatter_(1, ids, is_kept[ids])
-    out = ids.clone()
-    for slot in range(ids.shape[1]):
-        rows = (~is_kept[ids[:, slot]]).nonzero().squeeze(1)
-        if rows.numel():
-            candidates = ranking[ids[rows, slot]]  # [n, K], preferred first
-            free = ~used[rows.unsqueeze(1), candidates]
-            pick = candidates[torch.arange(rows.numel()), free.int().argmax(1)]  # the first free one
-            out[rows, slot] = pick
-            used[rows, pick] = True
-    return out.to(table.dtype)

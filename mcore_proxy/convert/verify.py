@@ -18,8 +18,8 @@ from mcore_proxy.checkpoint.hf.quant import holds_quantized
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.convert.manifest import MANIFEST, check_manifest
 from mcore_proxy.convert.prune import PrunedView
-from mcore_proxy.errors import InternalError, PlanError, ProxyError
-from mcore_proxy.units import BYTES_PROGRESS
+from mcore_proxy.core.errors import InternalError, PlanError, ProxyError
+from mcore_proxy.core.units import BYTES_PROGRESS
 
 
 @dataclass
@@ -108,7 +108,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     """Every check; problems are collected, not raised (the CLI turns them into exit code 1)."""
     from tqdm import tqdm
 
-    from mcore_proxy.memory import return_freed_buffers_to_os
+    from mcore_proxy.cli_support.memory import return_freed_buffers_to_os
     from mcore_proxy.select.plan import load_plan
 
     return_freed_buffers_to_os()
@@ -158,7 +158,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
 def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     """Both Hugging Face checkpoints run in transformers on CPU on fixed tokens; the proxy's
     logits must equal the source's when its gates may only choose the kept experts."""
-    from mcore_proxy.hf_models import load_model, restrict_gates, run, text_config_of
+    from mcore_proxy.hf.models import load_model, restrict_gates, run, text_config_of
 
     orig_model, proxy_model = load_model(source.info.path), load_model(proxy.info.path)
     vocab = int(text_config_of(orig_model).vocab_size)

@@ -16,11 +16,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 
-from mcore_proxy.errors import InternalError
+from mcore_proxy.core.errors import InternalError
 
 
 def _main(conn, parent_pid: int, fn, args, with_progress: bool) -> None:
-    from mcore_proxy import interrupts
+    from mcore_proxy.cli_support import interrupts
 
     interrupts.as_worker(parent_pid)
     try:

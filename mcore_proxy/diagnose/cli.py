@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from mcore_proxy.errors import CheckFailed, ProxyError
-from mcore_proxy.flags import add_command, emit
+from mcore_proxy.core.errors import CheckFailed, ProxyError
+from mcore_proxy.cli_support.flags import add_command, emit
 
 ROLE_ARGS = (
     ("orig-base", "original, baseline"),
@@ -240,7 +240,7 @@ def run_watch(args) -> int:
 
     from mcore_proxy.diagnose.detect import Settings
     from mcore_proxy.diagnose.watch import Watcher, alert_line, view
-    from mcore_proxy.errors import LogError
+    from mcore_proxy.core.errors import LogError
 
     every, idle = duration(args.every), duration(args.idle) if args.idle else None
     try:

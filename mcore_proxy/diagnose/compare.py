@@ -27,7 +27,7 @@ import numpy as np
 from mcore_proxy.diagnose.aliases import ALIASES, canonical_metrics, resolve
 from mcore_proxy.diagnose.series import RunLog, Series
 from mcore_proxy.diagnose.signature import MIN_POINTS, FaultSignature, MetricSignature, metric_signature
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 ROLES = ("orig_base", "orig_fault", "proxy_base", "proxy_fault")
 MIN_CORRELATION = 0.5

@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mcore_proxy.jsonfile import read_json_object
+from mcore_proxy.core.jsonfile import read_json_object
 from mcore_proxy.diagnose.signature import FaultSignature, MetricSignature
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 
 FORMAT = "mcore-proxy-library/1"
 

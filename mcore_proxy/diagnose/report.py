@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from mcore_proxy.diagnose.compare import ROLES, Comparison, role_name
-from mcore_proxy.optional import require
+from mcore_proxy.core.optional import require
 
 
 def _fmt(value, spec=".3g") -> str:
@@ -115,7 +115,7 @@ def write_report(out, comparison: Comparison, *, inputs: tuple = (), replace: bo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mcore_proxy.checkpoint.output import staged_output
+    from mcore_proxy.core.output import staged_output
 
     out = Path(out)
     with staged_output(out, inputs, replace=replace) as tmp:

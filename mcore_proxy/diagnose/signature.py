@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mcore_proxy.optional import require
+from mcore_proxy.core.optional import require
 from mcore_proxy.diagnose.series import Series
 
 FORMAT = "mcore-proxy-signature/1"

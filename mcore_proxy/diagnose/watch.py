@@ -24,7 +24,7 @@ from mcore_proxy.diagnose.aliases import canonical_metrics
 from mcore_proxy.diagnose.detect import DETECTORS, Finding, Settings, detect
 from mcore_proxy.diagnose.readers import read_log
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 FORMAT = "mcore-proxy-alert/1"
 SPARK = "▁▂▃▄▅▆▇█"

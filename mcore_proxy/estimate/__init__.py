@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_proxy.errors import PlanError, ProxyError
+from mcore_proxy.core.errors import PlanError, ProxyError
 from mcore_proxy.estimate.memory import DeviceMemory, Layout, Training
 from mcore_proxy.estimate.model import Architecture, ParameterCount, count_parameters, expert_flops_per_token
 from mcore_proxy.estimate.search import Constraints, check_constraints, fitting_layouts, least_memory, nearest
-from mcore_proxy.units import GIB
+from mcore_proxy.core.units import GIB
 
 FORMAT = "mcore-proxy-estimate/1"
 

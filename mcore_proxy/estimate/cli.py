@@ -6,8 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
-from mcore_proxy.errors import ProxyError
-from mcore_proxy.flags import add_command, add_option, emit
+from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.cli_support.flags import add_command, add_option, emit
 
 _UNITS = {
     "": 1 << 30,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.model import (
     Architecture,
     Params,

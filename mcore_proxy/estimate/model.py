@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 
 
 @dataclass(frozen=True)

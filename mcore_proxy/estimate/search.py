@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.memory import (
     DeviceMemory,
     Layout,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_proxy.jsonfile import read_json_object
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.jsonfile import read_json_object
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.model import MLA, Architecture, Indexer, LinearAttention, V4Attention
 from mcore_proxy.estimate.presets import PRESETS
 
@@ -265,7 +265,7 @@ def from_megatron_args(args, names: list[str], source: str) -> dict:
     """Architecture fields from a checkpoint's `args` (Megatron and MindSpeed-LLM spellings);
     where an argument is absent, the checkpoint's canonical tensor names decide, and what neither
     says is left to a preset or config.json (merge names what is still missing)."""
-    from mcore_proxy.spec import ModelSpec
+    from mcore_proxy.mcore.spec import ModelSpec
 
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     spec = ModelSpec.from_args(args)

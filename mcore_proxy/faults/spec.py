@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 
 ENV_FAULTS = "MCORE_PROXY_FAULTS"
 

@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from mcore_proxy.flags import add_command, emit
+from mcore_proxy.cli_support.flags import add_command, emit
 
 REPORT, PICTURE = "fidelity.json", "fidelity.png"
 
@@ -88,7 +88,7 @@ def draw(report: dict, path: Path) -> None:
 
 
 def run_fidelity(args) -> int:
-    from mcore_proxy.optional import check
+    from mcore_proxy.core.optional import check
 
     # both models run in transformers; -o draws with matplotlib: one sentence for all that is missing
     check(
@@ -96,13 +96,13 @@ def run_fidelity(args) -> int:
         *(["matplotlib"] if args.out is not None else []),
         why="fidelity" + (" -o" if args.out is not None else ""),
     )
-    from mcore_proxy.checkpoint.output import staged_files
+    from mcore_proxy.core.output import staged_files
     from mcore_proxy.fidelity.measure import measure
 
     with contextlib.ExitStack() as outputs:  # refused before the models run if the report exists
         report_dir = None
         if args.out is not None:
-            from mcore_proxy.plotting import require_matplotlib
+            from mcore_proxy.cli_support.plotting import require_matplotlib
 
             require_matplotlib("fidelity -o")
             report_dir = outputs.enter_context(

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.errors import ProxyError
-from mcore_proxy.hf_models import load_model, mark_routers, routing, run, text_config_of
+from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.hf.models import load_model, mark_routers, routing, run, text_config_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -146,7 +146,7 @@ def measure(
 ) -> dict:
     """Load both models (converting Megatron checkpoints to HF) and measure them over `data`;
     returns the report (JSON-ready, see the module docstring)."""
-    from mcore_proxy.calibration import data_batches
+    from mcore_proxy.hf.calibration import data_batches
     from mcore_proxy.select.plan import load_plan
 
     plan = load_plan(plan_path)

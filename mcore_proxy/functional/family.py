@@ -27,7 +27,7 @@ from mcore_proxy.checkpoint.legacy.reader import RANK_FILE, resolve_legacy_dir
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
-from mcore_proxy.pipeline_layout import split_stages
+from mcore_proxy.mcore.pipeline_layout import split_stages
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def embedding_ranks(model: Family, layout: Layout):
     all-reduce an untied output layer into the MTP stage's embedding copy."""
     text = getattr(layout, "pipeline_layout", None)
     if text is not None:
-        from mcore_proxy.pipeline_layout import parse_pipeline_layout
+        from mcore_proxy.mcore.pipeline_layout import parse_pipeline_layout
 
         copies = {s.pp for s in parse_pipeline_layout(text, layout.pp).stages if s.mtp}
     else:
@@ -351,9 +351,9 @@ def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Fa
     `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether
     the output layer is the word embeddings (`checkpoint.names.embeddings_tied` of the view); None:
     only when args say so explicitly (`untie_embeddings_and_output_weights` False)."""
-    from mcore_proxy.layer_pattern import parse_layer_pattern
-    from mcore_proxy.megatron_args import arg, ffn_hidden_size
-    from mcore_proxy.spec import ModelSpec
+    from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
+    from mcore_proxy.mcore.megatron_args import arg, ffn_hidden_size
+    from mcore_proxy.mcore.spec import ModelSpec
 
     spec = ModelSpec.from_args(args)
     # absent in older Megatron's args: its default (megatron_args.DEFAULTS), as ModelSpec reads it

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_proxy.megatron_args import ACTIVATIONS
+from mcore_proxy.mcore.megatron_args import ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -184,10 +184,10 @@ def build_gpt(model: ToyMoE, layout: Layout):
 def toy_from_args(args, where: str | None = None) -> ToyMoE:
     """The ToyMoE a checkpoint's Megatron args describe (local spec, RMSNorm, RoPE), its MLP
     activation as the args say (`activation_of_args`). Absent fields take Megatron's defaults
-    from the one table in `mcore_proxy.megatron_args`."""
-    from mcore_proxy.layer_pattern import parse_layer_pattern
-    from mcore_proxy.megatron_args import activation_of_args, arg, arg_bool, arg_int, ffn_hidden_size
-    from mcore_proxy.spec import ModelSpec
+    from the one table in `mcore_proxy.mcore.megatron_args`."""
+    from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
+    from mcore_proxy.mcore.megatron_args import activation_of_args, arg, arg_bool, arg_int, ffn_hidden_size
+    from mcore_proxy.mcore.spec import ModelSpec
 
     spec = ModelSpec.from_args(args, where)
     freq = parse_layer_pattern(arg(args, "moe_layer_freq", where), "args moe_layer_freq")

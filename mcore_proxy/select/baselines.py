@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mcore_proxy.errors import StatsError
-from mcore_proxy.stats import LayerStats
+from mcore_proxy.core.errors import StatsError
+from mcore_proxy.core.stats import LayerStats
 
 RANKING_METHODS = ("frequency", "gate-mass", "saliency", "random", "first-k")
 

@@ -7,9 +7,9 @@ import functools
 import glob
 from pathlib import Path
 
-from mcore_proxy.errors import OutputError, PlanError
-from mcore_proxy.flags import add_command, add_option, emit
-from mcore_proxy.plotting import require_matplotlib
+from mcore_proxy.core.errors import OutputError, PlanError
+from mcore_proxy.cli_support.flags import add_command, add_option, emit
+from mcore_proxy.cli_support.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
 from mcore_proxy.select.selector import DEFAULT_REFINEMENTS, DEFAULT_WEIGHTS, METHODS, REPRESENTATIVES
@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.checkpoint.output import staged_files
+    from mcore_proxy.core.output import staged_files
     from mcore_proxy.select.constraints import check_stats_match
     from mcore_proxy.select.report import REPORT_FILES, summary_dict, summary_table, write_report
     from mcore_proxy.select.selector import run_selection
-    from mcore_proxy.stats import load_stats, sidecar_path
+    from mcore_proxy.core.stats import load_stats, sidecar_path
 
     weights = parse_weights(args.weights)
     out = Path(args.output)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcore_proxy.errors import PlanError, StatsError
+from mcore_proxy.core.errors import PlanError, StatsError
 from mcore_proxy.select.plan import RouterSettings
-from mcore_proxy.stats import RoutingStats, layer_sort_key
+from mcore_proxy.core.stats import RoutingStats, layer_sort_key
 
 log = logging.getLogger(__name__)
 

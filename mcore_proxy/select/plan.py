@@ -11,10 +11,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mcore_proxy.jsonfile import read_json_object
-from mcore_proxy.errors import PlanError
-from mcore_proxy.stats import layer_sort_key
+from mcore_proxy.core.jsonfile import read_json_object
+from mcore_proxy.core.errors import PlanError
+from mcore_proxy.core.stats import layer_sort_key
+
+if TYPE_CHECKING:  # torch only where a hash table is rewritten
+    import torch
 
 FORMAT = "mcore-proxy-plan/1"
 
@@ -59,7 +63,7 @@ class LayerPlan:
     dead_kept: the never-selected experts that are kept anyway (only when fewer than K were
     selected), with `dead_note` saying why (plans older than this field read as none);
     substitutes: for a hash-routed layer (DeepSeek-V4), dropped expert -> every kept expert in the
-    order its tokens' slots take them (`selector.hash_substitutes`; `convert.prune.substitute_rows`
+    order its tokens' slots take them (`selector.hash_substitutes`; `substitute_rows`
     applies the rule); empty for other layers. A single kept expert (an older plan) reads as that
     expert, then the other kept ones by id.
     """
@@ -344,3 +348,47 @@ def load_plan(path: str | os.PathLike) -> SelectionPlan:
         raise PlanError(
             f"{path}: not a valid {FORMAT} plan ({detail}); regenerate it with `mcore-proxy select`"
         ) from None
+
+
+def substitute_rows(
+    table: torch.Tensor, plan: SelectionPlan, layer_id: str, num_experts: int, where: str
+) -> torch.Tensor:
+    """A hash-routed layer's table [V, k] of original expert ids with every slot that names a dropped
+    expert given the first of its ranked substitutes (`LayerPlan.substitutes`) that the row does not
+    already name, slots in order: a row of k distinct experts keeps k distinct kept experts. Still
+    original ids, in the table's dtype; the proxy's table and the reference of a restricted original
+    both come from here."""
+    import torch
+
+    from mcore_proxy.core.errors import CheckpointError, PlanError
+
+    ids = table.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        raise CheckpointError(
+            f"{where}: holds expert ids {int(ids.min())}..{int(ids.max())}, but the layer has "
+            f"{num_experts} experts; the checkpoint is damaged, copy it again"
+        )
+    kept, subs = plan.kept(layer_id), plan.layers[layer_id].substitutes
+    is_kept = torch.zeros(num_experts, dtype=torch.bool)
+    is_kept[list(kept)] = True
+    missing = sorted(set(ids[~is_kept[ids]].unique().tolist()) - set(subs))
+    if missing:
+        raise PlanError(
+            f"layer {layer_id} routes tokens by a hash table, and the plan names no substitute for "
+            f"dropped expert {missing[0]}; make the plan again with this version of select"
+        )
+    ranking = torch.zeros((num_experts, len(kept)), dtype=torch.int64)
+    for e, ranked in subs.items():
+        ranking[e] = torch.tensor(ranked)
+    used = torch.zeros((ids.shape[0], num_experts), dtype=torch.bool)
+    used.scatter_(1, ids, is_kept[ids])
+    out = ids.clone()
+    for slot in range(ids.shape[1]):
+        rows = (~is_kept[ids[:, slot]]).nonzero().squeeze(1)
+        if rows.numel():
+            candidates = ranking[ids[rows, slot]]  # [n, K], preferred first
+            free = ~used[rows.unsqueeze(1), candidates]
+            pick = candidates[torch.arange(rows.numel()), free.int().argmax(1)]  # the first free one
+            out[rows, slot] = pick
+            used[rows, pick] = True
+    return out.to(table.dtype)

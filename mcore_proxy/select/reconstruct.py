@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcore_proxy.errors import PlanError
-from mcore_proxy.megatron_args import activation_of_args
-from mcore_proxy.spec import layer_module_prefix
+from mcore_proxy.core.errors import PlanError
+from mcore_proxy.mcore.megatron_args import activation_of_args
+from mcore_proxy.mcore.spec import layer_module_prefix
 
 
 def as_float64(w) -> np.ndarray:
@@ -146,7 +146,7 @@ def layer_function(view, layer_id: str, stats_layer, router_weight: np.ndarray) 
         outputs[:, e] = expert_outputs(points, fc1, fc2, activation)
     bias = None
     if spec.expert_bias:
-        from mcore_proxy.spec import expert_bias_name
+        from mcore_proxy.mcore.spec import expert_bias_name
 
         bias = as_float64(view.get(expert_bias_name(layer_id)))
     return LayerFunction(

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcore_proxy.errors import PlanError
+from mcore_proxy.core.errors import PlanError
 from mcore_proxy.select import baselines, cluster, fuse, reconstruct, refine, views
 from mcore_proxy.select.constraints import GroupSetup, check_sizes, check_stats_match, resolve_groups
 from mcore_proxy.select.plan import Cluster, LayerPlan, SelectionPlan, SourceInfo
-from mcore_proxy.spec import router_weight_name
-from mcore_proxy.stats import LayerStats, RoutingStats, layer_sort_key
+from mcore_proxy.mcore.spec import router_weight_name
+from mcore_proxy.core.stats import LayerStats, RoutingStats, layer_sort_key
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcore_proxy.stats import LayerStats, RoutingStats
+from mcore_proxy.core.stats import LayerStats, RoutingStats
 
 
 @dataclass(frozen=True, repr=False)

@@ -91,7 +91,7 @@ def _family_fixtures():
 
 
 def family_fixture_key(name: str) -> str:
-    from mcore_proxy import pipeline_layout
+    from mcore_proxy.mcore import pipeline_layout
     from mcore_proxy.functional import cpu, model as model_module, run
     from mcore_proxy.testing import build, dist_ckpt, families, global_weights
 

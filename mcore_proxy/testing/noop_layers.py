@@ -100,7 +100,7 @@ def remove_noop_layers(source: Path, out: Path) -> tuple[Path, list[int]]:
     renumbered 0.. within each stage, so megatron-core (which has no noop layer) builds and loads
     it; each stage keeps its real layers. Returns (out, real layers per stage)."""
     from mcore_proxy.checkpoint.layout import layout_from_args
-    from mcore_proxy.pipeline_layout import noop_layer_ids
+    from mcore_proxy.mcore.pipeline_layout import noop_layer_ids
 
     out_it, first, args = _copy(source, out)
     layout = layout_from_args(args, first)

@@ -12,7 +12,7 @@ import zlib
 import torch
 
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
-from mcore_proxy.spec import ModelSpec
+from mcore_proxy.mcore.spec import ModelSpec
 
 
 def synthetic_args(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_proxy.stats import LayerStats
+from mcore_proxy.core.stats import LayerStats
 
 
 def full_routing(probs: torch.Tensor, routing: torch.Tensor, num_experts: int):

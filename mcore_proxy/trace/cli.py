@@ -6,9 +6,9 @@ import argparse
 import glob
 from pathlib import Path
 
-from mcore_proxy.errors import OutputError, StatsError
-from mcore_proxy.flags import add_command, add_group, emit
-from mcore_proxy.plotting import require_matplotlib
+from mcore_proxy.core.errors import OutputError, StatsError
+from mcore_proxy.cli_support.flags import add_command, add_group, emit
+from mcore_proxy.cli_support.plotting import require_matplotlib
 
 MERGED_NAME = "routing_stats.safetensors"
 RANK_GLOB = "rank*.safetensors"
@@ -61,15 +61,15 @@ def rank_files(folder: Path) -> list[Path]:
 
 
 def merge_folder(folder: Path, *, allow_missing_layers: bool = False):
-    from mcore_proxy.stats import load_stats, merge_stats
+    from mcore_proxy.core.stats import load_stats, merge_stats
 
     parts = [(path, load_stats(path)) for path in rank_files(folder)]
     return merge_stats(parts, allow_missing_layers=allow_missing_layers)
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from mcore_proxy.checkpoint.output import staged_files
-    from mcore_proxy.stats import save_stats, sidecar_path
+    from mcore_proxy.core.output import staged_files
+    from mcore_proxy.core.stats import save_stats, sidecar_path
 
     folder = Path(args.dir)
     out = Path(args.output) if args.output else folder / MERGED_NAME
@@ -98,8 +98,8 @@ def run_merge(args: argparse.Namespace) -> int:
 def run_show(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
-    from mcore_proxy.checkpoint.output import staged_files
-    from mcore_proxy.stats import load_stats
+    from mcore_proxy.core.output import staged_files
+    from mcore_proxy.core.stats import load_stats
     from mcore_proxy.trace.summary import HEATMAPS, summary_dict, summary_table, write_heatmaps
 
     if args.png:

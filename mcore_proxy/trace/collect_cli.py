@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_proxy.flags import add_command, emit
+from mcore_proxy.cli_support.flags import add_command, emit
 
 
 def register(sub) -> None:
@@ -32,11 +32,11 @@ def register(sub) -> None:
 
 
 def run_collect(args) -> int:
-    from mcore_proxy.optional import check
+    from mcore_proxy.core.optional import check
 
     check("transformers", why="collect --hf (it runs the model in transformers)")  # before DIR is touched
-    from mcore_proxy.checkpoint.output import staged_files
-    from mcore_proxy.stats import load_stats, sidecar_path
+    from mcore_proxy.core.output import staged_files
+    from mcore_proxy.core.stats import load_stats, sidecar_path
     from mcore_proxy.trace.hf import STATS_NAME, collect
 
     path = args.out / STATS_NAME

@@ -55,7 +55,7 @@ class GateHooks:
             )
 
     def set_batch(self, batch) -> None:
-        from mcore_proxy.hf_models import mtp_mask
+        from mcore_proxy.hf.models import mtp_mask
 
         mask, self.padding = batch.attention_mask, {}
         self.padding["decoder"] = mask.reshape(-1) == 0
@@ -64,7 +64,7 @@ class GateHooks:
             self.padding[f"mtp.{depth}"] = mask.reshape(-1) == 0
 
     def _record(self, info: RouterInfo, router, args, out) -> None:
-        from mcore_proxy.hf_models import routing
+        from mcore_proxy.hf.models import routing
 
         hidden = args[0].reshape(-1, args[0].shape[-1])
         weights, experts = routing(router, out)
@@ -93,11 +93,11 @@ def collect(
     (path, tokens)."""
     from tqdm import tqdm
 
-    from mcore_proxy.calibration import data_batches
+    from mcore_proxy.hf.calibration import data_batches
     from mcore_proxy.checkpoint.formats import open_checkpoint
-    from mcore_proxy.errors import OutputError, ProxyError
-    from mcore_proxy.hf_models import load_model, mark_routers, mtp_layers, run_mtp, text_config_of
-    from mcore_proxy.stats import save_stats
+    from mcore_proxy.core.errors import OutputError, ProxyError
+    from mcore_proxy.hf.models import load_model, mark_routers, mtp_layers, run_mtp, text_config_of
+    from mcore_proxy.core.stats import save_stats
 
     out = Path(out_dir) / STATS_NAME
     if out.exists():

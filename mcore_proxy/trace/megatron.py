@@ -75,7 +75,7 @@ def saliency_supported(moe_layer) -> bool:
 
 def model_layers(config) -> list[str] | None:
     """Every MoE layer id of the whole model, from its config (None if it cannot be told)."""
-    from mcore_proxy.spec import moe_layer_pattern
+    from mcore_proxy.mcore.spec import moe_layer_pattern
 
     try:
         num_layers = int(config.num_layers)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mcore_proxy.stats import LayerStats, RoutingStats
+from mcore_proxy.core.stats import LayerStats, RoutingStats
 
 HEATMAPS = ("load.png", "coact.png")  # what `write_heatmaps` writes into its folder
 

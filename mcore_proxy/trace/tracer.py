@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_proxy.stats import RoutingStats, layer_sort_key, save_stats
+from mcore_proxy.core.stats import RoutingStats, layer_sort_key, save_stats
 from mcore_proxy.trace.accumulator import LayerAccumulator, full_routing
 
 log = logging.getLogger(__name__)

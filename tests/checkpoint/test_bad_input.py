@@ -11,7 +11,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint import write_checkpoint
 from mcore_proxy.checkpoint.target import resolve_target
 from mcore_proxy.cli import main
-from mcore_proxy.errors import CheckpointError, OutputError
+from mcore_proxy.core.errors import CheckpointError, OutputError
 
 FIXTURE = "seq_tp2_pp2_ep2"
 

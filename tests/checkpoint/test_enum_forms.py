@@ -29,7 +29,7 @@ from mcore_proxy.checkpoint.safe_globals import (
     unsafe_args,
 )
 from mcore_proxy.checkpoint.torchfile import TorchFile, load_weights_only, save_object
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.testing.enum_forms import BY_NAME, BY_VALUE, FORMS, enum_form_of, save_with_enums
 from mcore_proxy.testing.hostile import hostile_getattrs, os_system_through_enum
 

@@ -13,7 +13,7 @@ from mcore_proxy.checkpoint.formats import FORMATS, format_names, get_format
 from mcore_proxy.checkpoint.interface import Format, Writer
 from mcore_proxy.checkpoint.target import resolve_target
 from mcore_proxy.cli import build_parser
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.testing.synthetic import SyntheticMoEView, synthetic_args
 
 

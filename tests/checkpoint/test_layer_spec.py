@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.sharding import COLUMN, LOCAL_SPEC, REPLICATED, TE_SPEC, rule_for
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.sharding import COLUMN, LOCAL_SPEC, REPLICATED, TE_SPEC, rule_for
 
 P = "decoder.layers.0.self_attention."
 LOCAL = {

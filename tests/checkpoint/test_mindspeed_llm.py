@@ -18,7 +18,7 @@ from mcore_proxy.checkpoint.mindspeed_llm import (
     mindspeed_to_megatron_key,
     split_up,
 )
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 DIMS = MLADims(heads=4, q_lora=20, kv_lora=12, qk=8, rope=4, v=6)
 L = "decoder.layers.3.self_attention."

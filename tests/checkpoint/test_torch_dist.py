@@ -21,8 +21,8 @@ from mcore_proxy.checkpoint.legacy import LegacyCheckpoint
 from mcore_proxy.checkpoint.names import KeyStyle, parse_dist_key
 from mcore_proxy.checkpoint.torch_dist import TorchDistCheckpoint
 from mcore_proxy.checkpoint.torch_dist.reader import is_torch_dist_checkpoint, read_dcp_metadata
-from mcore_proxy.errors import CheckpointError, OutputError
-from mcore_proxy.sharding import rule_for
+from mcore_proxy.core.errors import CheckpointError, OutputError
+from mcore_proxy.mcore.sharding import rule_for
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.dist_ckpt import iteration_dir, load_torch_dist_and_run, save_torch_dist
 

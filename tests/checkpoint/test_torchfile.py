@@ -75,7 +75,7 @@ def test_unresolved_objects_pickle_back_under_their_class_path(tmp_path):
 def test_globals_off_the_allow_list_are_never_written(tmp_path):
     import pytest
 
-    from mcore_proxy.errors import CheckpointError
+    from mcore_proxy.core.errors import CheckpointError
 
     for module, name in (("os", "system"), ("some.module", "Thing"), ("megatron.training.utils", "print_rank_0")):
         with pytest.raises(CheckpointError, match=f"refusing to write the global {module}.{name}"):

@@ -45,7 +45,7 @@ def enum_stats(family_ckpt, tmp_path_factory):
     """Routing statistics planted on the fixture's MoE layers (what select reads)."""
     from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.select.synthetic import planted_stats
-    from mcore_proxy.stats import save_stats
+    from mcore_proxy.core.stats import save_stats
 
     spec = open_checkpoint(family_ckpt[NAME].legacy).spec
     stats, _ = planted_stats(

@@ -319,7 +319,7 @@ def test_the_mla_trace_is_exact_at_any_layout(family_ckpt, pipeline):
     trace holds 4 copies of the saved layout's (where TP rank 0 of each stage records once)."""
     import numpy as np
 
-    from mcore_proxy.stats import load_stats
+    from mcore_proxy.core.stats import load_stats
 
     *_, traces = pipeline
     a, b = (load_stats(t / "routing_stats.safetensors") for t in traces)

@@ -164,7 +164,7 @@ def test_tied_megatron_to_hf_computes_megatrons_logits(family_ckpt, tmp_path, fm
     import json
 
     from mcore_proxy.functional.run import fixed_tokens
-    from mcore_proxy.hf_models import load_model, run
+    from mcore_proxy.hf.models import load_model, run
 
     ckpt = family_ckpt[NAME]
     out = tmp_path / "hf"

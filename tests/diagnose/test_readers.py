@@ -8,7 +8,7 @@ import pytest
 
 from mcore_proxy.diagnose.aliases import canonical_metrics, resolve
 from mcore_proxy.diagnose.readers import parse_console_line, read_log
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 
 def test_tensorboard_written_by_torch(tmp_path):

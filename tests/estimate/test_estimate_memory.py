@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.memory import (
     Layout,
     Training,

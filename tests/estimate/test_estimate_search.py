@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate import DEVICE_SIZES_GIB, GIB, Request, estimate
 from mcore_proxy.estimate.memory import Layout, Training, device_memory, stage_layers
 from mcore_proxy.estimate.model import Architecture

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.errors import ProxyError
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.model import all_mtp_params, count_parameters
 from mcore_proxy.estimate.presets import (
     DEEPSEEK_V3,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mcore_proxy.cli import main
-from mcore_proxy.calibration import data_batches
+from mcore_proxy.hf.calibration import data_batches
 from mcore_proxy.fidelity.measure import compare_models, gate_mass_share, measure, next_token_kl, top1
-from mcore_proxy.hf_models import load_model, restrict_gates
+from mcore_proxy.hf.models import load_model, restrict_gates
 from mcore_proxy.testing.hf_fixtures import calibration_jsonl
 
 

@@ -10,7 +10,7 @@ import torch
 
 from mcore_proxy.checkpoint.view import DictModelView
 from mcore_proxy.select.synthetic import planted_stats
-from mcore_proxy.spec import ModelSpec, expert_bias_name, router_weight_name
+from mcore_proxy.mcore.spec import ModelSpec, expert_bias_name, router_weight_name
 
 
 def build_planted_model(

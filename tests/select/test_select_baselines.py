@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from mcore_proxy.errors import StatsError
+from mcore_proxy.core.errors import StatsError
 from mcore_proxy.select import baselines
-from mcore_proxy.stats import LayerStats
+from mcore_proxy.core.stats import LayerStats
 
 
 def layer(freq, gate_mass=None, saliency=None):

@@ -13,7 +13,7 @@ import mcore_proxy.checkpoint as checkpoint
 import mcore_proxy.cli as cli
 from mcore_proxy.cli import main
 from mcore_proxy.select import load_plan, select_experts
-from mcore_proxy.stats import save_stats
+from mcore_proxy.core.stats import save_stats
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from mcore_proxy.errors import PlanError, StatsError
+from mcore_proxy.core.errors import PlanError, StatsError
 from mcore_proxy.select.constraints import check_sizes, check_stats_match, resolve_groups
 
 

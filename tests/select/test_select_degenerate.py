@@ -15,7 +15,7 @@ from mcore_proxy.cli import main
 from mcore_proxy.select import METHODS, VIEW_METHODS, load_plan, run_selection
 from mcore_proxy.select import cluster
 from mcore_proxy.select.report import summary_table
-from mcore_proxy.stats import load_stats
+from mcore_proxy.core.stats import load_stats
 
 pytestmark = pytest.mark.megatron
 FLAT, GROUPED = "seq_tp2_pp2_ep2", "deepseek_like_pp2_uneven"

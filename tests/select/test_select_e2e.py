@@ -7,7 +7,7 @@ from mcore_proxy.checkpoint import open_checkpoint, router_fingerprint
 from mcore_proxy.cli import main
 from mcore_proxy.select import load_plan
 from mcore_proxy.select.synthetic import planted_stats
-from mcore_proxy.stats import save_stats
+from mcore_proxy.core.stats import save_stats
 
 
 def stats_for(ckpt, tmp_path):

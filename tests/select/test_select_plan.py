@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from mcore_proxy.errors import PlanError
+from mcore_proxy.core.errors import PlanError
 from mcore_proxy.select.plan import FORMAT, Cluster, LayerPlan, RouterSettings, SelectionPlan, SourceInfo, load_plan
 
 

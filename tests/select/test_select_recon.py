@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.errors import PlanError
+from mcore_proxy.core.errors import PlanError
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.select import run_selection
 from mcore_proxy.select.reconstruct import LayerFunction, activation_of, expert_outputs
 from mcore_proxy.select.refine import prune, refine_representatives
-from mcore_proxy.stats import load_stats
+from mcore_proxy.core.stats import load_stats
 
 pytestmark = pytest.mark.megatron
 
@@ -69,7 +69,7 @@ def test_layer_function_equals_megatron_core_moe_layer(tmp_path, activation):
 
 def test_refined_representatives_never_reconstruct_worse(sparse_traced):
     from mcore_proxy.select.reconstruct import layer_function
-    from mcore_proxy.spec import router_weight_name
+    from mcore_proxy.mcore.spec import router_weight_name
 
     ckpt, stats_path = sparse_traced("seq_tp2_pp2_ep2")
     view, stats = open_checkpoint(ckpt), load_stats(stats_path)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from mcore_proxy.errors import PlanError, StatsError
+from mcore_proxy.core.errors import PlanError, StatsError
 from mcore_proxy.select import METHODS, VIEW_METHODS, select_experts
 from mcore_proxy.select.selector import RECON_METHODS
 from mcore_proxy.select.synthetic import adjusted_rand_index, plan_labels

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_proxy.pipeline_layout import parse_pipeline_layout
+from mcore_proxy.mcore.pipeline_layout import parse_pipeline_layout
 from mcore_proxy.testing import global_weights
 from mcore_proxy.testing.families import DEEPSEEK_V3, QWEN3_MOE, StagedLayout, iteration_dir, load_and_run
 

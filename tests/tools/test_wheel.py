@@ -369,7 +369,7 @@ def test_patches_prints_the_installed_activation(bare, patches_out):
     site = Path(
         run([bare.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], bare.work).stdout.strip()
     )
-    assert folder == site / "mcore_proxy" / "_patches"
+    assert folder == site / "mcore_proxy" / "activation" / "_patches"
     assert sorted(p.name for p in folder.iterdir() if p.name != "__pycache__") == ["sitecustomize.py"]
     assert (folder / "sitecustomize.py").read_bytes() == (REPO / "patches" / "sitecustomize.py").read_bytes()
     doc = json.loads(run([bare.cli, "patches", "--json"], bare.work).stdout)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mcore_proxy.stats import LayerStats, RoutingStats, save_stats
+from mcore_proxy.core.stats import LayerStats, RoutingStats, save_stats
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.testing.trace_runs import TraceRun, run_traced
 

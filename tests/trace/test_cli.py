@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mcore_proxy.cli import main
-from mcore_proxy.stats import load_stats
+from mcore_proxy.core.stats import load_stats
 
 
 def run_cli(capsys, *argv):
@@ -122,7 +122,7 @@ def test_show_table_and_png(rank_files, tmp_path, capsys):
 
 
 def test_show_lists_dead_experts(tmp_path, capsys):
-    from mcore_proxy.stats import LayerStats, RoutingStats, save_stats
+    from mcore_proxy.core.stats import LayerStats, RoutingStats, save_stats
 
     freq = np.array([3, 0, 1, 0])
     coact = np.diag(freq)

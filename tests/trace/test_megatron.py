@@ -75,7 +75,7 @@ def test_parallel_layouts_match_single_rank(ref, traced, name, ranks):
 
 
 def test_pipeline_stages_hold_their_global_layers(traced):
-    from mcore_proxy.stats import load_stats
+    from mcore_proxy.core.stats import load_stats
 
     def layers(name):
         return sorted(tuple(load_stats(p).layer_ids) for p in traced(name).glob("rank*.safetensors"))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mcore_proxy.stats import load_stats
+from mcore_proxy.core.stats import load_stats
 from mcore_proxy.trace.cli import merge_folder
 
 pytestmark = pytest.mark.megatron  # real megatron-core models (slow)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from mcore_proxy.stats import load_stats
+from mcore_proxy.core.stats import load_stats
 from mcore_proxy.trace.tracer import DEDUPE_RULE, RouterInfo, Tracer
 
 E, H, K = 4, 3, 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _ROUTER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.router\.weight$")

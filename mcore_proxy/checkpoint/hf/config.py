@@ -11,8 +11,8 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
-from mcore_proxy.jsonfile import read_json_object
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.jsonfile import read_json_object
+from mcore_proxy.core.errors import CheckpointError
 
 CONFIG = "config.json"
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; refuse a file that is not one

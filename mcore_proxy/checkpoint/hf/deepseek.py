@@ -30,7 +30,7 @@ from functools import partial
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, SHARED_ROWS, Ignored, Row, Table
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 V3, V32 = "DeepSeek-V3", "DeepSeek-V3.2"
 _ARCH = {V3: "DeepseekV3ForCausalLM", V32: "DeepseekV32ForCausalLM"}

@@ -53,7 +53,7 @@ import torch
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, MODEL, MTP, PICK, Row, Table
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

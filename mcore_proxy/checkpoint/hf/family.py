@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mcore_proxy.checkpoint.hf.mapping import Table
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 
 @dataclass(frozen=True)

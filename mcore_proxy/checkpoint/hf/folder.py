@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mcore_proxy.checkpoint.hf.config import read_json
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_header
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

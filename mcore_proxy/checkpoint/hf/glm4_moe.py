@@ -21,7 +21,7 @@ from __future__ import annotations
 from mcore_proxy.checkpoint.hf import deepseek, gqa
 from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row, Table
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 NAME = "GLM-4.5-MoE"
 ARCHITECTURE = "Glm4MoeForCausalLM"

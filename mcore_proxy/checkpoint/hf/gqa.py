@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf.family import dtype_fields, dtype_name
 from mcore_proxy.checkpoint.hf.mapping import LAYER, QKV, Ignored, Row
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 QKV_ROW = Row(
     "self_attention.linear_qkv.weight",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 COPY, GLU, QKV, FUSED, PICK = "copy", "glu", "qkv", "fused", "pick"
 MODEL, LAYER, MTP = "model", "layer", "mtp"

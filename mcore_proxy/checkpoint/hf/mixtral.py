@@ -26,7 +26,7 @@ from mcore_proxy.checkpoint.hf.mapping import (
     Row,
     Table,
 )
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 NAME = "Mixtral"
 ARCHITECTURE = "MixtralForCausalLM"

@@ -41,8 +41,8 @@ from mcore_proxy.checkpoint.hf.descriptor import (
 from mcore_proxy.checkpoint.hf.quant import FP8_BLOCK, MXFP4, check_pair, config_dtype, dequantize, find_quantized
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
-from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.spec import MAX_EXPERTS, ModelSpec, layer_module_prefix
+from mcore_proxy.core.errors import CheckpointError, ProxyError
+from mcore_proxy.mcore.spec import MAX_EXPERTS, ModelSpec, layer_module_prefix
 
 
 def text_config(config: HFConfig) -> HFConfig:

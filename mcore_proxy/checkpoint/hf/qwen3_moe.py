@@ -21,7 +21,7 @@ from __future__ import annotations
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
 from mcore_proxy.checkpoint.hf.gqa import QK_NORM_ROWS, QKV_ROW, ROPE_FREQUENCIES, expert_count_config, qkv_groups
 from mcore_proxy.checkpoint.hf.mapping import SHARED_ROWS, Table
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"

@@ -40,8 +40,8 @@ from mcore_proxy.checkpoint.hf.mapping import (
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.names import canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.spec import ModelSpec
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.checkpoint.zipwrite import HashingSink
-from mcore_proxy.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError
 
 DTYPES = {
     "BOOL": torch.bool,

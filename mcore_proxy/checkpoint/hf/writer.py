@@ -43,7 +43,7 @@ from mcore_proxy.checkpoint.hf.safetensors_io import StreamingWriter
 from mcore_proxy.checkpoint.interface import Finished, TargetOptions, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.view import ModelView, stream
 from mcore_proxy.checkpoint.zipwrite import HashingSink
-from mcore_proxy.errors import CheckpointError, ProxyError
+from mcore_proxy.core.errors import CheckpointError, ProxyError
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from mcore_proxy.checkpoint.names import (
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state, holds_state
 from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.sharding import LOCAL_SPEC, MINDSPEED_SPEC, REPLICATED, is_ignored, rule_for
-from mcore_proxy.spec import ModelSpec, layer_module_prefix
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.sharding import LOCAL_SPEC, MINDSPEED_SPEC, REPLICATED, is_ignored, rule_for
+from mcore_proxy.mcore.spec import ModelSpec, layer_module_prefix
 
 log = logging.getLogger(__name__)
 

@@ -57,8 +57,8 @@ from mcore_proxy.checkpoint.target import (
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.sharding import rule_for
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.sharding import rule_for
 
 
 class _RankOut:

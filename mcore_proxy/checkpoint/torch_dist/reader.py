@@ -45,10 +45,10 @@ from mcore_proxy.checkpoint.torchfile import (
     unpickle_torch_zip,
 )
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
-from mcore_proxy.errors import CheckpointError, ProxyError
-from mcore_proxy.megatron_args import arg, arg_int
-from mcore_proxy.sharding import rule_for
-from mcore_proxy.spec import ModelSpec, layer_module_prefix
+from mcore_proxy.core.errors import CheckpointError, ProxyError
+from mcore_proxy.mcore.megatron_args import arg, arg_int
+from mcore_proxy.mcore.sharding import rule_for
+from mcore_proxy.mcore.spec import ModelSpec, layer_module_prefix
 
 
 # -- locating the iteration folder ------------------------------------------------------------

@@ -50,8 +50,8 @@ from mcore_proxy.checkpoint.torch_dist.files import (
 from mcore_proxy.checkpoint.torchfile import save_object
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.checkpoint.zipwrite import HashingSink
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.sharding import rule_for
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.sharding import rule_for
 
 
 def dist_args(view: ModelView, target: ParallelLayout):

@@ -44,7 +44,7 @@ from mcore_proxy.diagnose.readers.tensorboard import (
 from mcore_proxy.diagnose.readers.trl import STATE, is_trl_folder, read_trainer_state
 from mcore_proxy.diagnose.readers.wandb_run import is_wandb, read_wandb
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 __all__ = [
     "STEP_KEYS",

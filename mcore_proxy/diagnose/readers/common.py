@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from mcore_proxy.diagnose.series import RunLog, Series
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 log = logging.getLogger("mcore_proxy.diagnose.readers")
 

@@ -29,7 +29,7 @@ from mcore_proxy.diagnose.readers.common import (
     number,
 )
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 

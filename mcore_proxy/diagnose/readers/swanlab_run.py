@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_proxy.optional import MissingDependency, missing_message
+from mcore_proxy.core.optional import MissingDependency, missing_message
 from mcore_proxy.diagnose.readers.common import finish, listed, new_points
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 EXPORT = (
     "or sync it (swanlab sync) and export its metrics as CSV, or log the run to TensorBoard too "

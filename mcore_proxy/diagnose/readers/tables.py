@@ -25,7 +25,7 @@ from mcore_proxy.diagnose.readers.common import (
     number,
 )
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 
 def read_jsonl(path: Path) -> RunLog:

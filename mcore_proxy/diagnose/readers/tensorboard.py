@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from mcore_proxy.optional import require
+from mcore_proxy.core.optional import require
 from mcore_proxy.diagnose.readers.common import FORMATS_HINT, finish, new_points
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 TB_PATTERN = "events.out.tfevents.*"
 

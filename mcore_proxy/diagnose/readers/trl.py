@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mcore_proxy.diagnose.readers.common import finish, new_points, number
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 STATE = "trainer_state.json"
 SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second")

@@ -19,10 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mcore_proxy.optional import MissingDependency, available, missing_message
+from mcore_proxy.core.optional import MissingDependency, available, missing_message
 from mcore_proxy.diagnose.readers.common import finish, listed, new_points, number
 from mcore_proxy.diagnose.series import RunLog
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 EXPORT = "or sync it (wandb sync) and export its history to CSV"
 TIMEOUT = 120

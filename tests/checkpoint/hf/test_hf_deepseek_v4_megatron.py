@@ -25,7 +25,8 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 from mcore_proxy.cli import main
-from mcore_proxy.convert.prune import new_ids, substitute_rows
+from mcore_proxy.convert.prune import new_ids
+from mcore_proxy.select.plan import substitute_rows
 from mcore_proxy.testing.hf_fixtures import hf_tensors
 
 EP2 = ["--target-ep", "2"]

@@ -17,7 +17,7 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.hf.families import FAMILIES
 from mcore_proxy.cli import main
-from mcore_proxy.hf_models import load_model, restrict_gates, run
+from mcore_proxy.hf.models import load_model, restrict_gates, run
 from mcore_proxy.testing.hf_fixtures import hf_tensors
 
 # fixture name -> (family, MoE layer ids, config.json keys that hold the expert count)

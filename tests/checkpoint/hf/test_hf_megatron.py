@@ -19,8 +19,8 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
-from mcore_proxy.hf_models import load_model, run
-from mcore_proxy.stats import load_stats, merge_stats
+from mcore_proxy.hf.models import load_model, run
+from mcore_proxy.core.stats import load_stats, merge_stats
 from mcore_proxy.functional.run import fixed_tokens
 from mcore_proxy.testing.families import StagedLayout, family_from_args, load_and_run
 

@@ -23,8 +23,8 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
 from mcore_proxy.functional.run import fixed_tokens
-from mcore_proxy.hf_models import load_model, run
-from mcore_proxy.launch_flags import model_flags
+from mcore_proxy.hf.models import load_model, run
+from mcore_proxy.mcore.launch_flags import model_flags
 from mcore_proxy.testing.families import StagedLayout, family_from_args, load_and_run
 from mcore_proxy.testing.hf_fixtures import hf_tensors
 

@@ -15,7 +15,7 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
-from mcore_proxy.hf_models import load_model, restrict_gates, run
+from mcore_proxy.hf.models import load_model, restrict_gates, run
 from mcore_proxy.testing.hf_fixtures import hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32"]

@@ -21,8 +21,8 @@ from mcore_proxy.checkpoint.hf.quant import (
     find_quantized,
 )
 from mcore_proxy.cli import main
-from mcore_proxy.errors import CheckpointError
-from mcore_proxy.hf_models import load_model, restrict_gates, run
+from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.hf.models import load_model, restrict_gates, run
 from mcore_proxy.testing.hf_fixtures import hf_tensors
 from mcore_proxy.testing.quantized import (
     fp8_blocks,

@@ -10,7 +10,7 @@ import pytest
 
 from mcore_proxy.diagnose.aliases import canonical_metrics
 from mcore_proxy.diagnose.readers import read_log
-from mcore_proxy.errors import LogError
+from mcore_proxy.core.errors import LogError
 
 
 def test_output_folder_reads_the_newest_checkpoint(trl_run):

@@ -1,0 +1,367 @@
+"""Running Hugging Face checkpoints in transformers: loading safely, the MoE routers, restriction.
+
+Used by `collect` (hooks on the routers), `verify --functional` and `fidelity`. transformers is
+imported inside the functions: it is an optional dependency (the `hf` extra), and trace-only
+training hosts need not have it. What differs between families (the router's module, what it
+returns, its selection bias, hash tables, the Auto class) comes from the family's descriptor
+(`checkpoint/hf/families.py`).
+
+Loading is always `local_files_only=True`, `trust_remote_code=False`, `use_safetensors=True`,
+after mcore-proxy's own reader has accepted the folder (a supported architecture, safetensors
+only, config.json consistent with the tensors), so nothing from the folder runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from mcore_proxy.core.errors import ProxyError
+
+log = logging.getLogger(__name__)
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ProxyError(
+            "this command runs Hugging Face models and needs transformers; install it with "
+            "pip install 'mcore-proxy[hf]'"
+        ) from None
+    return transformers
+
+
+def device_of(name: str) -> torch.device:
+    """`cpu`, `cuda` or `npu` (Ascend, through torch_npu); ProxyError if it is not there."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ProxyError("--device cuda: torch sees no CUDA device here; use --device cpu")
+        return torch.device("cuda")
+    if name == "npu":
+        try:
+            import torch_npu  # noqa: F401 - registers the npu device with torch
+        except ImportError:
+            raise ProxyError("--device npu needs torch_npu (the Ascend stack), which is not installed here") from None
+        return torch.device("npu")
+    raise ProxyError(f"--device {name!r} is not one of cpu, cuda, npu")
+
+
+def family_of_model(model):
+    """The descriptor of a loaded transformers model (by its class name)."""
+    from mcore_proxy.checkpoint.hf.families import FAMILIES
+
+    arch = type(model).__name__
+    for family in FAMILIES:
+        if arch in family.architectures:
+            return family
+    raise ProxyError(f"{arch} is not a Mixture-of-Experts family mcore-proxy knows")
+
+
+def load_model(folder: str | Path, device: str = "cpu"):
+    """The checkpoint in `folder` as a transformers model in eval mode (its own dtype), built by
+    its family's Auto class."""
+    from mcore_proxy.checkpoint.formats import open_checkpoint
+
+    view = open_checkpoint(folder)  # refuses what transformers would load unsafely or wrongly
+    family = view.info.format_info.descriptor
+    _check_quantized_loads(view, folder)
+    transformers = require_transformers()
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report lists MTP layers it does not build as unexpected
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        options = dict(local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype="auto")
+        alias = dict(family.runtime.model_type_alias).get(view.info.format_info.config.get("model_type"))
+        if alias:  # a model type transformers builds under another name (Kimi-K2 as deepseek_v3)
+            data = {k: v for k, v in view.info.format_info.config.items() if k != "model_type"}
+            options["config"] = transformers.AutoConfig.for_model(alias, **data)
+        model = getattr(transformers, family.runtime.auto_class).from_pretrained(str(folder), **options)
+    finally:
+        transformers.logging.set_verbosity(level)
+        transformers.utils.logging.enable_progress_bar()
+    return model.to(device_of(device)).eval()
+
+
+def _check_quantized_loads(view, folder) -> None:
+    """Quantized weights load on CPU as transformers dequantizes them (MXFP4 by itself, FP8 and
+    DeepSeek-V4's FP4 through accelerate); compressed-tensors int4 needs its own package."""
+    import importlib.util
+
+    from mcore_proxy.checkpoint.hf.quant import INT4_PACKED, MXFP4, find_quantized
+
+    schemes = {q.scheme for q in find_quantized(view.names())}
+    if INT4_PACKED in schemes:
+        raise ProxyError(
+            f"{folder}: compressed-tensors int4 weights are not run by mcore-proxy; collect statistics "
+            "on the model's bf16 release (or with the patched Megatron router), then select and convert "
+            "this folder: its int4 rows are pruned as they are"
+        )
+    if schemes - {MXFP4} and importlib.util.find_spec("accelerate") is None:
+        raise ProxyError(
+            f"{folder}: FP8 weights load in transformers on CPU only through accelerate's "
+            "dequantization; pip install accelerate, or convert a copy with --dequantize and run that"
+        )
+
+
+def text_config_of(model):
+    """The config of the text model (a vision-language wrapper's `text_config`)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _decoder_layers(model) -> dict[str, torch.nn.Module]:
+    """Decoder layer index -> module, wherever the text model keeps them (`model.layers`,
+    `model.language_model.layers`)."""
+    out = {}
+    for name, module in model.named_modules():
+        m = re.match(r"^(?:.*\.)?layers\.(\d+)$", name)
+        if m and not name.startswith(("model.visual", "model.vision", "vision", "mtp")):
+            out[m.group(1)] = module
+    return out
+
+
+def routers(model) -> dict[str, torch.nn.Module]:
+    """Layer id ("3") -> the MoE router module of that decoder layer (the family's
+    `runtime.router_module`, e.g. `mlp.gate`, `mlp.router`, `feed_forward.router`)."""
+    path = family_of_model(model).runtime.router_module
+    out = {}
+    for layer_id, layer in _decoder_layers(model).items():
+        module = _child(layer, path)
+        if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
+            out[layer_id] = module
+    if not out:
+        raise ProxyError(f"{type(model).__name__} has no MoE router at layers.*.{path}")
+    return out
+
+
+def _child(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def routing(router, output) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) from a router's output, as its family returns it."""
+    kind = _output_kind(router)
+    if kind == "scores_logits":  # Llama-4: sigmoid of the top-k logits, 0 elsewhere
+        scores, logits = output
+        experts = logits.topk(router.top_k, dim=-1).indices
+        return scores.gather(-1, experts), experts
+    _, weights, experts = output
+    return weights, experts
+
+
+def _output_kind(router) -> str:
+    return getattr(router, "_mcore_proxy_output", "logits_weights_indices")
+
+
+def mark_routers(model) -> dict[str, torch.nn.Module]:
+    """`routers(model)`, each told how its family's router returns its choice (for `routing`)."""
+    family = family_of_model(model)
+    found = routers(model)
+    for module in found.values():
+        module._mcore_proxy_output = family.runtime.output
+    return found
+
+
+@contextlib.contextmanager
+def restrict_gates(model, plan):
+    """Within the block every router may choose only its layer's kept experts: the reference a
+    correct proxy reproduces exactly (DESIGN.md 7). Logits of dropped experts are -inf (softmax:
+    probability 0; sigmoid, sqrtsoftplus: score 0), a selection bias (the family's
+    `runtime.score_bias`) is -inf for them so that neither group scores nor the top-k see them,
+    and a hash-routed layer's table is rewritten by the plan's substitute rule, as the proxy's is
+    (`select.plan.substitute_rows`). `plan`: a `select.plan.Plan`. Restored on exit.
+
+    The logits are masked by wrapping `torch.nn.functional.linear` for the duration of the
+    router's own call (its one projection), so the router's code runs unchanged."""
+    import torch.nn.functional as F
+
+    from mcore_proxy.select.plan import substitute_rows
+
+    family = family_of_model(model)
+    layers = _decoder_layers(model)
+    saved = []
+    for layer_id, router in routers(model).items():
+        dropped = torch.ones(router.weight.shape[0], dtype=torch.bool, device=router.weight.device)
+        dropped[list(plan.kept(layer_id))] = False
+        edits = []
+        bias = _child(layers[layer_id], family.runtime.score_bias) if family.runtime.score_bias else None
+        if isinstance(bias, torch.Tensor):
+            edits.append((bias, bias.detach().clone()))
+            bias.data[..., dropped] = float("-inf")
+        table = _child(layers[layer_id], family.runtime.hash_table) if family.runtime.hash_table else None
+        if isinstance(table, torch.Tensor):
+            edits.append((table, table.detach().clone()))
+            table.data.copy_(
+                substitute_rows(table.cpu(), plan, layer_id, dropped.numel(), f"the model's {layer_id}").to(
+                    table.device
+                )
+            )
+        saved.append((router, edits))
+        router.forward = _masked_forward(router.forward, dropped, F)
+    try:
+        yield
+    finally:
+        for router, edits in saved:
+            del router.forward  # back to the class's method
+            for tensor, value in edits:
+                tensor.data.copy_(value)
+
+
+def _masked_forward(forward, dropped: torch.Tensor, F):
+    def masked(*args, **kwargs):
+        linear, calls = F.linear, []
+
+        def masked_linear(x, w, b=None):
+            calls.append(1)
+            return linear(x, w, b).masked_fill(dropped, float("-inf"))
+
+        F.linear = masked_linear
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            F.linear = linear
+        if len(calls) != 1:
+            raise RuntimeError(
+                f"the router made {len(calls)} linear calls, expected its one projection; "
+                "this transformers version routes differently than mcore-proxy expects"
+            )
+        return out
+
+    return masked
+
+
+@torch.no_grad()
+def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, hidden: bool = False):
+    """Logits [B, S, V] (float32), and with `hidden` the output of every decoder layer
+    [L][B, S, H] (captured by hooks on the layers: transformers' `hidden_states` replaces the
+    last layer's output with the final norm's)."""
+    device = next(model.parameters()).device
+    outputs, handles = [], []
+    if hidden:
+        layers = _decoder_layers(model)
+        handles = [
+            layers[i].register_forward_hook(
+                lambda mod, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+            )
+            for i in sorted(layers, key=int)
+        ]
+    try:
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            use_cache=False,
+        ).logits.float()
+    finally:
+        for h in handles:
+            h.remove()
+    return (logits, outputs) if hidden else logits
+
+
+# -- DeepSeek's MTP layers, which transformers does not build -----------------------------------
+
+
+class MTPLayer(torch.nn.Module):
+    """MTP depth k of a DeepSeek checkpoint (HF layer `num_hidden_layers + k`) as megatron-core and
+    vLLM compute it: h' = eh_proj(cat(enorm(embed(token t+1)), hnorm(h_t))), then one decoder layer
+    of the main model's kind (its gate is `mtp.{k}` for the statistics). h is the main model's
+    final hidden state (after its final norm, as megatron's decoder and vLLM hand it over)."""
+
+    def __init__(self, model, depth: int, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        config = model.config
+        hidden = config.hidden_size
+        norm_cls = type(model.model.norm)
+        self.depth = depth
+        self.enorm = norm_cls(hidden, eps=config.rms_norm_eps)
+        self.hnorm = norm_cls(hidden, eps=config.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        # the decoder layer's index only selects its kind (the last layer is MoE) and its cache slot
+        self.layer = type(model.model.layers[-1])(config, config.num_hidden_layers - 1)
+        state = {k: v for k, v in tensors.items() if k.split(".")[0] in ("enorm", "hnorm", "eh_proj")}
+        state.update({f"layer.{k}": v for k, v in _fused_experts(tensors, config).items()})
+        self.load_state_dict(state, strict=True)
+
+    def forward(self, model, input_ids, attention_mask, hidden):
+        from transformers.masking_utils import create_causal_mask
+
+        nxt = torch.roll(input_ids, -1, dims=1)  # position t sees token t + 1 (the last: discarded)
+        x = self.eh_proj(torch.cat([self.enorm(model.model.embed_tokens(nxt)), self.hnorm(hidden)], dim=-1))
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        mask = create_causal_mask(
+            config=model.config, inputs_embeds=x, attention_mask=attention_mask, cache=None, position_ids=positions
+        )
+        return self.layer(
+            x, attention_mask=mask, position_ids=positions, position_embeddings=model.model.rotary_emb(x, positions)
+        )
+
+
+def _fused_experts(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Hub names (one tensor per expert) -> the decoder layer's module names (fused experts)."""
+    out = {
+        k: v
+        for k, v in tensors.items()
+        if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens", "mlp.experts."))
+    }
+    experts = range(config.n_routed_experts)
+    out["mlp.experts.gate_up_proj"] = torch.stack(
+        [
+            torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
+            for e in experts
+        ]
+    )
+    out["mlp.experts.down_proj"] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    return out
+
+
+def mtp_layers(model, folder: str | Path) -> list[MTPLayer]:
+    """The MTP layers of the checkpoint in `folder` that can run here: DeepSeek-style ones (layer
+    `num_hidden_layers + k`: DeepSeek-V3/V3.2, GLM-4.5), none for other families (their MTP
+    layers are not run: `unobserved_layers`)."""
+    from mcore_proxy.checkpoint.formats import open_checkpoint
+    from mcore_proxy.checkpoint.hf.folder import weight_map
+    from mcore_proxy.checkpoint.hf.safetensors_io import read_tensor
+
+    view = open_checkpoint(folder)
+    if not view.info.format_info.descriptor.mtp_after_decoder:
+        return []
+    wmap, n = weight_map(Path(folder)), view.num_layers
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    layers = []
+    for depth in range(view.spec.mtp_layers):
+        prefix = f"model.layers.{n + depth}."
+        tensors = {k[len(prefix) :]: read_tensor(Path(folder) / f, k) for k, f in wmap.items() if k.startswith(prefix)}
+        layers.append(MTPLayer(model, depth, tensors).to(device=device, dtype=dtype).eval())
+    return layers
+
+
+@torch.no_grad()
+def run_mtp(model, layers: list[MTPLayer], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """The main model's decoder, then every MTP depth on its output (for their gates' hooks)."""
+    device = next(model.parameters()).device
+    ids, mask = input_ids.to(device), attention_mask.to(device)
+    if not layers:
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        return
+    hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    for layer in layers:
+        mask = mtp_mask(mask)
+        hidden = layer(model, ids, mask, hidden)
+        ids = torch.roll(ids, -1, dims=1)
+
+
+def mtp_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] 1 where position t and t + 1 are both real: MTP positions with a next token."""
+    nxt = torch.roll(attention_mask, -1, dims=1)
+    nxt[:, -1] = 0
+    return attention_mask * nxt
