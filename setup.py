@@ -18,6 +18,7 @@ setup(
         # W&B and SwanLab readers go through those packages: versions pinned to the ones read)
         "test": [
             "pytest",
+            "pytest-xdist",  # tests/run.sh: one worker per core, a test folder per worker
             "megatron-core==0.16.1",
             "psutil",
             "matplotlib",

@@ -17,8 +17,14 @@ from mcore_proxy.testing.fixtures import FIXTURES, build_family_fixtures, build_
 
 @pytest.fixture(scope="session")
 def fixture_root(tmp_path_factory) -> Path:
+    """MCORE_PROXY_FIXTURE_CACHE, else this session's folder; under pytest-xdist the workers share
+    one (their base temp folders are siblings), and `testing.cache.build_lock` lets one build each."""
     cache = os.environ.get("MCORE_PROXY_FIXTURE_CACHE")
-    return Path(cache) if cache else tmp_path_factory.mktemp("megatron-fixtures")
+    if cache:
+        return Path(cache)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.getbasetemp().parent / "megatron-fixtures"
+    return tmp_path_factory.mktemp("megatron-fixtures")
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +128,27 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if {"megatron_ckpt", "family_ckpt"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.megatron)
+
+
+def folder_of(nodeid: str) -> str:
+    """'tests/convert/test_x.py::test_y' -> 'convert'; a root-level file is its own folder."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    return parts[1] if len(parts) > 2 else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`bash tests/run.sh` runs the suite in pytest-xdist workers, a whole test folder per worker at
+    a time, so that a folder's session fixtures (its conftest's) are built once. (xdist's own
+    `--dist loadgroup` does not group under pytest 9 here; this is its scope scheduler by folder.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFolder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return folder_of(nodeid)
+
+    return ByFolder(config, log)
 
 
 def pytest_configure(config):

@@ -14,6 +14,7 @@ from pathlib import Path
 from mcore_proxy.checkpoint.iteration import TRACKER
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.build import save_checkpoint
+from mcore_proxy.testing.cache import build_lock
 
 FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
     # SequentialMLP, softmax top-2 of 8, TP=2 PP=2 EP=2 (8 ranks)
@@ -60,12 +61,14 @@ def fixture_key(name: str) -> str:
 def build_fixture(name: str, root: str | os.PathLike) -> tuple[Path, Path]:
     """Build (or reuse, when `root` already holds this exact fixture) -> (checkpoint, logits)."""
     model, layout = FIXTURES[name]
-    base = Path(root) / fixture_key(name)
+    key = fixture_key(name)
+    base = Path(root) / key
     ckpt, ref = base / "ckpt", base / "ckpt.logits.pt"
-    if not (ref.is_file() and (ckpt / TRACKER).is_file()):
-        shutil.rmtree(base, ignore_errors=True)
-        base.mkdir(parents=True)
-        save_checkpoint(model, layout, ckpt, ref_path=ref)
+    with build_lock(root, key):
+        if not (ref.is_file() and (ckpt / TRACKER).is_file()):
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir(parents=True)
+            save_checkpoint(model, layout, ckpt, ref_path=ref)
     return ckpt, ref
 
 
@@ -108,17 +111,18 @@ def build_family_fixtures(root: str | os.PathLike, names=None) -> dict:
 
     table = _family_fixtures()
     out, jobs = {}, []
-    for name in names or sorted(table):
-        model, layout = table[name]
-        base = Path(root) / family_fixture_key(name)
-        job, ckpt = fam.save_jobs(name, model, layout, base)
-        out[name] = ckpt
-        if not (base / "done").is_file():
-            shutil.rmtree(base, ignore_errors=True)
-            base.mkdir(parents=True)
-            jobs.append((job, base))
-    if jobs:
-        fam.run_jobs([job for job, _ in jobs])
-        for _, base in jobs:
-            (base / "done").write_text("ok")
+    with build_lock(root, "families"):
+        for name in names or sorted(table):
+            model, layout = table[name]
+            base = Path(root) / family_fixture_key(name)
+            job, ckpt = fam.save_jobs(name, model, layout, base)
+            out[name] = ckpt
+            if not (base / "done").is_file():
+                shutil.rmtree(base, ignore_errors=True)
+                base.mkdir(parents=True)
+                jobs.append((job, base))
+        if jobs:
+            fam.run_jobs([job for job, _ in jobs])
+            for _, base in jobs:
+                (base / "done").write_text("ok")
     return out

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from mcore_proxy.testing.cache import build_lock
+
 WORDS = (
     "the a one two red blue cat dog sat ran on under big small tree house river stone bird fish "
     "light dark fast slow old new sun moon over near far green high low day night"
@@ -589,12 +591,14 @@ def fixture_key(name: str, seed: int = 0) -> str:
 
 def build_cached(name: str, root: str | os.PathLike, seed: int = 0) -> Path:
     """Build (or reuse from `root`) tiny model `name`; returns its folder."""
-    base = Path(root) / fixture_key(name, seed)
+    key = fixture_key(name, seed)
+    base = Path(root) / key
     folder = base / "model"
-    if not (base / "done").is_file():
-        shutil.rmtree(base, ignore_errors=True)
-        build(name, folder, seed)
-        (base / "done").write_text("ok")
+    with build_lock(root, key):
+        if not (base / "done").is_file():
+            shutil.rmtree(base, ignore_errors=True)
+            build(name, folder, seed)
+            (base / "done").write_text("ok")
     return folder
 
 

@@ -25,6 +25,7 @@ from mcore_proxy.select import select_experts
 from mcore_proxy.select.synthetic import planted_stats
 from mcore_proxy.testing import build, global_weights, trace_runs, vpp_mtp
 from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.testing.cache import build_lock
 from mcore_proxy.testing.trace_runs import TraceRun
 from mcore_proxy.testing.vpp_mtp import Job, run_jobs
 
@@ -47,12 +48,14 @@ def _source_key() -> str:
 @pytest.fixture(scope="module")
 def saved(fixture_root) -> dict[str, tuple[Path, Path]]:
     """name -> (legacy checkpoint, logits [1 + mtp, b, s, V]) as megatron-core saved them."""
-    base = Path(fixture_root) / f"vpp_mtp-{_source_key()}"
+    key = f"vpp_mtp-{_source_key()}"
+    base = Path(fixture_root) / key
     out = {name: (base / name, base / f"{name}.logits.pt") for name in SOURCES}
-    if not (base / "done").is_file():
-        base.mkdir(parents=True, exist_ok=True)
-        run_jobs([Job(run, save=str(out[n][0]), logits=str(out[n][1])) for n, run in SOURCES.items()])
-        (base / "done").write_text("ok")
+    with build_lock(fixture_root, key):
+        if not (base / "done").is_file():
+            base.mkdir(parents=True, exist_ok=True)
+            run_jobs([Job(run, save=str(out[n][0]), logits=str(out[n][1])) for n, run in SOURCES.items()])
+            (base / "done").write_text("ok")
     return out
 
 
