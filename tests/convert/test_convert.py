@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,76 +65,6 @@ def test_workers_and_single_process_write_the_same(megatron_ckpt, proxy_plan, tm
     assert_same_tensors(canonical(one), canonical(two))
     files = sorted(p.relative_to(two).as_posix() for p in two.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
-
-
-def test_torchrun_splits_rank_files_and_rank0_finishes(megatron_ckpt, proxy_plan, tmp_path):
-    ckpt, _ = megatron_ckpt(FIXTURE)
-    plan_path, _ = proxy_plan(FIXTURE)
-    out = tmp_path / "tr"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_port()),
-        "-m",
-        "mcore_proxy.cli",
-        "convert",
-        str(ckpt),
-        "--plan",
-        str(plan_path),
-        "-o",
-        str(out),
-        "--target-ep",
-        "2",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    single = tmp_path / "single"
-    assert main(["convert", str(ckpt), "--plan", str(plan_path), "-o", str(single), "--target-ep", "2"]) == 0
-    assert_same_tensors(canonical(single), canonical(out))
-    assert main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan_path)]) == 0
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-
-
-def test_torch_dist_output_is_the_same_from_one_process_two_workers_and_torchrun(megatron_ckpt, proxy_plan, tmp_path):
-    """torch_dist output goes through the same units as legacy: every data file, `.metadata` and
-    common.pt byte for byte alike however the units were spread over processes."""
-    ckpt, _ = megatron_ckpt(FIXTURE)
-    plan_path, _ = proxy_plan(FIXTURE)
-    common = ["--plan", str(plan_path), "--format", "torch_dist", "--target-ep", "2"]
-    one, two, tr = tmp_path / "one", tmp_path / "two", tmp_path / "tr"
-    assert main(["convert", str(ckpt), "-o", str(one), *common]) == 0
-    assert main(["convert", str(ckpt), "-o", str(two), "--workers", "2", *common]) == 0
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_port()),
-        "-m",
-        "mcore_proxy.cli",
-        "convert",
-        str(ckpt),
-        "-o",
-        str(tr),
-        *common,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    files = [json.loads((out / "manifest.json").read_text())["files"] for out in (one, two, tr)]
-    assert files[0] == files[1] == files[2] and len([f for f in files[0] if f.endswith(".distcp")]) > 2
-    assert main(["verify", "--orig", str(ckpt), "--proxy", str(tr), "--plan", str(plan_path)]) == 0
-
-
-def _port() -> int:
-    from mcore_proxy.functional.cpu import free_port
-
-    return free_port()
 
 
 def test_manifest_lists_every_file(megatron_ckpt, proxy_plan, tmp_path):
