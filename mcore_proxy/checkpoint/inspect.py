@@ -48,7 +48,7 @@ def describe(view: ModelView) -> dict:
     for n in names:
         b = tensor_nbytes(view, n)
         if b:
-            dtype_bytes[str(view.dtype(n)).replace("torch.", "")] += b
+            dtype_bytes[view.dtype_name(n)] += b
             expert_bytes += b if split_expert_name(n) is not None else 0
     info = view.info
     layout = info.layout

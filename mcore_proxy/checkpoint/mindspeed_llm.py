@@ -33,15 +33,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Mapping
-
-import torch
+from typing import TYPE_CHECKING, Mapping
 
 from mcore_proxy.checkpoint.names import apply_variants, canonical_sort_key, restore_variant
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore.megatron_args import arg, arg_int
 from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
+
+if TYPE_CHECKING:
+    import torch
 
 MEGATRON, MINDSPEED_LLM = "megatron", "mindspeed-llm"
 NAMINGS = (MEGATRON, MINDSPEED_LLM)
@@ -187,6 +188,8 @@ def mindspeed_to_megatron_key(key: str, mla: bool = True) -> tuple[str, ...]:
 
 def fuse_down(q_down: torch.Tensor, kv_down: torch.Tensor) -> torch.Tensor:
     """[q_lora, H], [kv_lora + rope, H] -> MindSpeed-LLM's `linear_qkv` [q_lora + kv_lora + rope, H]."""
+    import torch
+
     return torch.cat([q_down, kv_down])
 
 
@@ -209,6 +212,8 @@ def split_up(up: torch.Tensor, which: str, dims: MLADims) -> tuple[torch.Tensor,
 
 def join_up(first: torch.Tensor, second: torch.Tensor, which: str, dims: MLADims) -> torch.Tensor:
     """The inverse of `split_up`: parts of the same whole heads -> [h*(a+b), r]."""
+    import torch
+
     a, b = dims.part_sizes(which)
     r = first.shape[-1]
     if first.shape[0] % a or second.shape[0] % b or first.shape[0] // a != second.shape[0] // b:

@@ -60,20 +60,23 @@ import dataclasses
 import logging
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER, canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore.megatron_args import arg_int
+from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 VARIANT = "dsv4_hybrid"  # Megatron-LM dev's experimental_attention_variant
 # the hash table: an int64 Parameter in MindSpeed-LLM (router.py), an int32 buffer in Megatron-LM dev
-HASH_TABLE, MINDSPEED_HASH_DTYPE, DEV_HASH_DTYPE = ".mlp.router.tid2eid", torch.int64, torch.int32
+HASH_TABLE, MINDSPEED_HASH_DTYPE, DEV_HASH_DTYPE = ".mlp.router.tid2eid", "int64", "int32"
 SCALE_PARTS = ("pre", "post", "res")  # hc_scale [3] rows, mhc.py's order (alpha_pre, alpha_post, alpha_res)
 
 _LAYER = r"^(?P<p>decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\."
@@ -206,6 +209,8 @@ def fuse(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts of a fused MindSpeed-LLM tensor (`to_canonical_keys` order) -> the tensor as saved:
     hc_scale [3] from three [1]; eh_proj [R, 2H] from e [R, H] and h [R, H]. (Readers take the
     parts back as slices: `part_slices`.)"""
+    import torch
+
     return torch.cat(parts, dim=1 if _EH_FUSED.match(key) else 0)
 
 
@@ -513,7 +518,7 @@ class MindSpeedV4NamedView(ModelView):
         if len(src) > 1:
             return fuse(key, [self.source.get(n) for n in src])
         value = self.source.get(src[0])
-        return value.to(MINDSPEED_HASH_DTYPE) if key.endswith(HASH_TABLE) else value
+        return value.to(torch_dtype(MINDSPEED_HASH_DTYPE)) if key.endswith(HASH_TABLE) else value
 
     def shape(self, key: str):
         src = self._sources[key]
@@ -526,7 +531,9 @@ class MindSpeedV4NamedView(ModelView):
         return tuple(out)
 
     def dtype(self, key: str):
-        return MINDSPEED_HASH_DTYPE if key.endswith(HASH_TABLE) else self.source.dtype(self._sources[key][0])
+        if key.endswith(HASH_TABLE):
+            return torch_dtype(MINDSPEED_HASH_DTYPE)
+        return self.source.dtype(self._sources[key][0])
 
     def prefetch(self, names: list[str]) -> None:
         self.source.prefetch([n for k in names for n in self._sources.get(k, ())])

@@ -34,8 +34,7 @@ import importlib
 import logging
 import numbers
 import pickle
-
-import torch
+import sys
 
 from mcore_proxy.core.errors import CheckpointError
 
@@ -145,11 +144,24 @@ def unresolved_class(module: str, name: str) -> type:
     return _UNRESOLVED_CLASSES[key]
 
 
+class TorchDtypeName(str):
+    """A torch dtype global in a file (`args.params_dtype = torch.bfloat16`), read without
+    importing torch: its name, 'bfloat16'. Writers emit the global back (torchfile's pickler);
+    `core.dtypes.torch_dtype` gives the dtype itself."""
+
+    __slots__ = ()
+
+
+def _size(dims=()) -> tuple:
+    """`torch.Size` read as the tuple it is (reading imports no torch)."""
+    return tuple(dims)
+
+
 # Data-only types the restricted reader constructs for real.
 READ_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("argparse", "Namespace"): argparse.Namespace,
-    ("torch", "Size"): torch.Size,
+    ("torch", "Size"): _size,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
@@ -324,17 +336,22 @@ def is_emittable(module: str, name: str) -> bool:
     """Whether a writer may put a GLOBAL of this path into a file Megatron will unpickle."""
     if (module, name) in WRITE_ALLOWED or (module, name) in _STRUCTURE:
         return True
-    value = getattr(torch, name, None) if module == "torch" else None
-    return isinstance(value, torch.dtype) or (
-        module == "torch" and name.endswith("Storage") and isinstance(value, type)
-    )
+    if module != "torch":
+        return False
+    import torch
+
+    value = getattr(torch, name, None)
+    return isinstance(value, torch.dtype) or (name.endswith("Storage") and isinstance(value, type))
 
 
 def _unsafe(value, depth: int = 0) -> str | None:
     """Why `value` may not be written (the first offending global), or None if it is plain data."""
     if depth > MAX_DEPTH:
         return f"data nested deeper than {MAX_DEPTH} levels"
-    if value is None or isinstance(value, (bool, numbers.Number, str, bytes, bytearray, range, slice, torch.dtype)):
+    torch = sys.modules.get("torch")  # a torch object exists only where torch was imported
+    if value is None or isinstance(value, (bool, numbers.Number, str, bytes, bytearray, range, slice)):
+        return None
+    if torch is not None and isinstance(value, torch.dtype):
         return None
     if isinstance(value, Refused):
         return (
@@ -345,8 +362,8 @@ def _unsafe(value, depth: int = 0) -> str | None:
         if (value._module, value._name) not in WRITE_ALLOWED:
             return f"{value._module}.{value._name}, a global that is not on the allow-list of data types"
         return _unsafe((value._args, value._state), depth + 1)
-    if isinstance(value, torch.Tensor) or isinstance(getattr(value, "dtype", None), torch.dtype):
-        # a tensor, read or not (torchfile's LazyTensor has a torch dtype too)
+    if (torch is not None and isinstance(value, torch.Tensor)) or hasattr(value, "dtype_name"):
+        # a tensor, read or not (torchfile's LazyTensor)
         return "a tensor, which Megatron args never hold"
     if isinstance(value, dict):
         return next(
@@ -404,6 +421,8 @@ def torch_load_globals() -> list:
     torch >= 2.6, which also takes `(object, "module.name")` pairs, the two by-name enum forms too:
     a `builtins.getattr` that only reads members of those enum classes (`_enum_getattr`), and the
     `signal.SIG*` globals."""
+    import torch
+
     out = []
     for module, name in sorted(WRITE_ALLOWED):
         try:
@@ -427,6 +446,8 @@ def torch_load_allowing():
 
     Only what is not registered already is added, and removed at the end: torch's own context
     removes everything it was given, megatron-core's registrations (made at import) included."""
+    import torch
+
     serialization = torch.serialization
     if not hasattr(serialization, "safe_globals"):
         yield

@@ -34,11 +34,17 @@ affected by dropping experts: their states are copied byte for byte.
 
 from __future__ import annotations
 
-import torch
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def empty_extra_state() -> torch.Tensor:
     """TE's encoding of "no FP8 state": an empty uint8 tensor (a fresh one each call)."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8)
 
 
@@ -49,4 +55,4 @@ def holds_state(value) -> bool:
     if value is None:
         return False
     shape = getattr(value, "shape", None)
-    return shape is None or int(torch.Size(shape).numel()) > 0
+    return shape is None or math.prod(shape) > 0

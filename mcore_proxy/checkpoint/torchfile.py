@@ -19,20 +19,23 @@ import enum
 import functools
 import hashlib
 import io
+import math
 import os
 import pickle
+import signal
 import struct
+import sys
 import types
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.descriptors import POOL
 from mcore_proxy.checkpoint.safe_globals import (
     READ_GLOBALS,
+    TorchDtypeName,
     Unresolved,
     enum_by_name,
     global_enum_member,
@@ -41,22 +44,27 @@ from mcore_proxy.checkpoint.safe_globals import (
     unresolved_class,
 )
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
+from mcore_proxy.core.dtypes import ITEMSIZE, dtype_name, itemsize, torch_dtype
 from mcore_proxy.core.errors import CheckpointError
+
+if TYPE_CHECKING:  # torch is imported where bytes become tensors, not to index a file
+    import torch
 
 # -- reading -------------------------------------------------------------------------------
 
+# torch's storage classes (`torch.BFloat16Storage`, as pickles name them) -> dtype names
 _STORAGE_DTYPES = {
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "UntypedStorage": torch.uint8,
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "UntypedStorage": "uint8",
 }
 _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
 
@@ -64,7 +72,7 @@ _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStora
 @dataclass(frozen=True, repr=False, slots=True)  # one per tensor a reader keeps
 class _StorageRef:
     member: str  # zip member holding the bytes
-    dtype: torch.dtype
+    dtype: str  # torch's dtype name: the index needs no torch
     numel: int
     header_offset: int  # of the member's local header: where its bytes are, once the zip index is gone
 
@@ -76,15 +84,20 @@ class LazyTensor:
 
     def __init__(self, file: "TorchFile", storage: _StorageRef, offset: int, shape, stride):
         self.file, self.storage, self.offset = file, storage, int(offset)
-        self.shape, self.stride = torch.Size(shape), tuple(stride)
+        self.shape, self.stride = _shared(Shape(shape)), _shared(tuple(stride))
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype_name(self) -> str:
+        """torch's name of the dtype ('bfloat16'), known without torch."""
         return self.storage.dtype
 
     @property
+    def dtype(self) -> "torch.dtype":
+        return torch_dtype(self.storage.dtype)
+
+    @property
     def nbytes(self) -> int:
-        return self.shape.numel() * _itemsize(self.dtype)
+        return self.shape.numel() * itemsize(self.storage.dtype)
 
     def is_contiguous(self) -> bool:
         expected, acc = [], 1
@@ -93,7 +106,7 @@ class LazyTensor:
             acc *= n
         return tuple(reversed(expected)) == self.stride or self.shape.numel() <= 1
 
-    def read_flat(self, start: int, count: int) -> torch.Tensor:
+    def read_flat(self, start: int, count: int) -> "torch.Tensor":
         """Elements [start, start+count) of this (contiguous) tensor's memory, 1-D."""
         if not self.is_contiguous():
             return self.load().reshape(-1)[start : start + count].clone()
@@ -111,7 +124,7 @@ class LazyTensor:
         if self.is_contiguous():
             self.file.will_need(*self.byte_range(start, count))
 
-    def load(self) -> torch.Tensor:
+    def load(self) -> "torch.Tensor":
         """The whole tensor (a fresh CPU tensor owning its memory)."""
         if self.is_contiguous():
             return self.read_flat(0, self.shape.numel()).view(self.shape)
@@ -120,12 +133,25 @@ class LazyTensor:
         return flat.as_strided(self.shape, self.stride).clone()
 
     def __repr__(self):
-        return f"LazyTensor({tuple(self.shape)}, {self.dtype})"
+        return f"LazyTensor({tuple(self.shape)}, torch.{self.dtype_name})"
 
 
-@functools.lru_cache(maxsize=None)
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+# One object per distinct shape or stride: a 61-layer DeepSeek-V3 index holds 56,000 LazyTensors
+# of a few dozen shapes, and a reader's peak memory should not grow with depth (issue 23).
+_SHARED: dict[tuple, tuple] = {}
+
+
+def _shared(value: tuple) -> tuple:
+    return _SHARED.setdefault(value, value)
+
+
+class Shape(tuple):
+    """A tensor shape as `torch.Size` answers it (a tuple with `numel()`), made without torch."""
+
+    __slots__ = ()
+
+    def numel(self) -> int:
+        return math.prod(self)
 
 
 def _sizes(xs) -> bool:
@@ -164,7 +190,7 @@ _TENSOR_GLOBALS = {
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: str):
         self.dtype = dtype
 
 
@@ -181,8 +207,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return READ_GLOBALS[(module, name)]
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in ITEMSIZE:  # a dtype in args (`params_dtype`)
+            return TorchDtypeName(name)
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
             return lambda text, encoding="latin1": text.encode(encoding)
         if (module, name) == ("builtins", "getattr"):  # enums pickled by name; nothing else (safe_globals)
@@ -196,10 +222,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         _, storage_type, key, _location, numel = pid
         if not (isinstance(key, str) and isinstance(numel, int) and numel >= 0):
             raise pickle.UnpicklingError(f"storage {str(key)[:40]} declares {str(numel)[:40]} elements")
-        dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else torch.uint8
-        member = f"{self._file.prefix}/data/{key}" if self._file.prefix else f"data/{key}"
+        dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else "uint8"
+        # the same member names recur in every rank file: one string each
+        member = sys.intern(f"{self._file.prefix}/data/{key}" if self._file.prefix else f"data/{key}")
         header_offset, size = self._members.get(member, (0, 0))
-        if size < numel * _itemsize(dtype):
+        if size < numel * itemsize(dtype):
             # checked before anything is allocated: a declared size must fit the bytes in the file
             raise pickle.UnpicklingError(f"storage {key} declares {numel} elements but its member holds {size} bytes")
         return (self._file, _StorageRef(member, dtype, numel, header_offset))
@@ -322,16 +349,18 @@ class TorchFile:
             self._offsets[member] = storage.header_offset + 30 + name_len + extra_len
         return self._offsets[member]
 
-    def read_elements(self, storage: _StorageRef, start: int, count: int) -> torch.Tensor:
+    def read_elements(self, storage: _StorageRef, start: int, count: int) -> "torch.Tensor":
         """`count` elements from element `start` of a storage, reading only those bytes."""
-        item = _itemsize(storage.dtype)
+        import torch
+
+        item = itemsize(storage.dtype)
         offset = self._data_offset(storage)
         if start + count > storage.numel:
             raise CheckpointError(
                 f"{self.path}: a read of elements {start}..{start + count} lies beyond the "
                 f"{storage.numel} of {storage.member}; the file is damaged, copy it again"
             )
-        out = torch.empty(count, dtype=storage.dtype)
+        out = torch.empty(count, dtype=torch_dtype(storage.dtype))
         buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
         done = 0
         with self._fd() as fd:
@@ -347,7 +376,7 @@ class TorchFile:
 
     def byte_range(self, storage: _StorageRef, start: int, count: int) -> tuple[int, int]:
         """(file offset, length) of `count` elements from element `start` of a storage."""
-        item = _itemsize(storage.dtype)
+        item = itemsize(storage.dtype)
         return self._data_offset(storage) + start * item, count * item
 
     def will_need(self, offset: int, length: int) -> None:
@@ -360,6 +389,94 @@ class TorchFile:
     def close(self):
         """Close this file's pooled descriptor if open (reads reopen it)."""
         POOL.forget(self.path)
+
+
+# -- opening many files in worker processes ---------------------------------------------------
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _model_payload(path: str) -> bytes | None:
+    """Worker side of `open_many`: the model state of one rank file (`model`, `model0`, ...) as
+    plain data: a LazyTensor becomes its storage and box, a None or number stays itself. None
+    when the file holds anything else there (the parent then parses the file itself: objects
+    read from a checkpoint never cross a process boundary as pickles)."""
+    try:
+        tf = TorchFile(path)
+    except CheckpointError as err:
+        return pickle.dumps(("error", str(err)))
+    chunks = {}
+    for key, chunk in tf.obj.items() if isinstance(tf.obj, dict) else ():
+        if not (key == "model" or (key.startswith("model") and key[5:].isdigit())):
+            continue
+        if not isinstance(chunk, dict):
+            return None
+        out = chunks[key] = {}
+        for name, value in chunk.items():
+            if isinstance(value, LazyTensor):
+                st, box = value.storage, (value.offset, tuple(value.shape), value.stride)
+                out[name] = (0, st.member, st.dtype, st.numel, st.header_offset, *box)
+            elif isinstance(value, _PLAIN) and isinstance(name, str):
+                out[name] = (1, value)
+            else:
+                return None
+    return pickle.dumps(("ok", chunks), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads a worker's payload: plain containers and scalars only, no global of any kind."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a worker's index payload names {module}.{name}")
+
+
+def _from_payload(path: Path, payload: bytes | None) -> "TorchFile":
+    if payload is None:
+        return TorchFile(path)
+    status, body = _PlainUnpickler(io.BytesIO(payload)).load()
+    if status == "error":
+        raise CheckpointError(body)
+    tf = object.__new__(TorchFile)
+    tf.path, tf._offsets = Path(path), {}
+    storages: dict[str, _StorageRef] = {}
+    tf.obj = {}
+    for key, chunk in body.items():
+        model = tf.obj[key] = {}
+        for name, value in chunk.items():
+            if value[0] == 1:
+                model[name] = value[1]
+                continue
+            _, member, dtype, numel, header_offset, offset, shape, stride = value
+            ref = storages.get(member)
+            if ref is None:
+                ref = storages[member] = _StorageRef(member, dtype, numel, header_offset)
+            model[name] = LazyTensor(tf, ref, offset, shape, stride)
+    return tf
+
+
+def _worker_signals() -> None:
+    """A parsing worker leaves Ctrl-C to its parent, which stops the pool, and dies quietly when
+    the pool stops it (SIGTERM): it must not run the parent's handlers (`cli_support.interrupts`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def open_many(paths: list[Path], workers: int) -> "collections.abc.Iterator[TorchFile]":
+    """TorchFiles of `paths`, in order, parsed by `workers` forked processes (in this one when
+    `workers` <= 1). Only the model state crosses back, as plain data (`_model_payload`): the
+    files' other entries (args, optimizer, RNG state) are not kept; open the files that must
+    tell those with `TorchFile`. Parsing a rank file (zip index, pickle) is pure Python, so
+    processes, not threads."""
+    if workers <= 1 or len(paths) < 2:
+        yield from (TorchFile(p) for p in paths)
+        return
+    import multiprocessing
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(workers, initializer=_worker_signals) as pool:
+        chunksize = max(1, min(16, len(paths) // (4 * workers)))
+        for path, payload in zip(paths, pool.imap(_model_payload, [str(p) for p in paths], chunksize)):
+            yield _from_payload(path, payload)
 
 
 def materialize(obj):
@@ -379,8 +496,11 @@ def materialize(obj):
 class _TensorRecord:
     __slots__ = ("key", "dtype", "shape", "numel")
 
-    def __init__(self, key: str, dtype: torch.dtype, shape: torch.Size):
-        self.key, self.dtype, self.shape, self.numel = key, dtype, torch.Size(shape), shape.numel()
+    def __init__(self, key: str, dtype: "torch.dtype", shape: tuple[int, ...]):
+        import torch
+
+        self.key, self.dtype, self.shape = key, dtype, torch.Size(shape)
+        self.numel = self.shape.numel()
 
 
 class _StoragePid:
@@ -396,12 +516,16 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
 
     def persistent_id(self, obj):
         if isinstance(obj, _StoragePid):
+            import torch
+
             r = obj.record
-            return ("storage", getattr(torch, _DTYPE_STORAGE[r.dtype]), r.key, "cpu", r.numel)
+            return ("storage", getattr(torch, _DTYPE_STORAGE[dtype_name(r.dtype)]), r.key, "cpu", r.numel)
         return None
 
     def reducer_override(self, obj):
         if isinstance(obj, _TensorRecord):
+            import torch
+
             stride = torch.empty(obj.shape, device="meta").stride()
             return (
                 torch._utils._rebuild_tensor_v2,
@@ -431,7 +555,11 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
             return
         super().save_global(obj, name)
 
+    def save_dtype_name(self, obj):
+        self.save_global(torch_dtype(obj), str(obj))  # back as the global it was read: `torch.bfloat16`
+
     dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[TorchDtypeName] = save_dtype_name
     dispatch[type] = save_global
     dispatch[types.FunctionType] = save_global
     dispatch[types.BuiltinFunctionType] = save_global
@@ -457,17 +585,15 @@ class TorchFileWriter:
         self.size: int | None = None
         self.sha256: str | None = None
 
-    def add(self, tensor: torch.Tensor) -> _TensorRecord:
+    def add(self, tensor: "torch.Tensor") -> _TensorRecord:
         return self.add_pieces([tensor])
 
-    def add_pieces(self, pieces: list[torch.Tensor]) -> _TensorRecord:
+    def add_pieces(self, pieces: list["torch.Tensor"]) -> _TensorRecord:
         """One tensor stored as `pieces` back to back (blocks along dim 0, e.g. the gate and up
         rows of a GLU shard): the same bytes as their concatenation, without making it."""
         pieces = [p.detach().cpu() for p in pieces]
         pieces = [p if p.is_contiguous() else p.contiguous() for p in pieces]
-        shape = (
-            torch.Size([sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]]) if len(pieces) > 1 else pieces[0].shape
-        )
+        shape = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]) if len(pieces) > 1 else pieces[0].shape
         key = str(self._count)
         self._count += 1
         try:
@@ -506,6 +632,8 @@ def save_object(obj, path: str | Path | None = None, sink: HashingSink | None = 
     """torch.save equivalent that keeps Unresolved objects' class paths; tensors anywhere in obj.
     Into a file of its own at `path`, or as the next archive of `sink`. Returns the writer
     (`size`, `sha256` when it owned the file)."""
+    import torch
+
     writer = TorchFileWriter(path, sink=sink)
 
     def convert(o):
@@ -526,6 +654,8 @@ def save_object(obj, path: str | Path | None = None, sink: HashingSink | None = 
 def load_weights_only(path):
     """`torch.load(path, weights_only=True)` with the allowed classes as its safe globals (torch
     >= 2.4; earlier torch has no way to add them, so the restricted reader stands in)."""
+    import torch
+
     if hasattr(torch.serialization, "safe_globals"):
         with torch_load_allowing():
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -18,13 +18,15 @@ import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import TYPE_CHECKING, Iterator
 
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint.names import group_of
+from mcore_proxy.core.dtypes import FLOAT8, dtype_name, nbytes
 from mcore_proxy.mcore.spec import ModelSpec, expert_bias_name, router_weight_name
+
+if TYPE_CHECKING:  # a view indexes names, shapes and dtype names without torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,12 @@ class ModelView(ABC):
     def dtype(self, name: str) -> torch.dtype | None:
         """dtype of `name` (None for a non-tensor entry); reads no tensor data."""
 
+    def dtype_name(self, name: str) -> str | None:
+        """torch's name of `name`'s dtype ('bfloat16'; None for a non-tensor entry): what sizes and
+        `inspect` need, which readers that index without torch answer without importing it."""
+        dtype = self.dtype(name)
+        return None if dtype is None else dtype_name(dtype)
+
     @abstractmethod
     def get(self, name: str):
         """The full un-sharded tensor `name` (a fresh tensor, or the value of a non-tensor entry)."""
@@ -152,10 +160,14 @@ class DictModelView(ModelView):
         return list(self._tensors)
 
     def shape(self, name: str):
+        import torch
+
         t = self._tensors[name]
         return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
     def dtype(self, name: str):
+        import torch
+
         t = self._tensors[name]
         return t.dtype if isinstance(t, torch.Tensor) else None
 
@@ -189,6 +201,8 @@ def router_fingerprint(view: ModelView) -> str:
 
     Hashes raw bytes in layer order, so any change of a router row or of the expert order shows.
     """
+    import torch
+
     h = hashlib.sha256()
     names = set(view.names())
     for layer_id in view.spec.moe_layer_ids:
@@ -201,21 +215,14 @@ def router_fingerprint(view: ModelView) -> str:
     return h.hexdigest()
 
 
-FLOAT8_DTYPES = tuple(
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, n)
-)
-
-
 def holds_fp8(view: ModelView) -> bool:
     """Whether any tensor is stored as float8 (block-quantised weights); reads no tensor data."""
-    return any(view.dtype(n) in FLOAT8_DTYPES for n in view.names())
+    return any(view.dtype_name(n) in FLOAT8 for n in view.names())
 
 
 def tensor_nbytes(view: ModelView, name: str) -> int:
     """Bytes of one canonical tensor from its shape and dtype (0 for non-tensor entries)."""
-    shape, dtype = view.shape(name), view.dtype(name)
+    shape, dtype = view.shape(name), view.dtype_name(name)
     if shape is None or dtype is None:
         return 0
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    return nbytes(shape, dtype)

@@ -30,10 +30,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-
-import torch
+from typing import TYPE_CHECKING
 
 from mcore_proxy.core.errors import CheckpointError
+
+if TYPE_CHECKING:  # shapes and rules need no torch; slicing tensors does
+    import torch
 
 REPLICATED, COLUMN, ROW, GLU_COLUMN = "replicated", "column", "row", "glu_column"
 LOCAL_SPEC, TE_SPEC = "local", "transformer_engine"
@@ -140,6 +142,8 @@ class ShardRule:
         """Shard `index` of `parts` as views of `tensor` (nothing copied), one per box: written back
         to back they are the shard's bytes when each piece is contiguous (dim-0 slices of a
         contiguous tensor are; row slices are not)."""
+        import torch
+
         if not isinstance(tensor, torch.Tensor):
             return [tensor]
         return [
@@ -150,6 +154,8 @@ class ShardRule:
     def shard(self, tensor, parts: int, index: int):
         """Shard `index` of `parts`: a view where possible (one copy for a GLU shard). Slices only
         that shard: writing every rank costs one pass over the tensor, not `parts`."""
+        import torch
+
         pieces = self.shard_pieces(tensor, parts, index)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
@@ -159,6 +165,8 @@ class ShardRule:
 
     def join(self, shards: list):
         """Shards in rank order -> the canonical tensor; the inverse of `split`."""
+        import torch
+
         if len(shards) == 1 or self.dim is None or not isinstance(shards[0], torch.Tensor):
             return shards[0]
         if self.kind == GLU_COLUMN:

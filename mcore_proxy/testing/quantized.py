@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from mcore_proxy.checkpoint.hf.quant import FP4_VALUES, FP8, FP8_MAX
+from mcore_proxy.checkpoint.hf.quant import FP4_VALUES, FP8_MAX
 
 INDEX = "model.safetensors.index.json"
 # the linear layers DeepSeek's FP8 release quantises (not the router, eh_proj, embeddings, head)
@@ -64,7 +64,7 @@ def fp8_blocks(weight: torch.Tensor, block=BLOCK, ue8m0: bool = False) -> tuple[
     scale = padded.reshape(gr, block[0], gc, block[1]).amax((1, 3)).clamp(min=1e-12) / FP8_MAX
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (w / _expand(scale, rows, cols, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = (w / _expand(scale, rows, cols, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, (scale.to(torch.float8_e8m0fnu) if ue8m0 else scale)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +98,27 @@ def test_inspect_says_what_an_hf_family_holds_and_what_works(hf_model, tmp_path,
     out = capsys.readouterr().out
     assert "hash-routed layers 0" in out and "FP8/FP4 with E8M0 scales" in out and "support" in out
     assert describe(open_checkpoint(hf_model("qwen3_moe")))["support"]["megatron"] == "HF <-> Megatron as Qwen3-MoE"
+
+
+# torch cannot be imported in this child: inspect of a legacy checkpoint must not need it (its
+# import costs more than indexing hundreds of rank files: bench/RESULTS.md, issue 23)
+_WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None
+from mcore_proxy.cli import main
+code = main(sys.argv[1:])
+assert "torch" not in sys.modules or sys.modules["torch"] is None
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("fixture", ["deepseek_like_pp2_uneven", "grouped_ep4"])
+def test_inspect_of_a_legacy_checkpoint_imports_no_torch(megatron_ckpt, fixture, capsys):
+    ckpt, _ = megatron_ckpt(fixture)
+    assert main(["inspect", str(ckpt), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    child = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, "inspect", str(ckpt), "--json"], capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == expected

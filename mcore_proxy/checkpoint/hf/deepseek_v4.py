@@ -45,15 +45,19 @@ shardings (tensor-parallel attention): `checkpoint/mindspeed_llm_v4.py` maps the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 import re
 
-import torch
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, MODEL, MTP, PICK, Row, Table
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER
 from mcore_proxy.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ ROWS = (
     *_hyper_connection("mlp_hyper_connection", "hc_ffn"),
     Row("mlp.router.weight", "ffn.gate.weight"),
     Row("mlp.router.expert_bias", "ffn.gate.bias"),
-    Row("mlp.router.tid2eid", "ffn.gate.tid2eid", dtypes=(torch.int64, torch.int32)),
+    Row("mlp.router.tid2eid", "ffn.gate.tid2eid", dtypes=("int64", "int32")),
     Row("mlp.experts.{e}.linear_fc1.weight", ("ffn.experts.{e}.w1.weight", "ffn.experts.{e}.w3.weight"), GLU),
     Row("mlp.experts.{e}.linear_fc2.weight", "ffn.experts.{e}.w2.weight"),
     Row("mlp.shared_experts.linear_fc1.weight", ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"), GLU),

@@ -30,12 +30,16 @@ only: block scales of one tensor cannot be re-interleaved per query group).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 from dataclasses import dataclass, field
 
-import torch
 
 from mcore_proxy.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 COPY, GLU, QKV, FUSED, PICK = "copy", "glu", "qkv", "fused", "pick"
 MODEL, LAYER, MTP = "model", "layer", "mtp"
@@ -59,7 +63,7 @@ class Row:
     scope: str = LAYER
     read_only: bool = False  # an alternative spelling accepted when reading, never written
     index: int | None = None  # pick: the element of the HF tensor
-    dtypes: tuple | None = None  # (HF dtype, canonical dtype) when they differ
+    dtypes: tuple[str, str] | None = None  # (HF dtype, canonical dtype) names when they differ
 
     def __post_init__(self):
         hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
@@ -224,6 +228,8 @@ def hf_name(
 
 def glu_join(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[F, H] gate, [F, H] up -> [2F, H] megatron `linear_fc1` (gate rows, then up rows)."""
+    import torch
+
     return torch.cat([gate, up])
 
 
@@ -235,6 +241,8 @@ def glu_split(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """q [G*r*d, H], k/v [G*d, H] -> megatron `linear_qkv` [G*(r+2)*d, H]: per query group its r
     query heads, then its key head, then its value head."""
+    import torch
+
     h = q.shape[1:]
     return torch.cat([q.reshape(groups, -1, *h), k.reshape(groups, -1, *h), v.reshape(groups, -1, *h)], dim=1).reshape(
         -1, *h

@@ -19,12 +19,13 @@ involved: `megatron()` gives the Megatron-named view for families that have one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import collections
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
@@ -43,6 +44,9 @@ from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.core.errors import CheckpointError, ProxyError
 from mcore_proxy.mcore.spec import MAX_EXPERTS, ModelSpec, layer_module_prefix
+
+if TYPE_CHECKING:
+    import torch
 
 
 def text_config(config: HFConfig) -> HFConfig:
@@ -255,6 +259,8 @@ class HFNativeView(ModelView):
     def _check(self, spec: ModelSpec) -> None:
         """config.json against the tensors: the decoder layers, and the shape of every router, bias,
         hash table and expert set."""
+        import torch
+
         E, H, where = spec.num_experts, spec.hidden_size, self.config.path
         if self._layers != set(range(self.num_layers)):
             raise CheckpointError(
@@ -411,6 +417,8 @@ class DequantizedNativeView(ModelView):
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        import torch
+
         q = self._quantized.get(name)
         if q is None:
             return self.source.shape(name)

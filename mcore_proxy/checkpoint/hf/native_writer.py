@@ -10,13 +10,17 @@ groups of the view in every spelling it has (`proxy_config`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 from dataclasses import dataclass
 
-import torch
 
 from mcore_proxy.checkpoint.hf.descriptor import FUSED, MoEFamily
 from mcore_proxy.checkpoint.hf.native import HFNativeSource
+
+if TYPE_CHECKING:
+    import torch
 
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<leaf>.+)$")
 
@@ -32,6 +36,8 @@ class NativeOut:
 
     @property
     def nbytes(self) -> int:
+        import torch
+
         return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
 
 

@@ -19,14 +19,18 @@ else from the scale grid (`rows // scale_rows`), as transformers derives them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
-import torch
 
 from mcore_proxy.core.errors import CheckpointError
 
+if TYPE_CHECKING:
+    import torch
+
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-FP8 = torch.float8_e4m3fn
+FP8 = "float8_e4m3fn"  # dtype name (core.dtypes)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's weight_block_size
 FP8_BLOCK, V4_SCALE, MXFP4, INT4_PACKED = "fp8-block", "e8m0-scale", "mxfp4", "int4-packed"
@@ -62,12 +66,16 @@ def find_quantized(names: list[str]) -> list[Quantized]:
 
 def e8m0(scale: torch.Tensor) -> torch.Tensor:
     """E8M0 exponents (uint8 bytes or float8_e8m0fnu) -> float32 2^(byte - 127)."""
+    import torch
+
     raw = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
     return torch.ldexp(torch.ones(raw.shape), raw.to(torch.int32) - 127)
 
 
 def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
     """[.., C/2] bytes of FP4 e2m1 pairs (low nibble: the even element) -> float32 [.., C]."""
+    import torch
+
     u8 = packed.contiguous().view(torch.uint8)
     lut = torch.tensor(FP4_VALUES)
     return torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).reshape(*u8.shape[:-1], -1)
@@ -101,6 +109,8 @@ def check_pair(
 ) -> None:
     """CheckpointError unless the shapes and dtypes of `q`'s weight and scale (from the shard
     headers) are ones its scheme dequantizes: checked before anything is read or written."""
+    import torch
+
     w, s = tuple(weight_shape), tuple(scale_shape)
     if q.scheme in (MXFP4, V4_SCALE) and scale_dtype.itemsize != 1:  # E8M0 exponents are bytes
         raise CheckpointError(
@@ -131,10 +141,13 @@ def dequantize_blocks(
     factors: torch.Tensor,
     block: tuple[int, int] | None,
     where: str,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """FP8 [R, C] x float32 factors [ceil(R/b0), ceil(C/b1)], one per block (the last blocks of a
-    dimension may be partial) -> `dtype` [R, C]."""
+    dimension may be partial) -> `dtype` [R, C] (bfloat16 by default)."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     if weight.dim() != 2:
         raise CheckpointError(f"{where}: a block-scaled weight of shape {list(weight.shape)}; expected 2 dimensions")
     block = block_of(tuple(weight.shape), tuple(factors.shape), block, where)
@@ -146,10 +159,13 @@ def dequantize(
     weight: torch.Tensor,
     scale: torch.Tensor,
     block: tuple[int, int] | None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The real weight of one quantized tensor, in `dtype` (what transformers loads it as: the
-    checkpoint's own dtype)."""
+    checkpoint's own dtype; bfloat16 by default)."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     if q.scheme == INT4_PACKED:
         raise CheckpointError(
             f"{q.weight}: compressed-tensors int4 weights are pruned as they are but not "
@@ -168,6 +184,8 @@ def dequantize(
 def config_dtype(config: dict) -> torch.dtype:
     """The dtype config.json declares (`dtype`, older `torch_dtype`, or its text model's), which
     transformers dequantizes into; bfloat16 when it declares none."""
+    import torch
+
     for where in (config, config.get("text_config") or {}):
         name = where.get("dtype") or where.get("torch_dtype") if isinstance(where, dict) else None
         if name in ("bfloat16", "float16", "float32"):

@@ -9,12 +9,13 @@ from safetensors only, and a `pytorch_model*.bin` folder is refused.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.hf import quant
 from mcore_proxy.checkpoint.hf.config import HFConfig
@@ -40,8 +41,12 @@ from mcore_proxy.checkpoint.hf.mapping import (
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.names import canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
+from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +286,7 @@ class HFCheckpoint(ModelView):
         row, parts = self._parts(name)
         tensors = [self._read(p) for p in parts]
         if row.dtypes is not None:
-            tensors = [t.to(row.dtypes[1]) for t in tensors]
+            tensors = [t.to(torch_dtype(row.dtypes[1])) for t in tensors]
         if row.transform == GLU:
             return glu_join(*tensors)
         if row.transform == QKV:
@@ -295,10 +300,12 @@ class HFCheckpoint(ModelView):
         return joined_shape(COPY if row.transform == FUSED else row.transform, [p.info.shape for p in parts])
 
     def dtype(self, name: str) -> torch.dtype:
+        import torch
+
         row, parts = self._parts(name)
         dtype = parts[0].info.dtype
         if row.dtypes is not None:
-            return row.dtypes[1]
+            return torch_dtype(row.dtypes[1])
         return torch.bfloat16 if self.dequantize_fp8 and dtype == quant.FP8 else dtype
 
     def hf_keys(self, name: str) -> list[str]:

@@ -13,36 +13,54 @@ data in header order.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import functools
 import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.zipwrite import HashingSink
 from mcore_proxy.core.errors import CheckpointError
 
-DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": getattr(torch, "uint16", None),
-    "U32": getattr(torch, "uint32", None),
+if TYPE_CHECKING:
+    import torch
+
+# safetensors' dtype codes -> torch's dtype names
+_DTYPE_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "U32": "uint32",
     # DeepSeek-V4's FP4 expert scales (torch >= 2.7 names the dtype)
-    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+    "F8_E8M0": "float8_e8m0fnu",
 }
-DTYPES = {k: v for k, v in DTYPES.items() if v is not None}
-NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def dtypes() -> dict:
+    """safetensors dtype code -> torch dtype, for the dtypes this torch has."""
+    import torch
+
+    found = {code: getattr(torch, name, None) for code, name in _DTYPE_NAMES.items()}
+    return {code: dtype for code, dtype in found.items() if dtype is not None}
+
+
+def dtype_code(dtype) -> str:
+    """torch dtype -> safetensors dtype code."""
+    return {v: k for k, v in dtypes().items()}[dtype]
 
 
 @dataclass(frozen=True)
@@ -61,11 +79,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             out = {}
             for key in f.keys():
                 piece = f.get_slice(key)
-                dtype = DTYPES.get(piece.get_dtype())
+                dtype = dtypes().get(piece.get_dtype())
                 if dtype is None:
                     raise CheckpointError(
                         f"{path}: tensor {key} has dtype {piece.get_dtype()}, which mcore-proxy "
-                        f"does not handle (supported: {', '.join(DTYPES)})"
+                        f"does not handle (supported: {', '.join(dtypes())})"
                     )
                 out[key] = TensorInfo(tuple(piece.get_shape()), dtype)
             return out
@@ -92,11 +110,13 @@ def read_tensor(path: Path, key: str, index: int | None = None) -> torch.Tensor:
 
 def header_bytes(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict | None = None) -> bytes:
     """The 8-byte length and the padded JSON header for `tensors` laid out in order."""
+    import torch
+
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for key, shape, dtype in tensors:
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": dtype_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

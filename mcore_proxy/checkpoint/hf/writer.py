@@ -14,12 +14,13 @@ shard size (HF sources) or transformers' historical default of 5 GB.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.hf.family import Family
 from mcore_proxy.checkpoint.hf.mapping import (
@@ -43,7 +44,11 @@ from mcore_proxy.checkpoint.hf.safetensors_io import StreamingWriter
 from mcore_proxy.checkpoint.interface import Finished, TargetOptions, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.view import ModelView, stream
 from mcore_proxy.checkpoint.zipwrite import HashingSink
+from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.core.errors import CheckpointError, ProxyError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,8 @@ class Out:
 
     @property
     def nbytes(self) -> int:
+        import torch
+
         return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -135,7 +142,7 @@ def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
         )
     shapes = _piece_shapes(row, tuple(view.shape(name)), view, family)
     num_layers, mtp_prefix = view.spec.num_layers, family.table.mtp_prefix
-    dtype = row.dtypes[0] if row.dtypes is not None else view.dtype(name)
+    dtype = torch_dtype(row.dtypes[0]) if row.dtypes is not None else view.dtype(name)
     gather = ()
     if row.transform == PICK:  # the first element's row writes the HF tensor of all its siblings
         siblings = family.table.siblings(row)
@@ -342,6 +349,8 @@ _FLAGS = {
 
 
 def _write_megatron_named(view: ModelView, family: Family, writer: StreamingWriter, shard: Shard, progress) -> None:
+    import torch
+
     firsts = [i for i, o in enumerate(shard.tensors) if o.piece == 0]
     for i, (_, tensor) in zip(firsts, stream(view, [shard.tensors[i].source for i in firsts])):
         count = _count(shard.tensors, i)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.iteration import TRACKER, is_iteration_folder_name, resolve_iteration_dir
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
@@ -33,15 +33,39 @@ from mcore_proxy.checkpoint.names import (
     te_grouped_extra_state,
 )
 from mcore_proxy.checkpoint.te_extra_state import empty_extra_state, holds_state
-from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile
+from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile, open_many
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
+from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore.sharding import LOCAL_SPEC, MINDSPEED_SPEC, REPLICATED, is_ignored, rule_for
 from mcore_proxy.mcore.spec import ModelSpec, layer_module_prefix
 
+if TYPE_CHECKING:  # the index is made without torch: pieces carry dtype names
+    import torch
+
 log = logging.getLogger(__name__)
 
 RANK_FILE = "model_optim_rng.pt"
+# Rank files beyond one per stage are parsed in worker processes from this many on (a worker
+# costs a fork, a file some 5 ms of pure-Python parsing); MCORE_PROXY_INDEX_WORKERS=N sets the
+# number of workers (0 or 1: parse in this process).
+PARALLEL_INDEX_FILES = 64
+
+
+def index_workers(files: int) -> int:
+    """Worker processes for parsing `files` rank files: the usable cores (at most 8) when there
+    are many files, else 1; MCORE_PROXY_INDEX_WORKERS overrides."""
+    said = os.environ.get("MCORE_PROXY_INDEX_WORKERS", "").strip()
+    if said:
+        if not said.isdigit():
+            raise CheckpointError(f"MCORE_PROXY_INDEX_WORKERS={said!r}: expected a number of processes (0: none)")
+        return int(said)
+    if files < PARALLEL_INDEX_FILES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 8)
+
+
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -85,7 +109,7 @@ class _GroupedExpert:
                 f"does not divide into {local_experts} experts"
             )
         self.shape = (cols // local_experts, rows) if fc == 1 else (cols, rows // local_experts)
-        self.dtype = lazy.dtype
+        self.dtype_name = lazy.dtype_name
 
     def byte_ranges(self) -> list[tuple[Path, int, int]]:
         per = self.lazy.shape.numel() // self.el
@@ -95,7 +119,7 @@ class _GroupedExpert:
         per = self.lazy.shape.numel() // self.el
         self.lazy.will_need(self.j * per, per)
 
-    def load(self) -> torch.Tensor:
+    def load(self) -> "torch.Tensor":
         per = self.lazy.shape.numel() // self.el
         flat = self.lazy.read_flat(self.j * per, per)
         return flat.view(self.shape[1], self.shape[0]).t().contiguous()
@@ -105,7 +129,7 @@ class _Constant:
     """A non-tensor entry (`_extra_state`), copied as is."""
 
     shape = None
-    dtype = None
+    dtype_name = None
 
     def __init__(self, value):
         self.value = value
@@ -132,7 +156,7 @@ class _Rows:
                 f"{lazy.file.path}: fused linear_qkv of shape {list(lazy.shape)} does not hold "
                 f"rows {start}..{start + count}; the args' MLA sizes do not match the files"
             )
-        self.shape, self.dtype = (count, self.cols), lazy.dtype
+        self.shape, self.dtype_name = (count, self.cols), lazy.dtype_name
 
     def byte_ranges(self) -> list[tuple[Path, int, int]]:
         return [(self.lazy.file.path, *self.lazy.byte_range(self.start * self.cols, self.count * self.cols))]
@@ -140,7 +164,7 @@ class _Rows:
     def will_need(self) -> None:
         self.lazy.will_need(self.start * self.cols, self.count * self.cols)
 
-    def load(self) -> torch.Tensor:
+    def load(self) -> "torch.Tensor":
         if not self.lazy.is_contiguous():
             return self.lazy.load()[self.start : self.start + self.count].clone()
         return self.lazy.read_flat(self.start * self.cols, self.count * self.cols).view(self.shape)
@@ -152,7 +176,7 @@ class _JoinedHeads:
     def __init__(self, first, second, which: str, dims: MLADims):
         self.parts, self.which, self.dims = (first, second), which, dims
         self.shape = (first.shape[0] + second.shape[0], first.shape[1])
-        self.dtype = first.dtype
+        self.dtype_name = first.dtype_name
 
     def byte_ranges(self) -> list:
         return [r for p in self.parts for r in _piece_ranges(p)]
@@ -161,7 +185,7 @@ class _JoinedHeads:
         for p in self.parts:
             p.will_need()
 
-    def load(self) -> torch.Tensor:
+    def load(self) -> "torch.Tensor":
         return join_up(self.parts[0].load(), self.parts[1].load(), self.which, self.dims)
 
 
@@ -291,8 +315,10 @@ class LegacyCheckpoint(ModelView):
         self._variants: set[str] = set()
         self._linear_extra_state = False
         self._reset_states = 0
+        rest = [c for c in sorted(coords) if c not in stage_files]
+        parsed = open_many([self._rank_file(coords[c]) for c in rest], index_workers(len(rest)))
         for c in sorted(coords):
-            tf = stage_files.pop(c, None) or self._open(coords[c])
+            tf = stage_files.pop(c, None) or next(parsed)
             self._index_file(c, tf, layout)
             tf.drop_structure()
         if self._reset_states:
@@ -360,11 +386,15 @@ class LegacyCheckpoint(ModelView):
             )
 
     @staticmethod
-    def _open(rank_dir: Path) -> TorchFile:
+    def _rank_file(rank_dir: Path) -> Path:
         f = rank_dir / RANK_FILE
         if not f.is_file():
             raise CheckpointError(f"{f}: rank file missing; copy it from the source checkpoint")
-        return TorchFile(f)
+        return f
+
+    @classmethod
+    def _open(cls, rank_dir: Path) -> TorchFile:
+        return TorchFile(cls._rank_file(rank_dir))
 
     def _model_chunks(self, tf: TorchFile, layout: ParallelLayout) -> list[dict]:
         obj = tf.obj
@@ -550,7 +580,11 @@ class LegacyCheckpoint(ModelView):
         return None if shape is None else entry.rule.full_shape(tuple(shape), entry.parts)
 
     def dtype(self, name: str):
-        return self._entries[name].shards[0].dtype
+        dtype = self._entries[name].shards[0].dtype_name
+        return None if dtype is None else torch_dtype(dtype)
+
+    def dtype_name(self, name: str):
+        return self._entries[name].shards[0].dtype_name
 
 
 class _Slice:
@@ -561,7 +595,7 @@ class _Slice:
         self.piece, self.dim, self.start, self.count = piece, dim, start, count
         shape = list(piece.shape)
         shape[dim] = count
-        self.shape, self.dtype = tuple(shape), piece.dtype
+        self.shape, self.dtype_name = tuple(shape), piece.dtype_name
 
     def byte_ranges(self) -> list:
         return _piece_ranges(self.piece)
@@ -569,7 +603,7 @@ class _Slice:
     def will_need(self) -> None:
         self.piece.will_need()
 
-    def load(self) -> torch.Tensor:
+    def load(self) -> "torch.Tensor":
         return self.piece.load().narrow(self.dim, self.start, self.count).clone()
 
 
@@ -577,8 +611,8 @@ class _Cast:
     """One rank-local piece in another dtype (MindSpeed-LLM's int64 hash table as Megatron-LM dev's
     int32 buffer)."""
 
-    def __init__(self, piece, dtype: torch.dtype):
-        self.piece, self.shape, self.dtype = piece, piece.shape, dtype
+    def __init__(self, piece, dtype: str):
+        self.piece, self.shape, self.dtype_name = piece, piece.shape, dtype
 
     def byte_ranges(self) -> list:
         return _piece_ranges(self.piece)
@@ -586,8 +620,8 @@ class _Cast:
     def will_need(self) -> None:
         self.piece.will_need()
 
-    def load(self) -> torch.Tensor:
-        return self.piece.load().to(self.dtype)
+    def load(self) -> "torch.Tensor":
+        return self.piece.load().to(torch_dtype(self.dtype_name))
 
 
 def _v4_canonical_entries(entries: dict[str, _Entry], hidden: int) -> dict[str, _Entry]:

@@ -14,10 +14,11 @@ linears get their `_extra_state: None` entries when the source had them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import dataclasses
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
@@ -60,11 +61,15 @@ from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore.sharding import rule_for
 
+if TYPE_CHECKING:
+    import torch
+
 
 class _RankOut:
     """One output rank file being streamed: `model` or `model0`, `model1`, ... (`chunk_keys`)."""
 
     def __init__(self, root: Path, rel: str, chunk_keys: list[str]):
+
         path = Path(root) / rel
         path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
         self.rel, self.path = rel, path
@@ -74,6 +79,8 @@ class _RankOut:
 
     def add(self, chunk: str, key: str, value) -> None:
         """A tensor, the pieces of one (a GLU shard's gate and up rows), or a plain value."""
+        import torch
+
         pieces = value if isinstance(value, list) else [value]
         if not isinstance(pieces[0], torch.Tensor):
             check_writable(pieces[0], f"model entry {key}")
@@ -198,6 +205,8 @@ def _add(
     """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key;
     `present`: the view's names (a linear whose extra state the view holds gets that, not None);
     `naming`: the MindSpeed-LLM naming written (its fused `linear_qkv` has no extra state)."""
+    import torch
+
     if not rule.expert:
         key = restore_variant(to_local_layer(name, offset), variants)
         out.add(chunk, key, shard)
@@ -228,6 +237,8 @@ def _add(
 
 def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
     """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
+    import torch
+
     fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
     if fc is None:
         raise CheckpointError(

@@ -8,6 +8,8 @@ process group is needed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import collections
 import dataclasses
 import io
@@ -18,7 +20,6 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.iteration import resolve_iteration_dir, tracked_folder
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec
@@ -45,10 +46,14 @@ from mcore_proxy.checkpoint.torchfile import (
     unpickle_torch_zip,
 )
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
+from mcore_proxy.core.dtypes import itemsize, torch_dtype
 from mcore_proxy.core.errors import CheckpointError, ProxyError
 from mcore_proxy.mcore.megatron_args import arg, arg_int
 from mcore_proxy.mcore.sharding import rule_for
 from mcore_proxy.mcore.spec import ModelSpec, layer_module_prefix
+
+if TYPE_CHECKING:
+    import torch
 
 
 # -- locating the iteration folder ------------------------------------------------------------
@@ -101,6 +106,8 @@ def resolve_dist_dir(path) -> tuple[Path, int | str]:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        import torch
+
         if (module, name) == ("torch", "Size"):
             return torch.Size
         if module == "torch" and isinstance(
@@ -144,6 +151,8 @@ def _byte_count(value, path: Path, key) -> int:
 
 def _props_dtype(props) -> torch.dtype:
     """TensorProperties pickles as a tuple (dtype, layout, ...) since torch 2.0, a dict before."""
+    import torch
+
     state = props._state
     dtype = state[0] if isinstance(state, tuple) else (state or {}).get("dtype")
     if not isinstance(dtype, torch.dtype):
@@ -228,7 +237,9 @@ class _Blob:
 
     def read_elements(self, storage, start: int, count: int) -> torch.Tensor:
         """`count` elements from element `start` of a storage (the LazyTensor protocol)."""
-        item = torch.empty((), dtype=storage.dtype).element_size()
+        import torch
+
+        item = itemsize(storage.dtype)
         try:
             info = self._zip.getinfo(storage.member)
         except KeyError:
@@ -246,7 +257,7 @@ class _Blob:
             raise self._damaged(f"bad local header of {storage.member}")
         name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
         window.seek(info.header_offset + 30 + name_len + extra_len + start * item)
-        out = torch.empty(count, dtype=storage.dtype)
+        out = torch.empty(count, dtype=torch_dtype(storage.dtype))
         if count and window.readinto(memoryview(out.view(torch.uint8).numpy())) != count * item:
             raise self._damaged(f"{storage.member} ends early")
         return out
@@ -512,6 +523,8 @@ class TorchDistCheckpoint(ModelView):
         return _Chunk(key, offsets or (), (), *where)
 
     def _index_tensor(self, key: str, md) -> None:
+        import torch
+
         dist = parse_dist_key(key, self.local_spec)
         n = len(dist.axes)
         size = tuple(md.size)
@@ -590,6 +603,8 @@ class TorchDistCheckpoint(ModelView):
                 )
 
     def _check_complete(self) -> None:
+        import torch
+
         for name, entry in self._tensors.items():
             n = len(entry.index)
             covered = sum(math.prod(c.sizes[n:]) for c in entry.chunks)
@@ -646,6 +661,8 @@ class TorchDistCheckpoint(ModelView):
         return list(self._names)
 
     def get(self, name: str):
+        import torch
+
         if name in self._objects:
             return self._object_value(self._objects[name])
         entry = self._tensors[name]

@@ -19,12 +19,13 @@ markers. `dcp.save` itself is not used: it needs the whole state dict in memory 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import pickle
 import sys
 from pathlib import Path
 
-import torch
 
 from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import TRACKER, folder_name, header_iteration, tracker_bytes
@@ -52,6 +53,9 @@ from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.checkpoint.zipwrite import HashingSink
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore.sharding import rule_for
+
+if TYPE_CHECKING:
+    import torch
 
 
 def dist_args(view: ModelView, target: ParallelLayout):
@@ -92,6 +96,8 @@ def _write_tensor(sink: HashingSink, key: str, index, sizes, tensor: torch.Tenso
 def _write_object(sink: HashingSink, unique: str, value, records) -> None:
     """A ShardedObject as torch.save([value]); record ("object", key, byte start, byte length).
     It may hold Unresolved objects (TE extra state read back): torchfile's pickler keeps them."""
+    import torch
+
     if value is not None and not isinstance(value, torch.Tensor):  # a tensor is data (TE's byte tensor)
         check_writable(value, f"object {unique}")
     start = sink.position
@@ -112,6 +118,8 @@ def write_group(
 
     With the view's `linear_extra_state`, every linear weight gets the `_extra_state` object
     (None) megatron's local linears ask for on load, unless the view carries that object itself."""
+    import torch
+
     present, records = set(names), []
     with HashingSink(it_dir / file) as sink:
         for name, value in stream(view, names):
@@ -138,6 +146,8 @@ def write_group(
 def dcp_metadata(results: list[list[WrittenFile]]):
     """torch DCP `Metadata` of everything the units wrote, from their records, as FileSystemWriter
     would pickle it."""
+    import torch
+
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

@@ -15,7 +15,6 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.hf.quant import (
-    FP8,
     config_dtype,
     dequantize_blocks,
     find_quantized,
@@ -40,7 +39,7 @@ COPIES = {
 }
 # the stored dtypes of each layout's experts, so that a copy which quantized nothing fails
 STORED = {
-    "deepseek_v3": {FP8, torch.float32},
+    "deepseek_v3": {torch.float8_e4m3fn, torch.float32},
     "gpt_oss": {torch.uint8},
     "deepseek_v4": {torch.int8, torch.float8_e8m0fnu},
 }
@@ -129,7 +128,7 @@ def test_dequantized_proxy_is_what_transformers_computes(quantized, name):
 def test_fp8_blocks_dequantize_by_definition_including_partial_blocks():
     w = torch.randn(20, 13)
     q, scale = fp8_blocks(w, (8, 8))
-    assert q.dtype == FP8 and scale.shape == (3, 2)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
     back = dequantize_blocks(q, scale, (8, 8), "w", torch.float32)
     # block (2, 1) is rows 16..19, columns 8..12: a partial block scaled by its own factor
     torch.testing.assert_close(back[16:, 8:], q[16:, 8:].float() * scale[2, 1], rtol=0, atol=0)
