@@ -45,11 +45,9 @@ shardings (tensor-parallel attention): `checkpoint/mindspeed_llm_v4.py` maps the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import logging
 import re
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, MODEL, MTP, PICK, Row, Table

@@ -30,11 +30,9 @@ only: block scales of one tensor cannot be re-interleaved per query group).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import re
 from dataclasses import dataclass, field
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.core.errors import CheckpointError
 

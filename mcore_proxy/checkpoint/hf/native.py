@@ -19,13 +19,11 @@ involved: `megatron()` gives the Megatron-named view for families that have one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import collections
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map

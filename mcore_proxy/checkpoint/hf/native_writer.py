@@ -10,11 +10,9 @@ groups of the view in every spelling it has (`proxy_config`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import re
 from dataclasses import dataclass
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf.descriptor import FUSED, MoEFamily
 from mcore_proxy.checkpoint.hf.native import HFNativeSource

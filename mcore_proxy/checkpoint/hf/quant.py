@@ -19,10 +19,8 @@ else from the scale grid (`rows // scale_rows`), as transformers derives them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.core.errors import CheckpointError
 

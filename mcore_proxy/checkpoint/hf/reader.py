@@ -9,13 +9,11 @@ from safetensors only, and a `pytorch_model*.bin` folder is refused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf import quant
 from mcore_proxy.checkpoint.hf.config import HFConfig

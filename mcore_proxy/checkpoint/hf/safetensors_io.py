@@ -13,14 +13,12 @@ data in header order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import functools
 import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.zipwrite import HashingSink
 from mcore_proxy.core.errors import CheckpointError

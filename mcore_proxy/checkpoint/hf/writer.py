@@ -14,13 +14,11 @@ shard size (HF sources) or transformers' historical default of 5 GB.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf.family import Family
 from mcore_proxy.checkpoint.hf.mapping import (

@@ -14,11 +14,9 @@ linears get their `_extra_state: None` entries when the source had them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
@@ -69,7 +67,6 @@ class _RankOut:
     """One output rank file being streamed: `model` or `model0`, `model1`, ... (`chunk_keys`)."""
 
     def __init__(self, root: Path, rel: str, chunk_keys: list[str]):
-
         path = Path(root) / rel
         path.parent.mkdir(exist_ok=True)  # inside the iteration folder: never re-creates a removed root
         self.rel, self.path = rel, path

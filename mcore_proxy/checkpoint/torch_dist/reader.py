@@ -8,8 +8,6 @@ process group is needed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import collections
 import dataclasses
 import io
@@ -19,7 +17,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.iteration import resolve_iteration_dir, tracked_folder
 from mcore_proxy.checkpoint.layer_spec import infer_layer_spec

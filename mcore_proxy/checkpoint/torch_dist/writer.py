@@ -19,13 +19,11 @@ markers. `dcp.save` itself is not used: it needs the whole state dict in memory 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import pickle
 import sys
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import TRACKER, folder_name, header_iteration, tracker_bytes
