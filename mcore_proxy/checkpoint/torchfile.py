@@ -44,6 +44,7 @@ from mcore_proxy.checkpoint.safe_globals import (
     unresolved_class,
 )
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
+from mcore_proxy.cli_support.memory import prefer_huge_pages
 from mcore_proxy.core.dtypes import ITEMSIZE, dtype_name, itemsize, torch_dtype
 from mcore_proxy.core.errors import CheckpointError
 
@@ -361,6 +362,7 @@ class TorchFile:
                 f"{storage.numel} of {storage.member}; the file is damaged, copy it again"
             )
         out = torch.empty(count, dtype=torch_dtype(storage.dtype))
+        prefer_huge_pages(out.data_ptr(), count * item)  # before the first write faults its pages in
         buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
         done = 0
         with self._fd() as fd:
