@@ -90,6 +90,6 @@ def write_checkpoint(
         staged_output(out, inputs, check_space=False) as tmp,
         byte_bar(sum(u.nbytes for u in units), f"write {fmt}", progress) as bar,
     ):
-        results = [writer.write_unit(view, tmp, target, u, bar) for u in units]
+        results = writer.write_units(view, tmp, target, units, bar)
         write_markers(tmp, writer.finish(view, tmp, target, results).markers)
     return Path(out)

@@ -35,6 +35,11 @@ order), then one `finish` step:
                              writing, plus any `records` finish needs (JSON-able data: the units
                              may run in other processes). `progress(nbytes)` after each write.
                              Files must be on disk (fsync) before returning.
+  write_units(view, root, target, units, progress) -> [[WrittenFile]]
+                             the units one process writes, results in the order given; the
+                             default writes them one by one. A writer whose units read the same
+                             tensors overrides it to read them once (legacy: the EP rank files of
+                             one stage all hold its non-expert tensors).
   finish(view, root, target, results) -> Finished
                              in one process, after every unit (`results[i]` is what unit i
                              returned): the files that need all units (torch_dist `.metadata`
@@ -140,6 +145,11 @@ class Writer(ABC):
 
     @abstractmethod
     def write_unit(self, view, root: Path, target, unit: Unit, progress: Progress = None) -> list[WrittenFile]: ...
+
+    def write_units(
+        self, view, root: Path, target, units: list[Unit], progress: Progress = None
+    ) -> list[list[WrittenFile]]:
+        return [self.write_unit(view, root, target, unit, progress) for unit in units]
 
     @abstractmethod
     def finish(self, view, root: Path, target, results: list[list[WrittenFile]]) -> Finished: ...

@@ -358,7 +358,7 @@ def balance(units: list[Unit], parts: int) -> list[list[int]]:
 def _write_here(
     view: ModelView, writer, root: Path, target: ParallelLayout, units: list[Unit], progress=None
 ) -> list[list[WrittenFile]]:
-    return [writer.write_unit(view, root, target, unit, progress) for unit in units]
+    return writer.write_units(view, root, target, units, progress)
 
 
 def _unit_worker(

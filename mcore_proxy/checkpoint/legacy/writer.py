@@ -3,9 +3,11 @@
 Units: one per (pipeline stage, EP rank): the TP rank files `mp_rank_TT[_PPP][_EEE]` of that
 stage and EP rank (each file's `model`, or with virtual stages `model0`, `model1`, ... for its
 chunks, local layer numbers restarting at 0 in each, as Megatron-LM's `generate_state_dict`
-writes them; which chunk holds what: `target.chunks_of`), which share one read of every tensor
-they hold (an expert is read once for all its ETP shards; non-expert tensors once per EP rank). Each tensor is sliced
-once per
+writes them; which chunk holds what: `target.chunks_of`). The units of one stage that one process
+writes (all of them in a single process; a share under `--workers` or torchrun) are written
+together, so every tensor is read once for all the files holding it: an expert for its ETP shards,
+a non-expert tensor for every EP rank (each EP rank file holds a copy; reading it once per EP rank
+cost T reads at target EP T, bench/RESULTS.md "Real width"). Each tensor is sliced once per
 destination file (`ShardRule.shard`), never split whole for every rank.
 
 Optimizer and RNG state are not written; `iteration` and `checkpoint_version` are kept. Local
@@ -138,44 +140,72 @@ def _ep_of(view: ModelView, name: str, target: ParallelLayout) -> int | None:
 
 
 def write_files(
-    view: ModelView, root: Path, target: ParallelLayout, stage: int, ep: int, args, header: dict, progress=None
-) -> list[WrittenFile]:
-    """Write the TP rank files of one (stage, EP rank), reading each canonical tensor once (the
-    next ones read ahead) and slicing it once per file; hashed while written, synced at close.
+    view: ModelView,
+    root: Path,
+    target: ParallelLayout,
+    stage: int,
+    eps: list[int],
+    args,
+    header: dict,
+    progress=None,
+) -> list[list[WrittenFile]]:
+    """Write the TP rank files of pipeline stage `stage` for each EP rank in `eps`, reading each
+    canonical tensor once (the next ones read ahead) and slicing it once per file; hashed while
+    written, synced at close. -> the files of each EP rank, in the order of `eps`.
 
-    Memory: one canonical tensor, plus one layer's local experts for a GroupedMLP target."""
+    Memory: one canonical tensor, plus one layer's local experts per EP rank for a GroupedMLP target."""
     it_dir = folder_name(view.iteration)
     keys = [chunk_key(target, v) for v in range(target.vpp)]
-    outs = [
-        _RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}", keys) for t in range(target.tp)
-    ]
+    outs = {
+        ep: [
+            _RankOut(root, f"{it_dir}/{rank_dir_name(t, stage, ep, target)}/{RANK_FILE}", keys)
+            for t in range(target.tp)
+        ]
+        for ep in eps
+    }
     extra_state, variants, naming = view.info.linear_extra_state, view.info.variants, view.info.naming
     num_experts = view.spec.num_experts
     per = num_experts // target.expert_ranks if num_experts else 0
-    placed = {n: held for n, held in _stage_names(view, target, stage).items() if _ep_of(view, n, target) in (None, ep)}
+    placed, holders = {}, {}
+    for n, held in _stage_names(view, target, stage).items():
+        owner = _ep_of(view, n, target)
+        if owner is None or owner in outs:
+            placed[n], holders[n] = held, list(outs) if owner is None else [owner]
     present = set(view.names())
     try:
         for name, tensor in stream(view, list(placed)):
             rule = rule_for(name, view.layer_spec)
             parts = rule.parts(target)
-            for t, out in enumerate(outs):
-                if rule.expert and target.expert_chunk(t, ep) != split_expert_name(name)[1] // per:
-                    continue  # --moe-tp-extend-ep: another TP rank's expert
-                # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
-                shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
-                for chunk, offset, written_as in placed[name]:
-                    _add(
-                        out, chunk, written_as, shard, offset, rule, target, per, extra_state, variants, present, naming
-                    )
+            for ep in holders[name]:
+                for t, out in enumerate(outs[ep]):
+                    if rule.expert and target.expert_chunk(t, ep) != split_expert_name(name)[1] // per:
+                        continue  # --moe-tp-extend-ep: another TP rank's expert
+                    # this rank's shard only, as views of the tensor (a GLU shard: its gate and up rows)
+                    shard = rule.shard_pieces(tensor, parts, rule.shard_index(target, t)) if parts > 1 else [tensor]
+                    for chunk, offset, written_as in placed[name]:
+                        _add(
+                            out,
+                            chunk,
+                            written_as,
+                            shard,
+                            offset,
+                            rule,
+                            target,
+                            per,
+                            extra_state,
+                            variants,
+                            present,
+                            naming,
+                        )
             if progress is not None:  # as `units` counts (an object's tensor: 0)
-                progress(
-                    tensor_nbytes(view, name) * _files_holding(rule, target) // rule.parts(target) * len(placed[name])
-                )
+                size = tensor_nbytes(view, name) * _files_holding(rule, target) // rule.parts(target)
+                progress(size * len(placed[name]) * len(holders[name]))
             del tensor
-        return [out.close({**header, "args": args}) for out in outs]
+        return [[out.close({**header, "args": args}) for out in outs[ep]] for ep in eps]
     except BaseException:
-        for out in outs:
-            out.writer.abort()
+        for files in outs.values():
+            for out in files:
+                out.writer.abort()
         raise
 
 
@@ -314,12 +344,24 @@ class LegacyWriter(Writer):
     def write_unit(
         self, view: ModelView, root: Path, target: ParallelLayout, unit: Unit, progress=None
     ) -> list[WrittenFile]:
-        stage, ep = unit.key
+        return self.write_units(view, root, target, [unit], progress)[0]
+
+    def write_units(
+        self, view: ModelView, root: Path, target: ParallelLayout, units: list[Unit], progress=None
+    ) -> list[list[WrittenFile]]:
+        """The given (stage, EP rank) units, each stage's EP ranks together (one read per tensor)."""
         view = _named(view, target)
         (Path(root) / folder_name(view.iteration)).mkdir(exist_ok=True)
         header = {"checkpoint_version": checkpoint_version(view), "iteration": header_iteration(view.iteration)}
         args = naming_args(target_args(view, target), target)
-        return write_files(view, Path(root), target, stage, ep, args, header, progress)
+        eps_of: dict[int, list[int]] = {}
+        for unit in units:
+            eps_of.setdefault(unit.key[0], []).append(unit.key[1])
+        done = {}
+        for stage, eps in eps_of.items():
+            written = write_files(view, Path(root), target, stage, eps, args, header, progress)
+            done.update({(stage, ep): files for ep, files in zip(eps, written)})
+        return [done[tuple(unit.key)] for unit in units]
 
     def finish(self, view: ModelView, root: Path, target: ParallelLayout, results) -> Finished:
         return Finished(files=(), markers=tracker_marker(view.iteration))
