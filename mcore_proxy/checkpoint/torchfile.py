@@ -85,7 +85,7 @@ class LazyTensor:
 
     def __init__(self, file: "TorchFile", storage: _StorageRef, offset: int, shape, stride):
         self.file, self.storage, self.offset = file, storage, int(offset)
-        self.shape, self.stride = _shared(Shape(shape)), _shared(tuple(stride))
+        self.shape, self.stride = _shared(_SHAPES, Shape(shape)), _shared(_STRIDES, tuple(stride))
 
     @property
     def dtype_name(self) -> str:
@@ -138,12 +138,15 @@ class LazyTensor:
 
 
 # One object per distinct shape or stride: a 61-layer DeepSeek-V3 index holds 56,000 LazyTensors
-# of a few dozen shapes, and a reader's peak memory should not grow with depth (issue 23).
-_SHARED: dict[tuple, tuple] = {}
+# of a few dozen shapes, and a reader's peak memory should not grow with depth (issue 23). Shapes
+# and strides live apart: a Shape equals the plain tuple of its sizes, so one table would hand a
+# stride (1,) back as the shape of a 1-element tensor, and `shape.numel()` would fail.
+_SHAPES: dict[tuple, tuple] = {}
+_STRIDES: dict[tuple, tuple] = {}
 
 
-def _shared(value: tuple) -> tuple:
-    return _SHARED.setdefault(value, value)
+def _shared(table: dict[tuple, tuple], value: tuple) -> tuple:
+    return table.setdefault(value, value)
 
 
 class Shape(tuple):

@@ -80,3 +80,14 @@ def test_globals_off_the_allow_list_are_never_written(tmp_path):
     for module, name in (("os", "system"), ("some.module", "Thing"), ("megatron.training.utils", "print_rank_0")):
         with pytest.raises(CheckpointError, match=f"refusing to write the global {module}.{name}"):
             save_object({"x": unresolved_class(module, name)("touch x")}, tmp_path / "x.pt")
+
+
+def test_a_one_element_tensor_after_a_stride_of_one_reads_back(tmp_path):
+    # shapes and strides are interned to keep a deep index small: a stride (1,) seen first must
+    # not come back as the shape of a 1-element tensor (it did, and `load` failed on `numel`)
+    path = tmp_path / "one.pt"
+    tensors = {"vector": torch.arange(3.0), "scalar_like": torch.tensor([7.0])}
+    torch.save({"model": tensors}, path)
+    model = TorchFile(path).obj["model"]
+    for name, want in tensors.items():
+        assert torch.equal(model[name].load(), want)
