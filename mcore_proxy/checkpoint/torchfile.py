@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mcore_proxy.checkpoint.descriptors import POOL
+from mcore_proxy.checkpoint.descriptors import POOL, will_need
 from mcore_proxy.checkpoint.safe_globals import (
     READ_GLOBALS,
     TorchDtypeName,
@@ -385,11 +385,10 @@ class TorchFile:
         return self._data_offset(storage) + start * item, count * item
 
     def will_need(self, offset: int, length: int) -> None:
-        """Start reading bytes [offset, offset+length) in the background (POSIX_FADV_WILLNEED; a
-        hint: nothing happens where unsupported)."""
-        if length > 0 and hasattr(os, "posix_fadvise"):
+        """Start reading bytes [offset, offset+length) in the background (`descriptors.will_need`)."""
+        if length > 0:
             with self._fd() as fd:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                will_need(fd, offset, length)
 
     def close(self):
         """Close this file's pooled descriptor if open (reads reopen it)."""

@@ -94,3 +94,25 @@ def test_opening_a_rank_file_reads_no_tensor_bytes(tmp_path):
     offset, length = f.byte_range(w.storage, 0, 1 << 20)
     assert resident(path, offset + PAGE, length - 2 * PAGE) == 0.0  # whole pages of the tensor only
     f.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
+def test_a_long_range_is_read_ahead_whole(tmp_path):
+    """Linux reads about one readahead window per POSIX_FADV_WILLNEED call, so a tensor of tens of
+    MiB asked for in one call came in by its first few MiB only; `will_need` asks in pieces."""
+    from mcore_proxy.checkpoint.descriptors import will_need
+
+    path, size = tmp_path / "long.bin", 64 << 20
+    path.write_bytes(os.urandom(size))
+    evict(path)
+    if resident(path, 0, size) > 0.1:
+        pytest.skip("this file system keeps the pages cached after POSIX_FADV_DONTNEED")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        will_need(fd, PAGE, size - 2 * PAGE)
+        deadline = time.monotonic() + 20
+        while resident(path, PAGE, size - 2 * PAGE) < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resident(path, PAGE, size - 2 * PAGE) == 1.0
+    finally:
+        os.close(fd)
