@@ -44,7 +44,7 @@ from mcore_proxy.checkpoint.safe_globals import (
     unresolved_class,
 )
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
-from mcore_proxy.cli_support.memory import prefer_huge_pages
+from mcore_proxy.cli_support.memory import import_torch_while_waiting, prefer_huge_pages
 from mcore_proxy.core.dtypes import ITEMSIZE, dtype_name, itemsize, torch_dtype
 from mcore_proxy.core.errors import CheckpointError
 
@@ -479,7 +479,9 @@ def open_many(paths: list[Path], workers: int) -> "collections.abc.Iterator[Torc
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with multiprocessing.get_context(method).Pool(workers, initializer=_worker_signals) as pool:
         chunksize = max(1, min(16, len(paths) // (4 * workers)))
-        for path, payload in zip(paths, pool.imap(_model_payload, [str(p) for p in paths], chunksize)):
+        payloads = pool.imap(_model_payload, [str(p) for p in paths], chunksize)
+        import_torch_while_waiting()
+        for path, payload in zip(paths, payloads):
             yield _from_payload(path, payload)
 
 

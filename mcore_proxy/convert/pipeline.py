@@ -38,7 +38,7 @@ from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.mcore.launch_flags import model_flags
 from mcore_proxy.mcore.megatron_args import DEFAULTS
-from mcore_proxy.cli_support.memory import return_freed_buffers_to_os
+from mcore_proxy.cli_support.memory import expect_torch, return_freed_buffers_to_os
 from mcore_proxy.cli_support.progress import byte_bar
 
 FILE_OVERHEAD = 64 << 10  # bytes allowed per output file beyond its tensors (zip headers, pickles)
@@ -309,6 +309,8 @@ def convert(
 ) -> ConvertResult:
     """Run one conversion; every check happens before the first byte is written (`prepare`)."""
     return_freed_buffers_to_os()
+    if not dry_run:
+        expect_torch()
     start = time.perf_counter()
     prep = prepare(req, check_space)
     if dry_run:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.names import group_of, split_expert_name
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.select.plan import substitute_rows
+
+if TYPE_CHECKING:
+    import torch
 
 _ROUTER_ROWS = re.compile(r"^(.*)\.mlp\.router\.(weight|bias|expert_bias)$")
 _HASH_TABLE = re.compile(r"^(.*)\.mlp\.router\.(hash_table|tid2eid)$")
@@ -112,6 +114,8 @@ class PrunedView(ModelView):
 
 def new_ids(kept: list[int], num_experts: int) -> torch.Tensor:
     """[E] int64: each kept expert's id in the proxy (-1 for dropped ones)."""
+    import torch
+
     out = torch.full((num_experts,), -1, dtype=torch.int64)
     out[list(kept)] = torch.arange(len(kept))
     return out

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.cli_support.memory import expect_torch
     from mcore_proxy.core.output import staged_files
     from mcore_proxy.select.constraints import check_stats_match
     from mcore_proxy.select.report import REPORT_FILES, summary_dict, summary_table, write_report
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             staged_files(args.report, "report", REPORT_FILES, replace=args.force, inputs=inputs)
         )
         stats = load_stats(args.stats, stream=True)  # one layer's statistics in memory at a time
+        expect_torch()  # router and expert weights are read as tensors
         view = open_checkpoint(args.ckpt)
         check_stats_match(stats, view.spec, str(args.stats))
         common = dict(target_ep=args.target_ep, group_policy=args.group_policy, seed=args.seed)
