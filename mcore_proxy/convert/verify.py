@@ -4,6 +4,7 @@ and optionally the same outputs as the source restricted to the kept experts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -161,6 +162,12 @@ def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     logits must equal the source's when its gates may only choose the kept experts."""
     from mcore_proxy.hf.models import load_model, restrict_gates, run, text_config_of
 
+    if plan.router.topk != source.spec.topk:
+        raise ProxyError(
+            f"verify --functional on Hugging Face checkpoints runs the source at its own top-{source.spec.topk}, "
+            f"but the plan's proxy routes top-{plan.router.topk} (select --proxy-topk); leave out --functional "
+            "(the bit-for-bit comparison still runs) or convert to a Megatron format"
+        )
     orig_model, proxy_model = load_model(source.info.path), load_model(proxy.info.path)
     vocab = int(text_config_of(orig_model).vocab_size)
     tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -197,6 +204,9 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
         label: family_from_args(view.args, tied=embeddings_tied(view.args, OUTPUT_LAYER in view.names()))
         for label, view in (("source", source), ("proxy", proxy))
     }
+    # the reference routes as the proxy does: a proxy top-k (`select --proxy-topk`) changes how many
+    # experts a token mixes, not which weights it meets
+    models["source"] = dataclasses.replace(models["source"], topk=plan.router.topk)
     with tempfile.TemporaryDirectory(prefix="mcore-proxy-functional-") as tmp:
         tmp = Path(tmp)
         for label, view in (("source", source), ("proxy", proxy)):

@@ -83,6 +83,14 @@ def register(subparsers) -> None:
         help="choose the view weights per layer by reconstruction (reads expert "
         f"weights); default for multiview: {'on' if DEFAULT_REFINEMENTS['weight_search'] else 'off'}",
     )
+    p.add_argument(
+        "--proxy-topk",
+        default=None,
+        metavar="N|auto",
+        help="experts per token in the proxy: N, or auto = round(top-k x K / E), at least 1 (2 for softmax after "
+        "top-k): a token uses the same share of the kept experts as of all; default: the source's top-k. Weights "
+        "are unchanged",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
     p.add_argument("--report", metavar="DIR", help="write PNGs and summary.txt into DIR")
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             restarts=args.restarts,
             representative=args.representative,
             weight_search=args.weight_search,
+            topk=args.proxy_topk,
             progress=functools.partial(tqdm, desc="select", unit="layer"),
             keep_matrices=bool(args.report),
             **common,

@@ -34,6 +34,31 @@ class GroupSetup:
     router: RouterSettings
 
 
+PROXY_TOPK_RULE = "round(top-k x K / E), at least 1 (2 for softmax after top-k): the share of experts a token uses kept"
+
+
+def proxy_topk(requested: int | str | None, topk: int, num_experts: int, k: int, softmax_after_topk: bool) -> int:
+    """The proxy router's top-k (experts per token): the source's `topk` when `requested` is None,
+    the number asked for, or "auto" (PROXY_TOPK_RULE): with top-8 of 64 and K = 16, top-2, so a
+    token mixes a quarter of the kept experts as it mixed an eighth of all, instead of half of them.
+    Kept experts' weights are untouched either way; only the number each token uses changes.
+    softmax_after_topk: the router normalises over the chosen experts (softmax score without
+    `--moe-router-pre-softmax`), where Megatron refuses top-1 (every gate would be 1)."""
+    least = 2 if softmax_after_topk else 1
+    if requested is None:
+        return topk
+    if requested == "auto":
+        return min(topk, max(least, round(topk * k / num_experts)))
+    try:
+        n = int(requested)
+    except ValueError:
+        raise PlanError(f"--proxy-topk {requested!r} is neither a number nor 'auto', e.g. --proxy-topk 2") from None
+    if not least <= n <= k:
+        why = " (softmax after top-k: Megatron refuses top-1, whose every gate is 1)" if n == 1 else ""
+        raise PlanError(f"--proxy-topk {n} must be in {least}..{k}{why}")
+    return n
+
+
 def check_sizes(num_experts: int, k: int, topk: int, target_ep: int) -> None:
     """K < E, K divisible by the target EP degree, top-k <= K."""
     if not 0 < k < num_experts:

@@ -13,7 +13,14 @@ import numpy as np
 
 from mcore_proxy.core.errors import PlanError
 from mcore_proxy.select import baselines, cluster, fuse, reconstruct, refine, views
-from mcore_proxy.select.constraints import GroupSetup, check_sizes, check_stats_match, resolve_groups
+from mcore_proxy.select.constraints import (
+    PROXY_TOPK_RULE,
+    GroupSetup,
+    check_sizes,
+    check_stats_match,
+    proxy_topk,
+    resolve_groups,
+)
 from mcore_proxy.select.plan import Cluster, LayerPlan, SelectionPlan, SourceInfo
 from mcore_proxy.mcore.spec import router_weight_name
 from mcore_proxy.core.stats import LayerStats, RoutingStats, layer_sort_key
@@ -371,6 +378,7 @@ def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_fu
             num_groups=spec.num_groups if num_groups is None else num_groups,
             group_topk=spec.group_topk if group_topk is None else group_topk,
             score_function=score_function or spec.score_function,
+            pre_softmax=bool(getattr(source.args, "moe_router_pre_softmax", False)),
         )
         get = lambda lid: source.get(router_weight_name(lid))  # noqa: E731
         return spec, facts, get, source.iteration, lambda: router_fingerprint(source)
@@ -380,7 +388,11 @@ def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_fu
     if missing:
         raise PlanError(f"no router weight given for layers {', '.join(missing)}")
     facts = dict(
-        topk=stats.topk, num_groups=num_groups, group_topk=group_topk, score_function=score_function or "softmax"
+        topk=stats.topk,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        score_function=score_function or "softmax",
+        pre_softmax=False,
     )
     return None, facts, source.__getitem__, None, lambda: None
 
@@ -429,6 +441,7 @@ def run_selection(
     score_function: str | None = None,
     representative: str | None = None,
     weight_search: bool | None = None,
+    topk: int | str | None = None,
     progress: Callable[[Iterable], Iterable] | None = None,
     keep_matrices: bool = True,
 ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
@@ -447,9 +460,11 @@ def run_selection(
     if spec is not None:  # bare router weights take top-k from the statistics: nothing to match
         check_stats_match(stats, spec)
     E = stats.num_experts
-    check_sizes(E, num_experts, facts["topk"], target_ep)
+    softmax_after_topk = facts["score_function"] == "softmax" and not facts["pre_softmax"]
+    routed = proxy_topk(topk, facts["topk"], E, num_experts, softmax_after_topk)
+    check_sizes(E, num_experts, routed, target_ep)
     setup = resolve_groups(
-        E, num_experts, facts["topk"], facts["num_groups"], facts["group_topk"], facts["score_function"], group_policy
+        E, num_experts, routed, facts["num_groups"], facts["group_topk"], facts["score_function"], group_policy
     )
     needs_router = opts.view_weights.get("router", 0) > 0 or opts.reconstructs
     if opts.reconstructs and spec is None:
@@ -489,6 +504,8 @@ def run_selection(
         params["reconstruction"]["error"] = {lid: details[lid].recon_error for lid in layer_ids}
     if fallback:
         params["refinement_fallback"] = fallback
+    if routed != facts["topk"]:
+        params["proxy_topk"] = {"requested": topk, "source": facts["topk"], "proxy": routed, "rule": PROXY_TOPK_RULE}
     if hashed:
         params["hash_routing"] = {"layers": sorted(hashed, key=layer_sort_key), "rule": SUBSTITUTE_RULE}
     if unobserved:
@@ -516,6 +533,7 @@ def select_experts(
     score_function: str | None = None,
     representative: str | None = None,
     weight_search: bool | None = None,
+    topk: int | str | None = None,
     progress: Callable[[Iterable], Iterable] | None = None,
 ) -> SelectionPlan:
     """Choose `num_experts` (K) experts in every MoE layer and return the plan.
@@ -536,6 +554,7 @@ def select_experts(
     (the member that best reconstructs the layer's output, `refine.refine_representatives`).
     weight_search: choose each layer's (R, C, P) weights from WEIGHT_GRID by reconstruction.
     Both None: DEFAULT_REFINEMENTS for "multiview" (see `resolve_refinements`).
+    topk: the proxy router's top-k, `constraints.proxy_topk` (None: the source's; a number; "auto").
     method "recon-prune": backward elimination by reconstruction, no clustering. The
     reconstruction options read the layer's expert weights (`reconstruct.layer_function`).
     progress: wraps the iterable of layer ids (e.g. tqdm).
@@ -559,5 +578,6 @@ def select_experts(
         score_function=score_function,
         representative=representative,
         weight_search=weight_search,
+        topk=topk,
         progress=progress,
     )[0]

@@ -70,3 +70,36 @@ def test_verify_functional_and_bit_exact(megatron_ckpt, proxy_plan, tmp_path, ca
     assert main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan_path), "--functional"]) == 0
     text = capsys.readouterr().out
     assert "verify: OK" in text and "functional: max |logit difference|" in text
+
+
+def test_a_proxy_top_k_runs_as_the_restricted_original_at_that_top_k(megatron_ckpt, proxy_plan, tmp_path, capsys):
+    """A proxy top-k (`select --proxy-topk auto`: top-4 of 16, K = 8 -> top-2): the proxy's args route
+    top-2, `verify --functional` accepts it, and megatron-core running it computes the original
+    restricted to the kept experts at top-2 (sigmoid scores, group-limited routing)."""
+    from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.select.constraints import proxy_topk
+
+    fixture = "deepseek_like_pp2_uneven"
+    ckpt, _ = megatron_ckpt(fixture)
+    _, plan = proxy_plan(fixture)
+    topk = proxy_topk("auto", plan.source.topk, plan.source.num_experts, plan.num_experts, False)
+    assert topk == 2
+    plan = dataclasses.replace(plan, router=dataclasses.replace(plan.router, topk=topk))
+    plan_path = tmp_path / "plan-top2.json"
+    plan.save(plan_path)
+    out = tmp_path / "proxy"
+    argv = ["convert", str(ckpt), "--plan", str(plan_path), "-o", str(out), "--target-pp", "1", "--target-ep", "1"]
+    assert main(argv) == 0
+    assert open_checkpoint(out).spec.topk == 2
+    capsys.readouterr()
+    assert main(["verify", "--orig", str(ckpt), "--proxy", str(out), "--plan", str(plan_path), "--functional"]) == 0
+    assert "verify: OK" in capsys.readouterr().out
+
+    model, layout = FIXTURES[fixture]
+    keep = {lid: plan.kept(lid) for lid in plan.layer_ids}
+    got = load_and_run(dataclasses.replace(model, num_experts=8, topk=2), Layout(), out, tmp_path / "proxy.pt")
+    want = load_and_run(dataclasses.replace(model, topk=2), layout, ckpt, tmp_path / "ref.pt", keep=keep)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # top-2 is not top-4: the restricted original at its own top-k computes something else
+    at_top4 = load_and_run(model, layout, ckpt, tmp_path / "ref4.pt", keep=keep)
+    assert (at_top4 - want).abs().max() > 1e-3

@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from mcore_proxy.core.errors import PlanError, StatsError
-from mcore_proxy.select.constraints import check_sizes, check_stats_match, resolve_groups
+from mcore_proxy.select.constraints import check_sizes, check_stats_match, proxy_topk, resolve_groups
 
 
 @pytest.mark.parametrize(
@@ -77,3 +77,33 @@ def test_statistics_must_match_the_checkpoint(default_model):
     empty = dataclasses.replace(s1, tokens=0, freq=s1.freq * 0)
     with pytest.raises(StatsError, match="MoE layers 1 routed no tokens"):
         check_stats_match(dataclasses.replace(stats, layers={**stats.layers, "1": empty}), view.spec)
+
+
+@pytest.mark.parametrize(
+    "requested, topk, num_experts, k, after, expected",
+    [
+        (None, 8, 64, 16, True, 8),  # the source's
+        ("auto", 8, 64, 16, True, 2),  # DeepSeek-like fine experts at K = E/4
+        ("auto", 8, 256, 16, False, 1),  # sigmoid scores at K = E/16: at least one
+        ("auto", 8, 256, 16, True, 2),  # softmax after top-k: at least two
+        ("auto", 2, 16, 4, True, 2),  # never more than the source's
+        (3, 8, 64, 16, True, 3),
+        ("3", 8, 64, 16, True, 3),
+    ],
+)
+def test_proxy_topk(requested, topk, num_experts, k, after, expected):
+    assert proxy_topk(requested, topk, num_experts, k, after) == expected
+
+
+@pytest.mark.parametrize(
+    "requested, after, match",
+    [
+        (17, True, "--proxy-topk 17 must be in 2..16"),
+        (1, True, "must be in 2..16 .softmax after top-k: Megatron refuses top-1"),
+        (0, False, "must be in 1..16"),
+        ("two", False, "'two' is neither a number nor 'auto'"),
+    ],
+)
+def test_proxy_topk_out_of_range_is_refused(requested, after, match):
+    with pytest.raises(PlanError, match=match):
+        proxy_topk(requested, 8, 64, 16, after)
