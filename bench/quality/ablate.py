@@ -79,7 +79,7 @@ def rows() -> list[Row]:
     ]
     out += [Row(m, "baseline", ("--method", m)) for m in ("frequency", "gate-mass", "saliency", "first-k")]
     out += [Row(f"random seed {r}", "random", ("--method", "random", "--seed", str(r))) for r in RANDOM_SEEDS]
-    out += [Row(name, "ours", argv) for name, argv in EXTRA_ROWS]
+    out += [Row(name, "ours", argv) for name, argv in EXTRA_ROWS + TOPK_ROWS]
     return out
 
 
@@ -105,6 +105,42 @@ EXTRA_ROWS: list[tuple[str, tuple[str, ...]]] = [
     (
         "multiview, co-activation weight 0.5",
         ("--method", "multiview", "--weights", "1,0.5,1", "--representative", "frequency", "--no-weight-search"),
+    ),
+]
+
+
+# issue 24: the same selections, routed by fewer experts per token (weights untouched)
+TOPK_ROWS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "multiview (paper), proxy top-k auto",
+        (
+            "--method",
+            "multiview",
+            "--coact-mode",
+            "partners",
+            "--weights",
+            "1,1,1",
+            "--representative",
+            "frequency",
+            "--no-weight-search",
+            "--proxy-topk",
+            "auto",
+        ),
+    ),
+    ("default, proxy top-k auto", ("--proxy-topk", "auto")),
+    (
+        "multiview, co-activation weight 0.5, proxy top-k auto",
+        (
+            "--method",
+            "multiview",
+            "--weights",
+            "1,0.5,1",
+            "--representative",
+            "frequency",
+            "--no-weight-search",
+            "--proxy-topk",
+            "auto",
+        ),
     ),
 ]
 
@@ -147,8 +183,9 @@ def measure(ckpt: Path, stats: Path, k: int, row: Row, work: Path, test, ref, te
     cli("convert", ckpt, "--plan", plan_path, "-o", proxy)
     plan = load_plan(plan_path)
     _, gpt = qmodel.load(proxy)
-    out = metrics.compare(gpt, test, ref)
+    out = metrics.compare(gpt, test, ref, plan)
     out.update(
+        proxy_topk=plan.router.topk,
         coverage=metrics.routing_coverage(test_stats, plan),
         method=plan.method,
         params=plan.params,
@@ -330,6 +367,35 @@ def markdown_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _layer_mean(per_layer: dict) -> float:
+    return statistics.mean(per_layer.values())
+
+
+def fidelity_table(res: dict) -> str:
+    """Issue 24's measures for the rows that have them: accuracy ± its binomial standard error,
+    KL, routing agreement and gate mass kept (means over MoE layers), and the proxy's top-k."""
+    ks, E = res["ks"], res["model"]["num_experts"]
+    got = {(r["row"], r["k"]): r for r in res["results"] if "routing_agreement" in r and r["family"] != "random"}
+    names = [n for n in row_order(res["results"]) if any((n, k) in got for k in ks)]
+    if not names:
+        return ""
+    head = "| method | " + " | ".join(f"K={k} ({100 * k / E:g}%) acc ± se / KL / agree / mass / top-k" for k in ks)
+    lines = [head + " |", "|---|" + "---|" * len(ks)]
+    for name in names:
+        cells = []
+        for k in ks:
+            r = got.get((name, k))
+            cells.append(
+                "not measured"
+                if r is None
+                else f"{r['accuracy']:.3f} ± {r['accuracy_se']:.3f} / {r['kl']:.3f} / "
+                f"{_layer_mean(r['routing_agreement']):.3f} / {_layer_mean(r['gate_mass_kept']):.3f} / "
+                f"{r['proxy_topk']}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def default_method(res: dict) -> str:
     r = [r for r in res["results"] if r["row"] == "default"][-1]  # the latest measurement
     p = r["params"]
@@ -436,6 +502,19 @@ def results_section(all_res: list[dict], command: str) -> str:
             "",
             markdown_table(res),
             "",
+            *(
+                [
+                    "Fault-relevant fidelity (issue 24): accuracy ± binomial standard error / KL / routing "
+                    "agreement (share of the proxy's choices the original made for the token) / gate mass "
+                    "kept (share of the original's gate weight on kept experts) / the proxy's top-k; "
+                    "agreement and mass are means over the MoE layers (per layer in the results JSON).",
+                    "",
+                    fidelity_table(res),
+                    "",
+                ]
+                if fidelity_table(res)
+                else []
+            ),
             f"![accuracy](quality/accuracy-{res['shape']}.png) ![KL](quality/kl-{res['shape']}.png)",
             "",
         ]
@@ -606,7 +685,7 @@ def main(argv=None) -> int:
     finally:
         destroy_distributed()
     for res in all_res:
-        print(f"\n{res['shape']}\n" + markdown_table(res))
+        print(f"\n{res['shape']}\n" + markdown_table(res) + "\n\n" + fidelity_table(res))
     if args.smoke or args.no_write:
         return 0
     write_outputs(all_res)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.quality import task
+import torch
+
+from bench.quality import metrics, task
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +56,8 @@ def test_ablation_smoke_runs_the_real_pipeline(tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    first_table = r.stdout.split("| method | K=4 (50%) acc / KL")[1].split("\n\n")[0]
+    rows = ["| method | K=4 (50%) acc / KL" + first_table.splitlines()[0], *first_table.splitlines()[2:]]
     assert rows[0].startswith("| method | K=4 (50%)")
     names = [ln.split(" | ")[0][2:] for ln in rows[1:]]
     assert names == [
@@ -71,3 +74,30 @@ def test_ablation_smoke_runs_the_real_pipeline(tmp_path):
     kl = {k: float(c[1]) for k, c in cells.items()}
     cos = {k: float(c[2]) for k, c in cells.items()}
     assert 0 < kl[4] < kl[2] and cos[2] < cos[4] < 1.0
+    # issue 24's measures: the fewer experts kept, the less of the original's gate mass they hold
+    table = r.stdout.split("| method | K=4 (50%) acc ± se")[1].splitlines()
+    default = [ln for ln in table if ln.startswith("| default |")][0].split(" | ")[1:]
+    mass = [float(cell.split(" / ")[3]) for cell in default]
+    agree = [float(cell.split(" / ")[2]) for cell in default]
+    assert 1 > mass[0] > mass[1] > mass[2] > 0 and all(0 < a < 1 for a in agree)
+
+
+class _Plan:
+    """The two things the measures read from a SelectionPlan."""
+
+    layer_ids = ["0"]
+
+    @staticmethod
+    def kept(lid):
+        return [0, 2]
+
+
+def test_gate_mass_and_routing_agreement_on_known_routing():
+    # original: token 0 chose experts 0, 1 (gates 0.7, 0.3), token 1 chose 2, 3 (0.4, 0.6); kept 0 and 2
+    gates = torch.tensor([[0.7, 0.3, 0, 0], [0, 0, 0.4, 0.6]])
+    ref = metrics.Reference(None, None, 0.0, {"0": (gates, gates > 0)})
+    assert metrics.gate_mass_kept(ref, _Plan) == {"0": pytest.approx((0.7 + 0.4) / 2)}
+    # proxy experts 0, 1 are original 0, 2: token 0 picks both (one the original chose), token 1 picks 2
+    proxy = torch.tensor([[True, True], [False, True]])
+    assert metrics.routing_agreement(ref, {"0": (None, proxy)}, _Plan) == {"0": pytest.approx((0.5 + 1.0) / 2)}
+    assert metrics.binomial_se(0.19, 1000) == pytest.approx(0.0124, abs=1e-4)
