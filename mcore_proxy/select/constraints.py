@@ -34,17 +34,34 @@ class GroupSetup:
     router: RouterSettings
 
 
-PROXY_TOPK_RULE = "round(top-k x K / E), at least 1 (2 for softmax after top-k): the share of experts a token uses kept"
+PROXY_TOPK_RULE = "round(top-k x K / E), at least the fewest Megatron routes: the share of experts a token uses kept"
 
 
-def proxy_topk(requested: int | str | None, topk: int, num_experts: int, k: int, softmax_after_topk: bool) -> int:
+def fewest_proxy_topk(
+    score_function: str, pre_softmax: bool, num_groups: int | None, group_topk: int | None
+) -> tuple[int, str]:
+    """(the smallest top-k Megatron routes correctly for this router, why): 2 where scores are a
+    softmax over the chosen experts (Megatron refuses top-1, whose every gate is 1); with
+    group-limited routing over g groups at least g, since a group is scored by its best top-k // g
+    experts (`--group-policy flatten` routes without groups)."""
+    if num_groups and num_groups > 1 and group_topk:
+        return int(
+            group_topk
+        ), f"group-limited routing scores each of its {group_topk} groups by its best top-k // {group_topk} experts"
+    if score_function == "softmax" and not pre_softmax:
+        return 2, "softmax after top-k: Megatron refuses top-1, whose every gate is 1"
+    return 1, ""
+
+
+def proxy_topk(
+    requested: int | str | None, topk: int, num_experts: int, k: int, fewest: tuple[int, str] = (1, "")
+) -> int:
     """The proxy router's top-k (experts per token): the source's `topk` when `requested` is None,
     the number asked for, or "auto" (PROXY_TOPK_RULE): with top-8 of 64 and K = 16, top-2, so a
     token mixes a quarter of the kept experts as it mixed an eighth of all, instead of half of them.
     Kept experts' weights are untouched either way; only the number each token uses changes.
-    softmax_after_topk: the router normalises over the chosen experts (softmax score without
-    `--moe-router-pre-softmax`), where Megatron refuses top-1 (every gate would be 1)."""
-    least = 2 if softmax_after_topk else 1
+    fewest: `fewest_proxy_topk` of the proxy's router."""
+    least, why = fewest
     if requested is None:
         return topk
     if requested == "auto":
@@ -54,8 +71,7 @@ def proxy_topk(requested: int | str | None, topk: int, num_experts: int, k: int,
     except ValueError:
         raise PlanError(f"--proxy-topk {requested!r} is neither a number nor 'auto', e.g. --proxy-topk 2") from None
     if not least <= n <= k:
-        why = " (softmax after top-k: Megatron refuses top-1, whose every gate is 1)" if n == 1 else ""
-        raise PlanError(f"--proxy-topk {n} must be in {least}..{k}{why}")
+        raise PlanError(f"--proxy-topk {n} must be in {least}..{k}" + (f" ({why})" if n < least else ""))
     return n
 
 

@@ -18,6 +18,7 @@ from mcore_proxy.select.constraints import (
     GroupSetup,
     check_sizes,
     check_stats_match,
+    fewest_proxy_topk,
     proxy_topk,
     resolve_groups,
 )
@@ -460,8 +461,14 @@ def run_selection(
     if spec is not None:  # bare router weights take top-k from the statistics: nothing to match
         check_stats_match(stats, spec)
     E = stats.num_experts
-    softmax_after_topk = facts["score_function"] == "softmax" and not facts["pre_softmax"]
-    routed = proxy_topk(topk, facts["topk"], E, num_experts, softmax_after_topk)
+    grouped = group_policy != "flatten"  # flattened, the proxy routes without groups
+    fewest = fewest_proxy_topk(
+        facts["score_function"],
+        facts["pre_softmax"],
+        facts["num_groups"] if grouped else None,
+        facts["group_topk"] if grouped else None,
+    )
+    routed = proxy_topk(topk, facts["topk"], E, num_experts, fewest)
     check_sizes(E, num_experts, routed, target_ep)
     setup = resolve_groups(
         E, num_experts, routed, facts["num_groups"], facts["group_topk"], facts["score_function"], group_policy

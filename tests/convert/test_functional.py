@@ -77,12 +77,14 @@ def test_a_proxy_top_k_runs_as_the_restricted_original_at_that_top_k(megatron_ck
     top-2, `verify --functional` accepts it, and megatron-core running it computes the original
     restricted to the kept experts at top-2 (sigmoid scores, group-limited routing)."""
     from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.select.constraints import proxy_topk
+    from mcore_proxy.select.constraints import fewest_proxy_topk, proxy_topk
 
     fixture = "deepseek_like_pp2_uneven"
     ckpt, _ = megatron_ckpt(fixture)
     _, plan = proxy_plan(fixture)
-    topk = proxy_topk("auto", plan.source.topk, plan.source.num_experts, plan.num_experts, False)
+    topk = proxy_topk(
+        "auto", plan.source.topk, plan.source.num_experts, plan.num_experts, fewest_proxy_topk("sigmoid", False, 4, 2)
+    )
     assert topk == 2
     plan = dataclasses.replace(plan, router=dataclasses.replace(plan.router, topk=topk))
     plan_path = tmp_path / "plan-top2.json"

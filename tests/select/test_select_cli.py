@@ -102,7 +102,7 @@ def test_select_with_report_and_flatten(tmp_path, cli_model, capsys):
         (["-k", "6"], "--num-experts 6 is not divisible by the 4 routing groups"),
         (["-k", "8", "--weights", "1,1"], "--weights '1,1' must be three"),
         (["-k", "8", "--target-ep", "3"], "not divisible by --target-ep 3"),
-        (["-k", "8", "--proxy-topk", "9"], "--proxy-topk 9 must be in 1..8"),
+        (["-k", "8", "--proxy-topk", "9"], "--proxy-topk 9 must be in 2..8"),
         (["-k", "8", "--proxy-topk", "two"], "'two' is neither a number nor 'auto'"),
     ],
 )
@@ -127,18 +127,16 @@ def test_output_folder_is_refused_and_ep_alias_works(tmp_path, cli_model, capsys
 
 
 def test_proxy_topk_auto_keeps_the_share_of_experts_a_token_uses(tmp_path, cli_model):
-    view, stats, stats_path, _ = cli_model  # top-2 of 32 in 4 groups
+    view, stats, stats_path, _ = cli_model  # top-2 of 32, sigmoid scores; flattened, no groups to score
     out = tmp_path / "plan.json"
-    assert (
-        main(["select", "--ckpt", "C", "--stats", str(stats_path), "-k", "16", "--proxy-topk", "auto", "-o", str(out)])
-        == 0
-    )
+    argv = ["select", "--ckpt", "C", "--stats", str(stats_path), "-k", "16", "--group-policy", "flatten"]
+    assert main([*argv, "--proxy-topk", "auto", "-o", str(out)]) == 0
     plan = load_plan(out)
     assert plan.router.topk == 1 and plan.source.topk == 2  # round(2 x 16 / 32)
     assert plan.params["proxy_topk"]["proxy"] == 1
     # the same experts as without it: only how many a token uses changes
-    assert plan.layers == select_experts(view, stats, 16).layers
-    assert plan.to_json() == select_experts(view, stats, 16, topk="auto").to_json()
+    assert plan.layers == select_experts(view, stats, 16, group_policy="flatten").layers
+    assert plan.to_json() == select_experts(view, stats, 16, group_policy="flatten", topk="auto").to_json()
 
 
 def test_missing_stats_file_names_it(tmp_path, cli_model, capsys):

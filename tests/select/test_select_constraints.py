@@ -4,7 +4,13 @@ import logging
 import pytest
 
 from mcore_proxy.core.errors import PlanError, StatsError
-from mcore_proxy.select.constraints import check_sizes, check_stats_match, proxy_topk, resolve_groups
+from mcore_proxy.select.constraints import (
+    check_sizes,
+    check_stats_match,
+    fewest_proxy_topk,
+    proxy_topk,
+    resolve_groups,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,31 +85,35 @@ def test_statistics_must_match_the_checkpoint(default_model):
         check_stats_match(dataclasses.replace(stats, layers={**stats.layers, "1": empty}), view.spec)
 
 
-@pytest.mark.parametrize(
-    "requested, topk, num_experts, k, after, expected",
-    [
-        (None, 8, 64, 16, True, 8),  # the source's
-        ("auto", 8, 64, 16, True, 2),  # DeepSeek-like fine experts at K = E/4
-        ("auto", 8, 256, 16, False, 1),  # sigmoid scores at K = E/16: at least one
-        ("auto", 8, 256, 16, True, 2),  # softmax after top-k: at least two
-        ("auto", 2, 16, 4, True, 2),  # never more than the source's
-        (3, 8, 64, 16, True, 3),
-        ("3", 8, 64, 16, True, 3),
-    ],
-)
-def test_proxy_topk(requested, topk, num_experts, k, after, expected):
-    assert proxy_topk(requested, topk, num_experts, k, after) == expected
+SOFTMAX_AFTER = fewest_proxy_topk("softmax", False, None, None)
 
 
 @pytest.mark.parametrize(
-    "requested, after, match",
+    "requested, topk, num_experts, k, fewest, expected",
     [
-        (17, True, "--proxy-topk 17 must be in 2..16"),
-        (1, True, "must be in 2..16 .softmax after top-k: Megatron refuses top-1"),
-        (0, False, "must be in 1..16"),
-        ("two", False, "'two' is neither a number nor 'auto'"),
+        (None, 8, 64, 16, SOFTMAX_AFTER, 8),  # the source's
+        ("auto", 8, 64, 16, SOFTMAX_AFTER, 2),  # fine-grained experts at K = E/4
+        ("auto", 8, 256, 16, fewest_proxy_topk("sigmoid", False, None, None), 1),  # K = E/16: at least one
+        ("auto", 8, 256, 16, SOFTMAX_AFTER, 2),  # softmax after top-k: at least two
+        ("auto", 8, 256, 16, fewest_proxy_topk("sigmoid", False, 8, 4), 4),  # DeepSeek-V3: one per chosen group
+        ("auto", 2, 16, 4, SOFTMAX_AFTER, 2),  # never more than the source's
+        ("3", 8, 64, 16, SOFTMAX_AFTER, 3),
     ],
 )
-def test_proxy_topk_out_of_range_is_refused(requested, after, match):
+def test_proxy_topk(requested, topk, num_experts, k, fewest, expected):
+    assert proxy_topk(requested, topk, num_experts, k, fewest) == expected
+
+
+@pytest.mark.parametrize(
+    "requested, fewest, match",
+    [
+        (17, SOFTMAX_AFTER, "--proxy-topk 17 must be in 2..16$"),
+        (1, SOFTMAX_AFTER, "must be in 2..16 .softmax after top-k: Megatron refuses top-1"),
+        (2, fewest_proxy_topk("sigmoid", False, 8, 4), "must be in 4..16 .group-limited routing scores each of its 4"),
+        (0, fewest_proxy_topk("sigmoid", True, None, None), "must be in 1..16"),
+        ("two", SOFTMAX_AFTER, "'two' is neither a number nor 'auto'"),
+    ],
+)
+def test_proxy_topk_out_of_range_is_refused(requested, fewest, match):
     with pytest.raises(PlanError, match=match):
-        proxy_topk(requested, 8, 64, 16, after)
+        proxy_topk(requested, 8, 64, 16, fewest)
