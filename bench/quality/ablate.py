@@ -42,6 +42,11 @@ PAPER = "multiview, partners (paper)"
 CALIB_PROBLEMS = 4000  # problems of the train split traced for the statistics
 RANDOM_SEEDS = (0, 1, 2, 3, 4)
 K_SHARES = (0.5, 0.375, 0.25)
+# the paper's rule spelled out, whatever the default is
+PAPER_ARGV = (
+    "--method", "multiview", "--coact-mode", "partners",
+    "--weights", "1,1,1", "--representative", "frequency", "--no-weight-search",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,10 @@ def k_values(model) -> list[int]:
 
 def rows() -> list[Row]:
     p, s = ("--coact-mode", "partners"), ("--coact-mode", "substitutes")
-    # the paper's rule spelled out, whatever the default is
-    paper_rule = ("--weights", "1,1,1", "--representative", "frequency", "--no-weight-search")
+    paper_rule = PAPER_ARGV[4:]  # after --method multiview --coact-mode partners
     out = [
         Row("default", "ours", ()),
-        Row(PAPER, "paper", ("--method", "multiview", *p, *paper_rule)),
+        Row(PAPER, "paper", PAPER_ARGV),
         Row("multiview, substitutes", "paper", ("--method", "multiview", *s, *paper_rule)),
     ]
     for m in ("router+coact", "coact+proto"):
@@ -111,36 +115,12 @@ EXTRA_ROWS: list[tuple[str, tuple[str, ...]]] = [
 
 # issue 24: the same selections, routed by fewer experts per token (weights untouched)
 TOPK_ROWS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "multiview (paper), proxy top-k auto",
-        (
-            "--method",
-            "multiview",
-            "--coact-mode",
-            "partners",
-            "--weights",
-            "1,1,1",
-            "--representative",
-            "frequency",
-            "--no-weight-search",
-            "--proxy-topk",
-            "auto",
-        ),
-    ),
+    ("multiview (paper), proxy top-k auto", (*PAPER_ARGV, "--proxy-topk", "auto")),
     ("default, proxy top-k auto", ("--proxy-topk", "auto")),
     (
         "multiview, co-activation weight 0.5, proxy top-k auto",
-        (
-            "--method",
-            "multiview",
-            "--weights",
-            "1,0.5,1",
-            "--representative",
-            "frequency",
-            "--no-weight-search",
-            "--proxy-topk",
-            "auto",
-        ),
+        ("--method", "multiview", "--weights", "1,0.5,1", "--representative", "frequency", "--no-weight-search")
+        + ("--proxy-topk", "auto"),
     ),
 ]
 

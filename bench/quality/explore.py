@@ -1,0 +1,185 @@
+"""Issue 24's exploration: what may lift a proxy at aggressive K, measured before it is built into the tool.
+
+    nice python -m bench.quality.explore --shape fine --k 16 [--distill-steps 300] [--work DIR]
+
+On the trained model of `--shape` (bench/quality/train.py), the paper's selection at K
+(`mcore-proxy select` + `convert`, as in ablate.py), then variants of the same proxy, each measured on
+the test split by `metrics.compare` (accuracy ± binomial standard error, KL, routing agreement, gate mass
+kept):
+
+- `proxy top-k N`: the same experts, N per token (`select --proxy-topk N`, built into the tool);
+- `router refit`: the kept experts' router rows refitted (Adam, full batch) on the router inputs of
+  calibration problems so that each token's gates approximate the original's gate mass summed per
+  cluster (a dropped expert's share goes to its cluster's kept expert); expert weights untouched;
+- `distillation`: every proxy parameter trained for `--distill-steps` steps (Adam, lr 1e-3, 64 problems a
+  step, train-split problems after the calibration ones) on KL(original || proxy) over text positions.
+  This changes weights: the kept experts are no longer the original's bit for bit.
+
+The last two are not in `mcore-proxy` (yet); this script is where they were measured. Prints one line per
+variant and writes `explore-{shape}-K{k}.json` into the work folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from bench.quality import ablate, metrics, task, train
+from bench.quality import model as qmodel
+
+
+def proxy_of(ckpt: Path, stats: Path, k: int, work: Path, *extra: str):
+    """(plan, proxy GPTModel) by `select` (the paper's rule + `extra`) and `convert`."""
+    from mcore_proxy.select import load_plan
+
+    plan_path, proxy = work / "plan.json", work / "proxy"
+    shutil.rmtree(proxy, ignore_errors=True)
+    plan_path.unlink(missing_ok=True)
+    ablate.cli("select", "--ckpt", ckpt, "--stats", stats, "-k", k, *ablate.PAPER_ARGV, *extra, "-o", plan_path)
+    ablate.cli("convert", ckpt, "--plan", plan_path, "-o", proxy)
+    return load_plan(plan_path), qmodel.load(proxy)[1]
+
+
+@torch.no_grad()
+def router_inputs(gpt, problems) -> dict[str, torch.Tensor]:
+    """Layer id -> the router's inputs at text positions [n, H] over `problems`."""
+    seen: dict[str, list] = {}
+    hooks = [
+        r.register_forward_pre_hook(lambda m, inp, _l=lid: seen.setdefault(_l, []).append(inp[0].flatten(0, -2)))
+        for lid, r in metrics._routers(gpt).items()
+    ]
+    try:
+        for start in range(0, len(problems), 250):
+            tokens, _ = task.trim(*task.batch(problems[start : start + 250]))
+            text = (tokens != task.PAD).T.reshape(-1)
+            qmodel.logits(gpt, tokens)
+            for parts in seen.values():
+                parts[-1] = parts[-1][text]
+    finally:
+        for h in hooks:
+            h.remove()
+    return {lid: torch.cat(parts).float() for lid, parts in seen.items()}
+
+
+def refit_routers(gpt, proxy, plan, inputs: dict[str, torch.Tensor], topk: int, steps: int = 300) -> None:
+    """Refit the proxy's router rows in place: softmax(x W'^T) ~ the original's top-k gates summed per
+    cluster (cross-entropy with those soft targets), starting from the kept rows."""
+    originals, proxies = metrics._routers(gpt), metrics._routers(proxy)
+    for lid in plan.layer_ids:
+        w, x, kept = originals[lid].weight.detach().float(), inputs[lid], plan.kept(lid)
+        with torch.no_grad():
+            top = (x @ w.T).topk(topk, -1)
+            gates = torch.zeros(x.shape[0], w.shape[0]).scatter(-1, top.indices, torch.softmax(top.values, -1))
+            to_cluster = torch.zeros(w.shape[0], len(kept))
+            for c in plan.layers[lid].clusters:
+                to_cluster[list(c.members), kept.index(c.representative)] = 1.0
+            target = gates @ to_cluster  # [n, K]
+        rows = w[kept].clone().requires_grad_(True)
+        opt = torch.optim.Adam([rows], lr=1e-2)
+        for _ in range(steps):
+            loss = -(target * torch.log_softmax(x @ rows.T, -1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            proxies[lid].weight.copy_(rows.to(proxies[lid].weight.dtype))
+
+
+def distill(gpt, proxy, problems, steps: int, lr: float = 1e-3, batch: int = 64) -> list[float]:
+    """Train every proxy parameter on KL(original || proxy) at text positions; the loss every 50 steps."""
+    proxy.train()
+    opt = torch.optim.Adam(proxy.parameters(), lr=lr)
+    history = []
+    for step in range(steps):
+        tokens, _ = task.trim(*task.batch(problems[step * batch : (step + 1) * batch]))
+        text = tokens != task.PAD
+        with torch.no_grad():
+            teacher = torch.log_softmax(qmodel.logits(gpt, tokens)[text].float(), -1)
+        student = torch.log_softmax(qmodel.logits(proxy, tokens)[text].float(), -1)
+        loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            history.append(round(float(loss), 5))
+    proxy.eval()
+    return history
+
+
+def summary(r: dict) -> dict:
+    """Per-layer measures as their mean over layers (kept per layer under `layers`)."""
+    out = {k: v for k, v in r.items() if not isinstance(v, dict)}
+    for name in ("routing_agreement", "gate_mass_kept"):
+        out[name] = sum(r[name].values()) / len(r[name])
+    out["layers"] = {name: r[name] for name in ("routing_agreement", "gate_mass_kept")}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=tuple(qmodel.SHAPES), default="fine")
+    p.add_argument("--k", type=int, required=True)
+    p.add_argument("--topks", type=int, nargs="*", default=None, help="proxy top-k values to try (default 2, 4)")
+    p.add_argument("--distill-steps", type=int, default=300)
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: the cache)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
+
+    ckpt = train.trained_checkpoint(args.shape)
+    work = args.work or train.cache_root() / "explore" / args.shape
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    init_distributed(0, 1, free_port())
+    results = {}
+    try:
+        model, gpt = qmodel.load(ckpt)
+        test, train_split = task.split("test"), task.split("train")
+        calib = train_split[: ablate.CALIB_PROBLEMS]
+        stats = ablate.trace(gpt, calib, work / "trace_train")
+        ref = metrics.reference(gpt, test)
+        print(f"{args.shape}: original exact match {ref.accuracy:.3f}; K={args.k} of {model.num_experts}", flush=True)
+
+        def record(name, plan, proxy, t0, **extra):
+            results[name] = {**summary(metrics.compare(proxy, test, ref, plan)), **extra, "seconds": time.time() - t0}
+            r = results[name]
+            print(
+                f"| {name} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {r['kl']:.3f} | "
+                f"{r['routing_agreement']:.3f} | {r['gate_mass_kept']:.3f} | {r['seconds']:.0f} |",
+                flush=True,
+            )
+            (work / f"explore-{args.shape}-K{args.k}.json").write_text(json.dumps(results, indent=1))
+
+        print("| variant | acc ± se | KL | agreement | gate mass kept | s |\n|---|---|---|---|---|---|", flush=True)
+        t0 = time.time()
+        plan, proxy = proxy_of(ckpt, stats, args.k, work)
+        record("paper's selection", plan, proxy, t0)
+        for n in args.topks if args.topks is not None else (2, 4):
+            t0 = time.time()
+            plan_n, proxy_n = proxy_of(ckpt, stats, args.k, work, "--proxy-topk", str(n))
+            record(f"proxy top-k {n}", plan_n, proxy_n, t0)
+        t0 = time.time()
+        plan, proxy = proxy_of(ckpt, stats, args.k, work)
+        refit_routers(gpt, proxy, plan, router_inputs(gpt, calib), model.topk)
+        record("router refit (weights of the experts untouched)", plan, proxy, t0)
+        t0 = time.time()
+        plan, proxy = proxy_of(ckpt, stats, args.k, work)
+        later = train_split[ablate.CALIB_PROBLEMS :]
+        history = distill(gpt, proxy, later, args.distill_steps)
+        record(f"distillation, {args.distill_steps} steps (changes weights)", plan, proxy, t0, kl_history=history)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
