@@ -54,6 +54,7 @@ class Row:
     name: str
     family: str  # "ours", "paper", "pair", "single", "baseline"
     argv: tuple[str, ...]  # extra `mcore-proxy select` arguments
+    distill_steps: int = 0  # then `mcore-proxy distill` for this many steps (changes weights)
 
 
 def k_values(model) -> list[int]:
@@ -84,6 +85,7 @@ def rows() -> list[Row]:
     out += [Row(m, "baseline", ("--method", m)) for m in ("frequency", "gate-mass", "saliency", "first-k")]
     out += [Row(f"random seed {r}", "random", ("--method", "random", "--seed", str(r))) for r in RANDOM_SEEDS]
     out += [Row(name, "ours", argv) for name, argv in EXTRA_ROWS + TOPK_ROWS]
+    out += [Row(DISTILLED, "changes weights", PAPER_ARGV, DISTILL_STEPS)]
     return out
 
 
@@ -125,6 +127,22 @@ TOPK_ROWS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+# issue 24 item 3: the paper's proxy, then a short distillation against the original (opt-in: not bit for bit)
+DISTILL_STEPS = 300
+DISTILLED = f"multiview (paper) + distillation, {DISTILL_STEPS} steps (changes weights)"
+
+
+def distill_tokens(work: Path, steps: int, batch: int = 64) -> Path:
+    """Train-split problems after the calibration ones, as the token rows `mcore-proxy distill` reads."""
+    import numpy as np
+
+    path = work / f"distill-tokens-{steps}.npy"
+    if not path.is_file():
+        problems = task.split("train")[CALIB_PROBLEMS : CALIB_PROBLEMS + steps * batch]
+        np.save(path, task.batch(problems)[0].numpy())
+    return path
+
+
 def cli(*argv) -> str:
     """Run `mcore-proxy ARGV` in this process; its stdout; RuntimeError on a non-zero exit."""
     from mcore_proxy.cli import main
@@ -161,6 +179,13 @@ def measure(ckpt: Path, stats: Path, k: int, row: Row, work: Path, test, ref, te
     cli("select", "--ckpt", ckpt, "--stats", stats, "-k", k, *row.argv, "-o", plan_path)
     t1 = time.time()
     cli("convert", ckpt, "--plan", plan_path, "-o", proxy)
+    if row.distill_steps:
+        distilled = work / "distilled"
+        tokens = distill_tokens(work, row.distill_steps)
+        argv = ("--tokens", tokens, "--pad-id", task.PAD, "--steps", row.distill_steps, "-o", distilled, "--force")
+        cli("distill", "--orig", ckpt, "--proxy", proxy, *argv)
+        shutil.rmtree(proxy)
+        distilled.rename(proxy)
     plan = load_plan(plan_path)
     _, gpt = qmodel.load(proxy)
     out = metrics.compare(gpt, test, ref, plan)

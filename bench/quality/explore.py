@@ -1,6 +1,6 @@
 """Issue 24's exploration: what may lift a proxy at aggressive K, measured before it is built into the tool.
 
-    nice python -m bench.quality.explore --shape fine --k 16 [--distill-steps 300] [--work DIR]
+    nice python -m bench.quality.explore --shape fine --k 16 [--topks 2 4] [--work DIR]
 
 On the trained model of `--shape` (bench/quality/train.py), the paper's selection at K
 (`mcore-proxy select` + `convert`, as in ablate.py), then variants of the same proxy, each measured on
@@ -11,11 +11,9 @@ kept):
 - `router refit`: the kept experts' router rows refitted (Adam, full batch) on the router inputs of
   calibration problems so that each token's gates approximate the original's gate mass summed per
   cluster (a dropped expert's share goes to its cluster's kept expert); expert weights untouched;
-- `distillation`: every proxy parameter trained for `--distill-steps` steps (Adam, lr 1e-3, 64 problems a
-  step, train-split problems after the calibration ones) on KL(original || proxy) over text positions.
-  This changes weights: the kept experts are no longer the original's bit for bit.
 
-The last two are not in `mcore-proxy` (yet); this script is where they were measured. Prints one line per
+The distillation explored here first is now `mcore-proxy distill`, measured by ablate.py's row of it; the
+refit is not in `mcore-proxy`: this script is where it was measured. Prints one line per
 variant and writes `explore-{shape}-K{k}.json` into the work folder.
 """
 
@@ -92,27 +90,6 @@ def refit_routers(gpt, proxy, plan, inputs: dict[str, torch.Tensor], topk: int, 
             proxies[lid].weight.copy_(rows.to(proxies[lid].weight.dtype))
 
 
-def distill(gpt, proxy, problems, steps: int, lr: float = 1e-3, batch: int = 64) -> list[float]:
-    """Train every proxy parameter on KL(original || proxy) at text positions; the loss every 50 steps."""
-    proxy.train()
-    opt = torch.optim.Adam(proxy.parameters(), lr=lr)
-    history = []
-    for step in range(steps):
-        tokens, _ = task.trim(*task.batch(problems[step * batch : (step + 1) * batch]))
-        text = tokens != task.PAD
-        with torch.no_grad():
-            teacher = torch.log_softmax(qmodel.logits(gpt, tokens)[text].float(), -1)
-        student = torch.log_softmax(qmodel.logits(proxy, tokens)[text].float(), -1)
-        loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            history.append(round(float(loss), 5))
-    proxy.eval()
-    return history
-
-
 def summary(r: dict) -> dict:
     """Per-layer measures as their mean over layers (kept per layer under `layers`)."""
     out = {k: v for k, v in r.items() if not isinstance(v, dict)}
@@ -127,7 +104,6 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(qmodel.SHAPES), default="fine")
     p.add_argument("--k", type=int, required=True)
     p.add_argument("--topks", type=int, nargs="*", default=None, help="proxy top-k values to try (default 2, 4)")
-    p.add_argument("--distill-steps", type=int, default=300)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: the cache)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -143,8 +119,7 @@ def main(argv=None) -> int:
     results = {}
     try:
         model, gpt = qmodel.load(ckpt)
-        test, train_split = task.split("test"), task.split("train")
-        calib = train_split[: ablate.CALIB_PROBLEMS]
+        test, calib = task.split("test"), task.split("train")[: ablate.CALIB_PROBLEMS]
         stats = ablate.trace(gpt, calib, work / "trace_train")
         ref = metrics.reference(gpt, test)
         print(f"{args.shape}: original exact match {ref.accuracy:.3f}; K={args.k} of {model.num_experts}", flush=True)
@@ -171,11 +146,6 @@ def main(argv=None) -> int:
         plan, proxy = proxy_of(ckpt, stats, args.k, work)
         refit_routers(gpt, proxy, plan, router_inputs(gpt, calib), model.topk)
         record("router refit (weights of the experts untouched)", plan, proxy, t0)
-        t0 = time.time()
-        plan, proxy = proxy_of(ckpt, stats, args.k, work)
-        later = train_split[ablate.CALIB_PROBLEMS :]
-        history = distill(gpt, proxy, later, args.distill_steps)
-        record(f"distillation, {args.distill_steps} steps (changes weights)", plan, proxy, t0, kl_history=history)
     finally:
         destroy_distributed()
     return 0

@@ -75,21 +75,32 @@ def open_checkpoint(path: str | Path) -> ModelView:
 
 
 def write_checkpoint(
-    view: ModelView, out: str | Path, target=None, fmt: str = "legacy", *, inputs=(), progress: bool = True
+    view: ModelView,
+    out: str | Path,
+    target=None,
+    fmt: str = "legacy",
+    *,
+    inputs=(),
+    progress: bool = True,
+    replace: bool = False,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write `view` as a checkpoint of format `fmt` at `target` (default: the writer's for no
     options, i.e. the source's layout for Megatron formats)
-    into `out` (created; must not exist), in this process: check, stage, every unit, finish, the
-    markers last, rename. No manifest (that is `convert`'s: `convert.pipeline`)."""
+    into `out` (created; must not exist unless `replace`), in this process: check, stage, every
+    unit, `extra_files` (name -> text, at the top), finish, the markers last, rename. No manifest
+    (that is `convert`'s: `convert.pipeline`)."""
     return_freed_buffers_to_os()
     writer = writer_of(fmt)
     target = writer.target(view, TargetOptions()) if target is None else complete_target(view, target)
     writer.check(view, target)
     units = writer.units(view, target)
     with (
-        staged_output(out, inputs, check_space=False) as tmp,
+        staged_output(out, inputs, check_space=False, replace=replace) as tmp,
         byte_bar(sum(u.nbytes for u in units), f"write {fmt}", progress) as bar,
     ):
         results = writer.write_units(view, tmp, target, units, bar)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         write_markers(tmp, writer.finish(view, tmp, target, results).markers)
     return Path(out)

@@ -142,6 +142,27 @@ def register(sub) -> None:
         "--functional", action="store_true", help="also run both in megatron-core on CPU (small models only)"
     )
 
+    d = add_command(
+        sub,
+        "distill",
+        run_distill,
+        help="train a proxy briefly against its original (changes weights; opt-in)",
+        writes="a distilled proxy checkpoint",
+        description="A short distillation: every proxy parameter trained on KL(original || proxy) over "
+        "calibration token rows, both models in megatron-core on CPU (one rank, small models). The result "
+        "is not a bit-for-bit proxy: see docs/selection.md for what it changes about reproducing faults.",
+    )
+    add_option(d, "--orig", type=Path, required=True, metavar="CKPT", help="the original (legacy, one rank)")
+    d.add_argument("--proxy", type=Path, required=True, help="the proxy convert wrote (legacy, one rank)")
+    d.add_argument("--tokens", type=Path, required=True, help=".npy of token ids [rows, sequence] (calibration data)")
+    d.add_argument("--steps", type=int, default=300, help="optimizer steps (default %(default)s)")
+    d.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default %(default)s)")
+    d.add_argument("--batch", type=int, default=64, help="token rows per step (default %(default)s)")
+    d.add_argument("--pad-id", type=int, default=None, help="token id whose positions are left out (default: none)")
+    d.add_argument("--held-out", type=int, default=None, help="last rows kept to measure KL (default: a tenth)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("-o", "--output", type=Path, required=True, help="folder to write (must not exist unless --force)")
+
 
 def convert_dict(r, dry_run: bool) -> dict:
     """The `--json` document of convert: the numbers of the text, sizes in bytes. `target` is None for
@@ -292,6 +313,43 @@ def require_functional_framework(orig) -> None:
     module = {"transformers": "transformers", "megatron-core": "megatron"}.get(framework)
     if module is not None:
         check(module, why=f"verify --functional (it runs both models in {framework})")
+
+
+def run_distill(args) -> int:
+    from tqdm import tqdm
+
+    from mcore_proxy.convert.distill import DistillSettings, distill, read_tokens
+    from mcore_proxy.core.errors import ProxyError
+    from mcore_proxy.core.optional import check
+
+    if min(args.steps, args.batch) < 1 or args.lr <= 0:
+        raise ProxyError("--steps and --batch must be at least 1 and --lr above 0")
+    check("megatron", why="distill (it trains the proxy in megatron-core)")
+    settings = DistillSettings(args.steps, args.lr, args.batch, args.pad_id, args.held_out, args.seed)
+    r = distill(
+        args.orig,
+        args.proxy,
+        read_tokens(args.tokens),
+        args.output,
+        settings,
+        force=args.force,
+        progress=lambda steps: tqdm(steps, desc="distill", unit="step"),
+    )
+    doc = {
+        "out": str(r.out),
+        "rows_trained": r.rows,
+        "held_out_rows": r.held_out,
+        "kl_before": r.kl_before,
+        "kl_after": r.kl_after,
+        "seconds": r.seconds,
+    }
+    text = (
+        f"distilled {args.proxy} against {args.orig}: {args.steps} steps on {r.rows} token rows; held-out KL "
+        f"{r.kl_before:.4f} -> {r.kl_after:.4f} nats per position ({r.held_out} rows); {r.seconds:.0f} s\n"
+        f"wrote {r.out} (its weights are no longer the original's bit for bit: distill.json says so)"
+    )
+    emit(args, "distill", doc, text)
+    return 0
 
 
 def run_verify(args) -> int:

@@ -18,7 +18,7 @@ from mcore_proxy.core.units import format_bytes
 # Where each spelling must work, by what it means (not read from the code): the commands that
 # have the option it names.
 APPLIES = {
-    "--load-dir": {"inspect", "convert", "select", "verify", "estimate"},
+    "--load-dir": {"inspect", "convert", "select", "verify", "estimate", "distill"},
     "--save-dir": {"convert", "verify"},
     "--target-tensor-parallel-size": {"convert"},
     "--target-tensor-model-parallel-size": {"convert"},
@@ -47,6 +47,7 @@ BASE = {
     "select": {"--ckpt": "ck", "--stats": "s.safetensors", "-k": "4", "-o": "plan.json"},
     "convert": {"CKPT": "ck", "--out": "out"},
     "verify": {"--orig": "a", "--proxy": "b", "--plan": "p.json"},
+    "distill": {"--orig": "a", "--proxy": "b", "--tokens": "t.npy", "-o": "out"},
     "compare": {"--orig-base": "a", "--orig-fault": "b", "--proxy-base": "c", "--proxy-fault": "d"},
     "collect": {"--hf": "m", "--data": "d.jsonl", "-o": "stats"},
     "fidelity": {"--orig": "a", "--proxy": "b", "--plan": "p.json", "--data": "d.jsonl"},
@@ -177,6 +178,7 @@ def test_top_level_help_is_written_for_users(capsys):
         "select",
         "convert",
         "verify",
+        "distill",
         "fidelity",
         "campaign",
         "watch",
