@@ -10,7 +10,7 @@ kept):
 - `proxy top-k N`: the same experts, N per token (`select --proxy-topk N`, built into the tool);
 - `router refit`: the kept experts' router rows refitted (Adam, full batch) on the router inputs of
   calibration problems so that each token's gates approximate the original's gate mass summed per
-  cluster (a dropped expert's share goes to its cluster's kept expert); expert weights untouched;
+  cluster (a dropped expert's share goes to its cluster's kept expert); expert weights untouched.
 
 The distillation explored here first is now `mcore-proxy distill`, measured by ablate.py's row of it; the
 refit is not in `mcore-proxy`: this script is where it was measured. Prints one line per
@@ -51,7 +51,7 @@ def router_inputs(gpt, problems) -> dict[str, torch.Tensor]:
     seen: dict[str, list] = {}
     hooks = [
         r.register_forward_pre_hook(lambda m, inp, _l=lid: seen.setdefault(_l, []).append(inp[0].flatten(0, -2)))
-        for lid, r in metrics._routers(gpt).items()
+        for lid, r in metrics.routers(gpt).items()
     ]
     try:
         for start in range(0, len(problems), 250):
@@ -69,7 +69,7 @@ def router_inputs(gpt, problems) -> dict[str, torch.Tensor]:
 def refit_routers(gpt, proxy, plan, inputs: dict[str, torch.Tensor], topk: int, steps: int = 300) -> None:
     """Refit the proxy's router rows in place: softmax(x W'^T) ~ the original's top-k gates summed per
     cluster (cross-entropy with those soft targets), starting from the kept rows."""
-    originals, proxies = metrics._routers(gpt), metrics._routers(proxy)
+    originals, proxies = metrics.routers(gpt), metrics.routers(proxy)
     for lid in plan.layer_ids:
         w, x, kept = originals[lid].weight.detach().float(), inputs[lid], plan.kept(lid)
         with torch.no_grad():

@@ -39,7 +39,7 @@ class Reference:
     routing: dict  # layer id -> (gates [n_text_positions, E], chosen [n_text_positions, E] bool)
 
 
-def _routers(gpt) -> dict[str, torch.nn.Module]:
+def routers(gpt) -> dict[str, torch.nn.Module]:
     """MoE layer id ("0", "1", ...) -> its router module."""
     out = {}
     for module in gpt.modules():
@@ -55,7 +55,7 @@ def recording_routing(gpt):
     seen: dict[str, list] = {}
     hooks = [
         router.register_forward_hook(lambda mod, inp, out, _l=lid: seen.setdefault(_l, []).append(out))
-        for lid, router in _routers(gpt).items()
+        for lid, router in routers(gpt).items()
     ]
     try:
         yield seen
