@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 
 import torch
@@ -189,6 +190,19 @@ def _lift_grouped_mlp_bf16_assert(cls) -> None:
 
 
 def free_port() -> int:
+    """A TCP port free now for a gloo store to listen on. Chosen below Linux's ephemeral range
+    (32768-60999): a port from bind(0) is released before the store binds it, and in between any
+    process's bind(0) or outgoing connection could take it (seen as EADDRINUSE with several test
+    workers starting worlds side by side); below that range only another free_port could."""
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
