@@ -108,13 +108,10 @@ def _build(view):
 
 
 def _forward(chunk, tokens):
-    """Logits [b, s, V] of a causal pass over tokens [b, s]."""
-    import torch
+    """Logits [b, s, V] of a causal pass over tokens [b, s] (with gradients, unlike `run.forward_logits`)."""
+    from mcore_proxy.functional.run import causal_inputs
 
-    b, s = tokens.shape
-    positions = torch.arange(s).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    return chunk(tokens, positions, mask)
+    return chunk(tokens, *causal_inputs(*tokens.shape))
 
 
 def _kl(teacher_logits, student_logits, keep):

@@ -26,7 +26,7 @@ from mcore_proxy.checkpoint.layout import rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE, resolve_legacy_dir
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
 from mcore_proxy.functional.model import Layout, ToyMoE
-from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
+from mcore_proxy.functional.run import causal_inputs, fixed_tokens, rank_coords, restrict_routers, writes_folder
 from mcore_proxy.mcore.pipeline_layout import split_stages
 
 
@@ -226,8 +226,7 @@ def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tenso
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
-    positions = torch.arange(s).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    positions, mask = causal_inputs(b, s)
     labels = {"labels": tokens} if model.mtp_layers else {}
     vpp = len(chunks) > 1
     seen: list[torch.Tensor] = []

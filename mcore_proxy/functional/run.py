@@ -23,13 +23,17 @@ def fixed_tokens(model: ToyMoE, batch: int = 2, seed: int = 7) -> torch.Tensor:
     return torch.randint(0, model.vocab_size, (batch, model.seq_length), generator=g)
 
 
+def causal_inputs(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [b, s] and megatron's causal attention mask [1, 1, s, s] (True: masked)."""
+    return torch.arange(s).expand(b, s), torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+
+
 def forward_logits(gpt, tokens: torch.Tensor) -> torch.Tensor | None:
     """Logits [b, s, vocab] on the last stage (None elsewhere); stages exchange activations by p2p."""
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
-    positions = torch.arange(s).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    positions, mask = causal_inputs(b, s)
     hidden = gpt.config.hidden_size
     with torch.no_grad():
         if not ps.is_pipeline_first_stage():
