@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Mapping
 from mcore_proxy.checkpoint.names import apply_variants, canonical_sort_key, restore_variant
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.tensors import cat
 from mcore_proxy.mcore.megatron_args import arg, arg_int
 from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
 
@@ -188,9 +189,7 @@ def mindspeed_to_megatron_key(key: str, mla: bool = True) -> tuple[str, ...]:
 
 def fuse_down(q_down: torch.Tensor, kv_down: torch.Tensor) -> torch.Tensor:
     """[q_lora, H], [kv_lora + rope, H] -> MindSpeed-LLM's `linear_qkv` [q_lora + kv_lora + rope, H]."""
-    import torch
-
-    return torch.cat([q_down, kv_down])
+    return cat([q_down, kv_down])
 
 
 def unfuse_down(fused: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +211,6 @@ def split_up(up: torch.Tensor, which: str, dims: MLADims) -> tuple[torch.Tensor,
 
 def join_up(first: torch.Tensor, second: torch.Tensor, which: str, dims: MLADims) -> torch.Tensor:
     """The inverse of `split_up`: parts of the same whole heads -> [h*(a+b), r]."""
-    import torch
-
     a, b = dims.part_sizes(which)
     r = first.shape[-1]
     if first.shape[0] % a or second.shape[0] % b or first.shape[0] // a != second.shape[0] // b:
@@ -221,7 +218,7 @@ def join_up(first: torch.Tensor, second: torch.Tensor, which: str, dims: MLADims
             f"--mla-mm-split parts of shapes {list(first.shape)} and {list(second.shape)} do not "
             f"hold the same heads of {a} + {b} rows"
         )
-    return torch.cat([first.reshape(-1, a, r), second.reshape(-1, b, r)], dim=1).reshape(-1, r)
+    return cat([first.reshape(-1, a, r), second.reshape(-1, b, r)], dim=1).reshape(-1, r)
 
 
 def megatron_to_mindspeed(state: Mapping[str, object], naming: MindSpeedNaming, dims: MLADims) -> dict:
@@ -377,6 +374,9 @@ class MindSpeedNamedView(ModelView):
     def dtype(self, key: str):
         return self.source.dtype(self._sources[key][0])
 
+    def dtype_name(self, key: str):
+        return self.source.dtype_name(self._sources[key][0])
+
     def prefetch(self, names: list[str]) -> None:
         self.source.prefetch([n for k in names for n in self._sources.get(k, ())])
 
@@ -400,6 +400,9 @@ class MegatronNamedView(ModelView):
 
     def dtype(self, name: str):
         return self.source.dtype(name)
+
+    def dtype_name(self, name: str):
+        return self.source.dtype_name(name)
 
     def prefetch(self, names: list[str]) -> None:
         self.source.prefetch(names)

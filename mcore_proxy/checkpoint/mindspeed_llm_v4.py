@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER, canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.tensors import cast, cat
 from mcore_proxy.mcore.megatron_args import arg_int
 from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
@@ -209,9 +210,7 @@ def fuse(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts of a fused MindSpeed-LLM tensor (`to_canonical_keys` order) -> the tensor as saved:
     hc_scale [3] from three [1]; eh_proj [R, 2H] from e [R, H] and h [R, H]. (Readers take the
     parts back as slices: `part_slices`.)"""
-    import torch
-
-    return torch.cat(parts, dim=1 if _EH_FUSED.match(key) else 0)
+    return cat(parts, dim=1 if _EH_FUSED.match(key) else 0)
 
 
 def part_slices(key: str, hidden: int) -> list[tuple[int, int, int]]:
@@ -518,7 +517,7 @@ class MindSpeedV4NamedView(ModelView):
         if len(src) > 1:
             return fuse(key, [self.source.get(n) for n in src])
         value = self.source.get(src[0])
-        return value.to(torch_dtype(MINDSPEED_HASH_DTYPE)) if key.endswith(HASH_TABLE) else value
+        return cast(value, MINDSPEED_HASH_DTYPE) if key.endswith(HASH_TABLE) else value
 
     def shape(self, key: str):
         src = self._sources[key]
@@ -534,6 +533,11 @@ class MindSpeedV4NamedView(ModelView):
         if key.endswith(HASH_TABLE):
             return torch_dtype(MINDSPEED_HASH_DTYPE)
         return self.source.dtype(self._sources[key][0])
+
+    def dtype_name(self, key: str):
+        if key.endswith(HASH_TABLE):
+            return MINDSPEED_HASH_DTYPE
+        return self.source.dtype_name(self._sources[key][0])
 
     def prefetch(self, names: list[str]) -> None:
         self.source.prefetch([n for k in names for n in self._sources.get(k, ())])

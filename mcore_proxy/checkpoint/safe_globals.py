@@ -36,6 +36,7 @@ import numbers
 import pickle
 import sys
 
+from mcore_proxy.core.dtypes import ITEMSIZE, STORAGE_DTYPES
 from mcore_proxy.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,8 @@ def is_emittable(module: str, name: str) -> bool:
         return True
     if module != "torch":
         return False
+    if name in ITEMSIZE or name in STORAGE_DTYPES:  # known without importing torch
+        return True
     import torch
 
     value = getattr(torch, name, None)

@@ -37,15 +37,16 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from mcore_proxy.core.tensors import empty
+
 if TYPE_CHECKING:
     import torch
 
 
 def empty_extra_state() -> torch.Tensor:
-    """TE's encoding of "no FP8 state": an empty uint8 tensor (a fresh one each call)."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8)
+    """TE's encoding of "no FP8 state": an empty uint8 tensor (a fresh one each call; a
+    HostTensor in `core.tensors.host_tensors` mode)."""
+    return empty((0,), "uint8")
 
 
 def holds_state(value) -> bool:

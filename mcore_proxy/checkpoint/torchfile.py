@@ -43,30 +43,17 @@ from mcore_proxy.checkpoint.safe_globals import (
     torch_load_allowing,
     unresolved_class,
 )
-from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, torch_archive_records
+from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, as_bytes, torch_archive_records
 from mcore_proxy.cli_support.memory import import_torch_while_waiting, prefer_huge_pages
-from mcore_proxy.core.dtypes import ITEMSIZE, dtype_name, itemsize, torch_dtype
+from mcore_proxy.core.dtypes import ITEMSIZE, STORAGE_DTYPES as _STORAGE_DTYPES, dtype_name, itemsize, torch_dtype
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.tensors import empty, is_tensor
 
 if TYPE_CHECKING:  # torch is imported where bytes become tensors, not to index a file
     import torch
 
 # -- reading -------------------------------------------------------------------------------
 
-# torch's storage classes (`torch.BFloat16Storage`, as pickles name them) -> dtype names
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "UntypedStorage": "uint8",
-}
 _DTYPE_STORAGE = {v: k for k, v in _STORAGE_DTYPES.items() if k != "UntypedStorage"}
 
 
@@ -354,9 +341,8 @@ class TorchFile:
         return self._offsets[member]
 
     def read_elements(self, storage: _StorageRef, start: int, count: int) -> "torch.Tensor":
-        """`count` elements from element `start` of a storage, reading only those bytes."""
-        import torch
-
+        """`count` elements from element `start` of a storage, reading only those bytes: a torch
+        tensor, or a HostTensor in `core.tensors.host_tensors` mode."""
         item = itemsize(storage.dtype)
         offset = self._data_offset(storage)
         if start + count > storage.numel:
@@ -364,9 +350,9 @@ class TorchFile:
                 f"{self.path}: a read of elements {start}..{start + count} lies beyond the "
                 f"{storage.numel} of {storage.member}; the file is damaged, copy it again"
             )
-        out = torch.empty(count, dtype=torch_dtype(storage.dtype))
+        out = empty((count,), storage.dtype)
         prefer_huge_pages(out.data_ptr(), count * item)  # before the first write faults its pages in
-        buf = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
+        buf = as_bytes(out) if count else memoryview(b"")
         done = 0
         with self._fd() as fd:
             while done < len(buf):  # pread may return short counts on large reads
@@ -502,10 +488,8 @@ def materialize(obj):
 class _TensorRecord:
     __slots__ = ("key", "dtype", "shape", "numel")
 
-    def __init__(self, key: str, dtype: "torch.dtype", shape: tuple[int, ...]):
-        import torch
-
-        self.key, self.dtype, self.shape = key, dtype, torch.Size(shape)
+    def __init__(self, key: str, dtype: str, shape: tuple[int, ...]):
+        self.key, self.dtype, self.shape = key, dtype_name(dtype), Shape(shape)
         self.numel = self.shape.numel()
 
 
@@ -516,31 +500,75 @@ class _StoragePid:
         self.record = record
 
 
+class _Global:
+    """A torch global (`torch._utils._rebuild_tensor_v2`, `torch.BFloat16Storage`, `torch.Size`,
+    `torch.bfloat16`) pickled by its name, so writing a file needs no torch. One object per name:
+    the pickler memoizes it as it memoizes torch's own object, so the bytes are the same."""
+
+    _made: dict[tuple[str, str], _Global] = {}
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __call__(self, *args):  # pickle's save_reduce asks for a callable; this one is never run
+        raise TypeError(f"{self.module}.{self.name} is a name to pickle, not the torch object")
+
+    @classmethod
+    def of(cls, module: str, name: str) -> _Global:
+        key = (module, name)
+        if key not in cls._made:
+            cls._made[key] = cls(module, name)
+        return cls._made[key]
+
+
+class _Size(tuple):
+    """A shape pickled as torch pickles `torch.Size`: `torch.Size((2, 3))`."""
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's strides of a fresh tensor of `shape` (a size-0 dim counts as 1)."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
 class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolved class paths
     """Pickles the structure of a torch.save file; every GLOBAL it emits is checked against the
     allow-list (`safe_globals.is_emittable`): the next reader may run it."""
 
     def persistent_id(self, obj):
         if isinstance(obj, _StoragePid):
-            import torch
-
             r = obj.record
-            return ("storage", getattr(torch, _DTYPE_STORAGE[dtype_name(r.dtype)]), r.key, "cpu", r.numel)
+            return ("storage", _Global.of("torch", _DTYPE_STORAGE[r.dtype]), r.key, "cpu", r.numel)
         return None
 
     def reducer_override(self, obj):
         if isinstance(obj, _TensorRecord):
-            import torch
-
-            stride = torch.empty(obj.shape, device="meta").stride()
+            stride = _contiguous_stride(obj.shape)
             return (
-                torch._utils._rebuild_tensor_v2,
-                (_StoragePid(obj), 0, obj.shape, stride, False, collections.OrderedDict()),
+                _Global.of("torch._utils", "_rebuild_tensor_v2"),
+                (_StoragePid(obj), 0, _Size(obj.shape), stride, False, collections.OrderedDict()),
             )
+        if isinstance(obj, _Size):
+            return _Global.of("torch", "Size"), (tuple(obj),)
         if isinstance(obj, enum.Enum):
             # by value, whatever this Python's own form (3.11.2: by name): docs/safe-loading.md
             return type(obj), (obj.value,)
         return NotImplemented
+
+    def save_named_global(self, obj: _Global):
+        self._emit(obj.module, obj.name)
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("utf-8"))
+        self.memoize(obj)
+
+    def _emit(self, module: str, qualname: str) -> None:
+        if not is_emittable(module, qualname):
+            raise CheckpointError(
+                f"refusing to write the global {module}.{qualname}: it is not on the "
+                "allow-list of data types, and the next reader of the file would run it"
+            )
 
     def save_global(self, obj, name=None):
         unresolved = isinstance(obj, type) and issubclass(obj, Unresolved) and obj is not Unresolved
@@ -550,11 +578,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
             else (getattr(obj, "__module__", None) if name is None else pickle.whichmodule(obj, name))
         )
         qualname = obj._name if unresolved else (name or getattr(obj, "__qualname__", "?"))
-        if not is_emittable(str(module), str(qualname)):
-            raise CheckpointError(
-                f"refusing to write the global {module}.{qualname}: it is not on the "
-                "allow-list of data types, and the next reader of the file would run it"
-            )
+        self._emit(str(module), str(qualname))
         if unresolved:
             self.write(pickle.GLOBAL + f"{obj._module}\n{obj._name}\n".encode("utf-8"))
             self.memoize(obj)
@@ -562,10 +586,11 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
         super().save_global(obj, name)
 
     def save_dtype_name(self, obj):
-        self.save_global(torch_dtype(obj), str(obj))  # back as the global it was read: `torch.bfloat16`
+        self.save(_Global.of("torch", str(obj)))  # back as the global it was read: `torch.bfloat16`
 
     dispatch = dict(pickle._Pickler.dispatch)
     dispatch[TorchDtypeName] = save_dtype_name
+    dispatch[_Global] = save_named_global
     dispatch[type] = save_global
     dispatch[types.FunctionType] = save_global
     dispatch[types.BuiltinFunctionType] = save_global
@@ -597,7 +622,7 @@ class TorchFileWriter:
     def add_pieces(self, pieces: list["torch.Tensor"]) -> _TensorRecord:
         """One tensor stored as `pieces` back to back (blocks along dim 0, e.g. the gate and up
         rows of a GLU shard): the same bytes as their concatenation, without making it."""
-        pieces = [p.detach().cpu() for p in pieces]
+        pieces = [p.detach().cpu() for p in pieces]  # torch tensors or HostTensors
         pieces = [p if p.is_contiguous() else p.contiguous() for p in pieces]
         shape = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]) if len(pieces) > 1 else pieces[0].shape
         key = str(self._count)
@@ -638,12 +663,10 @@ def save_object(obj, path: str | Path | None = None, sink: HashingSink | None = 
     """torch.save equivalent that keeps Unresolved objects' class paths; tensors anywhere in obj.
     Into a file of its own at `path`, or as the next archive of `sink`. Returns the writer
     (`size`, `sha256` when it owned the file)."""
-    import torch
-
     writer = TorchFileWriter(path, sink=sink)
 
     def convert(o):
-        if isinstance(o, torch.Tensor):
+        if is_tensor(o):
             return writer.add(o)
         if isinstance(o, LazyTensor):
             return writer.add(o.load())

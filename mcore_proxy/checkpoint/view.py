@@ -201,17 +201,17 @@ def router_fingerprint(view: ModelView) -> str:
 
     Hashes raw bytes in layer order, so any change of a router row or of the expert order shows.
     """
-    import torch
+    from mcore_proxy.checkpoint.zipwrite import as_bytes
 
     h = hashlib.sha256()
     names = set(view.names())
     for layer_id in view.spec.moe_layer_ids:
         for name in (router_weight_name(layer_id), expert_bias_name(layer_id)):
             if name in names:
-                t = view.get(name).detach().contiguous().cpu()
+                t = view.get(name).detach().contiguous().cpu()  # a torch tensor or a HostTensor
                 h.update(name.encode())
-                h.update(str(t.dtype).encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                h.update(f"torch.{dtype_name(t.dtype)}".encode())
+                h.update(as_bytes(t) if t.numel() else b"")
     return h.hexdigest()
 
 

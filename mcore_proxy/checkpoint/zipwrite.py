@@ -34,6 +34,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcore_proxy.core.tensors import HostTensor
+
 ALIGNMENT = 64
 ZIP64_LIMIT = 0xFFFFFFFF  # sizes and offsets from here on get zip64 records (tests lower it)
 _FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF  # the values that tell a reader "see the zip64 record"
@@ -57,9 +59,13 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def as_bytes(buf) -> memoryview:
-    """A flat byte view of a buffer: bytes, bytearray, memoryview, a numpy array, or a contiguous
-    CPU tensor (any dtype, bf16 too: viewed as uint8; nothing is copied)."""
-    if hasattr(buf, "untyped_storage"):  # a torch tensor
+    """A flat byte view of a buffer: bytes, bytearray, memoryview, a numpy array, a contiguous
+    HostTensor or a contiguous CPU tensor (any dtype, bf16 too: viewed as uint8; nothing is copied)."""
+    if isinstance(buf, HostTensor):
+        if not buf.is_contiguous():
+            raise ValueError("as_bytes needs a contiguous tensor")
+        buf = buf.array.reshape(-1).view("u1")
+    elif hasattr(buf, "untyped_storage"):  # a torch tensor
         import torch
 
         if not buf.is_contiguous() or buf.device.type != "cpu":

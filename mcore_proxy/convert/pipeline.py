@@ -36,6 +36,7 @@ from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nb
 from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, write_manifest
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.core.tensors import host_tensors
 from mcore_proxy.mcore.launch_flags import model_flags
 from mcore_proxy.mcore.megatron_args import DEFAULTS
 from mcore_proxy.cli_support.memory import expect_torch, return_freed_buffers_to_os
@@ -110,6 +111,13 @@ def open_views(
         return source, PrunedView(source, plan), plan
     except PlanError as err:
         raise PlanError(f"{plan_path}: {err} (checkpoint {ckpt})") from None
+
+
+def bytes_only(ckpt: Path, fmt: str, dequantize: bool) -> bool:
+    """Whether writing moves bytes only, so tensors need no torch (`core.tensors`): a legacy
+    source written as legacy, not dequantized. torch_dist and Hugging Face writers, and their
+    readers, keep torch tensors."""
+    return fmt == "legacy" and not dequantize and detect_format(ckpt) == "legacy"
 
 
 def target_options(req: ConvertRequest, plan) -> TargetOptions:
@@ -309,12 +317,21 @@ def convert(
 ) -> ConvertResult:
     """Run one conversion; every check happens before the first byte is written (`prepare`)."""
     return_freed_buffers_to_os()
-    if not dry_run:
+    host = bytes_only(req.ckpt, output_format(req), req.dequantize)
+    if not (dry_run or host):
         expect_torch()
     start = time.perf_counter()
-    prep = prepare(req, check_space)
-    if dry_run:
-        return prep.result
+    with host_tensors(host):
+        prep = prepare(req, check_space)
+        if dry_run:
+            return prep.result
+        _convert_prepared(req, prep, check_space, progress)
+    prep.result.files = sum(1 for p in Path(req.out).rglob("*") if p.is_file())
+    prep.result.seconds = time.perf_counter() - start
+    return prep.result
+
+
+def _convert_prepared(req: ConvertRequest, prep: Prepared, check_space: bool, progress: bool) -> None:
     if _torchrun_world() > 1:
         _convert_under_torchrun(req, prep, check_space)
     else:
@@ -328,9 +345,6 @@ def convert(
             if req.workers == 1:
                 hold("write")
             _finish(req, prep, tmp, results)
-    prep.result.files = sum(1 for p in Path(req.out).rglob("*") if p.is_file())
-    prep.result.seconds = time.perf_counter() - start
-    return prep.result
 
 
 def _finish(req: ConvertRequest, prep: Prepared, root: Path, results: list[list[WrittenFile]]) -> None:
@@ -375,8 +389,9 @@ def _unit_worker(
 ) -> list[list[dict]]:
     """One worker process: reopen the views (cheap: metadata only) and write its units."""
     return_freed_buffers_to_os()
-    _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize, fmt)
-    results = _write_here(view, writer_of(fmt), Path(root), target, units, progress)
+    with host_tensors(bytes_only(Path(ckpt), fmt, dequantize)):
+        _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize, fmt)
+        results = _write_here(view, writer_of(fmt), Path(root), target, units, progress)
     hold("write")
     return [[dataclasses.asdict(f) for f in files] for files in results]
 

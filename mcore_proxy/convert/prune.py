@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.names import group_of, split_expert_name
 from mcore_proxy.checkpoint.view import ModelView
+from mcore_proxy.core.tensors import HostTensor
 from mcore_proxy.select.plan import substitute_rows
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class PrunedView(ModelView):
         layer_id = self._tables.get(name)
         if layer_id is not None:
             where = f"{self.source.info.path}: {name}"  # names the checkpoint
+            value = value.torch() if isinstance(value, HostTensor) else value  # ids are computed on
             rows = substitute_rows(value, self.plan, layer_id, self.source.spec.num_experts, where)
             return new_ids(self.plan.kept(layer_id), self.source.spec.num_experts)[rows.long()].to(value.dtype)
         return value
@@ -107,6 +109,9 @@ class PrunedView(ModelView):
 
     def dtype(self, name: str):
         return self.source.dtype(self._origin[name])
+
+    def dtype_name(self, name: str):
+        return self.source.dtype_name(self._origin[name])
 
     def prefetch(self, names: list[str]) -> None:
         self.source.prefetch([self._origin[n] for n in names])

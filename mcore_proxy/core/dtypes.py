@@ -30,6 +30,21 @@ ITEMSIZE = {
     "complex128": 16,
 }
 
+# torch's storage classes (`torch.BFloat16Storage`, as pickles name them) -> dtype names
+STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "UntypedStorage": "uint8",
+}
+
 FLOAT8 = frozenset(n for n in ITEMSIZE if n.startswith("float8_"))
 
 

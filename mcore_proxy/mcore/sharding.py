@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.tensors import cat, is_tensor
 
 if TYPE_CHECKING:  # shapes and rules need no torch; slicing tensors does
     import torch
@@ -142,9 +143,7 @@ class ShardRule:
         """Shard `index` of `parts` as views of `tensor` (nothing copied), one per box: written back
         to back they are the shard's bytes when each piece is contiguous (dim-0 slices of a
         contiguous tensor are; row slices are not)."""
-        import torch
-
-        if not isinstance(tensor, torch.Tensor):
+        if not is_tensor(tensor):
             return [tensor]
         return [
             tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
@@ -154,10 +153,8 @@ class ShardRule:
     def shard(self, tensor, parts: int, index: int):
         """Shard `index` of `parts`: a view where possible (one copy for a GLU shard). Slices only
         that shard: writing every rank costs one pass over the tensor, not `parts`."""
-        import torch
-
         pieces = self.shard_pieces(tensor, parts, index)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+        return pieces[0] if len(pieces) == 1 else cat(pieces, dim=self.dim)
 
     def split(self, tensor, parts: int) -> list:
         """Canonical tensor -> `parts` shards (views where possible)."""
@@ -165,14 +162,12 @@ class ShardRule:
 
     def join(self, shards: list):
         """Shards in rank order -> the canonical tensor; the inverse of `split`."""
-        import torch
-
-        if len(shards) == 1 or self.dim is None or not isinstance(shards[0], torch.Tensor):
+        if len(shards) == 1 or self.dim is None or not is_tensor(shards[0]):
             return shards[0]
         if self.kind == GLU_COLUMN:
             halves = [s.chunk(2, dim=0) for s in shards]
-            return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-        return torch.cat(shards, dim=self.dim)
+            return cat([h[0] for h in halves] + [h[1] for h in halves])
+        return cat(shards, dim=self.dim)
 
 
 def _along(ndim: int, dim: int, value: int, shape=None) -> tuple[int, ...]:

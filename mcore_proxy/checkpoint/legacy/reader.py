@@ -37,6 +37,7 @@ from mcore_proxy.checkpoint.torchfile import LazyTensor, TorchFile, open_many
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.tensors import cast
 from mcore_proxy.mcore.sharding import LOCAL_SPEC, MINDSPEED_SPEC, REPLICATED, is_ignored, rule_for
 from mcore_proxy.mcore.spec import ModelSpec, layer_module_prefix
 
@@ -621,7 +622,7 @@ class _Cast:
         self.piece.will_need()
 
     def load(self) -> "torch.Tensor":
-        return self.piece.load().to(torch_dtype(self.dtype_name))
+        return cast(self.piece.load(), self.dtype_name)
 
 
 def _v4_canonical_entries(entries: dict[str, _Entry], hidden: int) -> dict[str, _Entry]:

@@ -59,6 +59,7 @@ from mcore_proxy.checkpoint.te_extra_state import empty_extra_state
 from mcore_proxy.checkpoint.torchfile import TorchFileWriter
 from mcore_proxy.checkpoint.view import ModelView, stream, tensor_nbytes
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.tensors import cat, is_tensor, stack
 from mcore_proxy.mcore.sharding import rule_for
 
 if TYPE_CHECKING:
@@ -78,10 +79,8 @@ class _RankOut:
 
     def add(self, chunk: str, key: str, value) -> None:
         """A tensor, the pieces of one (a GLU shard's gate and up rows), or a plain value."""
-        import torch
-
         pieces = value if isinstance(value, list) else [value]
-        if not isinstance(pieces[0], torch.Tensor):
+        if not is_tensor(pieces[0]):
             check_writable(pieces[0], f"model entry {key}")
             self.chunks[chunk][key] = pieces[0]
         else:
@@ -232,8 +231,6 @@ def _add(
     """One rank's shard of canonical `name` into model chunk `chunk` under its rank-local key;
     `present`: the view's names (a linear whose extra state the view holds gets that, not None);
     `naming`: the MindSpeed-LLM naming written (its fused `linear_qkv` has no extra state)."""
-    import torch
-
     if not rule.expert:
         key = restore_variant(to_local_layer(name, offset), variants)
         out.add(chunk, key, shard)
@@ -250,7 +247,7 @@ def _add(
     if rest.endswith("._extra_state") and target.expert_layout != SEQUENTIAL:
         return  # GroupedMLP has no extra state; TEGroupedMLP's is written once per linear, below
     if target.expert_layout == GROUPED:
-        _add_grouped(out, chunk, local_prefix, e % per, rest, torch.cat(shard) if len(shard) > 1 else shard[0], per)
+        _add_grouped(out, chunk, local_prefix, e % per, rest, cat(shard) if len(shard) > 1 else shard[0], per)
         return
     key = local_expert_key(local_prefix, e % per, rest, target.expert_layout)
     out.add(chunk, key, shard)
@@ -264,8 +261,6 @@ def _add(
 
 def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shard: torch.Tensor, per: int) -> None:
     """Collect one layer's local expert shards; emit weight1 [H, El*n] / weight2 [El*m, H] when complete."""
-    import torch
-
     fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(rest)
     if fc is None:
         raise CheckpointError(
@@ -275,7 +270,7 @@ def _add_grouped(out: _RankOut, chunk: str, prefix: str, j: int, rest: str, shar
     pending = out.grouped.setdefault((chunk, prefix, fc), {})
     pending[j] = shard.t()
     if len(pending) == per:
-        stacked = torch.stack([pending[i] for i in range(per)])  # [El, H, n] or [El, m, H]
+        stacked = stack([pending[i] for i in range(per)])  # [El, H, n] or [El, m, H]
         rows = stacked.shape[1] if fc == 1 else stacked.shape[0] * stacked.shape[1]
         out.add(chunk, f"{prefix}.weight{fc}", stacked.reshape(rows, -1))
         del out.grouped[(chunk, prefix, fc)]
