@@ -145,14 +145,6 @@ def unresolved_class(module: str, name: str) -> type:
     return _UNRESOLVED_CLASSES[key]
 
 
-class TorchDtypeName(str):
-    """A torch dtype global in a file (`args.params_dtype = torch.bfloat16`), read without
-    importing torch: its name, 'bfloat16'. Writers emit the global back (torchfile's pickler);
-    `core.dtypes.torch_dtype` gives the dtype itself."""
-
-    __slots__ = ()
-
-
 def _size(dims=()) -> tuple:
     """`torch.Size` read as the tuple it is (reading imports no torch)."""
     return tuple(dims)

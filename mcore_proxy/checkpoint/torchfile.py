@@ -19,7 +19,6 @@ import enum
 import functools
 import hashlib
 import io
-import math
 import os
 import pickle
 import signal
@@ -35,7 +34,6 @@ from typing import TYPE_CHECKING
 from mcore_proxy.checkpoint.descriptors import POOL, will_need
 from mcore_proxy.checkpoint.safe_globals import (
     READ_GLOBALS,
-    TorchDtypeName,
     Unresolved,
     enum_by_name,
     global_enum_member,
@@ -45,7 +43,8 @@ from mcore_proxy.checkpoint.safe_globals import (
 )
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, as_bytes, torch_archive_records
 from mcore_proxy.cli_support.memory import import_torch_while_waiting, prefer_huge_pages
-from mcore_proxy.core.dtypes import ITEMSIZE, STORAGE_DTYPES as _STORAGE_DTYPES, dtype_name, itemsize, torch_dtype
+from mcore_proxy.core.dtypes import ITEMSIZE, Shape, TorchDtypeName, dtype_name, itemsize, torch_dtype
+from mcore_proxy.core.dtypes import STORAGE_DTYPES as _STORAGE_DTYPES
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.core.tensors import empty, is_tensor
 
@@ -134,15 +133,6 @@ _STRIDES: dict[tuple, tuple] = {}
 
 def _shared(table: dict[tuple, tuple], value: tuple) -> tuple:
     return table.setdefault(value, value)
-
-
-class Shape(tuple):
-    """A tensor shape as `torch.Size` answers it (a tuple with `numel()`), made without torch."""
-
-    __slots__ = ()
-
-    def numel(self) -> int:
-        return math.prod(self)
 
 
 def _sizes(xs) -> bool:

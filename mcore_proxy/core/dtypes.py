@@ -48,6 +48,23 @@ STORAGE_DTYPES = {
 FLOAT8 = frozenset(n for n in ITEMSIZE if n.startswith("float8_"))
 
 
+class TorchDtypeName(str):
+    """A torch dtype global in a file (`args.params_dtype = torch.bfloat16`), read without
+    importing torch: its name, 'bfloat16'. Writers emit the global back (torchfile's pickler);
+    `torch_dtype` gives the dtype itself."""
+
+    __slots__ = ()
+
+
+class Shape(tuple):
+    """A tensor shape as `torch.Size` answers it (a tuple with `numel()`), made without torch."""
+
+    __slots__ = ()
+
+    def numel(self) -> int:
+        return math.prod(self)
+
+
 def dtype_name(dtype) -> str:
     """torch's name of a dtype given as a torch dtype or a name: torch.bfloat16 -> 'bfloat16'."""
     return str(dtype).removeprefix("torch.")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from mcore_proxy.core.dtypes import itemsize
+from mcore_proxy.core.dtypes import Shape, TorchDtypeName, itemsize
 
 # numpy's type of each torch dtype numpy has; the others are held as raw same-width integers
 _NATIVE = {
@@ -80,15 +80,11 @@ class HostTensor:
 
     # -- what torch.Tensor answers without computing ---------------------------------------------
     @property
-    def shape(self):
-        from mcore_proxy.checkpoint.torchfile import Shape
-
+    def shape(self) -> Shape:
         return Shape(self.array.shape)
 
     @property
-    def dtype(self):
-        from mcore_proxy.checkpoint.safe_globals import TorchDtypeName
-
+    def dtype(self) -> TorchDtypeName:
         return TorchDtypeName(self.dtype_name)
 
     @property
