@@ -13,6 +13,7 @@ import torch
 
 from bench.quality import task
 from mcore_proxy.functional.model import Layout, toy_from_args, ToyMoE
+from mcore_proxy.functional.run import causal_inputs
 
 # The testing ToyMoE config gates its experts with GELU although its args say --swiglu; these
 # models use SiLU, as Megatron does for --swiglu, so the saved args describe them truly.
@@ -76,14 +77,10 @@ def build(model: ToyMoE, cfg=None):
     ).eval()
 
 
-def _positions_and_mask(b: int, s: int):
-    return torch.arange(s).expand(b, s), torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-
-
 def logits(gpt, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[b, s, V] logits of a causal forward pass over tokens [b, s]; padding_mask [b, s] True at
     padding (megatron-core's convention; the trace leaves those tokens out)."""
-    positions, mask = _positions_and_mask(*tokens.shape)
+    positions, mask = causal_inputs(*tokens.shape)
     kwargs = {} if padding_mask is None else {"padding_mask": padding_mask}
     return gpt(tokens, positions, mask, **kwargs)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.functional.model import Layout, ToyMoE
-from mcore_proxy.functional.run import fixed_tokens
+from mcore_proxy.functional.run import causal_inputs, fixed_tokens
 from mcore_proxy.testing.global_weights import fill_global_weights
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 
@@ -154,8 +154,7 @@ def forward(gpt, run: TraceRun, tokens: torch.Tensor, pad: torch.Tensor | None):
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
-    positions = torch.arange(s).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    positions, mask = causal_inputs(b, s)
     kwargs = {"padding_mask": pad} if pad is not None else {}
     if run.mtp_layers:
         kwargs["labels"] = tokens
