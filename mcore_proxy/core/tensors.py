@@ -13,8 +13,8 @@ return torch tensors.
 
 Why a process-wide switch rather than a parameter: the tensors are made at the bottom of a stack
 of views (reader -> naming view -> pruned view -> writer) that all share the `ModelView.get`
-signature; the switch is set by the convert pipeline around its writing only, in every process
-that writes (main, `--workers`, torchrun ranks).
+signature; the switch is set by the convert pipeline around its opening and writing of the views
+only, in every process that writes (main, `--workers`, torchrun ranks).
 """
 
 from __future__ import annotations
@@ -87,24 +87,8 @@ class HostTensor:
     def dtype(self) -> TorchDtypeName:
         return TorchDtypeName(self.dtype_name)
 
-    @property
-    def ndim(self) -> int:
-        return self.array.ndim
-
-    def dim(self) -> int:
-        return self.array.ndim
-
     def numel(self) -> int:
         return int(self.array.size)
-
-    def element_size(self) -> int:
-        return self.array.itemsize
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.array.shape[dim]
-
-    def __len__(self) -> int:
-        return len(self.array)
 
     def is_contiguous(self) -> bool:
         return bool(self.array.flags.c_contiguous)
@@ -176,9 +160,6 @@ class HostTensor:
         if name in _INTEGER and self.dtype_name in _INTEGER:
             return HostTensor(self.array.astype(numpy_dtype(name)), name)
         return self.torch().to(torch_dtype(name))
-
-    def long(self) -> HostTensor:
-        return self.to("int64")
 
     def torch(self):
         """The same memory as a torch tensor (imports torch)."""
