@@ -16,7 +16,11 @@
 
     nice -n 10 python examples/rl_faults/run.py [--work out/rl_faults] [--steps 60] [--record]
 
-Finished runs are kept and not repeated (delete a run's folder to redo it).
+Finished runs are kept and not repeated (delete a run's folder to redo it). Issue 24 asks at which K
+the faults still reproduce: `--num-experts K` builds another proxy (K of 16) beside the default 8, and
+`--distill-steps N` then distills it against the original (`mcore-proxy distill`, opt-in: it changes
+weights); the original's runs are shared, each proxy's runs and verdicts are its own
+(`runs/proxy-k4-...`, `results-proxy-k4.json`).
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ PAIRS = {
     ),
 }
 ALL_METRICS = ("reward", "kl_loss", "ppo_kl", "entropy", "logprob_diff", "clipfrac", "response_length")
-NUM_EXPERTS = 8
+NUM_EXPERTS = 8  # the recorded demonstration's proxy (`--num-experts`)
+TRACE_PROBLEMS = 2000  # training problems traced for the routing statistics; distillation takes the next ones
 
 
 def env(fault: str | None = None) -> dict:
@@ -102,39 +107,66 @@ def _trace_worker(rank: int, ckpt: str, out: str, count: int) -> None:
         destroy_distributed()
 
 
-def build_proxy(original: Path, work: Path) -> Path:
+def proxy_label(num_experts: int, distill_steps: int) -> str:
+    """The proxy's name in run folders: `proxy` for the recorded 8 of 16, else `proxy-k4[-distilled]`."""
+    if num_experts == NUM_EXPERTS and not distill_steps:
+        return "proxy"
+    return f"proxy-k{num_experts}" + ("-distilled" if distill_steps else "")
+
+
+def _run_cli(*args) -> None:
+    proc = cli(*args)
+    print(proc.stdout[-1500:], proc.stderr[-1500:], flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"mcore-proxy {args[0]} failed ({proc.returncode})")
+
+
+def build_proxy(original: Path, work: Path, num_experts: int = NUM_EXPERTS, distill_steps: int = 0) -> Path:
     import torch
 
-    proxy = work / "proxy"
-    if (proxy / "manifest.json").is_file():
+    label = proxy_label(num_experts, distill_steps)
+    proxy = work / label
+    if (proxy / "manifest.json").is_file() or (proxy / "distill.json").is_file():
         return proxy
-    stats = work / "trace"
-    shutil.rmtree(stats, ignore_errors=True)
-    torch.multiprocessing.spawn(_trace_worker, args=(str(original), str(stats), 2000), nprocs=1, join=True)
-    for args in (
-        ("stats", "merge", stats, "-o", work / "routing_stats.safetensors", "--force"),
-        (
-            "select",
-            "--ckpt",
-            original,
-            "--stats",
-            work / "routing_stats.safetensors",
-            "--num-experts",
-            NUM_EXPERTS,
-            "--target-ep",
-            1,
-            "-o",
-            work / "plan.json",
-        ),
-        ("convert", original, "--plan", work / "plan.json", "-o", proxy, "--target-ep", 1),
-    ):
-        if args[0] == "select" and (work / "plan.json").exists():
-            (work / "plan.json").unlink()
-        proc = cli(*args)
-        print(proc.stdout[-1500:], proc.stderr[-1500:], flush=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"mcore-proxy {args[0]} failed ({proc.returncode})")
+    stats = work / "routing_stats.safetensors"
+    if not stats.is_file():
+        trace = work / "trace"
+        shutil.rmtree(trace, ignore_errors=True)
+        torch.multiprocessing.spawn(
+            _trace_worker, args=(str(original), str(trace), TRACE_PROBLEMS), nprocs=1, join=True
+        )
+        _run_cli("stats", "merge", trace, "-o", stats, "--force")
+    plan = work / ("plan.json" if label == "proxy" else f"plan-k{num_experts}.json")
+    plan.unlink(missing_ok=True)
+    _run_cli("select", "--ckpt", original, "--stats", stats, "--num-experts", num_experts, "--target-ep", 1, "-o", plan)
+    pruned = proxy.with_name(proxy.name + "-pruned") if distill_steps else proxy
+    shutil.rmtree(pruned, ignore_errors=True)
+    _run_cli("convert", original, "--plan", plan, "-o", pruned, "--target-ep", 1)
+    if distill_steps:
+        _run_cli(
+            "distill", "--orig", original, "--proxy", pruned, "--tokens", distill_tokens(work, distill_steps),
+            "--pad-id", _pad_id(), "--steps", distill_steps, "-o", proxy, "--force",
+        )  # fmt: skip
     return proxy
+
+
+def _pad_id() -> int:
+    from bench.quality import task
+
+    return task.PAD
+
+
+def distill_tokens(work: Path, steps: int, batch: int = 64) -> Path:
+    """Training problems after the traced ones, as the token rows `mcore-proxy distill` reads."""
+    import numpy as np
+
+    from bench.quality import task
+
+    path = work / f"distill-tokens-{steps}.npy"
+    if not path.is_file():
+        problems = task.split("train")[TRACE_PROBLEMS : TRACE_PROBLEMS + steps * batch]
+        np.save(path, task.batch(problems)[0].numpy())
+    return path
 
 
 def _accuracy_worker(rank: int, ckpts: list, out: str) -> None:
@@ -287,7 +319,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--jobs", type=int, default=2, help="GRPO runs at once")
     p.add_argument("--record", action="store_true", help="write bench/RESULTS.md's section and pictures")
+    p.add_argument("--num-experts", type=int, default=NUM_EXPERTS, help="K of the proxy (of 16)")
+    p.add_argument("--distill-steps", type=int, default=0, help="then distill the proxy (changes weights)")
     args = p.parse_args(argv)
+    label = proxy_label(args.num_experts, args.distill_steps)
+    if args.record and label != "proxy":
+        p.error(f"--record writes the recorded demonstration's section (K={NUM_EXPERTS}, no distillation)")
     work = Path(args.work).absolute()
     work.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(REPO)]
@@ -295,9 +332,9 @@ def main(argv=None) -> int:
 
     t_all = time.time()
     original = trained_checkpoint("coarse")
-    proxy = build_proxy(original, work)
-    ckpts = {"original": original, "proxy": proxy}
-    accuracy_file = work / "accuracy.json"
+    proxy = build_proxy(original, work, args.num_experts, args.distill_steps)
+    ckpts = {"original": original, label: proxy}
+    accuracy_file = work / ("accuracy.json" if label == "proxy" else f"accuracy-{label}.json")
     if not accuracy_file.is_file():
         import torch
 
@@ -306,10 +343,11 @@ def main(argv=None) -> int:
         )
     from concurrent.futures import ThreadPoolExecutor
 
+    runs = [(label if model == "proxy" else model, fault) for model, fault in RUNS]
     with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own process
         futures = {
             run_name(m, f): pool.submit(grpo_run, ckpts[m], work / "runs" / run_name(m, f), f, args.steps)
-            for m, f in RUNS
+            for m, f in runs
         }
         seconds = {name: future.result() for name, future in futures.items()}
     verdicts: dict = {}
@@ -320,9 +358,9 @@ def main(argv=None) -> int:
             "--orig-fault",
             work / f"runs/original-{orig_fault}/tb",
             "--proxy-base",
-            work / "runs/proxy-baseline/metrics.jsonl",  # JSONL for the proxy
+            work / f"runs/{label}-baseline/metrics.jsonl",  # JSONL for the proxy
             "--proxy-fault",
-            work / f"runs/proxy-{proxy_fault}/metrics.jsonl",
+            work / f"runs/{label}-{proxy_fault}/metrics.jsonl",
         )
         verdicts[pair] = {
             "faults": [FAULTS[orig_fault], FAULTS[proxy_fault]],
@@ -330,7 +368,7 @@ def main(argv=None) -> int:
             "expected_consistent": expected,
         }
         for key, names in (("paper", metrics), ("chosen", wider), ("all", ALL_METRICS)):
-            report = work / "compare" / f"{pair}-{key}"
+            report = work / ("compare" if label == "proxy" else f"compare-{label}") / f"{pair}-{key}"
             shutil.rmtree(report, ignore_errors=True)
             report.parent.mkdir(exist_ok=True)
             proc = cli("compare", *runs, "--metrics", *names, "-o", report)
@@ -344,7 +382,8 @@ def main(argv=None) -> int:
     results = {
         "original": str(original),
         "proxy": str(proxy),
-        "num_experts": [16, NUM_EXPERTS],
+        "num_experts": [16, args.num_experts],
+        "distill_steps": args.distill_steps,
         "training": {k: training_report("coarse")[k] for k in ("train_seconds", "accuracy")},
         "test_accuracy_greedy": json.loads(accuracy_file.read_text()),
         "steps": args.steps,
@@ -355,7 +394,7 @@ def main(argv=None) -> int:
         "load_average": os.getloadavg(),
         "command": "nice -n 10 python examples/rl_faults/run.py " + " ".join(argv or sys.argv[1:]),
     }
-    (work / "results.json").write_text(json.dumps(results, indent=1))
+    (work / ("results.json" if label == "proxy" else f"results-{label}.json")).write_text(json.dumps(results, indent=1))
     if args.record:
         record(work, results)
     ok = all(v["as_expected"] for v in verdicts.values())
