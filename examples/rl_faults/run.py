@@ -20,7 +20,7 @@ Finished runs are kept and not repeated (delete a run's folder to redo it). Issu
 the faults still reproduce: `--num-experts K` builds another proxy (K of 16) beside the default 8, and
 `--distill-steps N` then distills it against the original (`mcore-proxy distill`, opt-in: it changes
 weights); the original's runs are shared, each proxy's runs and verdicts are its own
-(`runs/proxy-k4-...`, `results-proxy-k4.json`).
+(`runs/proxy-k4-...`, `results-proxy-k4.json`); `--summary` prints one row per proxy run so far.
 """
 
 from __future__ import annotations
@@ -297,6 +297,28 @@ def results_section(results: dict) -> str:
     return "\n".join(lines + ["", END])
 
 
+def summary(work: Path) -> str:
+    """One markdown row per proxy run so far in `work` (results*.json): K, distillation, greedy
+    test accuracy, and the exit code of `compare` on the paper's metrics of each pair (0: consistent)."""
+    lines = [
+        "| proxy | K of 16 | distill steps | test exact match (original) | precision | omission | different | "
+        "both faults reproduced, different pair told apart |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [json.loads(p.read_text()) for p in sorted(work.glob("results*.json"))]
+    for r in sorted(rows, key=lambda r: (-r["num_experts"][1], r.get("distill_steps", 0))):
+        label = proxy_label(r["num_experts"][1], r.get("distill_steps", 0))
+        acc = r["test_accuracy_greedy"]
+        exits = {pair: v["paper"]["exit"] for pair, v in r["verdicts"].items()}
+        ok = all(v["as_expected"] for v in r["verdicts"].values())
+        lines.append(
+            f"| {label} | {r['num_experts'][1]} | {r.get('distill_steps', 0)} | {acc[label]:.3f} "
+            f"({acc['original']:.3f}) | {exits['precision']} | {exits['omission']} | {exits['different']} | "
+            f"{'yes' if ok else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def record(work: Path, results: dict) -> None:
     pictures = REPO / "bench" / "rl_faults"
     pictures.mkdir(exist_ok=True)
@@ -321,7 +343,11 @@ def main(argv=None) -> int:
     p.add_argument("--record", action="store_true", help="write bench/RESULTS.md's section and pictures")
     p.add_argument("--num-experts", type=int, default=NUM_EXPERTS, help="K of the proxy (of 16)")
     p.add_argument("--distill-steps", type=int, default=0, help="then distill the proxy (changes weights)")
+    p.add_argument("--summary", action="store_true", help="print the verdicts of every proxy run in --work, and stop")
     args = p.parse_args(argv)
+    if args.summary:
+        print(summary(Path(args.work)))
+        return 0
     label = proxy_label(args.num_experts, args.distill_steps)
     if args.record and label != "proxy":
         p.error(f"--record writes the recorded demonstration's section (K={NUM_EXPERTS}, no distillation)")
