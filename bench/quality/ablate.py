@@ -132,13 +132,14 @@ DISTILL_STEPS = 300
 DISTILLED = f"multiview (paper) + distillation, {DISTILL_STEPS} steps (changes weights)"
 
 
-def distill_tokens(work: Path, steps: int, batch: int = 64) -> Path:
-    """Train-split problems after the calibration ones, as the token rows `mcore-proxy distill` reads."""
+def distill_tokens(work: Path, steps: int, first: int = CALIB_PROBLEMS, batch: int = 64) -> Path:
+    """`steps` batches of train-split problems from problem `first` (after the calibration ones), as
+    the token rows `mcore-proxy distill` reads."""
     import numpy as np
 
-    path = work / f"distill-tokens-{steps}.npy"
+    path = work / f"distill-tokens-{first}-{steps}.npy"
     if not path.is_file():
-        problems = task.split("train")[CALIB_PROBLEMS : CALIB_PROBLEMS + steps * batch]
+        problems = task.split("train")[first : first + steps * batch]
         np.save(path, task.batch(problems)[0].numpy())
     return path
 

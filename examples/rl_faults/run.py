@@ -114,6 +114,15 @@ def proxy_label(num_experts: int, distill_steps: int) -> str:
     return f"proxy-k{num_experts}" + ("-distilled" if distill_steps else "")
 
 
+def own(name: str, label: str) -> str:
+    """A work-folder file or folder of proxy `label`: `results.json` for the recorded proxy,
+    `results-proxy-k4.json` for another."""
+    if label == "proxy":
+        return name
+    stem, dot, ext = name.partition(".")
+    return f"{stem}-{label}{dot}{ext}"
+
+
 def _run_cli(*args) -> None:
     proc = cli(*args)
     print(proc.stdout[-1500:], proc.stderr[-1500:], flush=True)
@@ -143,30 +152,15 @@ def build_proxy(original: Path, work: Path, num_experts: int = NUM_EXPERTS, dist
     shutil.rmtree(pruned, ignore_errors=True)
     _run_cli("convert", original, "--plan", plan, "-o", pruned, "--target-ep", 1)
     if distill_steps:
+        from bench.quality import task
+        from bench.quality.ablate import distill_tokens
+
+        tokens = distill_tokens(work, distill_steps, first=TRACE_PROBLEMS)  # the problems after the traced ones
         _run_cli(
-            "distill", "--orig", original, "--proxy", pruned, "--tokens", distill_tokens(work, distill_steps),
-            "--pad-id", _pad_id(), "--steps", distill_steps, "-o", proxy, "--force",
+            "distill", "--orig", original, "--proxy", pruned, "--tokens", tokens,
+            "--pad-id", task.PAD, "--steps", distill_steps, "-o", proxy, "--force",
         )  # fmt: skip
     return proxy
-
-
-def _pad_id() -> int:
-    from bench.quality import task
-
-    return task.PAD
-
-
-def distill_tokens(work: Path, steps: int, batch: int = 64) -> Path:
-    """Training problems after the traced ones, as the token rows `mcore-proxy distill` reads."""
-    import numpy as np
-
-    from bench.quality import task
-
-    path = work / f"distill-tokens-{steps}.npy"
-    if not path.is_file():
-        problems = task.split("train")[TRACE_PROBLEMS : TRACE_PROBLEMS + steps * batch]
-        np.save(path, task.batch(problems)[0].numpy())
-    return path
 
 
 def _accuracy_worker(rank: int, ckpts: list, out: str) -> None:
@@ -360,7 +354,7 @@ def main(argv=None) -> int:
     original = trained_checkpoint("coarse")
     proxy = build_proxy(original, work, args.num_experts, args.distill_steps)
     ckpts = {"original": original, label: proxy}
-    accuracy_file = work / ("accuracy.json" if label == "proxy" else f"accuracy-{label}.json")
+    accuracy_file = work / own("accuracy.json", label)
     if not accuracy_file.is_file():
         import torch
 
@@ -394,7 +388,7 @@ def main(argv=None) -> int:
             "expected_consistent": expected,
         }
         for key, names in (("paper", metrics), ("chosen", wider), ("all", ALL_METRICS)):
-            report = work / ("compare" if label == "proxy" else f"compare-{label}") / f"{pair}-{key}"
+            report = work / own("compare", label) / f"{pair}-{key}"
             shutil.rmtree(report, ignore_errors=True)
             report.parent.mkdir(exist_ok=True)
             proc = cli("compare", *runs, "--metrics", *names, "-o", report)
@@ -420,7 +414,7 @@ def main(argv=None) -> int:
         "load_average": os.getloadavg(),
         "command": "nice -n 10 python examples/rl_faults/run.py " + " ".join(argv or sys.argv[1:]),
     }
-    (work / ("results.json" if label == "proxy" else f"results-{label}.json")).write_text(json.dumps(results, indent=1))
+    (work / own("results.json", label)).write_text(json.dumps(results, indent=1))
     if args.record:
         record(work, results)
     ok = all(v["as_expected"] for v in verdicts.values())
