@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mcore_proxy.checkpoint.descriptors import POOL, will_need
+from mcore_proxy.checkpoint.descriptors import POOL, MetadataReadAhead, will_need
 from mcore_proxy.checkpoint.safe_globals import (
     READ_GLOBALS,
     Unresolved,
@@ -230,6 +230,12 @@ def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
     pos = zf.fp.tell()
     end = zf.fp.seek(0, os.SEEK_END)  # a member's declared size must fit inside the file
     zf.fp.seek(pos)
+    # what this parse read: through data.pkl (its local header: 30 bytes, the name, and torch's
+    # extra field that pads the data to 64 bytes), and the zip directory
+    owner.metadata_span = (
+        pkl[0].header_offset + 30 + len(pkl[0].orig_filename.encode()) + 64 + pkl[0].file_size,
+        end - zf.start_dir,
+    )
     # only stored members whose bytes fit in the file can back a storage: torch never compresses
     members = {
         i.filename: (i.header_offset, i.file_size)
@@ -277,6 +283,10 @@ class TorchFile:
     than the pool's bound.
     """
 
+    # (bytes from the start through data.pkl, bytes of the zip directory at the end): what parsing
+    # the file read, known for files parsed in this process (`open_many`'s read-ahead sizes)
+    metadata_span: tuple[int, int] | None = None
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._offsets: dict[str, int] = {}
@@ -290,6 +300,8 @@ class TorchFile:
                     os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
                 with zipfile.ZipFile(fh) as zf:
                     self.obj = unpickle_torch_zip(zf, self)
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointError(f"{self.path}: file missing; copy it from the source checkpoint") from None
         except UNREADABLE as err:
             raise CheckpointError(
                 f"{self.path}: not a readable torch checkpoint ({brief_error(err)}); the file is truncated or "
@@ -441,14 +453,24 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def open_many(paths: list[Path], workers: int) -> "collections.abc.Iterator[TorchFile]":
+def open_many(
+    paths: list[Path], workers: int, like: "collections.abc.Iterable[TorchFile]" = ()
+) -> "collections.abc.Iterator[TorchFile]":
     """TorchFiles of `paths`, in order, parsed by `workers` forked processes (in this one when
     `workers` <= 1). Only the model state crosses back, as plain data (`_model_payload`): the
     files' other entries (args, optimizer, RNG state) are not kept; open the files that must
     tell those with `TorchFile`. Parsing a rank file (zip index, pickle) is pure Python, so
-    processes, not threads."""
+    processes, not threads. Each file's metadata is read ahead (`MetadataReadAhead`), as much of
+    it as the files `like` these held, with a margin (64 KiB and 32 KiB without them)."""
+    ahead_args = _read_ahead_sizes(like)
     if workers <= 1 or len(paths) < 2:
-        yield from (TorchFile(p) for p in paths)
+        ahead = MetadataReadAhead(paths, *ahead_args)
+        try:
+            for p in paths:
+                yield TorchFile(p)
+                ahead.consumed()
+        finally:
+            ahead.close()
         return
     import multiprocessing
 
@@ -456,9 +478,23 @@ def open_many(paths: list[Path], workers: int) -> "collections.abc.Iterator[Torc
     with multiprocessing.get_context(method).Pool(workers, initializer=_worker_signals) as pool:
         chunksize = max(1, min(16, len(paths) // (4 * workers)))
         payloads = pool.imap(_model_payload, [str(p) for p in paths], chunksize)
-        import_torch_while_waiting()
-        for path, payload in zip(paths, payloads):
-            yield _from_payload(path, payload)
+        ahead = MetadataReadAhead(paths, *ahead_args)  # after the fork: no child starts with this thread's state
+        try:
+            import_torch_while_waiting()
+            for path, payload in zip(paths, payloads):
+                yield _from_payload(path, payload)
+                ahead.consumed()
+        finally:
+            ahead.close()
+
+
+def _read_ahead_sizes(like) -> tuple[int, ...]:
+    """(head, tail) bytes to read ahead of files like `like`: a quarter more than their largest,
+    in whole 4 KiB pages; () (the defaults) when none of them was parsed here."""
+    spans = [tf.metadata_span for tf in like if tf.metadata_span is not None]
+    if not spans:
+        return ()
+    return tuple(-(-int(1.25 * max(s[i] for s in spans)) // 4096) * 4096 for i in (0, 1))
 
 
 def materialize(obj):

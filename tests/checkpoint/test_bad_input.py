@@ -45,6 +45,17 @@ def test_missing_rank_folder(broken_copy, capsys):
     assert_one_sentence(err, "mp_rank_01_001_000", "missing", "copy it from the source")
 
 
+@pytest.mark.parametrize("workers", ["0", "2"])  # parsed here, or by forked worker processes
+@pytest.mark.parametrize("folder", ["mp_rank_00_000_000", "mp_rank_01_001_001"])  # a stage's first, another
+def test_missing_rank_file(broken_copy, capsys, monkeypatch, workers, folder):
+    monkeypatch.setenv("MCORE_PROXY_INDEX_WORKERS", workers)
+    f = broken_copy / "iter_0000010" / folder / "model_optim_rng.pt"
+    f.unlink()
+    code, err = run_inspect(broken_copy, capsys)
+    assert code == 2
+    assert_one_sentence(err, str(f), "missing", "copy it from the source")
+
+
 def test_truncated_rank_file(broken_copy, capsys):
     f = broken_copy / "iter_0000010" / "mp_rank_00_000_001" / "model_optim_rng.pt"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])

@@ -116,3 +116,39 @@ def test_a_long_range_is_read_ahead_whole(tmp_path):
         assert resident(path, PAGE, size - 2 * PAGE) == 1.0
     finally:
         os.close(fd)
+
+
+def wait_resident(path, offset: int, length: int, seconds: float = 10) -> float:
+    deadline = time.monotonic() + seconds
+    while resident(path, offset, length) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return resident(path, offset, length)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
+def test_metadata_read_ahead_asks_for_heads_and_tails_a_bounded_number_of_files_ahead(tmp_path):
+    """Indexing many rank files (`torchfile.open_many`) asks for each file's first 64 KiB (data.pkl)
+    and last 32 KiB (the zip directory) from a background thread, `depth` files ahead of the
+    parse: the middle of a file stays on disk, and the files beyond the depth wait their turn."""
+    from mcore_proxy.checkpoint.descriptors import HEAD_BYTES, TAIL_BYTES, MetadataReadAhead
+
+    size = 1 << 20
+    paths = [tmp_path / f"rank{i}.pt" for i in range(4)]
+    for p in paths:
+        p.write_bytes(os.urandom(size))
+        evict(p)
+    if max(resident(p, 0, size) for p in paths) > 0.1:
+        pytest.skip("this file system keeps the pages cached after POSIX_FADV_DONTNEED")
+    ahead = MetadataReadAhead(paths, depth=2)
+    try:
+        for p in paths[:2]:
+            assert wait_resident(p, 0, HEAD_BYTES) == 1.0
+            assert wait_resident(p, size - TAIL_BYTES, TAIL_BYTES) == 1.0
+            assert resident(p, HEAD_BYTES + PAGE, size - HEAD_BYTES - TAIL_BYTES - 2 * PAGE) == 0.0
+        time.sleep(0.2)
+        assert resident(paths[2], 0, HEAD_BYTES) == 0.0  # two files ahead of a reader that read none
+        ahead.consumed()
+        ahead.consumed()
+        assert wait_resident(paths[3], 0, HEAD_BYTES) == 1.0
+    finally:
+        ahead.close()

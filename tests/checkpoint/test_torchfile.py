@@ -91,3 +91,26 @@ def test_a_one_element_tensor_after_a_stride_of_one_reads_back(tmp_path):
     model = TorchFile(path).obj["model"]
     for name, want in tensors.items():
         assert torch.equal(model[name].load(), want)
+
+
+def test_metadata_span_covers_what_a_parse_reads(tmp_path):
+    """`metadata_span` (how much `open_many` reads ahead of files like this one): from the start
+    through data.pkl's last byte, and the whole zip directory at the end."""
+    import struct
+
+    from mcore_proxy.checkpoint.torchfile import _read_ahead_sizes
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": {"n": list(range(2000))}, "w": torch.randn(1 << 16)}, path)
+    with zipfile.ZipFile(path) as z:
+        pkl = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+        directory = path.stat().st_size - z.start_dir
+    with open(path, "rb") as fh:
+        fh.seek(pkl.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", fh.read(4))
+    pkl_end = pkl.header_offset + 30 + name_len + extra_len + pkl.file_size
+    head, tail = TorchFile(path).metadata_span
+    assert pkl_end <= head <= pkl_end + 64 and tail == directory
+    ahead = _read_ahead_sizes([TorchFile(path)])  # a quarter more, in whole pages
+    assert all(n % 4096 == 0 and 1.25 * m <= n < 1.25 * m + 4096 for n, m in zip(ahead, (head, tail)))
+    assert _read_ahead_sizes([]) == ()
