@@ -140,13 +140,34 @@ def _sizes(xs) -> bool:
     return isinstance(xs, (tuple, list)) and all(type(x) is int and x >= 0 for x in xs)
 
 
+# (shape, stride) -> (elements spanned, shape, stride) of boxes already checked: a rank file declares
+# a few dozen distinct boxes, each for many tensors.
+_CHECKED_BOXES: dict[tuple[tuple, tuple], tuple[int, tuple, tuple]] = {}
+
+
+def _checked_box(size, stride) -> tuple[int, tuple, tuple]:
+    """(span in elements, shape, stride) of a declared box, or UnpicklingError. A box is returned
+    as it was first checked: a later `(True,)`, equal to `(1,)` as a key, comes back as ints."""
+    try:
+        return _CHECKED_BOXES[(size, stride)]
+    except (KeyError, TypeError):  # TypeError: lists are not keys; checked below
+        pass
+    if not (_sizes(size) and _sizes(stride) and len(size) == len(stride)):
+        raise pickle.UnpicklingError(f"a tensor with shape {size!r}, stride {stride!r}")
+    span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    box = (span, tuple(size), tuple(stride))
+    if type(size) is tuple and type(stride) is tuple:
+        _CHECKED_BOXES[(size, stride)] = box
+    return box
+
+
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
     """A LazyTensor after checking the declared box against its storage (nothing is allocated)."""
     if not (isinstance(storage, tuple) and len(storage) == 2 and isinstance(storage[1], _StorageRef)):
         raise pickle.UnpicklingError("a tensor without its storage")
-    if not (type(offset) is int and offset >= 0 and _sizes(size) and _sizes(stride) and len(size) == len(stride)):
-        raise pickle.UnpicklingError(f"a tensor with offset {offset!r}, shape {size!r}, stride {stride!r}")
-    span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    if not (type(offset) is int and offset >= 0):
+        raise pickle.UnpicklingError(f"a tensor with offset {offset!r}")
+    span, size, stride = _checked_box(size, stride)
     if offset + span > storage[1].numel:
         raise pickle.UnpicklingError(
             f"a tensor of shape {tuple(size)} beyond its storage of {storage[1].numel} elements"
