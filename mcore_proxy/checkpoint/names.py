@@ -438,6 +438,7 @@ def embeddings_tied(args, has_output_layer: bool) -> bool:
 _TE_GROUPED_EXTRA = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\._extra_state$")
 
 
+@lru_cache(maxsize=1 << 16)  # asked for every plain key of every rank file, which repeat per stage
 def te_grouped_extra_state(key: str) -> tuple[str, str] | None:
     """`P.mlp.experts.linear_fc1._extra_state` -> (`P.mlp.experts`, `linear_fc1`); None otherwise."""
     m = _TE_GROUPED_EXTRA.match(key)

@@ -17,6 +17,7 @@ import collections
 import collections.abc
 import enum
 import functools
+import gc
 import hashlib
 import io
 import os
@@ -196,6 +197,27 @@ class _StorageType:
         self.dtype = dtype
 
 
+def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
+    return text.encode(encoding)
+
+
+@functools.lru_cache(maxsize=1024)  # a dozen globals per rank file, the same in every one
+def _shared_global(module: str, name: str):
+    """What a global stands for when that is the same object in every file: tensor rebuilders,
+    data types, storage types, dtype names, protocol 2's bytes; None for the others."""
+    if (module, name) in _TENSOR_GLOBALS:
+        return _TENSOR_GLOBALS[(module, name)]
+    if (module, name) in READ_GLOBALS:
+        return READ_GLOBALS[(module, name)]
+    if module == "torch" and name in _STORAGE_DTYPES:
+        return _StorageType(_STORAGE_DTYPES[name])
+    if module == "torch" and name in ITEMSIZE:  # a dtype in args (`params_dtype`)
+        return TorchDtypeName(name)
+    if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
+        return _latin1_bytes
+    return None
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, file, members: dict[str, tuple[int, int]]):
         super().__init__(io.BytesIO(data))
@@ -203,16 +225,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         module = "builtins" if module == "__builtin__" else module  # protocol 2 spells it so
-        if (module, name) in _TENSOR_GLOBALS:
-            return _TENSOR_GLOBALS[(module, name)]
-        if (module, name) in READ_GLOBALS:
-            return READ_GLOBALS[(module, name)]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and name in ITEMSIZE:  # a dtype in args (`params_dtype`)
-            return TorchDtypeName(name)
-        if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
-            return lambda text, encoding="latin1": text.encode(encoding)
+        found = _shared_global(module, name)
+        if found is not None:
+            return found
         if (module, name) == ("builtins", "getattr"):  # enums pickled by name; nothing else (safe_globals)
             return functools.partial(enum_by_name, where=str(self._file.path))
         member = global_enum_member(module, name)  # `signal.SIGTERM`, as Python 3.11.2 pickles it
@@ -433,6 +448,7 @@ def _model_payload(path: str) -> bytes | None:
                 out[name] = (1, value)
             else:
                 return None
+    tf.drop_structure()  # its LazyTensors point back at it: freed now, not by a garbage collection
     return pickle.dumps(("ok", chunks), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -450,7 +466,7 @@ def _from_payload(path: Path, payload: bytes | None) -> "TorchFile":
     if status == "error":
         raise CheckpointError(body)
     tf = object.__new__(TorchFile)
-    tf.path, tf._offsets = Path(path), {}
+    tf.path, tf._offsets = path if isinstance(path, Path) else Path(path), {}
     storages: dict[str, _StorageRef] = {}
     tf.obj = {}
     for key, chunk in body.items():
@@ -496,7 +512,14 @@ def open_many(
     import multiprocessing
 
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(workers, initializer=_worker_signals) as pool:
+    # Forked workers leave what they inherit out of their garbage collections, which would otherwise
+    # walk (and copy, page by page) every object of this process again and again.
+    gc.freeze()
+    try:
+        pool = multiprocessing.get_context(method).Pool(workers, initializer=_worker_signals)
+    finally:
+        gc.unfreeze()
+    with pool:
         chunksize = max(1, min(16, len(paths) // (4 * workers)))
         payloads = pool.imap(_model_payload, [str(p) for p in paths], chunksize)
         ahead = MetadataReadAhead(paths, *ahead_args)  # after the fork: no child starts with this thread's state
