@@ -72,7 +72,9 @@ class LazyTensor:
 
     def __init__(self, file: "TorchFile", storage: _StorageRef, offset: int, shape, stride):
         self.file, self.storage, self.offset = file, storage, int(offset)
-        self.shape, self.stride = _shared(_SHAPES, Shape(shape)), _shared(_STRIDES, tuple(stride))
+        # the shared objects are found by the plain tuples (a Shape hashes and compares as its sizes)
+        self.shape = _SHAPES.get(shape) or _shared(_SHAPES, Shape(shape))
+        self.stride = _STRIDES.get(stride) or _shared(_STRIDES, tuple(stride))
 
     @property
     def dtype_name(self) -> str:
