@@ -58,26 +58,35 @@ HEAD_BYTES, TAIL_BYTES = 64 << 10, 32 << 10
 
 
 class MetadataReadAhead:
-    """Asks the kernel, from a background thread, for the first `head` and the last `tail` bytes
-    of each of many files in order, at most `depth` files ahead of their reader (`consumed` after
-    each); what a parse reads beyond them it reads on demand.
+    """Asks the kernel, from `threads` background threads, for the first `head` and the last `tail`
+    bytes of each of many files in order, at most `depth` files ahead of their reader (`consumed`
+    after each); what a parse reads beyond them it reads on demand.
 
-    Indexing thousands of rank files from a cold disk waits on two small reads per file, one
-    file after another in each parsing process; asked for all at once, the disk serves them in
-    parallel (bench/RESULTS.md, 2,048 rank folders). One descriptor is open at a time."""
+    Indexing thousands of rank files from a cold disk waits on small reads, one file after another
+    in each parsing process; asked for all at once, the disk serves them in parallel. Opening a
+    file on a cold disk waits too (its folder and inode: 0.29 s for 2,048 rank files in one thread),
+    so several threads open them (bench/RESULTS.md, 2,048 rank folders). At most `threads`
+    descriptors are open at a time."""
 
-    def __init__(self, paths, head: int = HEAD_BYTES, tail: int = TAIL_BYTES, depth: int = 256):
+    def __init__(self, paths, head: int = HEAD_BYTES, tail: int = TAIL_BYTES, depth: int = 256, threads: int = 4):
         self._head, self._tail = head, tail
         self._slots = threading.Semaphore(depth)
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, args=(list(paths),), daemon=True)
+        self._paths, self._lock = iter(list(paths)), threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
         if hasattr(os, "posix_fadvise"):
-            self._thread.start()
+            for t in self._threads:
+                t.start()
 
-    def _run(self, paths) -> None:
-        for path in paths:
+    def _next(self):
+        with self._lock:
+            return next(self._paths, None)
+
+    def _run(self) -> None:
+        while True:
             self._slots.acquire()
-            if self._stopped:
+            path = None if self._stopped else self._next()
+            if path is None:
                 return
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -91,12 +100,13 @@ class MetadataReadAhead:
                 os.close(fd)
 
     def consumed(self) -> None:
-        """One more file has been read: the thread may ask for one more."""
+        """One more file has been read: the threads may ask for one more."""
         self._slots.release()
 
     def close(self) -> None:
         self._stopped = True
-        self._slots.release()
+        for _ in self._threads:
+            self._slots.release()
 
 
 class DescriptorPool:
