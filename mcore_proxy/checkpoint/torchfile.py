@@ -42,6 +42,7 @@ from mcore_proxy.checkpoint.safe_globals import (
     torch_load_allowing,
     unresolved_class,
 )
+from mcore_proxy.checkpoint.zipindex import read_directory, read_stored
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, as_bytes, torch_archive_records
 from mcore_proxy.cli_support.memory import import_torch_while_waiting, prefer_huge_pages
 from mcore_proxy.core.dtypes import ITEMSIZE, Shape, TorchDtypeName, dtype_name, itemsize, torch_dtype
@@ -257,7 +258,13 @@ MAX_PICKLE_BYTES = 1 << 30  # a torch.save structure pickle; rank files hold ~10
 def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
     """The structure of a torch.save zip, through the restricted unpickler. Sets `owner.prefix`
     (the archive folder); its LazyTensors read their bytes through `owner.read_elements`."""
-    infos = zf.infolist()
+    end = zf.fp.seek(0, os.SEEK_END)
+    return _unpickle_members(zf.infolist(), zf.read, zf.start_dir, end, owner)
+
+
+def _unpickle_members(infos, read, start_dir: int, end: int, owner) -> object:
+    """`unpickle_torch_zip` from a zip directory (`zipfile.ZipInfo`s or `zipindex.ZipMember`s)
+    and a function reading one member's bytes; `end`: the file's size."""
     pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
     if len(pkl) != 1:
         raise zipfile.BadZipFile("no single data.pkl member")
@@ -265,14 +272,11 @@ def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
         raise zipfile.BadZipFile(f"data.pkl is compressed or declares {pkl[0].file_size} bytes")
     name = pkl[0].filename
     owner.prefix = name.rsplit("/", 1)[0] if "/" in name else ""
-    pos = zf.fp.tell()
-    end = zf.fp.seek(0, os.SEEK_END)  # a member's declared size must fit inside the file
-    zf.fp.seek(pos)
     # what this parse read: through data.pkl (its local header: 30 bytes, the name, and torch's
     # extra field that pads the data to 64 bytes), and the zip directory
     owner.metadata_span = (
         pkl[0].header_offset + 30 + len(pkl[0].orig_filename.encode()) + 64 + pkl[0].file_size,
-        end - zf.start_dir,
+        end - start_dir,
     )
     # only stored members whose bytes fit in the file can back a storage: torch never compresses
     members = {
@@ -280,7 +284,7 @@ def unpickle_torch_zip(zf: zipfile.ZipFile, owner) -> object:
         for i in infos
         if i.compress_type == zipfile.ZIP_STORED and i.header_offset + i.file_size <= end
     }
-    return _RestrictedUnpickler(zf.read(name), owner, members).load()
+    return _RestrictedUnpickler(read(pkl[0]), owner, members).load()
 
 
 # What parsing a damaged or hostile zip/pickle can raise: zipfile and pickle raise many types
@@ -336,8 +340,13 @@ class TorchFile:
                     # (with the kernel's read_ahead_kb of several MiB, a file's metadata reads alone
                     # pulled in about 1 MiB of every rank file: bench/RESULTS.md, DeepSeek-V3 scale)
                     os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-                with zipfile.ZipFile(fh) as zf:
-                    self.obj = unpickle_torch_zip(zf, self)
+                directory = read_directory(fh)  # torch's own layout, without zipfile's objects
+                if directory is not None:
+                    members, start_dir, end = directory
+                    self.obj = _unpickle_members(members, lambda m: read_stored(fh, m), start_dir, end, self)
+                else:
+                    with zipfile.ZipFile(fh) as zf:
+                        self.obj = unpickle_torch_zip(zf, self)
         except (FileNotFoundError, IsADirectoryError):
             raise CheckpointError(f"{self.path}: file missing; copy it from the source checkpoint") from None
         except UNREADABLE as err:
