@@ -22,7 +22,7 @@ _ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")  # 56 bytes, right before the locator
 _ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory header, 46 bytes
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header, 30 bytes
 _FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF
-_TAIL_READ = 16 << 10  # one read holds the end records and, in most rank files, the whole directory
+_END_RECORDS = _ZIP64_EOCD.size + _ZIP64_LOCATOR.size + _EOCD.size
 
 
 class ZipMember(NamedTuple):
@@ -45,8 +45,9 @@ class ZipDirectory(NamedTuple):
 
 
 def _pread(fh: BinaryIO, offset: int, length: int) -> bytes:
-    fh.seek(offset)
-    return fh.read(length)
+    """Exactly these bytes (not a buffer's worth around them: the bytes of a tensor that is never
+    read stay on disk, `tests/checkpoint/test_readahead.py`)."""
+    return os.pread(fh.fileno(), length, offset)
 
 
 def read_directory(fh: BinaryIO) -> ZipDirectory | None:
@@ -54,7 +55,7 @@ def read_directory(fh: BinaryIO) -> ZipDirectory | None:
     end = fh.seek(0, os.SEEK_END)
     if end < _EOCD.size:
         return None
-    tail_start = max(0, end - _TAIL_READ)
+    tail_start = max(0, end - _END_RECORDS)
     tail = _pread(fh, tail_start, end - tail_start)
     sig, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
     if sig != b"PK\x05\x06" or comment or disk or cd_disk or n_disk != n_total:
@@ -139,7 +140,7 @@ def read_stored(fh: BinaryIO, member: ZipMember) -> bytes:
     sig, _needed, flags, method, _t, _d, _crc, _cs, _us, nlen, elen = _LOCAL.unpack(header)
     if sig != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header of {member.filename}")
-    name = fh.read(nlen)
+    name = _pread(fh, member.header_offset + _LOCAL.size, nlen)
     if name != member.orig_filename.encode("utf-8" if member.flag_bits & 0x800 else "cp437"):
         raise zipfile.BadZipFile(f"file name in directory {member.orig_filename!r} and header {name!r} differ")
     if method != zipfile.ZIP_STORED or member.compress_type != zipfile.ZIP_STORED or flags & 0x1:
