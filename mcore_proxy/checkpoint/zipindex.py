@@ -89,12 +89,15 @@ def _entries(cd: bytes, count: int) -> list[ZipMember] | None:
     while pos < len(cd):
         if pos + _ENTRY.size > len(cd):
             return None
-        (sig, _made, _needed, flags, method, _t, _d, crc, csize, usize, nlen, elen, clen, disk, _ia, _ea, offset) = (
+        (sig, _made, needed, flags, method, _t, _d, crc, csize, usize, nlen, elen, clen, disk, _ia, _ea, offset) = (
             _ENTRY.unpack_from(cd, pos)
         )
         name_at = pos + _ENTRY.size
         pos = name_at + nlen + elen + clen
         if sig != b"PK\x01\x02" or pos > len(cd) or flags & 0x1:  # 0x1: encrypted
+            return None
+        # zipfile refuses a member needing a newer zip version, and a malformed extra field
+        if needed & 0xFF > zipfile.MAX_EXTRACT_VERSION or not _well_formed(cd[name_at + nlen : name_at + nlen + elen]):
             return None
         if _FULL32 in (usize, csize, offset) or disk == _FULL16:
             sizes = _zip64_extra(cd[name_at + nlen : name_at + nlen + elen], usize, csize, offset, disk)
@@ -107,6 +110,14 @@ def _entries(cd: bytes, count: int) -> list[ZipMember] | None:
         # as zipfile.ZipInfo names a member: up to a NUL, the name as stored kept beside
         out.append(ZipMember(full.split("\0", 1)[0], offset, usize, csize, method, crc, flags, full))
     return out if len(out) == count else None
+
+
+def _well_formed(extra: bytes) -> bool:
+    """An extra field is a chain of (tag, length, body) records that ends where the field ends."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        pos += 4 + struct.unpack_from("<H", extra, pos + 2)[0]
+    return pos <= len(extra)
 
 
 def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int, disk: int) -> tuple[int, ...] | None:
