@@ -531,7 +531,8 @@ def open_many(
     finally:
         gc.unfreeze()
     with pool:
-        chunksize = max(1, min(16, len(paths) // (4 * workers)))
+        # up to 64 files a task: each result wakes this process, whose core the workers share
+        chunksize = max(1, min(64, len(paths) // (4 * workers)))
         payloads = pool.imap(_model_payload, [str(p) for p in paths], chunksize)
         ahead = MetadataReadAhead(paths, *ahead_args)  # after the fork: no child starts with this thread's state
         try:
