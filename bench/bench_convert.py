@@ -35,6 +35,7 @@ OUT/convert-results.json; the medians print as a markdown table.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import random
@@ -238,8 +239,8 @@ def library_state() -> str:
 def pin_library(out: Path, rev: str) -> tuple[str, str]:
     """Export `rev`'s mcore_proxy (git archive) to put first on PYTHONPATH of the measured
     commands: several commits can then be measured side by side in one run, and uncommitted
-    edits others make in the shared tree during the run do not mix into the samples.
-    -> (short commit, library folder)."""
+    edits others make in the shared tree during the run do not mix into the samples. Its bytecode is
+    compiled once. -> (short commit, library folder)."""
     sha = subprocess.run(
         ["git", "rev-parse", "--short", rev], cwd=HERE.parent, capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -250,6 +251,9 @@ def pin_library(out: Path, rev: str) -> tuple[str, str]:
             ["git", "archive", sha, "mcore_proxy"], cwd=HERE.parent, capture_output=True, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(lib)], input=archive, check=True)
+    # bytecode as an installed package has it (a machine with PYTHONDONTWRITEBYTECODE would otherwise
+    # compile the library in every measured command); nothing to do when it is there already
+    compileall.compile_dir(lib, quiet=1)
     found = subprocess.run(
         [sys.executable, "-c", "import mcore_proxy; print(mcore_proxy.__file__)"],
         capture_output=True,

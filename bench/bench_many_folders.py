@@ -17,7 +17,6 @@ DATA/many-results.json.
 from __future__ import annotations
 
 import argparse
-import compileall
 import json
 import os
 import platform
@@ -64,9 +63,7 @@ def main(argv=None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(DESCRIPTORS, hard), hard))  # inherited by the commands
     cold = not a.warm and drop_caches()
     mcore = shutil.which("mcore-proxy", path=str(Path(sys.executable).parent)) or "mcore-proxy"
-    libs = [pin_library(data, rev) for rev in a.libs.split(",")]
-    for _, lib in libs:  # as an installed package has them (this machine sets PYTHONDONTWRITEBYTECODE)
-        compileall.compile_dir(lib, quiet=1)
+    libs = [pin_library(data, rev) for rev in a.libs.split(",")]  # bytecode compiled, as installed
     log = data / "many-bench.log"
     log.write_text("")
     print(
