@@ -38,6 +38,7 @@ import argparse
 import compileall
 import json
 import os
+import platform
 import random
 import re
 import shutil
@@ -128,6 +129,19 @@ def sizes(ckpt: Path, plan: Path) -> dict:
 
 
 # -- measuring -------------------------------------------------------------------------------
+
+
+def print_header(cold: bool, *facts: str) -> None:
+    """The machine, the interpreter, `facts` and the cache state, then the command line: the first
+    lines of every side-by-side bench's output."""
+    state = "dropped before every command" if cold else "warm"
+    said = "".join(f", {f}" for f in facts)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}{said}; "
+        f"page cache {state}",
+        flush=True,
+    )
+    print(f"command: python {' '.join(sys.argv)}", flush=True)
 
 
 def drop_caches() -> bool:

@@ -70,7 +70,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -455,7 +454,7 @@ def cached_bytes(root: Path) -> int | None:
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))
-    from bench_convert import drop_caches, measure, pin_library, rm
+    from bench_convert import drop_caches, measure, pin_library, print_header, rm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="/work/benchdata-scale", help="checkpoints, plans, outputs (rebuilt if missing)")
@@ -566,12 +565,7 @@ def main(argv=None) -> int:
         return j
 
     order = {k: v for n in depths for k, v in jobs(n).items()}
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-        f"torch {torch.__version__}; page cache {'dropped before every command' if cold else 'warm'}",
-        flush=True,
-    )
-    print(f"command: python {' '.join(sys.argv)}", flush=True)
+    print_header(cold, f"torch {torch.__version__}")
     load_before = os.getloadavg()
     samples: dict[str, list[dict]] = {k: [] for k in order}
     proxy = {}

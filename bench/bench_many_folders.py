@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -30,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_convert import drop_caches, measure, pin_library  # noqa: E402
+from bench_convert import drop_caches, measure, pin_library, print_header  # noqa: E402
 from bench_deepseek_scale import disk_bytes, scale_model, smoke_model, write_checkpoint  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
@@ -66,12 +65,7 @@ def main(argv=None) -> int:
     libs = [pin_library(data, rev) for rev in a.libs.split(",")]  # bytecode compiled, as installed
     log = data / "many-bench.log"
     log.write_text("")
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
-        f"ulimit -n {DESCRIPTORS}; page cache {'dropped before every command' if cold else 'warm'}",
-        flush=True,
-    )
-    print(f"command: python {' '.join(sys.argv)}", flush=True)
+    print_header(cold, f"ulimit -n {DESCRIPTORS}")
     load_before = os.getloadavg()
     samples: dict[tuple[str, int], list[dict]] = {(sha, ep): [] for sha, _ in libs for ep in eps}
     for r in range(a.repeat):
