@@ -318,16 +318,15 @@ class LegacyCheckpoint(ModelView):
         self._variants: set[str] = set()
         self._linear_extra_state = False
         self._reset_states = 0
-        self._judged_keys: dict[tuple[int, int, int], dict[str, list]] = {}
         rest = [c for c in sorted(coords) if c not in stage_files]
         parsed = open_many(
             [self._rank_file(coords[c]) for c in rest], index_workers(len(rest)), like=stage_files.values()
         )
+        judged: dict[tuple[int, int, int], dict[str, list]] = {}  # `_index_file`'s, across files
         for c in sorted(coords):
             tf = stage_files.pop(c, None) or next(parsed)
-            self._index_file(c, tf, layout)
+            self._index_file(c, tf, layout, judged)
             tf.drop_structure()
-        del self._judged_keys
         if self._reset_states:
             log.warning(
                 "%s: %d TEGroupedMLP extra states hold FP8 metadata for all local experts; they are "
@@ -424,7 +423,9 @@ class LegacyCheckpoint(ModelView):
                     out.setdefault(key, tuple(value.shape) if isinstance(value, LazyTensor) else None)
         return out
 
-    def _index_file(self, coords, tf: TorchFile, layout: ParallelLayout) -> None:
+    def _index_file(self, coords, tf: TorchFile, layout: ParallelLayout, judged: dict) -> None:
+        """Add one rank file's tensors to the entries; `judged`: (TP, PP, virtual stage) -> rank-local
+        key -> what indexing the same key of an earlier file of that stage found."""
         tp, pp, ep = coords
         offsets = layout.chunk_offsets()
         num_experts = self._spec.num_experts
@@ -435,15 +436,15 @@ class LegacyCheckpoint(ModelView):
             # Every EP rank of a TP rank and stage holds the same local keys: a key is classified,
             # checked and placed once, and on the other ranks only the expert number in its name
             # changes (31 of 32 files in the DeepSeek-V3 bench, bench/RESULTS.md).
-            judged = self._judged_keys.setdefault((tp, pp, v), {})
+            judged_here = judged.setdefault((tp, pp, v), {})
             for key, value in chunk.items():
-                known = judged.get(key)  # [LocalKey unless an expert's, placement once known]
+                known = judged_here.get(key)  # [LocalKey unless an expert's, placement once known]
                 if known is None:
                     if is_ignored(key):
                         continue
                     lk = parse_local_key(key, offset, chunk_id * local_experts)
                     self._check_layer_range(key, lk, offset, count, tf)
-                    known = judged[key] = [None if lk.kind == "expert" else lk, None]
+                    known = judged_here[key] = [None if lk.kind == "expert" else lk, None]
                 else:
                     lk = known[0] or parse_local_key(key, offset, chunk_id * local_experts)
                 for name, piece in self._pieces(lk, value, local_experts, chunk_id, tf):
