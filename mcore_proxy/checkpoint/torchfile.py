@@ -221,9 +221,16 @@ def _shared_global(module: str, name: str):
     return None
 
 
+def _pickle_input(data: bytes) -> io.BufferedReader:
+    """`data` as the unpickler's input. A buffered reader has `peek`, so the C unpickler takes its
+    bytes in one prefetch; from a bare BytesIO it calls `read` once per opcode, which made a
+    rank file's parse (625 ints of RNG state alone) more than twice as slow."""
+    return io.BufferedReader(io.BytesIO(data))
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, file, members: dict[str, tuple[int, int]]):
-        super().__init__(io.BytesIO(data))
+        super().__init__(_pickle_input(data))
         self._file, self._members = file, members
 
     def find_class(self, module: str, name: str):
@@ -473,7 +480,7 @@ class _PlainUnpickler(pickle.Unpickler):
 def _from_payload(path: Path, payload: bytes | None) -> "TorchFile":
     if payload is None:
         return TorchFile(path)
-    status, body = _PlainUnpickler(io.BytesIO(payload)).load()
+    status, body = _PlainUnpickler(_pickle_input(payload)).load()
     if status == "error":
         raise CheckpointError(body)
     tf = object.__new__(TorchFile)
