@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
-from pathlib import Path
 
 from mcore_proxy.checkpoint.hf.quant import FP8_BLOCK, INT4_PACKED, MXFP4, V4_SCALE, find_quantized
 from mcore_proxy.checkpoint.layer_spec import attention_kind
@@ -53,7 +53,7 @@ def describe(view: ModelView) -> dict:
     info = view.info
     layout = info.layout
     descriptor = getattr(info.format_info, "descriptor", None)  # an HF folder read by its family's descriptor
-    files = [p for p in Path(info.path).rglob("*") if p.is_file()] if info.path else []
+    files, file_bytes = _files_and_bytes(info.path) if info.path else (0, 0)
     return {
         "path": str(info.path or ""),
         "checkpoint_format": info.format,
@@ -95,13 +95,31 @@ def describe(view: ModelView) -> dict:
         "bytes_by_dtype": dict(dtype_bytes),
         "total_bytes": sum(dtype_bytes.values()),
         "expert_bytes": expert_bytes,
-        "files": len(files),
-        "file_bytes": sum(p.stat().st_size for p in files),
+        "files": files,
+        "file_bytes": file_bytes,
         "tensors": len(names),
         "hash_layers": list(spec.extra.get("hash_layers", [])),
         "quantization": sorted({q.scheme for q in find_quantized(names)}),
         "support": None if descriptor is None else family_support(descriptor, info.format_info.config),
     }
+
+
+def _files_and_bytes(path) -> tuple[int, int]:
+    """(files, bytes) under `path`, a file or a folder, with one stat per file: scandir tells files
+    from folders without one, where `rglob` + `is_file` + `stat` cost 0.1 s on 2,048 rank folders.
+    Symlinked files count, symlinked folders are not entered (as `rglob`)."""
+    if not os.path.isdir(path):
+        return (1, os.stat(path).st_size) if os.path.isfile(path) else (0, 0)
+    files = size = 0
+    stack = [os.fspath(path)]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file():
+                    files, size = files + 1, size + entry.stat().st_size
+    return files, size
 
 
 def family_support(family, config: dict) -> dict:
