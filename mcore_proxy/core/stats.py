@@ -248,6 +248,9 @@ class StreamedLayers(Mapping):
 
 
 def _unreadable(path: Path, err: Exception) -> StatsError:
+    statistics = path.with_suffix(".safetensors")
+    if path.suffix == ".json" and statistics.is_file():  # the sidecar given for the statistics
+        return StatsError(f"{path}: is the statistics' JSON sidecar; pass {statistics} (--stats)")
     return StatsError(
         f"{path}: not a readable safetensors file ({err}); it may be truncated, "
         "re-run the trace or remove it from the folder"

@@ -109,6 +109,13 @@ def test_missing_sidecar(rank_files, capsys):
     assert code == 2 and "rank00001.json: sidecar missing" in one_sentence(err)
 
 
+def test_the_sidecar_given_as_statistics_names_the_statistics(rank_files, capsys):
+    run_cli(capsys, "merge", str(rank_files))
+    code, _, err = run_cli(capsys, "show", str(rank_files / "routing_stats.json"))
+    assert code == 2
+    assert f"is the statistics' JSON sidecar; pass {rank_files / 'routing_stats.safetensors'}" in one_sentence(err)
+
+
 def test_show_table_and_png(rank_files, tmp_path, capsys):
     code, out, err = run_cli(capsys, "show", str(rank_files), "--png", str(tmp_path / "png"))
     assert code == 0, err
