@@ -35,10 +35,15 @@ def _ids(values, what: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Cluster:
-    """One K-Medoids cluster of original expert ids and the one expert kept for it."""
+    """One K-Medoids cluster of original expert ids and the one expert kept for it.
+
+    frequencies: each member's routed selections in the statistics (`LayerStats.freq`), in member
+    order: the weights of `convert --merge-clusters`; None where the layer had no statistics (and in
+    plans older than the field)."""
 
     members: tuple[int, ...]
     representative: int
+    frequencies: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "members", _ids(self.members, "cluster members"))
@@ -47,9 +52,23 @@ class Cluster:
             raise PlanError(
                 f"cluster representative {self.representative} is not among its members {list(self.members)}"
             )
+        if self.frequencies is not None:
+            freq = _ids(self.frequencies, "cluster frequencies")
+            if len(freq) != len(self.members):
+                raise PlanError(f"cluster of {list(self.members)} has {len(freq)} frequencies, expected one per member")
+            object.__setattr__(self, "frequencies", freq)
+
+    def merge_weights(self) -> tuple[float, ...] | None:
+        """Each member's share of the cluster's routed selections (summing to 1), or None when there is
+        nothing to weigh: no frequencies, a single member, or no member ever selected."""
+        if self.frequencies is None or len(self.members) == 1 or sum(self.frequencies) == 0:
+            return None
+        total = sum(self.frequencies)
+        return tuple(f / total for f in self.frequencies)
 
     def to_json(self) -> dict:
-        return {"members": list(self.members), "representative": self.representative}
+        out = {"members": list(self.members), "representative": self.representative}
+        return out if self.frequencies is None else {**out, "frequencies": list(self.frequencies)}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ before dead ones: a never-selected expert is a candidate only where fewer than K
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mcore_proxy.select.plan import Cluster
@@ -40,7 +42,7 @@ def refine_representatives(
                     best, best_err = m, err
             if best != kept[i]:
                 kept[i], changed = best, True
-                clusters[i] = Cluster(c.members, best)
+                clusters[i] = dataclasses.replace(c, representative=best)
         if not changed:
             break
     return sorted(clusters, key=lambda c: c.representative)

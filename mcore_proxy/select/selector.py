@@ -230,7 +230,8 @@ def cluster_layer(fused: np.ndarray, freq: np.ndarray, setup: GroupSetup, seed: 
     clusters = []
     for ids in setup.groups:
         for members, rep in cluster_group(fused[np.ix_(ids, ids)], freq[ids], setup.per_group_k, seed, restarts):
-            clusters.append(Cluster(tuple(int(ids[m]) for m in members), int(ids[rep])))
+            member_ids = tuple(int(ids[m]) for m in members)
+            clusters.append(Cluster(member_ids, int(ids[rep]), tuple(int(freq[e]) for e in member_ids)))
     return sorted(clusters, key=lambda c: c.representative)
 
 

@@ -108,6 +108,23 @@ def test_layer_plan_validation():
         LayerPlan((0,), token_coverage=1.5)
     with pytest.raises(PlanError, match="non-negative integer"):
         LayerPlan((0.5,))
+    with pytest.raises(PlanError, match="one per member"):
+        Cluster((0, 1), 0, frequencies=(5,))
+
+
+def test_cluster_frequencies_round_trip_and_give_the_merge_weights(tmp_path):
+    clusters = (Cluster((0, 1, 2), 1, (10, 30, 0)), Cluster((4, 5), 5, (0, 0)))
+    plan = make_plan(layers={"3": LayerPlan((1, 5), clusters), "mtp.0": LayerPlan((0, 5))})
+    path = plan.save(tmp_path / "plan.json")
+    assert load_plan(path).layers["3"].clusters == clusters
+    assert clusters[0].merge_weights() == (0.25, 0.75, 0.0)
+    # one member, or nothing selected: nothing to weigh, the representative stays as it is
+    assert Cluster((3,), 3, (4,)).merge_weights() is None and clusters[1].merge_weights() is None
+    older = json.loads(path.read_text())
+    for c in older["layers"]["3"]["clusters"]:  # as written before the field existed
+        del c["frequencies"]
+    path.write_text(json.dumps(older))
+    assert all(c.frequencies is None and c.merge_weights() is None for c in load_plan(path).layers["3"].clusters)
 
 
 def write(tmp_path, text):

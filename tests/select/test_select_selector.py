@@ -37,6 +37,9 @@ def test_multiview_recovers_planted_clusters_and_keeps_most_frequent(planted_mod
         freq = stats.layers[lid].freq
         expected = sorted(int(np.flatnonzero(p.labels == c)[np.argmax(freq[p.labels == c])]) for c in range(K))
         assert plan.kept(lid) == expected
+        # each cluster records its members' frequencies: the weights of convert --merge-clusters
+        for c in plan.layers[lid].clusters:
+            assert c.frequencies == tuple(int(freq[m]) for m in c.members)
     assert plan.params["coact_mode"] == mode
 
 
