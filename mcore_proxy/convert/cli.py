@@ -111,6 +111,14 @@ def register(sub) -> None:
         "DeepSeek-V4's FP4 experts, gpt-oss's MXFP4 (default: copy them and their scales bit for "
         "bit; Megatron output needs this)",
     )
+    p.add_argument(
+        "--merge-clusters",
+        dest="merge",
+        action="store_true",
+        help="opt-in, changes weights: each kept expert becomes the mean of its plan cluster's members, "
+        "weighted by their routed-selection frequencies (reads the dropped experts too; `verify` "
+        "recomputes the means; see docs/selection.md for what it preserves)",
+    )
     p.add_argument("--workers", type=int, default=1, help="writer processes")
     p.add_argument(
         "--dry-run",
@@ -193,6 +201,7 @@ def convert_dict(r, dry_run: bool) -> dict:
         "files": None if dry_run else r.files,
         "seconds": None if dry_run else r.seconds,
         "dropped_args": dict(r.dropped_args),
+        "merged_clusters": r.merged,
         "launch_flags": [f for f in r.launch_flags if not f.startswith("(")],
         # flags of the source's launch that the proxy's must not carry: "(no --moe-grouped-gemm)"
         "remove_flags": [f[4:-1] for f in r.launch_flags if f.startswith("(no ")],
@@ -221,6 +230,11 @@ def convert_text(d: dict) -> str:
         f"reads {format_bytes(d['read_bytes'])} of tensors, writes about {format_bytes(d['output_bytes'])}"
         + ("" if dry else f"; {d['files']} files in {d['seconds']:.1f} s; manifest.json lists sha256 of each"),
     ]
+    if d["merged_clusters"]:
+        lines.append(
+            "kept experts are their clusters' frequency-weighted means (--merge-clusters): not the source's "
+            "weights bit for bit; manifest.json records it and verify recomputes them"
+        )
     lines += [
         f"args {name} {'would be' if dry else 'was'} dropped: it holds {why} (recorded in manifest.json)"
         for name, why in d["dropped_args"].items()
@@ -264,6 +278,7 @@ def run_convert(args) -> int:
         workers=args.workers,
         force=args.force,
         dequantize=args.dequantize,
+        merge=args.merge,
     )
     result = convert(req, dry_run=args.dry_run, check_space=not args.no_space_check)
     doc = convert_dict(result, args.dry_run)
@@ -278,6 +293,7 @@ def verify_dict(report) -> dict:
         "checked_bytes": report.checked_bytes,
         "problems": list(report.problems),
         "functional": report.functional,
+        "merged_clusters": report.merged,
     }
 
 
@@ -288,6 +304,10 @@ def verify_text(d: dict) -> str:
         if d["ok"]
         else f"verify: {len(d['problems'])} difference(s) found, checking {checked}, args and manifest:"
     ]
+    if d["merged_clusters"]:
+        lines.append(
+            "the kept experts were compared with their clusters' means recomputed from the source (--merge-clusters)"
+        )
     if not d["ok"]:
         shown = d["problems"][:MAX_PROBLEMS_SHOWN]
         lines += [f"  {p}" for p in shown]

@@ -26,6 +26,7 @@ from pathlib import Path
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import detect_format, format_names, get_format, writer_of
 from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
+from mcore_proxy.checkpoint.hf.quant import holds_quantized
 from mcore_proxy.checkpoint.layout import ParallelLayout
 from mcore_proxy.checkpoint import mindspeed_llm_v4 as mindspeed_v4
 from mcore_proxy.checkpoint.mindspeed_llm import written_naming
@@ -34,7 +35,7 @@ from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.checkpoint.target import first_last
 from mcore_proxy.checkpoint.view import ModelView, router_fingerprint, tensor_nbytes
 from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, write_manifest
-from mcore_proxy.convert.prune import PrunedView
+from mcore_proxy.convert.prune import MERGE_RULE, PrunedView
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.core.tensors import host_tensors
 from mcore_proxy.mcore.launch_flags import model_flags
@@ -59,6 +60,7 @@ class ConvertRequest:
     workers: int = 1
     dequantize: bool = False  # a quantized source (FP8, FP4, MXFP4): read its weights as bf16
     force: bool = False  # replace an existing earlier output (swapped in when the new one is complete)
+    merge: bool = False  # each kept expert := its cluster's frequency-weighted mean (changes weights: prune.MERGE_RULE)
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -68,6 +70,8 @@ class ConvertRequest:
     def __post_init__(self):
         if self.format is not None and self.format not in format_names(writable=True):
             raise ProxyError(f"--format {self.format!r} is not one of {', '.join(format_names(writable=True))}")
+        if self.merge and self.plan is None:
+            raise ProxyError("--merge-clusters merges each plan cluster into its kept expert; pass --plan")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
         if self.target.vpp is not None and self.target.vpp < 1:
@@ -87,15 +91,17 @@ class ConvertResult:
     dropped_args: dict[str, str] = field(default_factory=dict)  # args field -> why it was not written
     output_bytes: int = 0  # estimated size of the output
     format: str = "legacy"
+    merged: bool = False  # kept experts are cluster means (--merge-clusters), not the source's bits
 
 
 def open_views(
-    ckpt: Path, plan_path: Path | None, dequantize: bool = False, fmt: str | None = None
+    ckpt: Path, plan_path: Path | None, dequantize: bool = False, fmt: str | None = None, merge: bool = False
 ) -> tuple[ModelView, ModelView, object]:
     """(source view, view to write, plan or None). Plan problems are PlanErrors naming the file.
     With `dequantize` the source is read with its quantized weights as bf16 (`ModelView.dequantized`);
     with an output format `fmt`, under the names its framework's writer reads (`ModelView.named_for`:
-    a Hugging Face source written as a Megatron checkpoint is read under megatron-core names)."""
+    a Hugging Face source written as a Megatron checkpoint is read under megatron-core names); with
+    `merge`, kept experts are their clusters' frequency-weighted means (`prune.MERGE_RULE`)."""
     source = open_checkpoint(ckpt)
     if dequantize:
         source = source.dequantized()
@@ -108,16 +114,16 @@ def open_views(
 
     plan = load_plan(plan_path)
     try:
-        return source, PrunedView(source, plan), plan
+        return source, PrunedView(source, plan, merge=merge), plan
     except PlanError as err:
         raise PlanError(f"{plan_path}: {err} (checkpoint {ckpt})") from None
 
 
-def bytes_only(ckpt: Path, fmt: str, dequantize: bool) -> bool:
+def bytes_only(ckpt: Path, fmt: str, dequantize: bool, merge: bool = False) -> bool:
     """Whether writing moves bytes only, so tensors need no torch (`core.tensors`): a legacy
-    source written as legacy, not dequantized. torch_dist and Hugging Face writers, and their
-    readers, keep torch tensors."""
-    return fmt == "legacy" and not dequantize and detect_format(ckpt) == "legacy"
+    source written as legacy, neither dequantized nor merged. torch_dist and Hugging Face writers,
+    and their readers, keep torch tensors."""
+    return fmt == "legacy" and not (dequantize or merge) and detect_format(ckpt) == "legacy"
 
 
 def target_options(req: ConvertRequest, plan) -> TargetOptions:
@@ -228,6 +234,7 @@ def _manifest_info(
             "path": relative_to_output(req.plan, req.out),
             "sha256": plan_fingerprint(req.plan),
             "method": plan.method,
+            **({"merged_clusters": MERGE_RULE} if isinstance(view, PrunedView) and view.merged else {}),
         },
         "dropped_args": unsafe_args(source.args, needed=DEFAULTS),
         "target": {
@@ -275,15 +282,20 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
     from mcore_proxy.core.output import check_free_space, check_output_path, output_lock, write_failure
 
     fmt = output_format(req)
-    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize, fmt)
+    source, view, plan = open_views(req.ckpt, req.plan, req.dequantize, fmt, req.merge)
     written_naming(view, req.target.naming, fmt)  # MindSpeed-LLM names: legacy output of MLA models only
+    if req.merge and holds_quantized(source):
+        raise ProxyError(
+            f"{req.ckpt}: holds quantized expert weights, which --merge-clusters cannot average; add --dequantize"
+        )
     if req.target.tp_extend_ep and fmt != "legacy":
         raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
     writer = writer_of(fmt)
     target = writer.target(view, target_options(req, plan))
     writer.check(view, target)
     units = writer.units(view, target)
-    read = sum(tensor_nbytes(view, n) for n in view.names())
+    sources = view.sources if isinstance(view, PrunedView) else lambda n: [n]
+    read = sum(tensor_nbytes(view, n) * len(sources(n)) for n in view.names())
     flags = [] if target is None else launch_flags(view, target, plan)
     result = ConvertResult(
         req.out,
@@ -296,6 +308,7 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
         flags,
         unsafe_args(source.args, needed=DEFAULTS),
         format=fmt,
+        merged=isinstance(view, PrunedView) and view.merged,
     )
     needed = result.output_bytes = sum(u.nbytes for u in units) + (len(units) + 3) * FILE_OVERHEAD
     prep = Prepared(source, view, plan, target, fmt, writer, units, result, needed)
@@ -317,7 +330,7 @@ def convert(
 ) -> ConvertResult:
     """Run one conversion; every check happens before the first byte is written (`prepare`)."""
     return_freed_buffers_to_os()
-    host = bytes_only(req.ckpt, output_format(req), req.dequantize)
+    host = bytes_only(req.ckpt, output_format(req), req.dequantize, req.merge)
     if not (dry_run or host):
         expect_torch()
     start = time.perf_counter()
@@ -381,6 +394,7 @@ def _unit_worker(
     ckpt: str,
     plan: str | None,
     dequantize: bool,
+    merge: bool,
     fmt: str,
     target: ParallelLayout | None,
     root: str,
@@ -389,8 +403,8 @@ def _unit_worker(
 ) -> list[list[dict]]:
     """One worker process: reopen the views (cheap: metadata only) and write its units."""
     return_freed_buffers_to_os()
-    with host_tensors(bytes_only(Path(ckpt), fmt, dequantize)):
-        _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize, fmt)
+    with host_tensors(bytes_only(Path(ckpt), fmt, dequantize, merge)):
+        _, view, _ = open_views(Path(ckpt), Path(plan) if plan else None, dequantize, fmt, merge)
         results = _write_here(view, writer_of(fmt), Path(root), target, units, progress)
     hold("write")
     return [[dataclasses.asdict(f) for f in files] for files in results]
@@ -408,6 +422,7 @@ def _write_units(req: ConvertRequest, prep: Prepared, root: Path, progress) -> l
             str(req.ckpt),
             str(req.plan) if req.plan else None,
             req.dequantize,
+            req.merge,
             prep.format,
             prep.target,
             str(root),

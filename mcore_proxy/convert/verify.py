@@ -29,6 +29,7 @@ class VerifyReport:
     checked_bytes: int = 0
     problems: list[str] = field(default_factory=list)
     functional: dict | None = None
+    merged: bool = False  # the expected kept experts are recomputed cluster means (--merge-clusters)
 
     @property
     def ok(self) -> bool:
@@ -95,14 +96,25 @@ def compare_arg_fields(source: ModelView, proxy: ModelView, dropped, report: Ver
             report.problems.append(f"args {name} is {have[name]!r}, expected the source's {value!r}")
 
 
-def recorded_dropped_args(proxy: Path) -> list[str]:
-    """The args fields the proxy's manifest says convert dropped (none without a readable manifest:
-    `check_manifest` reports that)."""
+def _manifest(proxy: Path) -> dict:
+    """The proxy's manifest.json as a dict ({} when unreadable: `check_manifest` reports that)."""
     try:
-        dropped = json.loads((Path(proxy) / MANIFEST).read_bytes()).get("dropped_args", {})
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return []
+        doc = json.loads((Path(proxy) / MANIFEST).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def recorded_dropped_args(proxy: Path) -> list[str]:
+    """The args fields the proxy's manifest says convert dropped."""
+    dropped = _manifest(proxy).get("dropped_args", {})
     return [str(k) for k in dropped] if isinstance(dropped, dict) else []
+
+
+def recorded_merge(proxy: Path) -> bool:
+    """Whether the proxy's manifest says convert merged the plan's clusters (--merge-clusters)."""
+    plan = _manifest(proxy).get("plan")
+    return isinstance(plan, dict) and "merged_clusters" in plan
 
 
 def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, progress: bool = True) -> VerifyReport:
@@ -115,6 +127,13 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     return_freed_buffers_to_os()
     expect_torch()  # it compares tensors
     plan = load_plan(plan_path)
+    merged = recorded_merge(proxy)
+    if functional and merged:
+        raise ProxyError(
+            f"{proxy}: was written with --merge-clusters, so its experts are cluster means and not the source's "
+            "restricted to the kept ones by design; leave out --functional (the means are recomputed from "
+            "the source and compared bit for bit)"
+        )
     source = open_checkpoint(orig)
     proxy_view = open_checkpoint(proxy)
     frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
@@ -123,10 +142,10 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     if holds_quantized(source) and not holds_quantized(proxy_view):
         source = source.dequantized()  # the proxy was written with --dequantize
     try:
-        expected = PrunedView(source, plan)
+        expected = PrunedView(source, plan, merge=merged)
     except PlanError as err:  # as convert says it: the plan file and the checkpoint
         raise PlanError(f"{plan_path}: {err} (checkpoint {orig})") from None
-    report = VerifyReport()
+    report = VerifyReport(merged=merged)
     compare_args(plan, proxy_view, source, report)
     compare_arg_fields(source, proxy_view, recorded_dropped_args(proxy), report)
     total = sum(tensor_nbytes(expected, n) for n in expected.names())
