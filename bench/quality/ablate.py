@@ -1,7 +1,7 @@
 """The selection ablation of issue 13, by one command, through the real pipeline.
 
     nice -n 10 python -m bench.quality.ablate            # both shapes; trains them when missing
-    python -m bench.quality.ablate --smoke               # seconds: a tiny untrained model, 6 rows
+    python -m bench.quality.ablate --smoke               # seconds: a tiny untrained model, 7 rows
 
 For each shape: the trained checkpoint (`train.trained_checkpoint`), routing statistics traced
 by `mcore_proxy.trace` on calibration problems of the train split and merged with `mcore-proxy
@@ -55,6 +55,7 @@ class Row:
     family: str  # "ours", "paper", "pair", "single", "baseline"
     argv: tuple[str, ...]  # extra `mcore-proxy select` arguments
     distill_steps: int = 0  # then `mcore-proxy distill` for this many steps (changes weights)
+    convert_argv: tuple[str, ...] = ()  # extra `mcore-proxy convert` arguments (--merge-clusters)
 
 
 def k_values(model) -> list[int]:
@@ -86,6 +87,7 @@ def rows() -> list[Row]:
     out += [Row(f"random seed {r}", "random", ("--method", "random", "--seed", str(r))) for r in RANDOM_SEEDS]
     out += [Row(name, "ours", argv) for name, argv in EXTRA_ROWS + TOPK_ROWS]
     out += [Row(DISTILLED, "changes weights", PAPER_ARGV, DISTILL_STEPS)]
+    out += [Row(MERGED, "changes weights", PAPER_ARGV, convert_argv=("--merge-clusters",))]
     return out
 
 
@@ -130,6 +132,7 @@ TOPK_ROWS: list[tuple[str, tuple[str, ...]]] = [
 # issue 24 item 3: the paper's proxy, then a short distillation against the original (opt-in: not bit for bit)
 DISTILL_STEPS = 300
 DISTILLED = f"multiview (paper) + distillation, {DISTILL_STEPS} steps (changes weights)"
+MERGED = "multiview (paper) + frequency-weighted cluster merging (changes weights)"
 
 
 def distill_tokens(work: Path, steps: int, first: int = CALIB_PROBLEMS, batch: int = 64) -> Path:
@@ -179,7 +182,7 @@ def measure(ckpt: Path, stats: Path, k: int, row: Row, work: Path, test, ref, te
     t0 = time.time()
     cli("select", "--ckpt", ckpt, "--stats", stats, "-k", k, *row.argv, "-o", plan_path)
     t1 = time.time()
-    cli("convert", ckpt, "--plan", plan_path, "-o", proxy)
+    cli("convert", ckpt, "--plan", plan_path, "-o", proxy, *row.convert_argv)
     if row.distill_steps:
         distilled = work / "distilled"
         tokens = distill_tokens(work, row.distill_steps)
@@ -223,12 +226,13 @@ def run_shape(
     ks = k_values(model)
     measure_ks = [k for k in ks if not only_k or k in only_k]
     selected = rows()
-    if smoke:  # one of each kind: the default, the paper's, two beyond it, random over 2 seeds
+    if smoke:  # one of each kind: the default, the paper's, two beyond it, a merge, random over 2 seeds
         keep = (
             "default",
             PAPER,
             "multiview + reconstruction representatives",
             "reconstruction pruning (no clusters)",
+            MERGED,
             "random seed 0",
             "random seed 1",
         )
@@ -652,7 +656,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", action="append", choices=tuple(qmodel.SHAPES))
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: the cache)")
-    p.add_argument("--smoke", action="store_true", help="tiny untrained model, 6 rows: seconds")
+    p.add_argument("--smoke", action="store_true", help="tiny untrained model, 7 rows: seconds")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md and PNGs")
     p.add_argument("--k", type=int, nargs="+", metavar="K", help="only these K (default: 50, 37.5, 25 %% of E)")
     p.add_argument(

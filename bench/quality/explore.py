@@ -10,11 +10,20 @@ kept):
 - `proxy top-k N`: the same experts, N per token (`select --proxy-topk N`, built into the tool);
 - `router refit`: the kept experts' router rows refitted (Adam, full batch) on the router inputs of
   calibration problems so that each token's gates approximate the original's gate mass summed per
-  cluster (a dropped expert's share goes to its cluster's kept expert); expert weights untouched.
+  cluster (a dropped expert's share goes to its cluster's kept expert); expert weights untouched
+  (`--no-refit` leaves it out: it is the slowest);
+- `frequency-weighted merge`: each kept expert := its cluster's members' mean weighted by their
+  routed-selection counts (the rule of `convert --merge-clusters`, here applied in memory as the
+  control of the next two);
+- `..., neurons aligned`: each member's F hidden neurons permuted to match the kept expert's first
+  (Hungarian matching on the cosine of gate, up and down weights), since averaging experts trained
+  apart may blur unaligned neurons;
+- `..., router rows merged too`: the kept expert's router row := the same mean of its members' rows.
 
-The distillation explored here first is now `mcore-proxy distill`, measured by ablate.py's row of it; the
-refit is not in `mcore-proxy`: this script is where it was measured. Prints one line per
-variant and writes `explore-{shape}-K{k}.json` into the work folder.
+The distillation explored here first is now `mcore-proxy distill` and the plain merge is `convert
+--merge-clusters`, each measured by ablate.py's row of it; the refit, the alignment and the merged router
+rows are not in `mcore-proxy`: this script is where they were measured (bench/RESULTS.md). Prints one line
+per variant and writes `explore-{shape}-K{k}.json` into the work folder.
 """
 
 from __future__ import annotations
@@ -90,6 +99,60 @@ def refit_routers(gpt, proxy, plan, inputs: dict[str, torch.Tensor], topk: int, 
             proxies[lid].weight.copy_(rows.to(proxies[lid].weight.dtype))
 
 
+def experts_of(gpt) -> dict[str, list]:
+    """Layer id -> its SequentialMLP's local experts (linear_fc1 [2F, H] gate;up, linear_fc2 [H, F])."""
+    out = {}
+    for lid, router in metrics.routers(gpt).items():
+        layer = gpt.decoder.layers[int(lid)]
+        out[lid] = list(layer.mlp.experts.local_experts)
+    return out
+
+
+def align(rep, member) -> torch.Tensor:
+    """The permutation p of `member`'s F hidden neurons that best matches `rep`'s (Hungarian on the
+    cosine of each neuron's gate, up and down weights): member neuron p[i] plays rep's neuron i."""
+    from scipy.optimize import linear_sum_assignment
+
+    def features(e):
+        w1, w2 = e.linear_fc1.weight.detach().float(), e.linear_fc2.weight.detach().float()
+        f = w2.shape[1]
+        feats = torch.cat([w1[:f], w1[f:], w2.T], 1)  # [F, 3H]
+        return torch.nn.functional.normalize(feats, dim=1)
+
+    sim = features(rep) @ features(member).T  # [F, F]
+    rows, cols = linear_sum_assignment(-sim.numpy())
+    return torch.as_tensor(cols)[torch.as_tensor(rows).argsort()]
+
+
+@torch.no_grad()
+def merge_clusters(gpt, proxy, plan, freq: dict, aligned: bool, router: bool = False) -> None:
+    """Each kept expert of `proxy` := the frequency-weighted mean of its cluster's members in `gpt`
+    (with `router`, its router row too)."""
+    originals, proxies = experts_of(gpt), experts_of(proxy)
+    orouters, prouters = metrics.routers(gpt), metrics.routers(proxy)
+    for lid in plan.layer_ids:
+        kept = plan.kept(lid)
+        for c in plan.layers[lid].clusters:
+            w = torch.tensor([float(freq[lid][m]) for m in c.members])
+            w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(w))
+            rep = originals[lid][c.representative]
+            f = rep.linear_fc2.weight.shape[1]
+            fc1 = torch.zeros_like(rep.linear_fc1.weight)
+            fc2 = torch.zeros_like(rep.linear_fc2.weight)
+            for wm, m in zip(w, c.members):
+                e = originals[lid][m]
+                p = align(rep, e) if aligned and m != c.representative else torch.arange(f)
+                w1 = e.linear_fc1.weight
+                fc1 += wm * torch.cat([w1[:f][p], w1[f:][p]])
+                fc2 += wm * e.linear_fc2.weight[:, p]
+            target = proxies[lid][kept.index(c.representative)]
+            target.linear_fc1.weight.copy_(fc1)
+            target.linear_fc2.weight.copy_(fc2)
+            if router:
+                rows = orouters[lid].weight[list(c.members)]
+                prouters[lid].weight[kept.index(c.representative)] = (w[:, None] * rows).sum(0)
+
+
 def summary(r: dict) -> dict:
     """Per-layer measures as their mean over layers (kept per layer under `layers`)."""
     out = {k: v for k, v in r.items() if not isinstance(v, dict)}
@@ -104,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(qmodel.SHAPES), default="fine")
     p.add_argument("--k", type=int, required=True)
     p.add_argument("--topks", type=int, nargs="*", default=None, help="proxy top-k values to try (default 2, 4)")
+    p.add_argument("--no-refit", action="store_true", help="leave out the router refit (the slowest variant)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: the cache)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -142,10 +206,21 @@ def main(argv=None) -> int:
             t0 = time.time()
             plan_n, proxy_n = proxy_of(ckpt, stats, args.k, work, "--proxy-topk", str(n))
             record(f"proxy top-k {n}", plan_n, proxy_n, t0)
-        t0 = time.time()
-        plan, proxy = proxy_of(ckpt, stats, args.k, work)
-        refit_routers(gpt, proxy, plan, router_inputs(gpt, calib), model.topk)
-        record("router refit (weights of the experts untouched)", plan, proxy, t0)
+        if not args.no_refit:
+            t0 = time.time()
+            plan, proxy = proxy_of(ckpt, stats, args.k, work)
+            refit_routers(gpt, proxy, plan, router_inputs(gpt, calib), model.topk)
+            record("router refit (weights of the experts untouched)", plan, proxy, t0)
+        from mcore_proxy.core.stats import load_stats
+
+        loaded = load_stats(stats)
+        freq = {lid: loaded.layers[lid].freq for lid in loaded.layer_ids}
+        for aligned, router in ((False, False), (True, False), (False, True)):
+            t0 = time.time()
+            plan, proxy = proxy_of(ckpt, stats, args.k, work)
+            merge_clusters(gpt, proxy, plan, freq, aligned, router)
+            label = ", neurons aligned" if aligned else ", router rows merged too" if router else ""
+            record(f"frequency-weighted merge{label}", plan, proxy, t0)
     finally:
         destroy_distributed()
     return 0

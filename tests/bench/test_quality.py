@@ -65,6 +65,7 @@ def test_ablation_smoke_runs_the_real_pipeline(tmp_path):
         "multiview, partners (paper)",
         "multiview + reconstruction representatives",
         "reconstruction pruning (no clusters)",
+        "multiview (paper) + frequency-weighted cluster merging (changes weights)",
         "random (2 seeds, mean ± sd)",
         "original (all 8 experts)",
     ]
@@ -74,6 +75,9 @@ def test_ablation_smoke_runs_the_real_pipeline(tmp_path):
     kl = {k: float(c[1]) for k, c in cells.items()}
     cos = {k: float(c[2]) for k, c in cells.items()}
     assert 0 < kl[4] < kl[2] and cos[2] < cos[4] < 1.0
+    # the merged row is the paper's selection with other expert weights: other outputs at every K
+    merged = [ln for ln in rows if ln.startswith("| multiview (paper) + frequency-weighted")][0].split(" | ")[1:]
+    assert all(m.split(" / ")[1] != p.split(" / ")[1] for m, p in zip(merged, rows[2].split(" | ")[1:]))
     # issue 24's measures: the fewer experts kept, the less of the original's gate mass they hold
     table = r.stdout.split("| method | K=4 (50%) acc ± se")[1].splitlines()
     default = [ln for ln in table if ln.startswith("| default |")][0].split(" | ")[1:]
