@@ -19,8 +19,10 @@
 Finished runs are kept and not repeated (delete a run's folder to redo it). Issue 24 asks at which K
 the faults still reproduce: `--num-experts K` builds another proxy (K of 16) beside the default 8, and
 `--distill-steps N` then distills it against the original (`mcore-proxy distill`, opt-in: it changes
-weights); the original's runs are shared, each proxy's runs and verdicts are its own
-(`runs/proxy-k4-...`, `results-proxy-k4.json`); `--summary` prints one row per proxy run so far.
+weights), or `--merge-clusters` converts it with each kept expert its cluster's frequency-weighted mean
+(`convert --merge-clusters`, opt-in: it changes weights); the original's runs are shared, each proxy's
+runs and verdicts are its own (`runs/proxy-k4-...`, `results-proxy-k4.json`); `--summary` prints one row
+per proxy run so far.
 """
 
 from __future__ import annotations
@@ -107,11 +109,11 @@ def _trace_worker(rank: int, ckpt: str, out: str, count: int) -> None:
         destroy_distributed()
 
 
-def proxy_label(num_experts: int, distill_steps: int) -> str:
-    """The proxy's name in run folders: `proxy` for the recorded 8 of 16, else `proxy-k4[-distilled]`."""
-    if num_experts == NUM_EXPERTS and not distill_steps:
+def proxy_label(num_experts: int, distill_steps: int, merged: bool = False) -> str:
+    """The proxy's name in run folders: `proxy` for the recorded 8 of 16, else `proxy-k4[-merged][-distilled]`."""
+    if num_experts == NUM_EXPERTS and not (distill_steps or merged):
         return "proxy"
-    return f"proxy-k{num_experts}" + ("-distilled" if distill_steps else "")
+    return f"proxy-k{num_experts}" + ("-merged" if merged else "") + ("-distilled" if distill_steps else "")
 
 
 def own(name: str, label: str) -> str:
@@ -130,10 +132,12 @@ def _run_cli(*args) -> None:
         raise SystemExit(f"mcore-proxy {args[0]} failed ({proc.returncode})")
 
 
-def build_proxy(original: Path, work: Path, num_experts: int = NUM_EXPERTS, distill_steps: int = 0) -> Path:
+def build_proxy(
+    original: Path, work: Path, num_experts: int = NUM_EXPERTS, distill_steps: int = 0, merged: bool = False
+) -> Path:
     import torch
 
-    label = proxy_label(num_experts, distill_steps)
+    label = proxy_label(num_experts, distill_steps, merged)
     proxy = work / label
     if (proxy / "manifest.json").is_file() or (proxy / "distill.json").is_file():
         return proxy
@@ -150,7 +154,7 @@ def build_proxy(original: Path, work: Path, num_experts: int = NUM_EXPERTS, dist
     _run_cli("select", "--ckpt", original, "--stats", stats, "--num-experts", num_experts, "--target-ep", 1, "-o", plan)
     pruned = proxy.with_name(proxy.name + "-pruned") if distill_steps else proxy
     shutil.rmtree(pruned, ignore_errors=True)
-    _run_cli("convert", original, "--plan", plan, "-o", pruned, "--target-ep", 1)
+    _run_cli("convert", original, "--plan", plan, "-o", pruned, "--target-ep", 1, *(["--merge-clusters"] * merged))
     if distill_steps:
         from bench.quality import task
         from bench.quality.ablate import distill_tokens
@@ -295,18 +299,23 @@ def summary(work: Path) -> str:
     """One markdown row per proxy run so far in `work` (results*.json): K, distillation, greedy
     test accuracy, and the exit code of `compare` on the paper's metrics of each pair (0: consistent)."""
     lines = [
-        "| proxy | K of 16 | distill steps | test exact match (original) | precision | omission | different | "
+        "| proxy | K of 16 | distill steps | clusters merged | test exact match (original) | precision | omission | "
+        "different | "
         "both faults reproduced, different pair told apart |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [json.loads(p.read_text()) for p in sorted(work.glob("results*.json"))]
-    for r in sorted(rows, key=lambda r: (-r["num_experts"][1], r.get("distill_steps", 0))):
-        label = proxy_label(r["num_experts"][1], r.get("distill_steps", 0))
+    for r in sorted(
+        rows, key=lambda r: (-r["num_experts"][1], r.get("merged_clusters", False), r.get("distill_steps", 0))
+    ):
+        merged = r.get("merged_clusters", False)
+        label = proxy_label(r["num_experts"][1], r.get("distill_steps", 0), merged)
         acc = r["test_accuracy_greedy"]
         exits = {pair: v["paper"]["exit"] for pair, v in r["verdicts"].items()}
         ok = all(v["as_expected"] for v in r["verdicts"].values())
         lines.append(
-            f"| {label} | {r['num_experts'][1]} | {r.get('distill_steps', 0)} | {acc[label]:.3f} "
+            f"| {label} | {r['num_experts'][1]} | {r.get('distill_steps', 0)} | {'yes' if merged else 'no'} "
+            f"| {acc[label]:.3f} "
             f"({acc['original']:.3f}) | {exits['precision']} | {exits['omission']} | {exits['different']} | "
             f"{'yes' if ok else 'no'} |"
         )
@@ -337,14 +346,15 @@ def main(argv=None) -> int:
     p.add_argument("--record", action="store_true", help="write bench/RESULTS.md's section and pictures")
     p.add_argument("--num-experts", type=int, default=NUM_EXPERTS, help="K of the proxy (of 16)")
     p.add_argument("--distill-steps", type=int, default=0, help="then distill the proxy (changes weights)")
+    p.add_argument("--merge-clusters", action="store_true", help="convert with --merge-clusters (changes weights)")
     p.add_argument("--summary", action="store_true", help="print the verdicts of every proxy run in --work, and stop")
     args = p.parse_args(argv)
     if args.summary:
         print(summary(Path(args.work)))
         return 0
-    label = proxy_label(args.num_experts, args.distill_steps)
+    label = proxy_label(args.num_experts, args.distill_steps, args.merge_clusters)
     if args.record and label != "proxy":
-        p.error(f"--record writes the recorded demonstration's section (K={NUM_EXPERTS}, no distillation)")
+        p.error(f"--record writes the recorded demonstration's section (K={NUM_EXPERTS}, weights not changed)")
     work = Path(args.work).absolute()
     work.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(REPO)]
@@ -352,7 +362,7 @@ def main(argv=None) -> int:
 
     t_all = time.time()
     original = trained_checkpoint("coarse")
-    proxy = build_proxy(original, work, args.num_experts, args.distill_steps)
+    proxy = build_proxy(original, work, args.num_experts, args.distill_steps, args.merge_clusters)
     ckpts = {"original": original, label: proxy}
     accuracy_file = work / own("accuracy.json", label)
     if not accuracy_file.is_file():
@@ -404,6 +414,7 @@ def main(argv=None) -> int:
         "proxy": str(proxy),
         "num_experts": [16, args.num_experts],
         "distill_steps": args.distill_steps,
+        "merged_clusters": args.merge_clusters,
         "training": {k: training_report("coarse")[k] for k in ("train_seconds", "accuracy")},
         "test_accuracy_greedy": json.loads(accuracy_file.read_text()),
         "steps": args.steps,
