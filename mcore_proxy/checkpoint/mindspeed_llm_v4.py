@@ -66,7 +66,7 @@ from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER, canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.core.tensors import cast, cat
-from mcore_proxy.mcore.megatron_args import arg_int
+from mcore_proxy.mcore.megatron_args import arg_float, arg_int, arg_list
 from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
 
@@ -354,33 +354,35 @@ _MINDSPEED_ONLY = (
 def mindspeed_args(args):
     """MindSpeed-LLM's DeepSeek-V4 args from Megatron-LM dev `args` (a copy): its field names and
     meanings, MindSpeed-LLM's local spec and `deepseek4` position embedding."""
-    head_dim = int(args.v_head_dim)
-    factor = float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0)
+    head_dim = arg_int(args, "v_head_dim", minimum=1)
+    factor = arg_float(args, "rotary_scaling_factor")
+    layers = arg_int(args, "num_layers", minimum=1)
     out = copy.copy(args)
     fields = dict(
         enable_mhc=True,
-        hc_mult=int(args.num_residual_streams),
-        hc_sinkhorn_iters=int(getattr(args, "mhc_sinkhorn_iterations", 20)),
+        hc_mult=arg_int(args, "num_residual_streams", minimum=1),
+        hc_sinkhorn_iters=arg_int(args, "mhc_sinkhorn_iterations", minimum=1),
         hc_eps=1e-6,
-        n_hash_layers=int(getattr(args, "moe_n_hash_layers", 0) or 0),
-        compress_ratios=[int(r) for r in args.csa_compress_ratios][: int(args.num_layers)],  # no MTP entries
-        sliding_window_size=int(args.csa_window_size),
-        compress_rope_theta=float(args.csa_compress_rotary_base),
+        n_hash_layers=arg_int(args, "moe_n_hash_layers", maximum=layers),
+        # no MTP entries
+        compress_ratios=arg_list(args, "csa_compress_ratios", needed="DeepSeek-V4")[:layers],
+        sliding_window_size=arg_int(args, "csa_window_size", minimum=1),
+        compress_rope_theta=arg_float(args, "csa_compress_rotary_base"),
         rope_factor=factor,
         rope_scaling_type="yarn" if factor != 1.0 else None,
-        original_seq_len=int(getattr(args, "original_max_position_embeddings", None) or 4096) if factor != 1.0 else 0,
-        rope_theta=float(args.rotary_base),
+        original_seq_len=arg_int(args, "original_max_position_embeddings", minimum=1) if factor != 1.0 else 0,
+        rope_theta=arg_float(args, "rotary_base"),
         qk_head_dim=head_dim,
         v_head_dim=head_dim,
         kv_lora_rank=head_dim,
         kv_compress=True,
         qk_layernorm=True,
         multi_latent_attention=True,
-        enable_dsa_indexer=getattr(args, "dsa_indexer_n_heads", None) is not None,
-        index_n_heads=getattr(args, "dsa_indexer_n_heads", None),
-        index_head_dim=getattr(args, "dsa_indexer_head_dim", None),
-        index_topk=getattr(args, "dsa_indexer_topk", None),
-        swiglu_limit=getattr(args, "activation_func_clamp_value", None),
+        enable_dsa_indexer=arg_int(args, "dsa_indexer_n_heads", minimum=1) is not None,
+        index_n_heads=arg_int(args, "dsa_indexer_n_heads", minimum=1),
+        index_head_dim=arg_int(args, "dsa_indexer_head_dim", minimum=1),
+        index_topk=arg_int(args, "dsa_indexer_topk", minimum=1),
+        swiglu_limit=arg_float(args, "activation_func_clamp_value"),
         first_k_dense_replace=-1,
         moe_layer_freq=1,
         position_embedding_type="deepseek4",

@@ -15,7 +15,7 @@ from mcore_proxy.checkpoint.names import GROUPED, OUTPUT_LAYER, SEQUENTIAL, embe
 from mcore_proxy.checkpoint.safe_globals import writable_args
 from mcore_proxy.checkpoint.view import holds_fp8
 from mcore_proxy.core.errors import CheckpointError, ProxyError
-from mcore_proxy.mcore.megatron_args import DEFAULTS
+from mcore_proxy.mcore.megatron_args import DEFAULTS, arg, arg_bool, arg_int, arg_str, num_query_groups
 from mcore_proxy.mcore.sharding import TE_SPEC, rule_for
 
 
@@ -58,10 +58,13 @@ def check_fits(view, target: ParallelLayout) -> None:
             f"{spec.num_experts} experts do not divide over target EP={target.ep}; "
             "choose an expert-parallel size that divides the expert count"
         )
-    for attr in ("num_attention_heads", "num_query_groups"):
-        n = getattr(view.args, attr, None) if view.args is not None else None
-        if n and int(n) % target.tp:
-            raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
+    if view.args is not None:
+        # query groups as megatron-core counts them: without group_query_attention the saved
+        # num_query_groups (argparse's 1) is ignored and every head is its own group
+        heads, groups = arg_int(view.args, "num_attention_heads", minimum=1), num_query_groups(view.args)
+        for attr, n in (("num_attention_heads", heads), ("num_query_groups", groups)):
+            if n % target.tp:
+                raise CheckpointError(f"{attr}={n} does not divide over target TP={target.tp}")
     for name in view.names():
         rule = rule_for(name, view.layer_spec)
         parts, shape = rule.parts(target), view.shape(name)
@@ -75,7 +78,7 @@ def check_fits(view, target: ParallelLayout) -> None:
 def refuse_dsv4_tp(view, target: ParallelLayout) -> None:
     """Megatron-LM dev's DeepSeek-V4 at TP > 1 (writers, on the view under the names they write:
     MindSpeed-LLM's DeepSeek-V4 is tensor parallel, checkpoint/mindspeed_llm_v4.py)."""
-    if target.tp > 1 and getattr(view.args, "experimental_attention_variant", None) == "dsv4_hybrid":
+    if target.tp > 1 and arg_str(view.args, "experimental_attention_variant") == "dsv4_hybrid":
         raise CheckpointError(
             f"target TP={target.tp}: Megatron-LM runs DeepSeek-V4's hybrid attention at tensor-parallel "
             "size 1 only (deepseek_v4_hybrid_attention.py); give --target-tp 1 and spread the "
@@ -264,7 +267,7 @@ def target_args(view, target: ParallelLayout):
         updates.update(
             decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None, num_layer_list=None
         )
-    elif getattr(args, "num_layer_list", None):  # MindSpeed spelling of uneven stages
+    elif arg(args, "num_layer_list"):  # MindSpeed spelling of uneven stages
         updates["num_layer_list"] = ",".join(map(str, counts)) if target.uneven else None
     else:
         updates["decoder_first_pipeline_num_layers"], updates["decoder_last_pipeline_num_layers"] = first_last(counts)
@@ -279,7 +282,7 @@ def _overlap_p2p(view, args, vpp: int | None) -> bool:
     if not vpp:
         return False
     src = view.info.layout
-    return bool(getattr(args, "overlap_p2p_comm", True)) if src is not None and src.vpp > 1 else True
+    return arg_bool(args, "overlap_p2p_comm") if src is not None and src.vpp > 1 else True
 
 
 def checkpoint_version(view) -> float:

@@ -350,20 +350,22 @@ def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Fa
     `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether
     the output layer is the word embeddings (`checkpoint.names.embeddings_tied` of the view); None:
     only when args say so explicitly (`untie_embeddings_and_output_weights` False)."""
+    from mcore_proxy.mcore import megatron_args as ma
     from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
-    from mcore_proxy.mcore.megatron_args import arg, ffn_hidden_size
     from mcore_proxy.mcore.spec import ModelSpec
 
     spec = ModelSpec.from_args(args)
     # absent in older Megatron's args: its default (megatron_args.DEFAULTS), as ModelSpec reads it
-    freq = parse_layer_pattern(arg(args, "moe_layer_freq"), "args moe_layer_freq")
-    mla = bool(getattr(args, "multi_latent_attention", False))
+    freq = parse_layer_pattern(ma.arg(args, "moe_layer_freq"), "args moe_layer_freq")
+    mla = ma.arg_bool(args, "multi_latent_attention")
+    # explicit only when `tied` is not given: absent, the tensors decide (`names.embeddings_tied`)
+    untie = getattr(args, "untie_embeddings_and_output_weights", True)
     fields = dict(
         attention="mla" if mla else "gqa",
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
-        num_attention_heads=int(args.num_attention_heads),
-        ffn_hidden_size=ffn_hidden_size(args),
+        num_attention_heads=ma.arg_int(args, "num_attention_heads", minimum=1),
+        ffn_hidden_size=ma.ffn_hidden_size(args),
         num_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         topk=spec.topk,
@@ -373,30 +375,23 @@ def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Fa
         expert_bias=spec.expert_bias,
         num_groups=spec.num_groups,
         group_topk=spec.group_topk,
-        vocab_size=int(args.padded_vocab_size),
+        vocab_size=ma.arg_int(args, "padded_vocab_size", minimum=1),
         seq_length=seq_length,
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        qk_layernorm=ma.arg_bool(args, "qk_layernorm"),
         mtp_layers=spec.mtp_layers,
-        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
-        topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
-        pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
-        position_embedding_type=getattr(args, "position_embedding_type", "rope"),
-        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
-        rotary_base=float(getattr(args, "rotary_base", 10000)),
-        rotary_percent=float(getattr(args, "rotary_percent", None) or 1.0),
-        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-        tied_embeddings=(getattr(args, "untie_embeddings_and_output_weights", True) is False) if tied is None else tied,
+        shared_expert_gate=ma.arg_bool(args, "moe_shared_expert_gate"),
+        topk_scaling_factor=ma.arg_float(args, "moe_router_topk_scaling_factor"),
+        pre_softmax=ma.arg_bool(args, "moe_router_pre_softmax"),
+        position_embedding_type=ma.arg_str(args, "position_embedding_type"),
+        norm_epsilon=ma.norm_epsilon(args),
+        rotary_base=ma.arg_float(args, "rotary_base"),
+        rotary_percent=ma.arg_float(args, "rotary_percent"),
+        add_qkv_bias=ma.arg_bool(args, "add_qkv_bias"),
+        tied_embeddings=(untie is False) if tied is None else tied,
     )
     if mla:
-        fields.update(
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_head_dim=args.qk_head_dim,
-            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-            v_head_dim=args.v_head_dim,
-        )
+        mla_sizes = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        fields.update({f: ma.arg_int(args, f, minimum=1) for f in mla_sizes})
     else:
-        fields.update(
-            num_query_groups=getattr(args, "num_query_groups", None), kv_channels=getattr(args, "kv_channels", None)
-        )
+        fields.update(num_query_groups=ma.num_query_groups(args), kv_channels=ma.kv_channels(args))
     return Family(**fields)

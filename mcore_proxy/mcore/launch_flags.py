@@ -7,6 +7,8 @@ parallel-layout flags are added by `convert` for the target layout.
 
 from __future__ import annotations
 
+from mcore_proxy.mcore.megatron_args import arg_bool, rope_type
+
 # (args field, flag, kind): "value" prints `--flag V` when set, "true" prints `--flag` when true,
 # "list" prints a Python list (Megatron parses `--moe-layer-freq` as one), "spaced" a list as
 # space-separated whole numbers (argparse `nargs="+"`), "int" a whole number;
@@ -82,12 +84,13 @@ def _show(value) -> str:
 
 
 def model_flags(args, table=FLAGS) -> list[str]:
-    """The model-shape flags of `args` by `table` (FLAGS, or a framework's own of the same form)."""
-    mla, gqa = bool(getattr(args, "multi_latent_attention", False)), bool(getattr(args, "group_query_attention", False))
-    yarn = getattr(args, "rope_type", None) == "yarn"
-    flags = ["--disable-bias-linear"] if getattr(args, "add_bias_linear", True) is False else []
+    """The model-shape flags of `args` by `table` (FLAGS, or a framework's own of the same form).
+    A field the args lack prints no flag: Megatron-LM then takes the same default we would read."""
+    mla, gqa = arg_bool(args, "multi_latent_attention"), arg_bool(args, "group_query_attention")
+    yarn = rope_type(args) == "yarn"
+    flags = [] if arg_bool(args, "add_bias_linear") else ["--disable-bias-linear"]
     for field, flag, kind in table:
-        value = getattr(args, field, None)
+        value = getattr(args, field, None)  # explicit only (see above)
         if value is None or value is False:
             continue
         if kind == "true":

@@ -66,12 +66,17 @@ def test_an_absent_field_without_a_default_is_one_sentence(megatron_ckpt, proxy_
 
 
 def test_a_crash_inside_verify_functional_is_an_internal_error(megatron_ckpt, proxy_plan, tmp_path, capsys):
-    """megatron-core itself refuses the model (hidden 32 over 3 heads): the check could not run, exit 3."""
+    """megatron-core itself refuses the model (3 heads of 8 channels, weights made for 4 heads): the
+    check could not run, exit 3. Without kv_channels the same args are bad input (exit 2): Megatron
+    derives kv_channels as hidden 32 / 3 heads, which does not exist (issue 40 item 4)."""
     ckpt, _ = megatron_ckpt(FIXTURE)
     plan_path, _ = proxy_plan(FIXTURE)
-    odd = edited_copy(ckpt, tmp_path / "odd", lambda a: setattr(a, "num_attention_heads", 3))
+    underived = edited_copy(ckpt, tmp_path / "underived", lambda a: setattr(a, "num_attention_heads", 3))
+    odd = edited_copy(underived, tmp_path / "odd", lambda a: setattr(a, "kv_channels", 8))
     out = tmp_path / "proxy"
     assert run(capsys, "convert", odd, "--plan", plan_path, "-o", out, "--target-tp", "1", "--target-ep", "1")[0] == 0
+    code, _, err = run(capsys, "verify", "--orig", underived, "--proxy", out, "--plan", plan_path, "--functional")
+    assert code == 2 and "lack kv_channels and hidden_size 32 is not a multiple of num_attention_heads 3" in err, err
     argv = ["verify", "--orig", odd, "--proxy", out, "--plan", plan_path, "--functional"]
     code, _, err = run(capsys, *argv)
     lines = [line for line in err.splitlines() if line.startswith("mcore-proxy ")]

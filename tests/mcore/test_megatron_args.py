@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 from mcore_proxy.mcore.megatron_args import DEFAULTS, REQUIRED, TRANSFORMER_CONFIG_NAMES, arg, ffn_hidden_size
 from mcore_proxy.mcore.spec import ModelSpec
 
@@ -91,3 +92,126 @@ def test_ffn_hidden_size_follows_megatrons_rule_when_absent():
     assert ffn_hidden_size(argparse.Namespace(hidden_size=96, swiglu=True)) == 256  # int(8*96/3/64)*64
     assert ffn_hidden_size(argparse.Namespace(hidden_size=96)) == 384
     assert arg(argparse.Namespace(), "expert_tensor_parallel_size") is None
+
+
+# -- fields Megatron derives from others, and every field the readers route through the table ----
+
+
+def quickstart_args(**changes):
+    """Args as the quickstart's checkpoint holds them (`functional.model.ToyMoE.megatron_args`):
+    no kv_channels, num_query_groups, group_query_attention, rotary_base, rotary_percent,
+    norm_epsilon, qk_layernorm, add_qkv_bias, untie_embeddings_and_output_weights."""
+    from mcore_proxy.testing.fixtures import FIXTURES
+
+    model, layout = FIXTURES["deepseek_like_pp2_uneven"]
+    args = model.megatron_args(layout)
+    for k, v in changes.items():
+        if v is dataclasses.MISSING:
+            delattr(args, k)
+        else:
+            setattr(args, k, v)
+    return args
+
+
+def test_the_quickstart_args_lack_what_megatron_derives():
+    args = quickstart_args()
+    for field in ("kv_channels", "num_query_groups", "group_query_attention", "rotary_base", "norm_epsilon"):
+        assert not hasattr(args, field), field
+
+
+def test_kv_channels_is_hidden_over_heads_when_absent():
+    assert ma.kv_channels(quickstart_args()) == 32 // 4
+    assert ma.kv_channels(quickstart_args(kv_channels=16)) == 16  # a saved value wins (Qwen3: head_dim)
+    with pytest.raises(
+        CheckpointError, match=r"lack kv_channels and hidden_size 30 is not a multiple of num_attention_heads 4"
+    ):
+        ma.kv_channels(quickstart_args(hidden_size=30))
+    with pytest.raises(CheckpointError, match=r"^args kv_channels in f.pt is '8', expected an integer"):
+        ma.kv_channels(quickstart_args(kv_channels="8"), "f.pt")
+
+
+@pytest.mark.parametrize(
+    "changes,groups",
+    [
+        ({}, 4),  # absent: one group per head
+        # Megatron-LM saves argparse's num_query_groups=1 without --group-query-attention: ignored
+        (dict(group_query_attention=False, num_query_groups=1), 4),
+        (dict(group_query_attention=True, num_query_groups=2), 2),
+        (dict(group_query_attention=True), 1),  # the flag without a count: argparse's 1
+        (dict(group_query_attention=True, num_query_groups=None), 4),  # TransformerConfig: None -> heads
+    ],
+)
+def test_query_groups_as_megatron_core_counts_them(changes, groups):
+    assert ma.num_query_groups(quickstart_args(**changes)) == groups
+
+
+def test_norm_epsilon_of_every_megatron_version():
+    assert ma.norm_epsilon(quickstart_args()) == 1e-5  # absent: Megatron's default
+    assert ma.norm_epsilon(quickstart_args(norm_epsilon=1e-6)) == 1e-6  # Megatron-LM before 0.16
+    assert ma.norm_epsilon(quickstart_args(layernorm_epsilon=1e-6)) == 1e-6  # 0.16: TransformerConfig's name
+
+
+def test_positions_and_rope_type_as_megatron_leaves_them():
+    assert ma.max_position_embeddings(quickstart_args()) == 16
+    assert ma.max_position_embeddings(quickstart_args(max_position_embeddings=dataclasses.MISSING)) == 16
+    assert ma.rope_type(quickstart_args()) == "rope"
+    assert ma.rope_type(quickstart_args(multi_latent_attention=True)) == "yarn"  # MLATransformerConfig's default
+    assert ma.rope_type(quickstart_args(multi_latent_attention=True, rope_type="rope")) == "rope"
+
+
+def test_routed_fields_read_as_megatron_defaults():
+    args = quickstart_args()
+    expect = {
+        "rotary_base": 10000,
+        "rotary_percent": 1.0,
+        "rotary_scaling_factor": 1.0,
+        "kv_lora_rank": 32,
+        "qk_head_dim": 128,
+        "qk_pos_emb_head_dim": 64,
+        "v_head_dim": 128,
+        "csa_window_size": 128,
+        "o_groups": 8,
+        "num_residual_streams": 4,
+        "mhc_sinkhorn_iterations": 20,
+    }
+    assert {k: ma.arg_float(args, k) for k in expect} == expect
+    for field, value in (("qk_layernorm", False), ("add_qkv_bias", False), ("rotary_interleaved", False)):
+        assert ma.arg_bool(args, field) is value, field
+    assert ma.arg_bool(argparse.Namespace(), "add_bias_linear") is True  # --disable-bias-linear turns it off
+    assert ma.arg_str(argparse.Namespace(), "position_embedding_type") == "learned_absolute"
+    assert ma.arg_str(argparse.Namespace(), "normalization") == "LayerNorm"
+    assert ma.topk_scaling_factor(args) == 1.0  # None: no scaling
+    assert ma.arg_float(quickstart_args(rotary_base=None), "rotary_base") == 10000  # None: not set
+
+
+@pytest.mark.parametrize(
+    "read,field,value,says",
+    [
+        (ma.arg_float, "rotary_base", "1e4", "expected a number"),
+        (ma.arg_float, "norm_epsilon", True, "expected a number"),
+        (ma.arg_list, "csa_compress_ratios", "[0, 4]", "expected a list of whole numbers"),
+        (ma.arg_bool, "qk_layernorm", "yes", "expected true or false"),
+        (ma.arg_str, "position_embedding_type", 1, "expected a string"),
+    ],
+)
+def test_routed_fields_of_the_wrong_type_are_refused_by_name(read, field, value, says):
+    with pytest.raises(CheckpointError, match=rf"^args {field} in f.pt is .*{says}"):
+        read(quickstart_args(**{field: value}), field, "f.pt")
+
+
+def test_a_field_a_model_needs_is_named_when_absent():
+    with pytest.raises(CheckpointError, match=r"^the Megatron args in f.pt lack dsa_indexer_topk, which DeepSeek-V3.2"):
+        ma.arg_int(quickstart_args(), "dsa_indexer_topk", "f.pt", needed="DeepSeek-V3.2's indexer")
+
+
+def test_hf_readers_of_the_quickstart_args_get_megatrons_values():
+    """What Megatron -> HF reads of args without the derived fields (issue 40 item 4: the traceback
+    was `args.kv_channels`); the quickstart's model has no HF family (test_hf_megatron_defaults.py)."""
+    from mcore_proxy.checkpoint.hf import gqa
+
+    args = quickstart_args()
+    assert gqa.qkv_groups(args) == (4, 4, 8)
+    config = gqa.decoder_config(args, ModelSpec.from_args(args), rotary_key=True)
+    assert (config["num_key_value_heads"], config["head_dim"], config["rms_norm_eps"]) == (4, 8, 1e-5)
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    assert config["max_position_embeddings"] == 16

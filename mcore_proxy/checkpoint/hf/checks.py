@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _ROUTER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.router\.weight$")
@@ -52,7 +53,7 @@ def check_optional_tensors(view) -> None:
         for leaf, arg, anchor in _OPTIONAL:
             if not m or m.group(2) != anchor:
                 continue
-            said, held = bool(getattr(view.args, arg, False)), f"{m.group(1)}.{leaf}" in names
+            said, held = ma.arg_bool(view.args, arg), f"{m.group(1)}.{leaf}" in names
             if said and not held:
                 raise CheckpointError(
                     f"{view.config.path} makes Megatron args {arg}=True but no shard holds "
@@ -92,11 +93,12 @@ def check_config_matches(view) -> None:
             "(mlp.gate.weight); fix config.json or copy the missing shards"
         )
     H, E, F = spec.hidden_size, spec.num_experts, spec.moe_ffn_hidden_size
+    vocab = ma.arg_int(view.args, "padded_vocab_size", minimum=1)
     experts: dict[str, set[int]] = {}
     for name in names:
         shape = view.shape(name)
-        if name == "embedding.word_embeddings.weight" and shape != (view.args.padded_vocab_size, H):
-            raise _fail(view, f"vocab_size={view.args.padded_vocab_size}, hidden_size={H}", name)
+        if name == "embedding.word_embeddings.weight" and shape != (vocab, H):
+            raise _fail(view, f"vocab_size={vocab}, hidden_size={H}", name)
         if _ROUTER.match(name) and shape != (E, H):
             raise _fail(view, f"{_expert_key(view)}={E}, hidden_size={H}", name)
         if m := _EXPERT.match(name):

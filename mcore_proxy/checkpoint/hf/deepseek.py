@@ -31,6 +31,7 @@ from functools import partial
 from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, SHARED_ROWS, Ignored, Row, Table
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 V3, V32 = "DeepSeek-V3", "DeepSeek-V3.2"
 _ARCH = {V3: "DeepseekV3ForCausalLM", V32: "DeepseekV32ForCausalLM"}
@@ -210,29 +211,36 @@ def _args_from_config(config, mtp_layers: int = 0, *, family: str):
     return local_spec_args(**fields)
 
 
+# config.json key -> the Megatron args field of DeepSeek-V3.2's indexer size
+_INDEXER = (
+    ("index_n_heads", "dsa_indexer_n_heads"),
+    ("index_head_dim", "dsa_indexer_head_dim"),
+    ("index_topk", "dsa_indexer_topk"),
+)
+
+
 def _config_from_args(args, spec, *, family: str) -> dict:
     require(
         args,
         [
-            ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), True),
-            ("swiglu", bool(getattr(args, "swiglu", False)), True),
-            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
+            ("multi_latent_attention", ma.arg_bool(args, "multi_latent_attention"), True),
+            ("swiglu", ma.arg_bool(args, "swiglu"), True),
+            ("add_bias_linear", ma.arg_bool(args, "add_bias_linear"), False),
+            ("normalization", ma.arg_str(args, "normalization"), "RMSNorm"),
             ("moe_router_score_function", spec.score_function, "sigmoid"),
         ],
         family,
     )
-    rope_type = getattr(args, "rope_type", "rope") or "rope"
-    rope = {"rope_type": "default", "rope_theta": float(getattr(args, "rotary_base", 10000))}
-    if rope_type == "yarn":
+    rope = {"rope_type": "default", "rope_theta": ma.arg_float(args, "rotary_base")}
+    if ma.rope_type(args) == "yarn":  # also when rope_type is unset: MLA's default is YaRN
         rope.update(
             rope_type="yarn",
-            factor=float(args.rotary_scaling_factor),
-            mscale=float(getattr(args, "mscale", 1.0)),
-            mscale_all_dim=float(getattr(args, "mscale_all_dim", 0.0)),
-            beta_fast=float(getattr(args, "beta_fast", 32)),
-            beta_slow=float(getattr(args, "beta_slow", 1)),
-            original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)),
+            factor=ma.arg_float(args, "rotary_scaling_factor"),
+            mscale=ma.arg_float(args, "mscale"),
+            mscale_all_dim=ma.arg_float(args, "mscale_all_dim"),
+            beta_fast=ma.arg_float(args, "beta_fast"),
+            beta_slow=ma.arg_float(args, "beta_slow"),
+            original_max_position_embeddings=ma.arg_int(args, "original_max_position_embeddings", minimum=1),
         )
     first_dense = next((i for i in range(spec.num_layers) if i in spec.moe_layers), spec.num_layers)
     if list(spec.moe_layers) != list(range(first_dense, spec.num_layers)):
@@ -241,42 +249,39 @@ def _config_from_args(args, spec, *, family: str) -> dict:
             f"{family} config.json can say"
         )
     shared = spec.shared_expert_size or 0
+    heads = ma.arg_int(args, "num_attention_heads", minimum=1)
     config = {
         "architectures": [_ARCH[family]],
         "model_type": _MODEL_TYPE[family],
-        "vocab_size": int(args.padded_vocab_size),
+        "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
         "hidden_size": spec.hidden_size,
         "intermediate_size": int(spec.ffn_hidden_size),
         "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
         "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": int(args.num_attention_heads),
-        "num_key_value_heads": int(args.num_attention_heads),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
         "n_shared_experts": shared // int(spec.moe_ffn_hidden_size),
         "first_k_dense_replace": first_dense,
-        "q_lora_rank": getattr(args, "q_lora_rank", None),
-        "kv_lora_rank": int(args.kv_lora_rank),
-        "qk_nope_head_dim": int(args.qk_head_dim),
-        "qk_rope_head_dim": int(args.qk_pos_emb_head_dim),
-        "v_head_dim": int(args.v_head_dim),
+        "q_lora_rank": ma.arg_int(args, "q_lora_rank", minimum=1),
+        "kv_lora_rank": ma.arg_int(args, "kv_lora_rank", minimum=1),
+        "qk_nope_head_dim": ma.arg_int(args, "qk_head_dim", minimum=1),
+        "qk_rope_head_dim": ma.arg_int(args, "qk_pos_emb_head_dim", minimum=1),
+        "v_head_dim": ma.arg_int(args, "v_head_dim", minimum=1),
         "hidden_act": "silu",
         "norm_topk_prob": spec.topk > 1,
-        "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
-        "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
+        "routed_scaling_factor": ma.topk_scaling_factor(args),
+        "max_position_embeddings": ma.max_position_embeddings(args),
+        "rms_norm_eps": ma.norm_epsilon(args),
         "rope_parameters": rope,
         "rope_interleave": True,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
         "num_nextn_predict_layers": spec.mtp_layers,
         "dtype": dtype_name(args),
     }
     if family == V32:
-        config.update(
-            index_n_heads=int(args.dsa_indexer_n_heads),
-            index_head_dim=int(args.dsa_indexer_head_dim),
-            index_topk=int(args.dsa_indexer_topk),
-        )
+        config.update({key: ma.arg_int(args, field, minimum=1, needed=f"{V32}'s indexer") for key, field in _INDEXER})
     return proxy_config(config, spec)
 
 

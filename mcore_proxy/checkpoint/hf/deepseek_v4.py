@@ -53,6 +53,7 @@ from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, l
 from mcore_proxy.checkpoint.hf.mapping import GLU, MODEL, MTP, PICK, Row, Table
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 if TYPE_CHECKING:
     pass
@@ -336,11 +337,11 @@ def args_from_config(config, mtp_layers: int = 0):
 
 
 def claims(args, spec) -> bool:
-    return getattr(args, "experimental_attention_variant", None) == VARIANT
+    return ma.arg_str(args, "experimental_attention_variant") == VARIANT
 
 
 def _layer_types(args, layers: int) -> tuple[list[str], dict]:
-    ratios = [int(r) for r in list(args.csa_compress_ratios)[:layers]]
+    ratios = ma.arg_list(args, "csa_compress_ratios", needed=NAME)[:layers]
     heavy = sorted({r for r in ratios if r not in (0, CSA_RATIO)})
     if len(heavy) > 1:
         raise CheckpointError(
@@ -356,23 +357,24 @@ def config_from_args(args, spec) -> dict:
     require(
         args,
         [
-            ("enable_hyper_connections", bool(getattr(args, "enable_hyper_connections", False)), True),
-            ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), True),
-            ("swiglu", bool(getattr(args, "swiglu", False)), True),
-            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
+            ("enable_hyper_connections", ma.arg_bool(args, "enable_hyper_connections"), True),
+            ("multi_latent_attention", ma.arg_bool(args, "multi_latent_attention"), True),
+            ("swiglu", ma.arg_bool(args, "swiglu"), True),
+            ("add_bias_linear", ma.arg_bool(args, "add_bias_linear"), False),
+            ("normalization", ma.arg_str(args, "normalization"), "RMSNorm"),
             ("moe_router_score_function", spec.score_function, "sqrtsoftplus"),
             ("moe_shared_expert_intermediate_size", spec.shared_expert_size, spec.moe_ffn_hidden_size),
             ("moe_layer_freq", list(spec.moe_layers), list(range(spec.num_layers))),
         ],
         NAME,
     )
-    layers, head_dim, rope_dim = spec.num_layers, int(args.v_head_dim), int(args.qk_pos_emb_head_dim)
+    layers = spec.num_layers
+    head_dim, rope_dim = (ma.arg_int(args, f, minimum=1) for f in ("v_head_dim", "qk_pos_emb_head_dim"))
     types, rates = _layer_types(args, layers)
-    factor = float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0)
+    factor = ma.arg_float(args, "rotary_scaling_factor")
     compress = {
         "rope_type": "default",
-        "rope_theta": float(args.csa_compress_rotary_base),
+        "rope_theta": ma.arg_float(args, "csa_compress_rotary_base"),
         "partial_rotary_factor": rope_dim / head_dim,
     }
     if factor != 1.0:
@@ -380,52 +382,56 @@ def config_from_args(args, spec) -> dict:
             rope_type="yarn",
             factor=factor,
             attention_factor=1.0,
-            original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)),
-            beta_fast=float(getattr(args, "beta_fast", 32)),
-            beta_slow=float(getattr(args, "beta_slow", 1)),
+            original_max_position_embeddings=ma.arg_int(args, "original_max_position_embeddings", minimum=1),
+            beta_fast=ma.arg_float(args, "beta_fast"),
+            beta_slow=ma.arg_float(args, "beta_slow"),
         )
-    main = {"rope_type": "default", "rope_theta": float(args.rotary_base), "partial_rotary_factor": rope_dim / head_dim}
-    hashed = int(getattr(args, "moe_n_hash_layers", 0) or 0)
+    main = {
+        "rope_type": "default",
+        "rope_theta": ma.arg_float(args, "rotary_base"),
+        "partial_rotary_factor": rope_dim / head_dim,
+    }
+    hashed = ma.arg_int(args, "moe_n_hash_layers", maximum=layers)
     return proxy_config(
         {
             "architectures": [ARCHITECTURE],
             "model_type": "deepseek_v4",
-            "vocab_size": int(args.padded_vocab_size),
+            "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
             "hidden_size": spec.hidden_size,
             "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
             "num_hidden_layers": layers,
-            "num_attention_heads": int(args.num_attention_heads),
+            "num_attention_heads": ma.arg_int(args, "num_attention_heads", minimum=1),
             "num_key_value_heads": 1,
             "head_dim": head_dim,
-            "q_lora_rank": int(args.q_lora_rank),
+            "q_lora_rank": ma.arg_int(args, "q_lora_rank", minimum=1, needed=NAME),
             "partial_rotary_factor": rope_dim / head_dim,
-            "o_groups": int(args.o_groups),
-            "o_lora_rank": int(args.o_lora_rank),
+            "o_groups": ma.arg_int(args, "o_groups", minimum=1),
+            "o_lora_rank": ma.arg_int(args, "o_lora_rank", minimum=1),
             "layer_types": types,
             "compress_rates": rates,
-            "sliding_window": int(args.csa_window_size),
-            "index_n_heads": int(args.dsa_indexer_n_heads),
-            "index_head_dim": int(args.dsa_indexer_head_dim),
-            "index_topk": int(args.dsa_indexer_topk),
+            "sliding_window": ma.arg_int(args, "csa_window_size", minimum=1),
+            "index_n_heads": ma.arg_int(args, "dsa_indexer_n_heads", minimum=1, needed=NAME),
+            "index_head_dim": ma.arg_int(args, "dsa_indexer_head_dim", minimum=1, needed=NAME),
+            "index_topk": ma.arg_int(args, "dsa_indexer_topk", minimum=1, needed=NAME),
             "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
             "n_shared_experts": 1,
             "scoring_func": "sqrtsoftplus",
             "norm_topk_prob": True,
-            "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
-            "swiglu_limit": float(getattr(args, "activation_func_clamp_value", None) or 10.0),
-            "hc_mult": int(args.num_residual_streams),
-            "hc_sinkhorn_iters": int(getattr(args, "mhc_sinkhorn_iterations", 20)),
+            "routed_scaling_factor": ma.topk_scaling_factor(args),
+            "swiglu_limit": ma.arg_float(args, "activation_func_clamp_value") or 10.0,
+            "hc_mult": ma.arg_int(args, "num_residual_streams", minimum=1),
+            "hc_sinkhorn_iters": ma.arg_int(args, "mhc_sinkhorn_iterations", minimum=1),
             "hc_eps": HC_EPS,
             "rope_theta": main["rope_theta"],
             "compress_rope_theta": compress["rope_theta"],
             "rope_parameters": {"main": main, "compress": compress},
-            "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
-            "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-6)),
+            "max_position_embeddings": ma.max_position_embeddings(args),
+            "rms_norm_eps": ma.norm_epsilon(args),
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "mlp_bias": False,
-            "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+            "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
             "num_nextn_predict_layers": spec.mtp_layers,
             "dtype": dtype_name(args),
         },

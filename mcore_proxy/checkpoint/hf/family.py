@@ -15,6 +15,7 @@ from typing import Callable
 
 from mcore_proxy.checkpoint.hf.mapping import Table
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,11 @@ def dtype_fields(config) -> dict:
 def dtype_name(args) -> str:
     import torch
 
-    dtype = getattr(args, "params_dtype", None)
-    if getattr(args, "bf16", False) or dtype == torch.bfloat16:
+    # validate_args derives params_dtype from the flags: float32 unless bf16 or fp16
+    dtype = ma.arg(args, "params_dtype")
+    if ma.arg_bool(args, "bf16") or dtype == torch.bfloat16:
         return "bfloat16"
-    if getattr(args, "fp16", False) or dtype == torch.float16:
+    if ma.arg_bool(args, "fp16") or dtype == torch.float16:
         return "float16"
     return "float32"
 

@@ -22,6 +22,7 @@ from mcore_proxy.checkpoint.hf import deepseek, gqa
 from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row, Table
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "GLM-4.5-MoE"
 ARCHITECTURE = "Glm4MoeForCausalLM"
@@ -75,7 +76,7 @@ def config_from_args(args, spec) -> dict:
         + [
             ("moe_router_score_function", spec.score_function, "sigmoid"),
             ("moe_router_enable_expert_bias", spec.expert_bias, True),
-            ("moe_shared_expert_gate", bool(getattr(args, "moe_shared_expert_gate", False)), False),
+            ("moe_shared_expert_gate", ma.arg_bool(args, "moe_shared_expert_gate"), False),
         ],
         NAME,
     )
@@ -99,12 +100,12 @@ def config_from_args(args, spec) -> dict:
             **gqa.decoder_config(args, spec, rotary_key=True),
             "intermediate_size": int(spec.ffn_hidden_size),
             "moe_intermediate_size": moe_size,
-            "attention_bias": bool(getattr(args, "add_qkv_bias", False)),
-            "use_qk_norm": bool(getattr(args, "qk_layernorm", False)),
+            "attention_bias": ma.arg_bool(args, "add_qkv_bias"),
+            "use_qk_norm": ma.arg_bool(args, "qk_layernorm"),
             "n_shared_experts": shared // moe_size,
             "first_k_dense_replace": first_dense,
             "norm_topk_prob": spec.topk > 1,  # what megatron does (`deepseek.sigmoid_router_args`)
-            "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
+            "routed_scaling_factor": ma.topk_scaling_factor(args),
             "num_nextn_predict_layers": spec.mtp_layers,
         },
         spec,

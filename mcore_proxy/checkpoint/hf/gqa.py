@@ -22,6 +22,7 @@ from __future__ import annotations
 from mcore_proxy.checkpoint.hf.family import dtype_fields, dtype_name
 from mcore_proxy.checkpoint.hf.mapping import LAYER, QKV, Ignored, Row
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 QKV_ROW = Row(
     "self_attention.linear_qkv.weight",
@@ -40,9 +41,9 @@ WHOLE_HEADS = None  # `decoder_args(rotary_default=...)` of a family that rotate
 
 
 def qkv_groups(args) -> tuple[int, int, int]:
-    """(query heads, query groups, head dim) of Megatron args, for the q/k/v transform."""
-    heads = int(args.num_attention_heads)
-    return heads, int(getattr(args, "num_query_groups", None) or heads), int(args.kv_channels)
+    """(query heads, query groups, head dim) of Megatron args, for the q/k/v transform, as
+    megatron-core derives the last two when the args leave them to it (`megatron_args`)."""
+    return ma.arg_int(args, "num_attention_heads", minimum=1), ma.num_query_groups(args), ma.kv_channels(args)
 
 
 def decoder_args(config, family: str, *, eps: float, rotary_default: float | None) -> dict:
@@ -108,21 +109,21 @@ def decoder_config(args, spec, *, rotary_key: bool) -> dict:
     """The config.json keys `decoder_args` reads, from Megatron args (Megatron -> HF). rotary_key:
     write `partial_rotary_factor` (always, for a family whose default is not 1)."""
     heads, groups, head_dim = qkv_groups(args)
-    rope = {"rope_type": "default", "rope_theta": float(getattr(args, "rotary_base", None) or 10000)}
+    rope = {"rope_type": "default", "rope_theta": ma.arg_float(args, "rotary_base")}
     if rotary_key:
-        rope["partial_rotary_factor"] = float(getattr(args, "rotary_percent", None) or 1.0)
+        rope["partial_rotary_factor"] = ma.arg_float(args, "rotary_percent")
     return {
-        "vocab_size": int(args.padded_vocab_size),
+        "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": groups,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(getattr(args, "max_position_embeddings", None) or args.seq_length),
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
+        "max_position_embeddings": ma.max_position_embeddings(args),
+        "rms_norm_eps": ma.norm_epsilon(args),
         "rope_parameters": rope,
-        "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
         "attention_dropout": 0.0,
         "dtype": dtype_name(args),
     }
@@ -131,18 +132,18 @@ def decoder_config(args, spec, *, rotary_key: bool) -> dict:
 def decoder_requirements(args, spec) -> list[tuple[str, object, object]]:
     """(field, found, expected) for `family.require`: what every GQA family here needs of Megatron args."""
     return [
-        ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), False),
-        ("swiglu", bool(getattr(args, "swiglu", False)), True),
-        ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-        ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
-        ("position_embedding_type", getattr(args, "position_embedding_type", "learned_absolute"), "rope"),
-        ("rotary_interleaved", bool(getattr(args, "rotary_interleaved", False)), False),
+        ("multi_latent_attention", ma.arg_bool(args, "multi_latent_attention"), False),
+        ("swiglu", ma.arg_bool(args, "swiglu"), True),
+        ("add_bias_linear", ma.arg_bool(args, "add_bias_linear"), False),
+        ("normalization", ma.arg_str(args, "normalization"), "RMSNorm"),
+        ("position_embedding_type", ma.arg_str(args, "position_embedding_type"), "rope"),
+        ("rotary_interleaved", ma.arg_bool(args, "rotary_interleaved"), False),
     ]
 
 
 def is_gqa(args) -> bool:
     """Megatron args of a model whose attention is `linear_qkv` (not multi-latent attention)."""
-    return not getattr(args, "multi_latent_attention", False)
+    return not ma.arg_bool(args, "multi_latent_attention")
 
 
 # -- the softmax router of Mixtral and Qwen2-MoE ---------------------------------------------------
@@ -166,7 +167,7 @@ def softmax_router_requirements(args, spec) -> list[tuple[str, object, object]]:
         ("moe_router_score_function", spec.score_function, "softmax"),
         ("moe_router_enable_expert_bias", spec.expert_bias, False),
         ("moe_router_num_groups", spec.num_groups or 1, 1),
-        ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None) or 1.0, 1.0),
+        ("moe_router_topk_scaling_factor", ma.topk_scaling_factor(args), 1.0),
     ]
 
 

@@ -27,6 +27,7 @@ from mcore_proxy.checkpoint.hf.mapping import (
     Table,
 )
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
@@ -85,10 +86,10 @@ def config_from_args(args, spec) -> dict:
         gqa.decoder_requirements(args, spec)
         + gqa.softmax_router_requirements(args, spec)
         + [
-            ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), False),
-            ("add_qkv_bias", bool(getattr(args, "add_qkv_bias", False)), False),
-            ("rotary_percent", float(getattr(args, "rotary_percent", None) or 1.0), 1.0),
-            ("moe_router_pre_softmax", bool(getattr(args, "moe_router_pre_softmax", False)), False),
+            ("qk_layernorm", ma.arg_bool(args, "qk_layernorm"), False),
+            ("add_qkv_bias", ma.arg_bool(args, "add_qkv_bias"), False),
+            ("rotary_percent", ma.arg_float(args, "rotary_percent"), 1.0),
+            ("moe_router_pre_softmax", ma.arg_bool(args, "moe_router_pre_softmax"), False),
             ("moe_shared_expert_intermediate_size", spec.shared_expert_size, None),
             ("moe_layer_freq", [int(i in spec.moe_layers) for i in range(spec.num_layers)], [1] * spec.num_layers),
             ("mtp_num_layers", spec.mtp_layers, 0),
@@ -116,7 +117,7 @@ def claims(args, spec) -> bool:
     """GQA without q/k norms, a softmax router and no shared expert."""
     return (
         gqa.is_gqa(args)
-        and not getattr(args, "qk_layernorm", False)
+        and not ma.arg_bool(args, "qk_layernorm")
         and spec.score_function == "softmax"
         and not spec.shared_expert_size
     )

@@ -20,6 +20,7 @@ from mcore_proxy.checkpoint.hf import gqa
 from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
 from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row, Table
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Qwen2-MoE"
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -85,10 +86,10 @@ def config_from_args(args, spec) -> dict:
         gqa.decoder_requirements(args, spec)
         + gqa.softmax_router_requirements(args, spec)
         + [
-            ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), False),
-            ("rotary_percent", float(getattr(args, "rotary_percent", None) or 1.0), 1.0),
+            ("qk_layernorm", ma.arg_bool(args, "qk_layernorm"), False),
+            ("rotary_percent", ma.arg_float(args, "rotary_percent"), 1.0),
             ("moe_shared_expert_intermediate_size", bool(spec.shared_expert_size), True),
-            ("moe_shared_expert_gate", bool(getattr(args, "moe_shared_expert_gate", False)), True),
+            ("moe_shared_expert_gate", ma.arg_bool(args, "moe_shared_expert_gate"), True),
             ("mtp_num_layers", spec.mtp_layers, 0),
         ],
         NAME,
@@ -100,13 +101,13 @@ def config_from_args(args, spec) -> dict:
             "model_type": "qwen2_moe",
             **gqa.decoder_config(args, spec, rotary_key=False),
             "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
-            "qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+            "qkv_bias": ma.arg_bool(args, "add_qkv_bias"),
             "use_sliding_window": False,
             "decoder_sparse_step": 1,
             "mlp_only_layers": dense,
             "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
             "shared_expert_intermediate_size": int(spec.shared_expert_size),
-            "norm_topk_prob": not bool(getattr(args, "moe_router_pre_softmax", False)),
+            "norm_topk_prob": not ma.arg_bool(args, "moe_router_pre_softmax"),
             "num_experts": spec.num_experts,
             "num_experts_per_tok": spec.topk,
         },
@@ -121,7 +122,7 @@ def claims(args, spec) -> bool:
     """GQA without q/k norms, a softmax router and a shared expert."""
     return (
         gqa.is_gqa(args)
-        and not getattr(args, "qk_layernorm", False)
+        and not ma.arg_bool(args, "qk_layernorm")
         and spec.score_function == "softmax"
         and bool(spec.shared_expert_size)
     )

@@ -22,6 +22,7 @@ from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, l
 from mcore_proxy.checkpoint.hf.gqa import QK_NORM_ROWS, QKV_ROW, ROPE_FREQUENCIES, expert_count_config, qkv_groups
 from mcore_proxy.checkpoint.hf.mapping import SHARED_ROWS, Table
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -111,29 +112,29 @@ def config_from_args(args, spec) -> dict:
     require(
         args,
         [
-            ("multi_latent_attention", bool(getattr(args, "multi_latent_attention", False)), False),
-            ("qk_layernorm", bool(getattr(args, "qk_layernorm", False)), True),
-            ("swiglu", bool(getattr(args, "swiglu", False)), True),
-            ("add_bias_linear", bool(getattr(args, "add_bias_linear", True)), False),
-            ("normalization", getattr(args, "normalization", "LayerNorm"), "RMSNorm"),
-            ("position_embedding_type", getattr(args, "position_embedding_type", "learned_absolute"), "rope"),
-            ("rotary_percent", float(getattr(args, "rotary_percent", 1.0) or 1.0), 1.0),
+            ("multi_latent_attention", ma.arg_bool(args, "multi_latent_attention"), False),
+            ("qk_layernorm", ma.arg_bool(args, "qk_layernorm"), True),
+            ("swiglu", ma.arg_bool(args, "swiglu"), True),
+            ("add_bias_linear", ma.arg_bool(args, "add_bias_linear"), False),
+            ("normalization", ma.arg_str(args, "normalization"), "RMSNorm"),
+            ("position_embedding_type", ma.arg_str(args, "position_embedding_type"), "rope"),
+            ("rotary_percent", ma.arg_float(args, "rotary_percent"), 1.0),
             ("moe_router_score_function", spec.score_function, "softmax"),
             ("moe_router_enable_expert_bias", spec.expert_bias, False),
             ("moe_shared_expert_intermediate_size", spec.shared_expert_size, None),
-            ("moe_router_topk_scaling_factor", getattr(args, "moe_router_topk_scaling_factor", None), None),
+            ("moe_router_topk_scaling_factor", ma.arg_float(args, "moe_router_topk_scaling_factor"), None),
             ("mtp_num_layers", spec.mtp_layers, 0),
         ],
         NAME,
     )
     heads, groups, head_dim = qkv_groups(args)
-    positions = int(getattr(args, "max_position_embeddings", None) or args.seq_length)
+    positions = ma.max_position_embeddings(args)
     dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers]
     return proxy_config(
         {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3_moe",
-            "vocab_size": int(args.padded_vocab_size),
+            "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
             "hidden_size": spec.hidden_size,
             "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
             "num_hidden_layers": spec.num_layers,
@@ -142,16 +143,16 @@ def config_from_args(args, spec) -> dict:
             "head_dim": head_dim,
             "hidden_act": "silu",
             "max_position_embeddings": positions,
-            "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-5)),
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(getattr(args, "rotary_base", 10000))},
-            "tie_word_embeddings": not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+            "rms_norm_eps": ma.norm_epsilon(args),
+            "rope_parameters": {"rope_type": "default", "rope_theta": ma.arg_float(args, "rotary_base")},
+            "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
             "attention_bias": False,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "decoder_sparse_step": 1,
             "mlp_only_layers": dense,
             "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-            "norm_topk_prob": not bool(getattr(args, "moe_router_pre_softmax", False)),
+            "norm_topk_prob": not ma.arg_bool(args, "moe_router_pre_softmax"),
             "num_experts": spec.num_experts,
             "num_experts_per_tok": spec.topk,
             "dtype": dtype_name(args),

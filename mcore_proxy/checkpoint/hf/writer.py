@@ -14,6 +14,8 @@ shard size (HF sources) or transformers' historical default of 5 GB.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -40,10 +42,12 @@ from mcore_proxy.checkpoint.hf.folder import INDEX
 from mcore_proxy.checkpoint.hf.reader import families, hf_source
 from mcore_proxy.checkpoint.hf.safetensors_io import StreamingWriter
 from mcore_proxy.checkpoint.interface import Finished, TargetOptions, Unit, WrittenFile, Writer
+from mcore_proxy.checkpoint.names import OUTPUT_LAYER, embeddings_tied
 from mcore_proxy.checkpoint.view import ModelView, stream
 from mcore_proxy.checkpoint.zipwrite import HashingSink
 from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.core.errors import CheckpointError, ProxyError
+from mcore_proxy.mcore.megatron_args import arg_bool
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +108,7 @@ def family_for(view: ModelView) -> Family:
     claimed = next((f for f in families() if f.claims is not None and f.claims(args, view.spec)), None)
     if claimed is not None:
         return claimed
-    if getattr(args, "multi_latent_attention", False):
+    if arg_bool(args, "multi_latent_attention"):
         indexer = any(".core_attention.indexer." in n for n in view.names())
         return by_name["DeepSeek-V3.2" if indexer else "DeepSeek-V3"]
     return by_name["Qwen3-MoE"]
@@ -116,7 +120,8 @@ def _row_for(family: Family, name: str) -> tuple[Row, str, int | None, int | Non
     if found is None:
         raise CheckpointError(
             f"tensor {name} has no {family.name} Hugging Face name; this model has a part that "
-            f"the transformers {family.name} model lacks, so it cannot be written as one"
+            f"the transformers {family.name} model lacks, so it cannot be written as one; keep it "
+            "in a Megatron format (--format legacy or torch_dist)"
         )
     return found[0], scope, index, found[1]
 
@@ -301,7 +306,7 @@ class HFWriter(Writer):
         family = family_for(view)
         source = hf_source(view)
         if source is None:
-            return family.config_from_args(view.args, view.spec)
+            return family.config_from_args(_tying_said(view), view.spec)
         config = family.proxy_config(source.config, view.spec)
         for key in DROPPED_CONFIG_KEYS:
             if config.pop(key, None) is not None:
@@ -330,6 +335,15 @@ class HFWriter(Writer):
             "weight_map": {o.key: s.file for s in shards for o in s.tensors},
         }
         return Finished(tuple(files), {INDEX: (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()})
+
+
+def _tying_said(view: ModelView) -> argparse.Namespace:
+    """The view's args with `untie_embeddings_and_output_weights` as the checkpoint has it
+    (`names.embeddings_tied`: args without the field, like the quickstart's, hold an output layer
+    of their own beside them), so config.json's `tie_word_embeddings` matches the tensors written."""
+    args = copy.copy(view.args)
+    args.untie_embeddings_and_output_weights = not embeddings_tied(view.args, OUTPUT_LAYER in view.names())
+    return args
 
 
 # TargetOptions fields -> the convert flags that set them (for the refusal above)
