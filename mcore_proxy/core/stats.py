@@ -232,9 +232,7 @@ class StreamedLayers(Mapping):
             raise StatsError(
                 f"{self.path}: cannot be read any more ({err}); keep the statistics file in place while select runs"
             ) from None
-        return LayerStats(
-            int(t["tokens"][0]), t["freq"], t["gate_mass"], t["coact"], t["proto_sum"], t.get("saliency_sum")
-        )
+        return checked_layer(self.path, layer_id, t)
 
     def __iter__(self):
         return iter(self._keys)
@@ -245,6 +243,62 @@ class StreamedLayers(Mapping):
     def shapes(self) -> set[tuple[int, int]]:
         """The (E, H) of every layer, from the header."""
         return set(self._shapes.values())
+
+
+# a count above this is damage, not data: no run routes 2**48 tokens through one layer, and sums of
+# such counts over many files and experts stay far from int64's end (they would wrap silently)
+MAX_COUNT = 1 << 48
+
+
+def _bad_values(name: str, value: np.ndarray) -> str | None:
+    """What is wrong with the values of one field, and the fix, or None: every field is a count or a
+    sum of non-negative quantities (gate_mass, saliency_sum) except proto_sum (of hidden states)."""
+    if value.dtype.kind == "f":
+        bad = ~np.isfinite(value)
+        if bad.any():
+            where = np.argwhere(bad)[0]
+            return (
+                f"holds {value[tuple(where)]} at {list(map(int, where))}, not a finite number (the traced run's "
+                "router saw non-finite inputs or scores, or the file is damaged); trace a run without that fault"
+            )
+    if name == "proto_sum":
+        return None
+    low = value.min(initial=0)
+    if low < 0:
+        return (
+            f"holds {low}, a negative {'sum' if value.dtype.kind == 'f' else 'count'}; the file is damaged, trace again"
+        )
+    if value.dtype.kind != "f" and value.max(initial=0) > MAX_COUNT:
+        return f"holds {value.max()}, a count above 2**48 that no run routes; the file is damaged, trace again"
+    return None
+
+
+def checked_layer(path: Path, layer_id: str, fields: dict) -> LayerStats:
+    """The LayerStats of one layer's fields read from `path`; StatsError naming the file, the layer
+    and the field when a value is NaN, infinite, a negative count or sum, or an impossible count.
+    The trace writes what the router saw, also when a run went non-finite: such statistics cannot
+    rank experts, and select and merge say so instead of reporting 0 coverage."""
+    tokens = np.asarray(fields["tokens"])
+    if tokens.shape != (1,):
+        raise StatsError(
+            f"{path}: layer {layer_id} field tokens has shape {list(tokens.shape)}, not [1]; "
+            "the file is damaged, trace again"
+        )
+    for name, value in fields.items():
+        problem = _bad_values(name, np.asarray(value))
+        if problem:
+            raise StatsError(f"{path}: layer {layer_id} field {name} {problem}")
+    try:
+        return LayerStats(
+            int(tokens[0]),
+            fields["freq"],
+            fields["gate_mass"],
+            fields["coact"],
+            fields["proto_sum"],
+            fields.get("saliency_sum"),
+        )
+    except StatsError as err:
+        raise StatsError(f"{path}: layer {layer_id}: {err}") from None
 
 
 def _unreadable(path: Path, err: Exception) -> StatsError:
@@ -323,11 +377,7 @@ def load_stats(path: str | os.PathLike, stream: bool = False) -> RoutingStats:
         raw = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise _unreadable(path, err) from None
-    layers = {}
-    for layer_id, f in _fields_by_layer(path, raw).items():
-        layers[layer_id] = LayerStats(
-            int(f["tokens"][0]), f["freq"], f["gate_mass"], f["coact"], f["proto_sum"], f.get("saliency_sum")
-        )
+    layers = {layer_id: checked_layer(path, layer_id, f) for layer_id, f in _fields_by_layer(path, raw).items()}
     return _with_meta(path, layers)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from mcore_proxy.core.errors import CheckFailed, ProxyError
 from mcore_proxy.cli_support.flags import add_command, emit
@@ -94,7 +95,7 @@ def run_compare(args) -> int:
 
 
 def run_triage(args) -> int:
-    from mcore_proxy.diagnose.compare import pair_signature
+    from mcore_proxy.diagnose.compare import pair_signature, require_finite
     from mcore_proxy.diagnose.library import load_library
     from mcore_proxy.diagnose.readers import read_log
     from mcore_proxy.diagnose.triage import rank_faults, triage_dict, triage_table
@@ -104,7 +105,8 @@ def run_triage(args) -> int:
             "compare: -o/--output is for the original-vs-proxy comparison; with triage use --json and redirect it"
         )
     library = load_library(args.library)
-    signature, left_out = pair_signature(read_log(args.baseline), read_log(args.run), args.metrics)
+    baseline, run = (require_finite(read_log(path)) for path in (args.baseline, args.run))
+    signature, left_out = pair_signature(baseline, run, args.metrics)
     ranks = rank_faults(signature, library, args.onset_window)
     if not ranks:
         raise ProxyError(
@@ -139,9 +141,10 @@ def register_watch(subparsers) -> None:
         checks="an alert of a --fail-on detector; the watch stops at the first",
         description="Follow a growing metric log (TensorBoard folder, JSONL, CSV, console log of "
         "Megatron/MindSpeed-RL/verl/TRL, TRL trainer state, MLflow run, W&B/SwanLab offline run) "
-        "and report early signs of trouble with the step where each began: reward "
-        "plateau, log-prob difference, rollout-vs-training KL or PPO KL rising, entropy collapse, grad-norm "
-        "spikes, and with --baseline a significant divergence from it in any metric. "
+        "and report early signs of trouble with the step where each began: a NaN or inf in any "
+        "metric (fails the watch by default), reward plateau, log-prob difference, "
+        "rollout-vs-training KL or PPO KL rising, entropy collapse, grad-norm spikes, and with "
+        "--baseline a significant divergence from it in any metric. "
         "One JSON line per alert on stdout (mcore-proxy-alert/1) as it comes, or with "
         "--json one document at the end; a live one-screen view on stderr when it is "
         "a terminal. It stops with --once, --idle, at a --fail-on alert, or on a "
@@ -160,10 +163,10 @@ def register_watch(subparsers) -> None:
     )
     p.add_argument(
         "--fail-on",
-        default="",
+        default="nonfinite",
         metavar="DETECTORS",
-        help=f"comma-separated detectors ({', '.join(DETECTORS)}, or 'any') whose first alert "
-        "stops the watch with exit 1",
+        help=f"comma-separated detectors ({', '.join(DETECTORS)}, 'any', or 'none') whose first alert "
+        "stops the watch with exit 1 (default nonfinite: a NaN or inf in a metric)",
     )
     p.add_argument("--detectors", default=",".join(DETECTORS), metavar="LIST", help="detectors to run (default: all)")
     p.add_argument("--alerts", metavar="FILE", help="append the JSON alert lines to FILE instead of stdout")
@@ -215,6 +218,13 @@ def register_watch(subparsers) -> None:
         metavar="METRIC",
         help=f"metrics watched for rising from their early level (default {' '.join(d.rising_metrics)})",
     )
+    p.add_argument(
+        "--nonfinite",
+        nargs="+",
+        default=[],
+        metavar="METRIC",
+        help="metrics (canonical or raw names) watched for NaN and inf (default: every metric of the log)",
+    )
     p.set_defaults(func=run_watch)
 
 
@@ -224,19 +234,36 @@ def _detectors(text: str, flag: str, allow_any: bool) -> tuple:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if allow_any and names == ("any",):
         return DETECTORS
+    if allow_any and names == ("none",):
+        return ()
     unknown = [n for n in names if n not in DETECTORS]
     if unknown:
         raise ProxyError(
             f"{flag} {text!r}: unknown detector(s) {unknown}; known: {', '.join(DETECTORS)}"
-            + (", any" if allow_any else "")
+            + (", any, none" if allow_any else "")
         )
     return names
+
+
+def check_alerts_file(alerts: Path, logs: list[Path]) -> None:
+    """--alerts appends to a file: never to a log the watch reads (or a file inside a log folder),
+    never inside a checkpoint, and in a folder that exists."""
+    from mcore_proxy.core.output import check_folder, check_not_in_checkpoint
+
+    target = alerts.absolute()
+    for log_path in logs:
+        src = log_path.resolve()
+        if target.resolve() == src or src in target.resolve().parents:
+            raise ProxyError(
+                f"{alerts}: is (or lies in) the log {log_path} that the watch reads; choose another --alerts file"
+            )
+    check_folder(target.parent)
+    check_not_in_checkpoint(target.parent)
 
 
 def run_watch(args) -> int:
     import sys
     import time
-    from pathlib import Path
 
     from mcore_proxy.diagnose.detect import Settings
     from mcore_proxy.diagnose.watch import Watcher, alert_line, view
@@ -254,6 +281,7 @@ def run_watch(args) -> int:
             persist=args.persist,
             effect=args.effect,
             rising_metrics=tuple(args.rising),
+            nonfinite_metrics=tuple(args.nonfinite),
         )
     except ValueError as err:
         raise ProxyError(f"watch: {err}") from None
@@ -262,6 +290,8 @@ def run_watch(args) -> int:
     watcher = Watcher(Path(args.log), Path(args.baseline) if args.baseline else None, settings, enabled)
     live = sys.stderr.isatty() and not args.no_view
     # alert lines go to --alerts FILE, else to stdout, which --json keeps for its one document
+    if args.alerts:
+        check_alerts_file(Path(args.alerts), [Path(p) for p in (args.log, args.baseline) if p])
     out = open(args.alerts, "a") if args.alerts else None if args.json else sys.stdout
     failed = None
     try:
@@ -276,14 +306,15 @@ def run_watch(args) -> int:
             failed = next((a for a in new if a.finding.detector in fail_on), None)
             if failed is not None or args.once or (idle is not None and time.time() - watcher.last_growth > idle):
                 break
+            if out is sys.stdout and hasattr(sys.stdout, "reader_gone") and sys.stdout.reader_gone():
+                break  # the reader of the alert lines has gone (`watch LOG | head -1`): so has the watch
             time.sleep(every)
     finally:
         if args.alerts:
             out.close()
     if watcher.run is None:
-        raise LogError(
-            f"{args.log}: nothing readable {'' if args.once else 'before the watch stopped'} ({watcher.waiting})"
-        )
+        when = "" if args.once else " before the watch stopped"
+        raise LogError(f"{args.log}: nothing readable{when} ({watcher.waiting})")
     if not live:
         sys.stderr.write(view(watcher, every))
     if args.json:

@@ -2,18 +2,25 @@
 and (proxy baseline, proxy fault), matched metric by metric.
 
 A metric matches when the two signatures agree in direction of the shift and in trend, their
-onsets lie within `onset_window` steps of each other (when either shifted), and, when either
-shift curve has a trend, their normalised shift curves correlate (Pearson r >= MIN_CORRELATION)
-on their common steps. Two signs agree when they are equal, or when one is significant (p <
+onsets lie within `onset_window` steps of each other (when either shifted), when either shift
+curve has a trend their normalised shift curves correlate (Pearson r >= MIN_CORRELATION) on their
+common steps, and both or neither turn non-finite under the fault (NaN or inf in the faulted run,
+none in its baseline: a blow-up is part of a fault's signature; a proxy that shifts the same way
+without blowing up, or blows up where the original does not, does not reproduce it). The step at
+which each turns non-finite is reported, not matched: a blow-up's step depends on the run's
+numbers more than on the fault. Two signs agree when they are equal, or when one is significant (p <
 alpha) and the other leans the same way without reaching significance (same sign of its
 estimate, p < ALPHA_WEAK): a borderline test on one side is not a contradiction. Opposite
 significant signs, or a significant shift facing an estimate of the other sign, zero, or one
 with p >= ALPHA_WEAK, do not agree. The verdict is *consistent* when every compared metric
-matches and the original's faulted run shifted in at least one (otherwise there is nothing to
-reproduce: *inconclusive*, which is not consistent).
+matches and the original's faulted run departed in at least one (shifted, or turned non-finite;
+otherwise there is nothing to reproduce: *inconclusive*, which is not consistent).
 
-Every run is restricted, per metric, to the steps all four runs logged; what that leaves out (a
-metric one run lacks, steps beyond the shortest run) is said in `Comparison.left_out`.
+Every run is restricted, per metric, to the steps all four runs logged (with a value, finite or
+not); what that leaves out (a metric one run lacks, steps beyond the shortest run) is said in
+`Comparison.left_out`. The NaN/inf values of each run in those steps are counted
+(`MetricSignature.nonfinite_base`, `nonfinite_fault`). A log with no finite value at all is refused
+(`require_finite`): there is no curve in it to take a signature of.
 `match_signatures` is the one rule of agreement; a later triage can rank stored signatures with
 `MetricMatch.score`.
 """
@@ -49,6 +56,7 @@ class MetricMatch:
     correlation: float | None
     correlation_required: bool
     onset_window: int
+    nonfinite: bool = True  # both or neither turn non-finite under the fault
 
     @property
     def correlation_ok(self) -> bool:
@@ -56,11 +64,12 @@ class MetricMatch:
 
     @property
     def match(self) -> bool:
-        return self.direction and self.trend and self.onset and self.correlation_ok
+        return self.direction and self.trend and self.onset and self.correlation_ok and self.nonfinite
 
     @property
     def score(self) -> float:
-        """Agreement in [0, 1]: direction, trend, onset, and the correlation (clipped at 0)."""
+        """Agreement in [0, 1] of the finite curves: direction, trend, onset, and the correlation
+        (clipped at 0); the non-finite agreement is in `match`, not here."""
         r = max(self.correlation or 0.0, 0.0) if self.correlation_required else 1.0
         return (self.direction + self.trend + self.onset + r) / 4
 
@@ -75,7 +84,16 @@ class MetricMatch:
         if not self.correlation_ok:
             r = "n/a" if self.correlation is None else f"{self.correlation:.2f}"
             out.append(f"shift curves correlate r={r} < {MIN_CORRELATION}")
+        if not self.nonfinite:
+            out.append(_nonfinite_reason(self.orig, self.proxy))
         return out
+
+
+def _nonfinite_reason(orig: MetricSignature, proxy: MetricSignature) -> str:
+    """Which side turns non-finite under the fault, and from which step."""
+    yes, no = ("original", "proxy") if orig.turns_nonfinite else ("proxy", "original")
+    sig = orig if orig.turns_nonfinite else proxy
+    return f"NaN/inf under the fault in the {yes} from step {sig.nonfinite_onset}, not in the {no}"
 
 
 def curve_correlation(a: MetricSignature, b: MetricSignature) -> float | None:
@@ -117,6 +135,7 @@ def match_signatures(orig: MetricSignature, proxy: MetricSignature, onset_window
         curve_correlation(orig, proxy),
         orig.trend != 0 or proxy.trend != 0,
         onset_window,
+        orig.turns_nonfinite == proxy.turns_nonfinite,
     )
 
 
@@ -130,7 +149,8 @@ class Comparison:
 
     @property
     def shifted(self) -> list[str]:
-        return [m for m, match in self.matches.items() if match.orig.shifted]
+        """Metrics where the original's faulted run departs: shifted, or turned non-finite."""
+        return [m for m, match in self.matches.items() if match.orig.departed]
 
     @property
     def mismatched(self) -> list[str]:
@@ -150,9 +170,11 @@ class Comparison:
                 "NOT CONSISTENT (inconclusive): the original's faulted run shows no significant "
                 "shift in any compared metric, so there is nothing to reproduce"
             )
+        # a metric that departed by turning NaN/inf alone is marked: no shift of its curve was found
+        named = [m if self.matches[m].orig.shifted else f"{m} (NaN/inf)" for m in self.shifted]
         return (
             f"CONSISTENT: the proxy reproduces the original's fault signature in all "
-            f"{len(self.matches)} compared metrics (shifted in the original: {', '.join(self.shifted)})"
+            f"{len(self.matches)} compared metrics (shifted in the original: {', '.join(named)})"
         )
 
     def signatures(self) -> tuple[FaultSignature, FaultSignature]:
@@ -188,7 +210,21 @@ def _pick_metrics(logs: dict[str, RunLog], requested) -> tuple[dict, list[str]]:
 
 
 def _window(series: dict[str, Series]) -> tuple[int, int]:
-    return max(int(s.steps[0]) for s in series.values()), min(int(s.steps[-1]) for s in series.values())
+    """The steps every series logged a value in (finite or not): a run that turns NaN at the end
+    is compared up to its end, so that its NaN are counted."""
+    return max(s.first_step for s in series.values()), min(s.last_step for s in series.values())
+
+
+def require_finite(log: RunLog) -> RunLog:
+    """`log`, or LogError when every metric in it holds only NaN or infinite values."""
+    if log.finite:
+        return log
+    first = min(log.metrics.values(), key=lambda s: int(s.nonfinite_steps[0]))
+    raise LogError(
+        f"{log.source}: every metric holds only NaN or infinite values ({len(log.metrics)} metrics, "
+        f"from step {int(first.nonfinite_steps[0])}), so there is no curve to compare; `mcore-proxy "
+        "watch` shows where the run broke"
+    )
 
 
 def pair_signature(baseline: RunLog, run: RunLog, metrics=None, label: str = "") -> tuple[FaultSignature, list[str]]:
@@ -207,25 +243,27 @@ def pair_signature(baseline: RunLog, run: RunLog, metrics=None, label: str = "")
 def compare_runs(logs: dict[str, RunLog], metrics=None, onset_window: int | None = None) -> Comparison:
     """logs: role (ROLES) -> RunLog. metrics: canonical or raw names (default: every aliased
     metric the logs have). onset_window: steps (default max(3, 10 % of the compared window))."""
+    for log in logs.values():
+        require_finite(log)
     chosen, left_out = _pick_metrics(logs, metrics)
     matches, used, raw_names = {}, {}, {}
     for name, raw in chosen.items():
         series = {role: logs[role].metrics[raw[role]] for role in ROLES}
         lo, hi = _window(series)
         cut = {role: s.window(lo, hi) for role, s in series.items()}
-        if min(len(s) for s in cut.values()) < MIN_POINTS:
+        if min(s.logged for s in cut.values()) < MIN_POINTS:
             left_out.append(
                 f"{name}: the four runs share only steps {lo}-{hi} "
-                f"({min(len(s) for s in cut.values())} points, need {MIN_POINTS}); left out"
+                f"({min(s.logged for s in cut.values())} points, need {MIN_POINTS}); left out"
             )
             continue
         beyond = [
-            f"{role_name(r)} {s.steps[0]}-{s.steps[-1]}"
+            f"{role_name(r)} {s.first_step}-{s.last_step}"
             for r, s in series.items()
-            if s.steps[0] < lo or s.steps[-1] > hi
+            if s.first_step < lo or s.last_step > hi
         ]
         if beyond:
-            longest = max(int(s.steps[-1] - s.steps[0]) for s in series.values()) or 1
+            longest = max(s.last_step - s.first_step for s in series.values()) or 1
             very = " (runs of very different lengths)" if (hi - lo) < 0.5 * longest else ""
             left_out.append(
                 f"{name}: compared steps {lo}-{hi}, the overlap of the four runs{very}; "

@@ -18,6 +18,9 @@ table). They look at the whole curve so far, so re-running them on a grown log i
   step of the rolling window that first fell below it (or of the last stretch below it).
 - `spike` (grad norm): a point above `spike` x the median of the `window * 4` points before it and
   above that median + `spike` x their MAD-based spread; onset: the step of the first spike.
+- `nonfinite` (every metric, or those of `nonfinite_metrics`): a NaN or an infinite value was
+  logged; onset: the step of the first. The loudest fault signal a run gives (a diverged loss, an
+  overflowing log-prob ratio), and one no curve shows, since curves hold finite values only.
 - `diverge` (every metric, with a baseline): the run's signature against the baseline's on the
   steps both logged (`compare.pair_signature`) shows a significant shift; onset: its onset.
 
@@ -40,7 +43,7 @@ import numpy as np
 from mcore_proxy.diagnose.aliases import canonical_metrics
 from mcore_proxy.diagnose.series import RunLog, Series
 
-DETECTORS = ("plateau", "rising", "collapse", "spike", "diverge")
+DETECTORS = ("nonfinite", "plateau", "rising", "collapse", "spike", "diverge")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Settings:
     persist: int = 3  # rising, diverge: the shift must cover this many logged steps
     effect: float = 1.0  # diverge: |shift| in units of the baseline's step-to-step noise
     rising_metrics: tuple = ("logprob_diff", "rollout_kl", "ppo_kl")
+    nonfinite_metrics: tuple = ()  # canonical or raw names watched for NaN/inf; () every metric
 
     def __post_init__(self):
         if min(self.window, self.patience, self.persist) < 1 or self.warmup < 2:
@@ -65,9 +69,9 @@ class Settings:
 @dataclass(frozen=True)
 class Finding:
     detector: str
-    metric: str  # canonical name
+    metric: str  # canonical name (a metric without one: its raw name)
     onset: int  # step where the trouble began
-    value: float  # the value that made the detector fire (its units below)
+    value: float  # the value that made the detector fire (its units below); nonfinite: their count
     message: str
 
 
@@ -159,6 +163,29 @@ def spike(metric: str, series: Series, s: Settings) -> Finding | None:
     return None
 
 
+def nonfinite(metric: str, series: Series) -> Finding | None:
+    """A finding when `series` logged NaN or infinite values: onset the first such step, value their
+    count (a finite number, so that the alert stays valid JSON)."""
+    if not series.nonfinite:
+        return None
+    return Finding(
+        "nonfinite", metric, int(series.nonfinite_steps[0]), float(series.nonfinite), series.describe_nonfinite()
+    )
+
+
+def nonfinite_all(run: RunLog, s: Settings) -> list[Finding]:
+    """`nonfinite` on every metric of `run` (canonical names where the alias table has one), or on
+    those `s.nonfinite_metrics` names."""
+    canonical = {raw: name for name, raw in canonical_metrics(run.metrics).items()}
+    wanted = set(s.nonfinite_metrics)
+    found = []
+    for raw, series in run.metrics.items():
+        name = canonical.get(raw, raw)
+        if not wanted or name in wanted or raw in wanted:
+            found.append(nonfinite(name, series))
+    return [f for f in found if f is not None]
+
+
 def _persists(series: Series, onset: int, count: int) -> bool:
     """Whether `series` logged at least `count` steps from `onset` on (a shift seen on the last
     step or two is not yet a shift: a constant two-point segment has no noise to test against)."""
@@ -198,7 +225,7 @@ def detect(
     """Every finding of the enabled detectors on `run` (and against `baseline`)."""
     names = canonical_metrics(run.metrics)
     series = {m: run.metrics[raw] for m, raw in names.items()}
-    found: list[Finding] = []
+    found: list[Finding] = nonfinite_all(run, settings) if "nonfinite" in enabled else []
     if "plateau" in enabled and "reward" in series:
         found.append(plateau(series["reward"], settings))
     if "rising" in enabled:

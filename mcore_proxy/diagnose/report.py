@@ -25,14 +25,36 @@ def _sig(sig) -> str:
     return f"{sig.direction:+d} {_fmt(sig.shift)} / {sig.trend:+d} / {'-' if sig.onset is None else sig.onset}"
 
 
+def nonfinite_counts(match) -> dict[str, int]:
+    """role -> NaN/inf values it logged in the compared steps of one metric (roles as the CLI names them)."""
+    return {
+        "orig-base": match.orig.nonfinite_base,
+        "orig-fault": match.orig.nonfinite_fault,
+        "proxy-base": match.proxy.nonfinite_base,
+        "proxy-fault": match.proxy.nonfinite_fault,
+    }
+
+
+def _nonfinite_line(metric: str, match) -> str | None:
+    """'non-finite: logprob_diff: orig-fault 20 from step 2, proxy-fault 20 from step 2' (None without any)."""
+    counts = {r: n for r, n in nonfinite_counts(match).items() if n}
+    if not counts:
+        return None
+    onsets = {"orig-fault": match.orig.nonfinite_onset, "proxy-fault": match.proxy.nonfinite_onset}
+    parts = [f"{r} {n}" + (f" from step {onsets[r]}" if r in onsets else "") for r, n in counts.items()]
+    return f"non-finite: {metric}: NaN/inf in {', '.join(parts)}"
+
+
 def summary_table(comparison: Comparison) -> str:
-    """One line per metric: original and proxy (direction shift / trend / onset), agreement."""
+    """One line per metric: original and proxy (direction shift / trend / onset), agreement; then a
+    line per metric with NaN/inf values in any run, what was left out, and the verdict."""
     head = f"{'metric':<16} {'original: dir shift / trend / onset':<36} {'proxy':<30} {'r':>6}  match"
     lines = [head]
     for metric, m in comparison.matches.items():
         r = _fmt(m.correlation, ".2f") if m.correlation_required else "n/a"
         verdict = "yes" if m.match else "NO: " + ", ".join(m.reasons())
         lines.append(f"{metric:<16} {_sig(m.orig):<36} {_sig(m.proxy):<30} {r:>6}  {verdict}")
+    lines += [line for metric, m in comparison.matches.items() if (line := _nonfinite_line(metric, m))]
     lines += [f"left out: {note}" for note in comparison.left_out]
     lines.append(comparison.verdict())
     return "\n".join(lines)
@@ -56,6 +78,8 @@ def as_dict(comparison: Comparison) -> dict:
                 "correlation": x.correlation,
                 "correlation_required": x.correlation_required,
                 "score": x.score,
+                "nonfinite": x.nonfinite,
+                "nonfinite_counts": nonfinite_counts(x),
                 "raw_names": {role_name(r): n for r, n in comparison.raw_names[m].items()},
             }
             for m, x in comparison.matches.items()
@@ -83,6 +107,15 @@ def metric_figure(comparison: Comparison, metric: str):
         ):
             s = series[role]
             ax.plot(s.steps, s.values, lw=1.2, **style)
+            if s.nonfinite:  # NaN/inf have no height: ticks along the top, in the run's colour
+                ax.plot(
+                    s.nonfinite_steps,
+                    [0.97] * s.nonfinite,
+                    "|",
+                    color=style["color"],
+                    transform=ax.get_xaxis_transform(),
+                    label=f"{style['label']}: NaN/inf",
+                )
         sig = match.orig if model == "orig" else match.proxy
         if sig.onset is not None:
             ax.axvline(sig.onset, color="gray", ls="--", lw=1, label=f"onset {sig.onset}")

@@ -13,7 +13,12 @@ For one metric, with the shift curve d(s) = fault(s) - baseline(s) on the steps 
 - trend: Mann-Kendall (Kendall's tau of the block means against time) of d from the onset on,
   with the Theil-Sen slope per step; the sign counts only if p < alpha;
 - the normalised shift curve: d smoothed (centred moving mean over ~5 % of the steps) and divided
-  by its largest absolute value, so curves of different models and units overlay in [-1, 1].
+  by its largest absolute value, so curves of different models and units overlay in [-1, 1];
+- non-finite values: how many NaN/inf each run logged in the compared steps, and the first step of
+  the faulted run's. The statistics above run on finite values only; a metric that is NaN or
+  infinite in the faulted run and never in the baseline *turns non-finite* under the fault, which
+  is a component of the signature in its own right (`compare.match_signatures` requires the proxy
+  to agree on it).
 
 A `FaultSignature` is these per metric, JSON-serialisable and versioned
 (`mcore-proxy-signature/1`), so a library of them can be stored and matched later.
@@ -56,10 +61,23 @@ class MetricSignature:
     curve_steps: list = field(default_factory=list, repr=False)
     curve: list = field(default_factory=list, repr=False)  # normalised smoothed shift
     note: str = ""
+    nonfinite_base: int = 0  # NaN/inf values the baseline logged in the compared steps
+    nonfinite_fault: int = 0  # and the faulted run
+    nonfinite_onset: int | None = None  # the faulted run's first step with one
 
     @property
     def shifted(self) -> bool:
         return self.direction != 0
+
+    @property
+    def turns_nonfinite(self) -> bool:
+        """NaN or inf in the faulted run where the baseline has none: the fault made the metric blow up."""
+        return self.nonfinite_fault > 0 and self.nonfinite_base == 0
+
+    @property
+    def departed(self) -> bool:
+        """Whether the faulted run departs from the baseline: a significant shift, or turning non-finite."""
+        return self.shifted or self.turns_nonfinite
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -175,8 +193,10 @@ def metric_signature(metric: str, base: Series, fault: Series, *, alpha: float =
         slope=0.0,
         onset=None,
     )
+    nonfinite = _nonfinite_fields(base, fault)
     if not len(base) or not len(fault):
-        return MetricSignature(metric, 0, None, None, **empty, note="no points")
+        which = " and ".join(n for n, x in (("the baseline", base), ("the faulted run", fault)) if not len(x))
+        return MetricSignature(metric, 0, None, None, **empty, **nonfinite, note=f"no finite value in {which}")
     steps, b, f = align(base, fault)
     if len(steps) < MIN_POINTS:
         return MetricSignature(
@@ -185,6 +205,7 @@ def metric_signature(metric: str, base: Series, fault: Series, *, alpha: float =
             int(steps[0]) if len(steps) else None,
             int(steps[-1]) if len(steps) else None,
             **empty,
+            **nonfinite,
             note=f"only {len(steps)} common steps (need {MIN_POINTS})",
         )
     d = f - b
@@ -199,6 +220,7 @@ def metric_signature(metric: str, base: Series, fault: Series, *, alpha: float =
         last_step=int(steps[-1]),
         curve_steps=steps.tolist(),
         curve=curve,
+        **nonfinite,
     )
     start = onset_index(d, sigma_d)
     if start is None:
@@ -235,6 +257,12 @@ def metric_signature(metric: str, base: Series, fault: Series, *, alpha: float =
         slope=slope,
         onset=int(steps[start]),
     )
+
+
+def _nonfinite_fields(base: Series, fault: Series) -> dict:
+    """The NaN/inf counts of a (baseline, faulted) pair, as MetricSignature fields."""
+    onset = int(fault.nonfinite_steps[0]) if fault.nonfinite else None
+    return dict(nonfinite_base=base.nonfinite, nonfinite_fault=fault.nonfinite, nonfinite_onset=onset)
 
 
 def fault_signature(baseline, fault, metrics: dict[str, tuple[Series, Series]], label: str = "") -> FaultSignature:

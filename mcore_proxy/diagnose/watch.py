@@ -5,7 +5,10 @@ one JSON line per new alert, and a one-screen view of the run.
 TensorBoard folder, JSONL or console log that is still being written is read up to its last
 complete record), runs `detect.detect`, and returns the alerts not reported before. An alert is
 reported once per (detector, metric): its onset is the step where the trouble began, `step` the
-last step the log had when it was noticed (so `step - onset` is how long it took to notice).
+last step the log had when it was noticed (so `step - onset` is how long it took to notice). A NaN
+or infinite value is the `nonfinite` detector's alert (`value`: how many), with the step of the
+first; a log whose record is wrong for good (`readers.common.BadRecord`: a step out of range, a line
+nested too deep) stops the watch with that sentence instead of being waited for.
 
 Alert line (`mcore-proxy-alert/1`):
     {"format": "mcore-proxy-alert/1", "time": "2026-12-01T12:00:00Z", "log": LOG,
@@ -23,6 +26,7 @@ from pathlib import Path
 from mcore_proxy.diagnose.aliases import canonical_metrics
 from mcore_proxy.diagnose.detect import DETECTORS, Finding, Settings, detect
 from mcore_proxy.diagnose.readers import read_log
+from mcore_proxy.diagnose.readers.common import BadRecord
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.core.errors import LogError
 
@@ -72,11 +76,13 @@ class Watcher:
     def _read(self) -> bool:
         try:
             run = read_log(self.log)
+        except BadRecord:  # a complete record is wrong: no later read will mend it
+            raise
         except LogError as err:  # not there yet, or nothing complete in it yet
             self.waiting = str(err)
             return False
         self.waiting = ""
-        step = max(int(s.steps[-1]) for s in run.metrics.values())
+        step = run.last_step
         if step != self.last_step:
             self.last_step, self.last_growth = step, time.time()
         self.run = run
@@ -102,7 +108,8 @@ class Watcher:
 def sparkline(values, width: int = 40) -> str:
     import numpy as np
 
-    v = np.asarray(values[-width:], dtype=float)
+    # halved: the span of two finite values near +-1.8e308 would overflow, their half-span cannot
+    v = np.asarray(values[-width:], dtype=float) / 2
     if not len(v):
         return ""
     lo, hi = float(v.min()), float(v.max())
@@ -128,19 +135,24 @@ def view(w: Watcher, every: float) -> str:
     for a in w.alerts:
         by_metric.setdefault(a.finding.metric, []).append(a)
     for metric, raw in canonical_metrics(w.run.metrics).items():
-        s = w.run.metrics[raw]
         status = (
             "; ".join(f"ALERT {a.finding.detector} since {a.finding.onset}" for a in by_metric.get(metric, [])) or "ok"
         )
-        lines.append(
-            f"{metric:<16} {s.values[-1]:>10.4g} {s.values.min():>10.4g} {s.values.max():>10.4g}  "
-            f"{sparkline(s.values):<40}  {status}"
-        )
+        lines.append(f"{metric:<16} {_figures(w.run.metrics[raw])}  {status}")
     if w.alerts:
         lines += ["", "alerts:"] + [
             f"  step {a.step}: {a.finding.detector} {a.finding.metric}: {a.finding.message}" for a in w.alerts[-8:]
         ]
     return "\n".join(lines) + "\n"
+
+
+def _figures(s) -> str:
+    """The last logged value (NaN or inf too), min and max and the sparkline of the curve; a series
+    of NaN/inf only says so."""
+    if not len(s):
+        return f"{'-':>10} {'-':>10} {'-':>10}  {f'only NaN/inf ({s.nonfinite} values)':<40}"
+    last = s.nonfinite_values[-1] if s.nonfinite and s.nonfinite_steps[-1] > s.steps[-1] else s.values[-1]
+    return f"{last:>10.4g} {s.values.min():>10.4g} {s.values.max():>10.4g}  {sparkline(s.values):<40}"
 
 
 def alert_line(alert: Alert) -> str:

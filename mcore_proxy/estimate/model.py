@@ -28,6 +28,12 @@ from dataclasses import dataclass
 from mcore_proxy.core.errors import ProxyError
 
 
+# The largest size or count taken from any source (2^31 - 1): far beyond any model's width, expert
+# count or vocabulary, and small enough that products of a few of them stay exact in float64-based
+# reports and in int64 tensors.
+MAX_SIZE = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class MLA:
     """Multi-latent attention sizes (Megatron argument names; DeepSeek's config names in brackets)."""
@@ -131,10 +137,12 @@ class Architecture:
             "moe_ffn_hidden_size",
             "topk",
         ):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+                shown = repr(value) if len(repr(value)) <= 20 else f"a {len(repr(value))}-character value"
                 raise ProxyError(
-                    f"{self.source or self.name}: {f} is {getattr(self, f)!r}, expected a "
-                    "positive integer; give a complete model configuration"
+                    f"{self.source or self.name}: {f} is {shown}, expected an integer in 1..{MAX_SIZE}; "
+                    "give a complete model configuration"
                 )
         if not self.moe_layers or not all(0 <= L < self.num_layers for L in self.moe_layers):
             raise ProxyError(

@@ -5,18 +5,20 @@ config.json, then the checkpoint's own args, later ones override) and validates 
 HF configs are read as plain JSON with transformers' field names (Qwen3MoeConfig,
 Qwen2MoeConfig, Qwen3NextConfig, Qwen3_5MoeTextConfig, DeepseekV3Config and DeepSeek-V3.2's
 additions, Kimi-K2's `kimi_k2`, Glm4MoeConfig, DeepseekV4Config, GptOssConfig); a vision-language
-config is read through its `text_config`; transformers is not needed.
+config is read through its `text_config`; transformers is not needed. Every size and count it
+gives must be a JSON integer in 0..MAX_SIZE (`config_int`): 1.5 or 1e308 is refused by name.
 A checkpoint contributes its Megatron/MindSpeed `args` and, where an argument is absent, the
 tensor names it holds (metadata only: no tensor bytes are read).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from mcore_proxy.core.jsonfile import read_json_object
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.estimate.model import MLA, Architecture, Indexer, LinearAttention, V4Attention
+from mcore_proxy.estimate.model import MAX_SIZE, MLA, Architecture, Indexer, LinearAttention, V4Attention
 from mcore_proxy.estimate.presets import PRESETS
 
 # transformers' defaults where a config.json may leave a field out, per model_type
@@ -97,81 +99,127 @@ def read_hf_config(path: str | Path) -> dict:
     return read_json_object(path, "model config", "pass the model's config.json or its folder")
 
 
+def config_int(value, key: str, source: str) -> int:
+    """A size or count of a config.json (`hidden_size`, `num_experts`, ...): a JSON integer in
+    0..MAX_SIZE. ProxyError naming the key for a non-integer (1.5, 1e308, "256", true: transformers
+    builds no layer of such a width) or for an integer out of range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProxyError(
+            f"{source}: {key} is {_as_json(value)}, not an integer; a size or count in a config.json is a "
+            "whole number such as 4096"
+        )
+    if not 0 <= value <= MAX_SIZE:
+        shown = value if len(str(abs(value))) <= 16 else f"a {len(str(abs(value)))}-digit number"
+        raise ProxyError(f"{source}: {key} is {shown}, outside 0..{MAX_SIZE}, which no model's size is; fix the config")
+    return value
+
+
+def _as_json(value) -> str:
+    """A config value as the file spells it (true, 1e+308, NaN, "256"), cut at 40 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # not from a JSON file (a preset or a caller's dict)
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _sizes(cfg: dict, source: str):
+    """(get, need): a config's sizes by key, checked by `config_int`. get(key, default) returns
+    `default` when the key is absent or null; need(key) refuses an absent key."""
+
+    def get(key: str, default=None) -> int | None:
+        value = cfg.get(key)
+        return default if value is None else config_int(value, key, source)
+
+    def need(key: str) -> int:
+        return config_int(_require(cfg, key, source), key, source)
+
+    return get, need
+
+
 def from_hf_config(cfg: dict, source: str) -> dict:
-    """Architecture fields from transformers-style config values."""
+    """Architecture fields from transformers-style config values (sizes checked by `config_int`)."""
     if isinstance(cfg.get("text_config"), dict):  # a vision-language model: its language model
         outer = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
         cfg = {**outer, **cfg["text_config"]}
     kind = cfg.get("model_type", "")
     cfg = {**_HF_DEFAULTS.get(kind, {}), **cfg}
-    need = lambda key: _require(cfg, key, source)  # noqa: E731
-    layers = int(need("num_hidden_layers"))
-    experts = cfg.get("num_experts", cfg.get("n_routed_experts", cfg.get("num_local_experts")))
+    get, need = _sizes(cfg, source)
+    layers = need("num_hidden_layers")
+    experts = get("num_experts") or get("n_routed_experts") or get("num_local_experts")
     if not experts:
         raise ProxyError(f"{source}: no num_experts / n_routed_experts; estimate needs a MoE model")
-    heads = int(need("num_attention_heads"))
-    hidden = int(need("hidden_size"))
-    moe_ffn = int(cfg.get("moe_intermediate_size") or need("intermediate_size"))  # Mixtral, gpt-oss: one width
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    moe_ffn = get("moe_intermediate_size") or need("intermediate_size")  # Mixtral, gpt-oss: one width
     # gpt-oss's own config spells top-k experts_per_token (transformers: num_experts_per_tok)
-    topk = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
+    topk = get("num_experts_per_tok") or get("experts_per_token")
     if topk is None:
         need("num_experts_per_tok")
     out = dict(
         num_layers=layers,
         hidden_size=hidden,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=need("vocab_size"),
         num_attention_heads=heads,
-        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
-        kv_channels=int(cfg.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(cfg.get("intermediate_size") or moe_ffn),
-        num_experts=int(experts),
+        num_query_groups=get("num_key_value_heads") or heads,
+        # no heads: 0, which Architecture refuses by name (instead of a division by zero)
+        kv_channels=get("head_dim") or (hidden // heads if heads else 0),
+        ffn_hidden_size=get("intermediate_size") or moe_ffn,
+        num_experts=experts,
         moe_ffn_hidden_size=moe_ffn,
-        topk=int(topk),
+        topk=topk,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         # Qwen2-MoE's q/k/v projections always carry biases; the others follow attention_bias
         add_qkv_bias=bool(cfg.get("attention_bias")) or kind == "qwen2_moe",
         # MTP modules: DeepSeek, GLM, Qwen3-Next spell them num_nextn_predict_layers, Qwen3.5
         # mtp_num_hidden_layers (transformers' Glm4MoeConfig: num_mtp_layers)
-        mtp_layers=int(
-            cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or cfg.get("num_mtp_layers") or 0
-        ),
+        mtp_layers=get("num_nextn_predict_layers") or get("mtp_num_hidden_layers") or get("num_mtp_layers") or 0,
         source=source,
     )
     if kind == "deepseek_v4" or "o_groups" in cfg:
-        out.update(_deepseek_v4(cfg, out, need, source))
+        out.update(_deepseek_v4(cfg, out, source))
     elif "n_routed_experts" in cfg:  # DeepSeek-V3 style: dense first layers, shared experts, groups, bias
-        first, freq = int(cfg["first_k_dense_replace"]), int(cfg.get("moe_layer_freq") or 1)
-        out["moe_layers"] = tuple(i for i in range(layers) if i >= first and i % freq == 0)
-        out["shared_expert_size"] = int(cfg.get("n_shared_experts") or 0) * moe_ffn
-        out.update(
-            num_groups=cfg.get("n_group"),
-            group_topk=cfg.get("topk_group"),
-            score_function=cfg.get("scoring_func", "sigmoid"),
-            expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
-        )
-        if cfg.get("kv_lora_rank"):  # MLA (DeepSeek, Kimi-K2): q_a/kv_a norms are Megatron's qk_layernorm
-            out["mla"] = MLA(
-                q_lora_rank=cfg.get("q_lora_rank") or None,
-                kv_lora_rank=int(cfg["kv_lora_rank"]),
-                qk_head_dim=int(need("qk_nope_head_dim")),
-                qk_pos_emb_head_dim=int(need("qk_rope_head_dim")),
-                v_head_dim=int(need("v_head_dim")),
-            )
-            out["qk_layernorm"] = True
-        else:  # GQA (GLM-4.5/4.6/4.7): q/k norms when use_qk_norm
-            out["qk_layernorm"] = bool(cfg.get("use_qk_norm"))
-        if cfg.get("index_n_heads"):
-            out["indexer"] = Indexer(n_heads=int(cfg["index_n_heads"]), head_dim=int(need("index_head_dim")))
+        out.update(_deepseek_v3(cfg, out, source))
     else:  # Qwen-MoE: every decoder_sparse_step-th layer outside mlp_only_layers
-        step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+        step, dense = get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
         out["moe_layers"] = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        out["shared_expert_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+        out["shared_expert_size"] = get("shared_expert_intermediate_size") or 0
         out["shared_expert_gate"] = bool(out["shared_expert_size"])  # Qwen2-MoE's sigmoid gate
         out["qk_layernorm"] = kind.startswith("qwen3")
         out.update(_linear_attention(cfg, layers, kind, source))
         if kind == "gpt_oss":  # biased o_proj, experts and router (Megatron: add_bias_linear); sinks
             out.update(add_bias_linear=True, attention_sinks=True)
     return out
+
+
+def _deepseek_v3(cfg: dict, out: dict, source: str) -> dict:
+    """DeepSeek-V3 style (DeepSeek-V3/V3.2, Kimi-K2, GLM-4.5): dense first layers, shared experts,
+    group-limited routing, an expert bias; MLA when kv_lora_rank is set, else GQA; V3.2's indexer."""
+    get, need = _sizes(cfg, source)
+    layers, moe_ffn = out["num_layers"], out["moe_ffn_hidden_size"]
+    first, freq = need("first_k_dense_replace"), get("moe_layer_freq") or 1
+    found = dict(
+        moe_layers=tuple(i for i in range(layers) if i >= first and i % freq == 0),
+        shared_expert_size=(get("n_shared_experts") or 0) * moe_ffn,
+        num_groups=get("n_group"),
+        group_topk=get("topk_group"),
+        score_function=cfg.get("scoring_func", "sigmoid"),
+        expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+    )
+    if get("kv_lora_rank"):  # MLA (DeepSeek, Kimi-K2): q_a/kv_a norms are Megatron's qk_layernorm
+        found["mla"] = MLA(
+            q_lora_rank=get("q_lora_rank") or None,
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_head_dim=need("qk_nope_head_dim"),
+            qk_pos_emb_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+        )
+        found["qk_layernorm"] = True
+    else:  # GQA (GLM-4.5/4.6/4.7): q/k norms when use_qk_norm
+        found["qk_layernorm"] = bool(cfg.get("use_qk_norm"))
+    if get("index_n_heads"):
+        found["indexer"] = Indexer(n_heads=need("index_n_heads"), head_dim=need("index_head_dim"))
+    return found
 
 
 def _linear_attention(cfg: dict, layers: int, kind: str, source: str) -> dict:
@@ -186,38 +234,39 @@ def _linear_attention(cfg: dict, layers: int, kind: str, source: str) -> dict:
     )
     if not hybrid:
         return {}
+    get, need = _sizes(cfg, source)
     if types is None:
-        interval = int(cfg.get("full_attention_interval") or 4)
+        interval = get("full_attention_interval") or 4
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     linear = tuple(i for i, t in enumerate(types[:layers]) if t == "linear_attention")
-    need = lambda key: _require(cfg, key, source)  # noqa: E731
     return dict(
         linear_layers=linear,
         attention_output_gate=bool(cfg.get("attn_output_gate", True)),
         linear_attention=LinearAttention(
-            num_key_heads=int(need("linear_num_key_heads")),
-            num_value_heads=int(need("linear_num_value_heads")),
-            key_head_dim=int(need("linear_key_head_dim")),
-            value_head_dim=int(need("linear_value_head_dim")),
-            conv_kernel=int(need("linear_conv_kernel_dim")),
+            num_key_heads=need("linear_num_key_heads"),
+            num_value_heads=need("linear_num_value_heads"),
+            key_head_dim=need("linear_key_head_dim"),
+            value_head_dim=need("linear_value_head_dim"),
+            conv_kernel=need("linear_conv_kernel_dim"),
         )
         if linear
         else None,
     )
 
 
-def _deepseek_v4(cfg: dict, out: dict, need, source: str) -> dict:
+def _deepseek_v4(cfg: dict, out: dict, source: str) -> dict:
     """DeepSeek-V4: every layer MoE, the first hash-routed (mlp_layer_types, else num_hash_layers),
     a KV compress ratio per layer (compress_ratios, trailing entries for the MTP layers; else
     layer_types with compress_rates; else DeepseekV4Config's default), one shared key/value head,
     hyper-connections (hc_mult)."""
+    get, need = _sizes(cfg, source)
     layers, moe_ffn = out["num_layers"], out["moe_ffn_hidden_size"]
     if cfg.get("mlp_layer_types"):
         hashed = tuple(i for i, t in enumerate(cfg["mlp_layer_types"][:layers]) if t == "hash_moe")
     else:
-        hashed = tuple(range(min(layers, int(cfg.get("num_hash_layers", _V4_DEFAULT_HASH_LAYERS)))))
+        hashed = tuple(range(min(layers, get("num_hash_layers", _V4_DEFAULT_HASH_LAYERS))))
     if cfg.get("compress_ratios"):
-        ratios = tuple(int(r) for r in cfg["compress_ratios"])
+        ratios = tuple(config_int(r, "compress_ratios", source) for r in cfg["compress_ratios"])
     else:
         rates = {**_V4_RATIOS, **(cfg.get("compress_rates") or {})}
         types = cfg.get("layer_types") or (
@@ -227,23 +276,23 @@ def _deepseek_v4(cfg: dict, out: dict, need, source: str) -> dict:
         unknown = sorted(set(types[:layers]) - set(rates))
         if unknown:
             raise ProxyError(f"{source}: DeepSeek-V4 layer_types {unknown} are not among {sorted(rates)}")
-        ratios = tuple(int(rates[t]) for t in types[:layers])
+        ratios = tuple(config_int(rates[t], f"compress_rates[{t!r}]", source) for t in types[:layers])
     return dict(
         moe_layers=tuple(range(layers)),
         hash_layers=hashed,
         ffn_hidden_size=moe_ffn,
-        shared_expert_size=int(cfg.get("n_shared_experts") or 0) * moe_ffn,
+        shared_expert_size=(get("n_shared_experts") or 0) * moe_ffn,
         score_function=cfg.get("scoring_func", "sqrtsoftplus"),
         expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
         attention_sinks=True,
-        hyper_connections=int(cfg.get("hc_mult") or 0),
+        hyper_connections=get("hc_mult") or 0,
         v4_attention=V4Attention(
-            head_dim=int(need("head_dim")),
-            q_lora_rank=int(need("q_lora_rank")),
-            o_groups=int(need("o_groups")),
-            o_lora_rank=int(need("o_lora_rank")),
-            index_n_heads=int(need("index_n_heads")),
-            index_head_dim=int(need("index_head_dim")),
+            head_dim=need("head_dim"),
+            q_lora_rank=need("q_lora_rank"),
+            o_groups=need("o_groups"),
+            o_lora_rank=need("o_lora_rank"),
+            index_n_heads=need("index_n_heads"),
+            index_head_dim=need("index_head_dim"),
             compress_ratios=ratios,
         ),
     )

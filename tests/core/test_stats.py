@@ -40,3 +40,30 @@ def test_a_field_of_the_wrong_shape_is_refused_from_the_header(stats_file):
         load_stats(stats_file, stream=True)
     with pytest.raises(StatsError, match="coact"):
         load_stats(stats_file)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("gate_mass", np.nan, r"layer 2 field gate_mass holds nan at \[3\], not a finite number"),
+        ("proto_sum", np.inf, r"layer 2 field proto_sum holds inf at \[0, 3\], not a finite number"),
+        ("saliency_sum", -np.inf, r"layer 2 field saliency_sum holds -inf"),
+        ("freq", -4, r"layer 2 field freq holds -4, a negative count"),
+        ("gate_mass", -0.5, r"layer 2 field gate_mass holds -0.5, a negative sum"),
+        ("coact", 1 << 62, r"layer 2 field coact holds 4611686018427387904, a count above 2\*\*48"),
+        ("tokens", -1, r"layer 2 field tokens holds -1, a negative count"),
+    ],
+)
+def test_impossible_values_are_refused_naming_file_layer_and_field(stats_file, field, value, says):
+    """NaN, inf, negative counts and counts that would wrap a sum never reach select (whole or streamed)."""
+    tensors = load_file(str(stats_file))
+    if field == "saliency_sum":
+        tensors["layer.2.saliency_sum"] = np.zeros(32)
+    array = tensors[f"layer.2.{field}"].copy()
+    array.reshape(-1)[3 % array.size] = value
+    tensors[f"layer.2.{field}"] = array
+    save_file(tensors, str(stats_file))
+    for stream in (False, True):
+        with pytest.raises(StatsError, match=f"stats.safetensors: {says}"):
+            stats = load_stats(stats_file, stream=stream)
+            stats.layers["2"]  # streamed: the values are read (and judged) when the layer is

@@ -73,7 +73,7 @@ def _trl_json(path: Path) -> bool:
         return True
     try:  # a small file whose log_history comes late
         return path.stat().st_size < 65536 and isinstance(json.loads(head), dict) and "log_history" in json.loads(head)
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):  # not JSON, or absurd: read as JSONL, which says why
         return False
 
 
@@ -132,6 +132,8 @@ def read_log(path) -> RunLog:
         if fmt == "binary":
             raise LogError(f"{path}: a binary file of no known log format; {FORMATS_HINT}")
         return READERS[fmt](path)
+    except RecursionError:  # a reader's parser following absurd nesting (JSONL and TRL say which line)
+        raise LogError(f"{path}: nested too deep to read, which no metric log is; {FORMATS_HINT}") from None
     except (OSError, UnicodeError) as err:
         raise LogError(
             f"{path}: cannot be read ({err.strerror if isinstance(err, OSError) else err}); "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -22,16 +23,28 @@ ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 Points = dict  # raw metric name -> [(step, value), ...]
 
 
+class BadRecord(LogError):
+    """A complete record of a log is wrong (its step is not a step, it is nested too deep, it is not
+    JSON): reading the log again will not mend it, so `watch` stops on it instead of waiting."""
+
+
 def new_points() -> dict:
     return defaultdict(list)
 
 
 def number(value) -> float | None:
-    """A number from a JSON/CSV/log value: int, float, bool or numeric text; None otherwise."""
+    """A number from a JSON/CSV/log value: int, float, bool or numeric text; None otherwise. NaN
+    and infinities are numbers here (the series keeps them apart from its curve); an integer too
+    large for a float (a JSON literal beyond 1.8e308) is an infinity of its sign."""
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, float):
+        return value
     if isinstance(value, str):
         try:
             return float(value.strip())
@@ -40,9 +53,56 @@ def number(value) -> float | None:
     return None
 
 
+MAX_STEP = 10**15  # beyond any run's steps (even counted in tokens); exact in float64 and int64
+
+
+def step_problem(value) -> str | None:
+    """Why `value` is not a step, or None when it is one. `value` is a number read as a step, or
+    the digits a console line gives as one. A step is a whole number from 0 to MAX_STEP: 3.0
+    counts; NaN, 2.5, -1 and 1e30 do not."""
+    if isinstance(value, str) and value.isdecimal():  # a console's digits: no int() of a 5000-digit run
+        digits = value.lstrip("0") or "0"
+        if len(digits) > len(str(MAX_STEP)):
+            return f"step {digits[0]}.{digits[1:3]}e+{len(digits) - 1} is outside 0..10^15"
+        value = int(digits)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"step {value!r} is not a number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"step {value} is not finite"
+    if isinstance(value, float) and not value.is_integer():
+        return f"step {value!r} is not a whole number"
+    if not 0 <= value <= MAX_STEP:
+        return f"step {_shown(value)} is outside 0..10^15"
+    return None
+
+
+def _shown(value: int | float) -> str:
+    """A step out of range, short: -3, 1.00e+30 (ints of any size, without float overflow)."""
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    digits = str(abs(value))
+    sign = "-" if value < 0 else ""
+    return sign + (digits if len(digits) <= 16 else f"{digits[0]}.{digits[1:3]}e+{len(digits) - 1}")
+
+
+def as_step(value, where: str) -> int:
+    """`value` as a step (see `step_problem`); LogError naming `where` (the file and the line) otherwise."""
+    problem = step_problem(value)
+    if problem is not None:
+        raise step_error(where, problem)
+    return int(value)
+
+
+def step_error(where: str, problem: str) -> BadRecord:
+    return BadRecord(f"{where}: {problem}; a step must be a whole number from 0 to 10^15 (the training step)")
+
+
 def finish(path: Path, fmt: str, points: dict, what: str) -> RunLog:
+    """The RunLog of `points` (raw name -> [(step, value)]); LogError when no metric has a value.
+    A metric whose values are all NaN or infinite is kept: watch alerts on it, compare refuses a
+    log of nothing else (`compare.require_finite`)."""
     metrics = {name: Series.from_points(p) for name, p in points.items()}
-    metrics = {name: s for name, s in metrics.items() if len(s)}
+    metrics = {name: s for name, s in metrics.items() if s.logged}
     if not metrics:
         raise LogError(f"{path}: no numeric metric found ({what}); {FORMATS_HINT}")
     return RunLog(str(path), fmt, metrics)

@@ -23,7 +23,9 @@ most records (ties: Megatron/MindSpeed-RL, then verl, then TRL).
   evaluation metrics only (`eval_*`) belongs to the last training line's step; the closing summary
   (`train_runtime`, `train_loss`, ...) is skipped.
 
-The last line of a file still being written (no newline yet) is skipped.
+The last line of a file still being written (no newline yet) is skipped. Values may be `nan` or
+`inf` (kept as such by `Series`); a step that is not a whole number from 0 to 10^15 is refused,
+naming the line.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from mcore_proxy.diagnose.readers.common import (
     finish,
     new_points,
     number,
+    step_error,
+    step_problem,
     strip_ansi,
 )
 from mcore_proxy.diagnose.series import RunLog
@@ -45,9 +49,13 @@ from mcore_proxy.diagnose.series import RunLog
 
 CONSOLE_LINE = re.compile(r"iteration\s*:?\s*(\d+)\s*/\s*(\d+)\s*\|(.*)$")
 
+# The first record of a parse whose step is not a step: (line number, why), or None. A console log
+# that holds one is refused by `read_console` naming the line, if its kind is the log's kind.
+BadStep = tuple[int, str] | None
 
-def parse_console_line(line: str) -> tuple[int, dict[str, float]] | None:
-    """One Megatron or MindSpeed-RL metric line -> (iteration, {key: value}); None otherwise."""
+
+def _console_fields(line: str) -> tuple[str, dict[str, float]] | None:
+    """One Megatron or MindSpeed-RL metric line -> (iteration as its digits, {key: value})."""
     match = CONSOLE_LINE.search(line)
     if match is None:
         return None
@@ -57,19 +65,33 @@ def parse_console_line(line: str) -> tuple[int, dict[str, float]] | None:
         value = number(text) if sep else None
         if value is not None and key.strip():
             values[key.strip()] = value
-    return int(match.group(1)), values
+    return match.group(1), values
 
 
-def parse_megatron(lines: list[str]) -> tuple[dict, int]:
-    points, records = new_points(), 0
-    for line in lines:
+def parse_console_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """One Megatron or MindSpeed-RL metric line -> (iteration, {key: value}); None otherwise, or
+    when the iteration is not a step (`step_problem`)."""
+    fields = _console_fields(line)
+    if fields is None or step_problem(fields[0]) is not None:
+        return None
+    return int(fields[0]), fields[1]
+
+
+def parse_megatron(lines: list[str]) -> tuple[dict, int, BadStep]:
+    points, records, bad = new_points(), 0, None
+    for index, line in enumerate(lines, 1):
         for piece in line.split("\r"):
-            parsed = parse_console_line(piece)
-            if parsed is not None and parsed[1]:
-                records += 1
-                for key, value in parsed[1].items():
-                    points[key].append((parsed[0], value))
-    return points, records
+            fields = _console_fields(piece)
+            if fields is None or not fields[1]:
+                continue
+            records += 1
+            problem = step_problem(fields[0])
+            if problem is not None:
+                bad = bad or (index, problem)
+                continue
+            for key, value in fields[1].items():
+                points[key].append((int(fields[0]), value))
+    return points, records, bad
 
 
 # -- verl -----------------------------------------------------------------------------------------
@@ -135,22 +157,27 @@ def _continues(record: str, line: str) -> str | None:
     return text
 
 
-def parse_verl(lines: list[str]) -> tuple[dict, int]:
-    points, records = new_points(), 0
-    record, step = None, None
+def parse_verl(lines: list[str]) -> tuple[dict, int, BadStep]:
+    points, records, bad = new_points(), 0, None
+    record, step, start = None, "", 0  # the open record, its step's digits, its first line
 
     def flush():
-        nonlocal records
+        nonlocal records, bad
         if record is None:
             return
         pairs = [verl_pair(p) for p in VERL_SEP.split(RAY_REPEATED.sub("", record)) if p.strip()]
         pairs = [p for p in pairs if p is not None]
-        if pairs:
-            records += 1
+        if not pairs:
+            return
+        records += 1
+        problem = step_problem(step)
+        if problem is not None:
+            bad = bad or (start, problem)
+            return
         for key, value in pairs:
-            points[key].append((step, value))
+            points[key].append((int(step), value))
 
-    for raw in lines:
+    for index, raw in enumerate(lines, 1):
         line = strip_ansi(raw)
         if record is not None:
             cont = _continues(record, line.split("\r")[-1])
@@ -163,10 +190,10 @@ def parse_verl(lines: list[str]) -> tuple[dict, int]:
             match = VERL_START.search(piece)
             if match is not None:
                 flush()
-                record, step = piece[match.end() :], int(match.group(1))
+                record, step, start = piece[match.end() :], match.group(1), index
         # a record ends at the end of its line unless the next line continues it
     flush()
-    return points, records
+    return points, records, bad
 
 
 # -- TRL / transformers ---------------------------------------------------------------------------
@@ -187,9 +214,9 @@ def _trl_dict(piece: str) -> dict | None:
     return logs if isinstance(logs, dict) else None
 
 
-def parse_trl(lines: list[str]) -> tuple[dict, int]:
-    points, records, step = new_points(), 0, 0
-    for raw in lines:
+def parse_trl(lines: list[str]) -> tuple[dict, int, BadStep]:
+    points, records, step, bad = new_points(), 0, 0, None
+    for index, raw in enumerate(lines, 1):
         for piece in strip_ansi(raw).split("\r"):
             logs = _trl_dict(piece)
             if logs is None or any(k in logs for k in SUMMARY_KEYS):
@@ -198,17 +225,21 @@ def parse_trl(lines: list[str]) -> tuple[dict, int]:
             values = {k: v for k, v in values.items() if v is not None}
             if not values:
                 continue
+            records += 1
             explicit = next((values[k] for k in ("step", "global_step") if k in values), None)
+            problem = None if explicit is None else step_problem(explicit)
+            if problem is not None:
+                bad = bad or (index, problem)
+                continue
             evaluation = all(k.startswith(("eval_", "test_")) or k == "epoch" for k in values)
             if explicit is not None:
                 step = int(explicit)
             elif not evaluation:
                 step += 1
-            records += 1
             for key, value in values.items():
                 if key not in ("step", "global_step"):
                     points[key].append((step, value))
-    return points, records
+    return points, records, bad
 
 
 # -- the log --------------------------------------------------------------------------------------
@@ -218,15 +249,18 @@ KINDS = (("console", parse_megatron), ("verl-console", parse_verl), ("trl-consol
 
 def read_console(path: Path) -> RunLog:
     lines = complete_lines(path)
-    best = ("console", new_points(), 0)
+    best = ("console", new_points(), 0, None)
     for kind, parse in KINDS:
-        points, records = parse(lines)
+        points, records, bad = parse(lines)
         if records > best[2]:
-            best = (kind, points, records)
+            best = (kind, points, records, bad)
+    kind, points, _, bad = best
+    if bad is not None:
+        raise step_error(f"{path}: line {bad[0]}", bad[1])
     return finish(
         path,
-        best[0],
-        best[1],
+        kind,
+        points,
         "no metric line of Megatron or MindSpeed-RL ('iteration i / N | key: value |'), "
         "verl ('step:N - key:value - ...') or TRL ({'loss': ..., 'reward': ...})",
     )

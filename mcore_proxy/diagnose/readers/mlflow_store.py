@@ -9,7 +9,7 @@ A key with slashes (`actor/kl_loss`) is a nested path under `metrics/`. The path
 store (`mlruns/`), an experiment folder or a run folder; a store or experiment must hold exactly one
 live run (deleted runs and `.trash` are ignored), otherwise the reader refuses and lists the runs,
 so that no run is compared by accident. A last line without its newline (a run still logging) is
-skipped.
+skipped. NaN and infinite values are kept (`Series`); a step out of 0..10^15 is refused.
 
 MLflow >= 3.7 defaults to a SQLite database (`mlflow.db`) and keeps the file store only with
 `MLFLOW_ALLOW_FILE_STORE=true`; verl's mlflow backend defaults to `sqlite:////tmp/mlruns.db`. Such a
@@ -18,10 +18,13 @@ database is read too (`read_mlflow_sqlite`: its `runs` and `metrics` tables, wit
 
 from __future__ import annotations
 
+import math
 import sqlite3
+import sys
 from pathlib import Path
 
 from mcore_proxy.diagnose.readers.common import (
+    as_step,
     complete_lines,
     finish,
     listed,
@@ -114,14 +117,14 @@ def read_mlflow(path: Path) -> RunLog:
     files = sorted(p for p in metrics.rglob("*") if p.is_file()) if metrics.is_dir() else []
     for file in files:
         key = file.relative_to(metrics).as_posix()
-        for line in complete_lines(file):
+        for index, line in enumerate(complete_lines(file), 1):
             fields = line.split()
             if len(fields) < 2:
                 continue
             value = number(fields[1])
             step = number(fields[2]) if len(fields) > 2 else 0.0
             if value is not None and step is not None:
-                points[key].append((int(step), value))
+                points[key].append((as_step(step, f"{file}: line {index}"), value))
     return finish(run, "mlflow", points, f"run {_name(run)} has no metric file under metrics/")
 
 
@@ -131,6 +134,16 @@ def is_sqlite(path: Path) -> bool:
             return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
     except OSError:
         return False
+
+
+def _sql_value(value: float, is_nan) -> float:
+    """A metric value as MLflow's SQL store logged it: it writes NaN as 0 with is_nan set, and +-inf
+    as +-1.7976931348623157e308 (SQL has no infinity; `SqlAlchemyStore.sanitize_metric_value`)."""
+    if is_nan:
+        return math.nan
+    if abs(value) == sys.float_info.max:
+        return math.copysign(math.inf, value)
+    return value
 
 
 def read_mlflow_sqlite(path: Path, run_id: str | None = None) -> RunLog:
@@ -165,8 +178,10 @@ def read_mlflow_sqlite(path: Path, run_id: str | None = None) -> RunLog:
             "SELECT key, value, step, is_nan FROM metrics WHERE run_uuid = ? ORDER BY timestamp", (live[0][0],)
         )
         for key, value, step, is_nan in rows:
-            if not is_nan and value is not None:
-                points[key].append((int(step or 0), float(value)))
+            value = number(value)  # SQLite keeps any type in any column: text is no value
+            if value is not None:
+                where = f"{path}: metrics table, key {key!r}"
+                points[key].append((as_step(step or 0, where), _sql_value(value, is_nan)))
     except sqlite3.Error as err:
         raise LogError(
             f"{path}: cannot read the MLflow database ({err}); if the run is writing it, read it again in a moment"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mcore_proxy.core.optional import MissingDependency, missing_message
-from mcore_proxy.diagnose.readers.common import finish, listed, new_points
+from mcore_proxy.diagnose.readers.common import as_step, finish, listed, new_points
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.core.errors import LogError
 
@@ -73,9 +73,10 @@ def read_swanlab(path: Path) -> RunLog:
         reader.open(file)
     except Exception as err:  # swanlab's DataStoreError (bad header, other format version) and IO errors
         raise LogError(f"{file}: swanlab cannot read it ({' '.join(str(err).split())}); {EXPORT}") from None
-    points = new_points()
+    points, index = new_points(), 0
     try:
         while True:
+            index += 1
             try:
                 data = reader.scan()
             except Exception:  # noqa: BLE001 - swanlab's DataStoreError, assertions: a cut or corrupt tail
@@ -89,7 +90,8 @@ def read_swanlab(path: Path) -> RunLog:
                 break
             if record.HasField("scalar"):
                 s = record.scalar
-                points[s.key].append((int(s.step), float(s.value.number)))
+                step = as_step(int(s.step), f"{file}: record {index}")
+                points[s.key].append((step, float(s.value.number)))
     finally:
         reader.close()
     return finish(file, "swanlab", points, "no scalar record")

@@ -16,13 +16,14 @@ import json
 import re
 from pathlib import Path
 
-from mcore_proxy.diagnose.readers.common import finish, new_points, number
+from mcore_proxy.diagnose.readers.common import BadRecord, as_step, finish, new_points, number
 from mcore_proxy.diagnose.series import RunLog
 from mcore_proxy.core.errors import LogError
 
 STATE = "trainer_state.json"
 SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
+FIX = "pass the trainer_state.json a transformers/TRL Trainer wrote (in its output folder or a checkpoint-N folder)"
 
 
 def checkpoints(folder: Path) -> list[Path]:
@@ -47,11 +48,12 @@ def load_state(path: Path) -> dict:
             f"{path}: not complete JSON ({err.msg} at line {err.lineno}); if the trainer is "
             "saving a checkpoint right now, read it again in a moment"
         ) from None
+    except RecursionError:
+        raise BadRecord(f"{path}: JSON nested too deep to read; {FIX}") from None
+    except ValueError:  # json's limit on integer literals (4300 digits): JSONDecodeError is caught above
+        raise BadRecord(f"{path}: holds a number of thousands of digits, which no trainer state has; {FIX}") from None
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
-        raise LogError(
-            f"{path}: no 'log_history' list; pass the trainer_state.json a transformers/TRL "
-            "Trainer wrote (in its output folder or a checkpoint-N folder)"
-        )
+        raise LogError(f"{path}: no 'log_history' list; {FIX}")
     return state
 
 
@@ -65,8 +67,8 @@ def newest_state(folder: Path) -> Path:
     def global_step(p: Path) -> int:
         try:
             return int(json.loads(p.read_text(errors="replace")).get("global_step", -1))
-        except (ValueError, TypeError, AttributeError):
-            return -1
+        except (ValueError, TypeError, AttributeError, OverflowError, RecursionError):
+            return -1  # unreadable or absurd here: load_state names the defect of the one chosen
 
     top, last = candidates
     return top if global_step(top) >= global_step(last) else last
@@ -76,14 +78,15 @@ def read_trainer_state(path: Path) -> RunLog:
     file = path if path.is_file() else newest_state(path)
     state = load_state(file)
     points = new_points()
-    for entry in state["log_history"]:
+    for index, entry in enumerate(state["log_history"]):
         if not isinstance(entry, dict) or any(k in entry for k in SUMMARY_KEYS):
             continue
         step = entry.get("step")
         if not isinstance(step, (int, float)) or isinstance(step, bool):
             continue
+        step = as_step(step, f"{file}: log_history entry {index}")
         for key, value in entry.items():
             value = number(value)
             if key != "step" and value is not None:
-                points[key].append((int(step), value))
+                points[key].append((step, value))
     return finish(file, "trl-state", points, "its log_history holds no logged step")

@@ -113,6 +113,8 @@ MLFLOW = """
             for step in range(1, 6):
                 mlflow.log_metrics({"actor/kl_loss": 0.002 * step, "critic/score/mean": 0.1 * step}, step=step)
             mlflow.log_metric("actor/entropy", float("nan"), step=3)
+            mlflow.log_metric("actor/grad_norm", float("inf"), step=4)  # stored as the largest float
+            mlflow.log_metric("actor/grad_norm", -float("inf"), step=5)
 """
 
 
@@ -132,8 +134,9 @@ WANDB = """
     for name in ("base", "fault"):
         run = wandb.init(project="proxy", name=name, mode="offline", dir=sys.argv[1])
         for step in range(10):
+            grad = {3: float("nan"), 5: float("inf"), 7: -float("inf")}.get(step, 0.5)  # wandb writes "NaN", ...
             run.log({"actor/kl_loss": 0.001 * step, "critic/score/mean": 0.05 * step, "note": "text",
-                     "perf": {"throughput": 100.0 + step}}, step=step)
+                     "perf": {"throughput": 100.0 + step}, "perf/loss_scale": grad}, step=step)
         run.finish()
 """
 
@@ -152,7 +155,9 @@ SWANLAB = """
     for name in ("base", "fault"):
         swanlab.init(project="proxy", experiment_name=name, mode="offline", logdir=sys.argv[1])
         for step in range(10):
-            swanlab.log({"actor/kl_loss": 0.001 * step, "critic/score/mean": 0.05 * step}, step=step)
+            scale = {3: float("nan"), 5: float("inf"), 7: -float("inf")}.get(step, 0.5)
+            swanlab.log({"actor/kl_loss": 0.001 * step, "critic/score/mean": 0.05 * step, "perf/loss_scale": scale},
+                        step=step)
         swanlab.finish()
 """
 

@@ -69,14 +69,14 @@ def test_verl_value_forms():
     ],
 )
 def test_verl_wrapped_records(lines):
-    points, records = parse_verl(lines)
+    points, records, _ = parse_verl(lines)
     assert records == 1
     assert {k: v for k, [(_, v)] in points.items()} == {"a": 1.0, "b": 0.25, "c": 3.0}
     assert {s for p in points.values() for s, _ in p} == {3}
 
 
 def test_verl_lines_that_are_not_continuations():
-    points, records = parse_verl(
+    points, records, _ = parse_verl(
         [
             "step:1 - a:0.5",
             "Done.",
@@ -131,4 +131,5 @@ def test_trl_console_dict_forms(tmp_path):
     assert run.metrics["reward"].steps.tolist() == [1, 2, 10]
     assert run.metrics["eval_loss"].steps.tolist() == [2]
     assert run.metrics["loss"].values.tolist() == [0.5, 0.4, 0.3]  # the line with a bare nan was read
-    assert "grad_norm" not in run.metrics  # a NaN is not a point of a curve
+    # a NaN is no point of the curve, but kept and counted
+    assert len(run.metrics["grad_norm"]) == 0 and run.metrics["grad_norm"].nonfinite_steps.tolist() == [1]

@@ -4,6 +4,7 @@ SQLite database with one run); the reader itself needs no mlflow."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mcore_proxy.diagnose.aliases import canonical_metrics
@@ -64,7 +65,10 @@ def test_sqlite_database(mlflow_stores):
     run = read_log(db)
     assert run.format == "mlflow" and run.metrics["actor/kl_loss"].steps.tolist() == [1, 2, 3, 4, 5]
     assert run.metrics["critic/score/mean"].values[-1] == pytest.approx(0.5)
-    assert "actor/entropy" not in run.metrics  # its only point was NaN
+    # NaN (stored as 0 with is_nan) and +-inf (stored as +-1.8e308) come back as what was logged
+    entropy, grad = run.metrics["actor/entropy"], run.metrics["actor/grad_norm"]
+    assert len(entropy) == 0 and entropy.nonfinite_steps.tolist() == [3] and np.isnan(entropy.nonfinite_values[0])
+    assert grad.nonfinite_steps.tolist() == [4, 5] and grad.nonfinite_values.tolist() == [np.inf, -np.inf]
 
 
 def test_sqlite_that_is_not_mlflow(tmp_path):

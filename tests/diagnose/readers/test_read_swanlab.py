@@ -15,6 +15,8 @@ def test_offline_run(swanlog):
     assert canonical_metrics(run.metrics) == {"kl_loss": "actor/kl_loss", "reward": "critic/score/mean"}
     assert run.metrics["actor/kl_loss"].steps.tolist() == list(range(10))
     assert run.metrics["critic/score/mean"].values[-1] == pytest.approx(0.45)
+    scale = run.metrics["perf/loss_scale"]  # NaN and infinities are kept apart from the curve
+    assert scale.nonfinite_steps.tolist() == [3, 5, 7] and scale.nonfinite_kinds() == {"NaN": 1, "+inf": 1, "-inf": 1}
 
 
 def test_swanlog_with_two_runs_is_refused(swanlog):

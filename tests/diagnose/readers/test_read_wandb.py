@@ -17,6 +17,9 @@ def test_offline_run_folder_and_file(wandb_dir):
     assert run.metrics["critic/score/mean"].values[-1] == pytest.approx(0.45)
     assert run.metrics["perf.throughput"].values[0] == 100.0  # a nested dict, flattened
     assert "note" not in run.metrics and not any(k.startswith("_") for k in run.metrics)
+    # W&B prints NaN and infinities as the strings "NaN", "Infinity", "-Infinity": read as such
+    grad = run.metrics["perf/loss_scale"]
+    assert grad.nonfinite_steps.tolist() == [3, 5, 7] and grad.nonfinite_kinds() == {"NaN": 1, "+inf": 1, "-inf": 1}
     assert read_log(run.source).metrics["actor/kl_loss"].values.tolist() == run.metrics["actor/kl_loss"].values.tolist()
 
 
