@@ -11,10 +11,13 @@ did not check for it first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
+import select
 import signal
+import stat
 import sys
 import traceback
 
@@ -89,13 +92,81 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse; a usage error shows the usage of the (sub)command it belongs to, not the top level's."""
-    from mcore_proxy.cli_support.flags import finish
+    from mcore_proxy.cli_support.flags import empty_argument, finish
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
+    command_parser = getattr(args, "_parser", parser)
     if extra:
-        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    empty = empty_argument(argv)
+    if empty is not None:
+        command_parser.error(empty)
     finish(args)
     return args
+
+
+class _PipeGuard:
+    """stdout that goes quiet once its reader has gone (`mcore-proxy inspect CKPT | head -1`): the
+    Unix convention, as `cat` does, instead of an error; the command runs on and keeps its exit code
+    (verify's 0 or 1 is not lost because its report was cut). Everything else passes through."""
+
+    def __init__(self, stream):
+        self._stream, self.closed_pipe = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_pipe:
+            try:
+                self._stream.write(text)
+                self._stream.flush()  # find a closed pipe now, not at the interpreter's exit
+            except BrokenPipeError:
+                self._go_quiet()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_pipe:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._go_quiet()
+
+    def reader_gone(self) -> bool:
+        """Whether stdout's reader has gone, also before anything was written to it: a pipe's write
+        end reports POLLERR once no reader is left (a follower such as `watch` asks between polls)."""
+        if not self.closed_pipe:
+            try:
+                fd = self._stream.fileno()
+                if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    poller = select.poll()
+                    poller.register(fd, select.POLLOUT)
+                    if any(event & select.POLLERR for _, event in poller.poll(0)):
+                        self._go_quiet()
+            except (OSError, ValueError, AttributeError):  # no descriptor (tests' capture) or no poll
+                pass
+        return self.closed_pipe
+
+    def _go_quiet(self) -> None:
+        self.closed_pipe = True
+        try:  # the interpreter flushes fd 1 at exit: let that find /dev/null, not the closed pipe
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a stream without a descriptor (tests' capture)
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_on_closed_pipe():
+    """sys.stdout guarded by _PipeGuard for the block."""
+    guard = _PipeGuard(sys.stdout)
+    sys.stdout = guard
+    try:
+        yield guard
+    finally:
+        sys.stdout = guard._stream
 
 
 def _one_line(err: BaseException) -> str:
@@ -119,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         # one sentence, instead of the default action: killing the process with a core dump
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        with stop_on_signals():
+        with stop_on_signals(), quiet_on_closed_pipe():
             return int(args.func(args) or 0)
     except Interrupted as stop:
         print(f"{name}: stopped by {signal_name(stop.signum)}; partial output removed", file=sys.stderr)

@@ -4,7 +4,7 @@ signature library and print which metric warns earliest for each fault."""
 from __future__ import annotations
 
 from mcore_proxy.core.errors import CheckFailed
-from mcore_proxy.cli_support.flags import add_command, emit
+from mcore_proxy.cli_support.flags import add_command, emit, positive_int
 
 
 def register(subparsers) -> None:
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
         "earliest-warning metric of each fault.",
     )
     p.add_argument("config", metavar="CONFIG", help="campaign file (JSON, mcore-proxy-campaign-config/1)")
-    p.add_argument("--jobs", type=int, metavar="N", help="runs at once (overrides the config's \"jobs\")")
+    p.add_argument("--jobs", type=positive_int, metavar="N", help="runs at once (overrides the config's \"jobs\")")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
     p.add_argument(
         "--png",
@@ -91,7 +91,7 @@ def run_campaign_command(args) -> int:
     import dataclasses
 
     from mcore_proxy.campaign.config import ConfigError, load_config
-    from mcore_proxy.campaign.runner import finished, run_campaign
+    from mcore_proxy.campaign.runner import check_work_folder, finished, run_campaign
 
     config = load_config(args.config)
     if args.jobs is not None:
@@ -99,6 +99,7 @@ def run_campaign_command(args) -> int:
             raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
         config = dataclasses.replace(config, jobs=args.jobs)
     if args.dry_run:
+        check_work_folder(config)
         runs = [
             {
                 "name": e.name,

@@ -164,7 +164,10 @@ def parse_config(raw, path: Path) -> CampaignConfig:
     env = raw.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise _fail(path, '"env" must map names to strings')
-    work = (path.parent / raw.get("work", path.stem)).resolve()
+    work = raw.get("work", path.stem)
+    if not isinstance(work, str) or not work.strip():
+        raise _fail(path, f'"work" must name a folder (a new one, or an earlier run\'s of this campaign), not {work!r}')
+    work = (path.parent / work).resolve()
     base_args = raw.get("baseline", {}).get("args", []) if isinstance(raw.get("baseline", {}), dict) else None
     if not isinstance(base_args, list):
         raise _fail(path, '"baseline" must be {"args": [...]}')

@@ -12,7 +12,8 @@
   the runs) and is sent SIGTERM if the campaign itself dies (PR_SET_PDEATHSIG). On SIGINT, SIGTERM
   or SIGHUP the campaign sends SIGTERM to every running group (SIGKILL after `GRACE` seconds),
   removes their partial folders and re-raises; started again, it runs only what is not finished.
-- A lock (`work/.lock`, flock) keeps a second campaign off the same work folder.
+- The work folder is new, empty, or a campaign's (its marker `campaign.json`); anything else is
+  refused. A lock (`work/.lock`, flock, removed when the campaign ends) keeps a second campaign off it.
 - After each finished run (once the baseline has finished) the library is rebuilt from every
   finished run's log and written atomically: it is complete for the runs it lists at any moment.
 """
@@ -20,7 +21,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -166,21 +166,49 @@ def _build_library(config: CampaignConfig) -> Library | None:
     return library
 
 
-@contextlib.contextmanager
-def _locked(work: Path):
-    work.mkdir(parents=True, exist_ok=True)
-    with open(work / ".lock", "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
+# the marker of a campaign's work folder: a folder is used only when it is new, empty, or has it
+WORK_MARKER = "campaign.json"
+WORK_FORMAT = "mcore-proxy-campaign-work/1"
+# what an earlier version's campaign left in its work folder, before the marker existed
+_OWN_NAMES = {"runs", "library.json", ".lock", WORK_MARKER}
+
+
+def check_work_folder(config: CampaignConfig) -> None:
+    """`config.work` may become the campaign's: a new folder (made, one level), an empty one, or one
+    that holds a campaign already; any other folder (a checkpoint, `/`, a home folder) is refused,
+    and so is a folder inside a checkpoint. Writes nothing (`campaign --dry-run` runs it too)."""
+    from mcore_proxy.core.output import check_folder, check_not_in_checkpoint, has_marker
+
+    work = config.work
+    if work.is_dir() and not has_marker(work, WORK_MARKER, WORK_FORMAT):
+        others = sorted(p.name for p in work.iterdir() if p.name not in _OWN_NAMES)
+        if others:
             raise ConfigError(
-                f"{work}: another campaign (pid {lock.read().strip() or '?'}) is running on "
-                "this work folder; wait for it or stop it first"
-            ) from None
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
+                f'{config.path}: "work" is {work}, which holds other files ({others[0]}, ...) and no '
+                f"{WORK_MARKER} of a campaign; give a new folder, or the work folder of an earlier run of this campaign"
+            )
+    check_folder(work, create=True)
+    check_not_in_checkpoint(work)
+
+
+def claim_work_folder(config: CampaignConfig) -> None:
+    """Check the work folder, make it, and mark it as this campaign's."""
+    from mcore_proxy.core.output import write_synced
+
+    check_work_folder(config)
+    config.work.mkdir(exist_ok=True)
+    if not (config.work / WORK_MARKER).is_file():
+        marker = {"format": WORK_FORMAT, "config": str(config.path)}
+        write_synced(config.work / WORK_MARKER, json.dumps(marker, indent=1).encode())
+
+
+@contextlib.contextmanager
+def _locked(config: CampaignConfig):
+    """The work folder, claimed and locked for the block (`work/.lock`, removed after)."""
+    from mcore_proxy.core.output import held_lock
+
+    claim_work_folder(config)
+    with held_lock(config.work / ".lock", f"{config.work}: another campaign is running on this work folder"):
         yield
 
 
@@ -215,7 +243,7 @@ def run_campaign(config: CampaignConfig, progress: bool = True) -> CampaignResul
     from tqdm import tqdm
 
     outcomes: dict[str, RunOutcome] = {}
-    with _locked(config.work):
+    with _locked(config):
         queue = []
         for entry in config.entries:
             record = finished(entry)

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.checkpoint.target import source_target
 
 Progress = Callable[[int], None] | None  # called with the bytes just written
@@ -110,6 +111,13 @@ class TargetOptions:
     plan_ep: int | None = None
     naming: str | None = None  # "megatron" / "mindspeed-llm" (checkpoint/mindspeed_llm.py)
     tp_extend_ep: bool | None = None  # MindSpeed-LLM --moe-tp-extend-ep
+
+    def __post_init__(self):
+        # a size of 0 is not "the source's" (that is None): a library caller gets the sentence the CLI gives
+        for name in ("tp", "pp", "ep", "etp", "vpp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ProxyError(f"--target-{name} {value!r} is not a size: give an integer >= 1, or leave it out")
 
     def given(self) -> list[str]:
         """The layout options the user set (field names; the plan's EP is not the user's)."""

@@ -322,6 +322,20 @@ def brief_error(err: BaseException) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+# torch.save before torch 1.6 (and `_use_new_zipfile_serialization=False` since) writes a pickle
+# stream that opens with protocol 2 and its magic number 0x1950a86a20f9469cfc6c as a long
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
+def is_legacy_torch_format(path: Path) -> bool:
+    """Whether `path` starts like a pre-1.6 (non-zip) torch.save file."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(_LEGACY_TORCH_MAGIC)) == _LEGACY_TORCH_MAGIC
+    except OSError:
+        return False
+
+
 class TorchFile:
     """One `torch.save` zip file, opened for lazy reading. `obj` is the unpickled structure.
 
@@ -357,6 +371,12 @@ class TorchFile:
         except (FileNotFoundError, IsADirectoryError):
             raise CheckpointError(f"{self.path}: file missing; copy it from the source checkpoint") from None
         except UNREADABLE as err:
+            if is_legacy_torch_format(self.path):
+                raise CheckpointError(
+                    f"{self.path}: is a torch.save file in the format before torch 1.6 (not a zip), which "
+                    "mcore-proxy does not read; load it where you trust it and save a copy with a current torch "
+                    "(torch.save writes the zip format), then pass the copy"
+                ) from None
             raise CheckpointError(
                 f"{self.path}: not a readable torch checkpoint ({brief_error(err)}); the file is truncated or "
                 "damaged, copy it again from the source"

@@ -160,6 +160,20 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{', '.join(action.option_strings)} {metavar}"
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a size or count: an integer >= 1. A parallel size of 0 is not "the default"
+    (leave the option out for that), and a count of 0 has nothing to do."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a size: give an integer >= 1 (leave the option out for its default)"
+        )
+    return value
+
+
 def add_option(parser, *ours: str, **kwargs) -> argparse.Action:
     """`parser.add_argument(*ours, **kwargs)` plus every spelling of `ours` in the table; a switch
     spelling (`--moe-grouped-gemm`) becomes its own flag storing its value into the same dest."""
@@ -297,6 +311,27 @@ def add_group(subparsers, name: str, *, help: str, description: str):
     )
     p.set_defaults(_parser=p)
     return p.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+
+
+def empty_argument(argv: list[str]) -> str | None:
+    """The refusal of the first empty argument in `argv`, or None.
+
+    An empty argument is never meant: it is an unset shell variable (`-o "$OUT"`), and as a path it
+    would mean the current folder (`Path("")` is `.`), so `convert -o "" --force` would replace the
+    folder the user stands in. No option of any command takes an empty value."""
+    for i, value in enumerate(argv):
+        if value == "":
+            before = argv[i - 1] if i > 0 else ""
+            name = before if before.startswith("-") and "=" not in before else "a positional argument"
+        elif value.startswith("--") and value.endswith("=") and value.count("=") == 1:
+            name = value[:-1]
+        else:
+            continue
+        return (
+            f"{name} is given an empty value (an unset shell variable?); an empty path would mean the "
+            "current folder, so it is refused: give the value"
+        )
+    return None
 
 
 def finish(args) -> None:

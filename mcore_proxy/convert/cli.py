@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mcore_proxy.cli_support.flags import add_checkpoint_argument, add_command, add_not_yet, add_option, emit
+from mcore_proxy.cli_support.flags import (
+    add_checkpoint_argument,
+    add_command,
+    add_not_yet,
+    add_option,
+    emit,
+    positive_int,
+)
 from mcore_proxy.core.units import format_bytes
 
 # checkpoint.formats' writable rows (tests/checkpoint/test_formats.py keeps them equal), spelled out
@@ -39,13 +46,13 @@ def register(sub) -> None:
     add_option(
         p, "-o", "--out", type=Path, required=True, metavar="OUT", help="output folder (must not exist unless --force)"
     )
-    add_option(p, "--target-tp", dest="tp", type=int, metavar="N", help="default: the source's TP")
-    add_option(p, "--target-pp", dest="pp", type=int, metavar="N", help="default: the source's PP")
+    add_option(p, "--target-tp", dest="tp", type=positive_int, metavar="N", help="default: the source's TP")
+    add_option(p, "--target-pp", dest="pp", type=positive_int, metavar="N", help="default: the source's PP")
     add_option(
         p,
         "--target-ep",
         dest="ep",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="any divisor of K; default: the plan's expert-parallel degree (the source's without a plan)",
     )
@@ -53,7 +60,7 @@ def register(sub) -> None:
         p,
         "--target-etp",
         dest="etp",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="default: the source's ETP when it is 1 or TP, else equal to TP",
     )
@@ -76,7 +83,7 @@ def register(sub) -> None:
         p,
         "--target-vpp",
         dest="vpp",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="virtual pipeline stages per rank, Megatron's even interleaved split: chunk (pp, vp) holds "
         "layers (vp*PP + pp)*n .. +n (default: the source's when PP is kept; 1: none)",
@@ -119,7 +126,7 @@ def register(sub) -> None:
         "weighted by their routed-selection frequencies (reads the dropped experts too; `verify` "
         "recomputes the means; see docs/selection.md for what it preserves)",
     )
-    p.add_argument("--workers", type=int, default=1, help="writer processes")
+    p.add_argument("--workers", type=positive_int, default=1, help="writer processes")
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -163,9 +170,9 @@ def register(sub) -> None:
     add_option(d, "--orig", type=Path, required=True, metavar="CKPT", help="the original (legacy, one rank)")
     d.add_argument("--proxy", type=Path, required=True, help="the proxy convert wrote (legacy, one rank)")
     d.add_argument("--tokens", type=Path, required=True, help=".npy of token ids [rows, sequence] (calibration data)")
-    d.add_argument("--steps", type=int, default=300, help="optimizer steps (default %(default)s)")
+    d.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default %(default)s)")
     d.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default %(default)s)")
-    d.add_argument("--batch", type=int, default=64, help="token rows per step (default %(default)s)")
+    d.add_argument("--batch", type=positive_int, default=64, help="token rows per step (default %(default)s)")
     d.add_argument("--pad-id", type=int, default=None, help="token id whose positions are left out (default: none)")
     d.add_argument("--held-out", type=int, default=None, help="last rows kept to measure KL (default: a tenth)")
     d.add_argument("--seed", type=int, default=0)

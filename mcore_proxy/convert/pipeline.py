@@ -74,8 +74,6 @@ class ConvertRequest:
             raise ProxyError("--merge-clusters merges each plan cluster into its kept expert; pass --plan")
         if self.workers < 1:
             raise ProxyError(f"--workers {self.workers} must be at least 1")
-        if self.target.vpp is not None and self.target.vpp < 1:
-            raise ProxyError(f"--target-vpp {self.target.vpp} must be at least 1 (1: no virtual pipeline stages)")
 
 
 @dataclass

@@ -39,7 +39,7 @@ def read_json_object(
     except FileNotFoundError:
         raise error(f"{path}: {what} not found; {missing_fix or fix}") from None
     except IsADirectoryError:
-        raise error(f"{path}: is a folder, expected a {what}; {missing_fix or fix}") from None
+        raise error(f"{path}: is a folder, expected a {what}; pass the {what} itself, not a folder") from None
     except OSError as err:
         raise error(f"{path}: {what} cannot be read ({err.strerror or err}); {fix}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: absurd nesting

@@ -82,10 +82,50 @@ def refuse_staging(path: str | Path) -> None:
         )
 
 
+def given_path(path: str | Path, what: str = "output") -> Path:
+    """`path` as an absolute Path; an empty string is refused (`Path("")` is the current folder,
+    which an unset variable must never mean)."""
+    if isinstance(path, str) and not path.strip():
+        raise OutputError(f"the {what} path is empty (an unset variable?); give the path to write")
+    return Path(path).absolute()
+
+
+# files whose presence makes a folder a checkpoint or a part of one: Megatron's tracker, a rank
+# folder's file, torch_dist's metadata, a Hugging Face model's config (beside its weights)
+_CHECKPOINT_FILES = ("latest_checkpointed_iteration.txt", "model_optim_rng.pt", ".metadata")
+
+
+def looks_like_checkpoint(folder: Path) -> bool:
+    """Whether `folder` is (a part of) a checkpoint or an mcore-proxy convert output, by its files."""
+    try:
+        if any((folder / name).is_file() for name in _CHECKPOINT_FILES):
+            return True
+        if any(folder.glob("mp_rank_*")):  # an iteration folder
+            return True
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors*")):
+            return True
+        return has_marker(folder, *OUTPUT_MARKERS[0])
+    except OSError:  # an ancestor we may not list holds nothing we would write into
+        return False
+
+
+def check_not_in_checkpoint(folder: str | Path) -> None:
+    """OutputError when `folder` or one of its ancestors is a checkpoint: a command writes where it
+    was asked, and never into a checkpoint's folder (its own output folder is written whole, beside)."""
+    folder = Path(folder).absolute()
+    for place in (folder, *folder.parents):
+        if place.is_dir() and looks_like_checkpoint(place):
+            where = "is" if place == folder else f"lies in {place}, which is"
+            raise OutputError(
+                f"{folder}: {where} a checkpoint folder, and outputs never go into a checkpoint; "
+                "choose an output outside it"
+            )
+
+
 def check_output_path(out: str | Path, inputs: tuple[str | Path, ...] = (), *, replace: bool = False) -> Path:
-    """The output must not exist (unless `replace` and it is an earlier mcore-proxy output) and must
-    not lie inside (or contain) an input."""
-    out = Path(out).absolute()
+    """The output must not exist (unless `replace` and it is an earlier mcore-proxy output), must
+    not lie inside (or contain) an input, and must not lie inside a checkpoint."""
+    out = given_path(out)
     if (out.exists() or out.is_symlink()) and not replace:
         raise OutputError(
             f"{out}: output folder already exists; pass --force to replace it (the new output is "
@@ -99,11 +139,23 @@ def check_output_path(out: str | Path, inputs: tuple[str | Path, ...] = (), *, r
             raise OutputError(
                 f"{out}: output must not be inside the input {src} (or hold it); choose a path outside it"
             )
-    if not out.parent.is_dir():
-        raise OutputError(f"{out.parent}: parent folder of the output does not exist; create it first")
+    check_folder(out.parent)
+    check_not_in_checkpoint(out.parent)
     if out.exists() or out.is_symlink():
         check_replaceable(out)
     return out
+
+
+def check_folder(folder: Path, *, create: bool = False) -> None:
+    """`folder`, which will hold an output, must be a folder; with `create` it may also be missing
+    while its parent exists (it is then made, and only it: never a chain of parents)."""
+    if folder.is_dir():
+        return
+    if folder.exists() or folder.is_symlink():
+        raise OutputError(f"{folder}: is not a folder, so it cannot hold the output; choose another path")
+    if not (create and folder.parent.is_dir()):
+        missing = folder if not create else folder.parent
+        raise OutputError(f"{missing}: folder of the output does not exist; create it first")
 
 
 # the file that marks a folder as one of our outputs, by its "format": what --force may replace
@@ -113,15 +165,17 @@ OUTPUT_MARKERS = (
 )  # compare -o
 
 
+def has_marker(folder: str | Path, name: str, fmt: str) -> bool:
+    """Whether `folder/name` is a JSON object whose "format" is `fmt`."""
+    try:
+        return json.loads((Path(folder) / name).read_bytes()).get("format") == fmt
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
+
+
 def is_output_folder(folder: str | Path) -> bool:
     """Whether `folder` holds the marker file of an mcore-proxy output folder (OUTPUT_MARKERS)."""
-    for name, fmt in OUTPUT_MARKERS:
-        try:
-            if json.loads((Path(folder) / name).read_bytes()).get("format") == fmt:
-                return True
-        except (OSError, ValueError, AttributeError, RecursionError):
-            continue
-    return False
+    return any(has_marker(folder, name, fmt) for name, fmt in OUTPUT_MARKERS)
 
 
 def check_replaceable(out: Path) -> None:
@@ -163,16 +217,23 @@ def lock_path(out: Path) -> Path:
 def output_lock(out: Path):
     """Hold the lock of output `out` for the block; OutputError if another process holds it."""
     path = lock_path(out)
+    with held_lock(path, f"{out}: another mcore-proxy run is writing this output (it holds {path})"):
+        yield path
+
+
+@contextlib.contextmanager
+def held_lock(path: Path, busy: str):
+    """Hold an flock on `path` (created, holding our pid) for the block, and remove the file after:
+    no lock file stays behind a finished run. OutputError(`busy`, with the holder's pid) if another
+    process holds it; the kernel releases it when its owner dies, even by `kill -9`."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise OutputError(
-                f"{out}: another mcore-proxy run is writing this output (it holds {path}); wait "
-                "for it to finish or choose another output"
-            ) from None
+            raise OutputError(f"{busy}, pid {holder}; wait for it to finish or stop it first") from None
         # the holder before us may have removed the file after we opened it: lock the current one
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -184,7 +245,7 @@ def output_lock(out: Path):
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        yield path
+        yield
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -288,15 +349,17 @@ def staged_files(
     `patterns` that the new output lacks are removed; on failure nothing in `folder` changes.
     `name` names the lock and the staging folder (`.NAME.mcore-proxy.lock` in `folder`). The output
     may neither lie in an input folder nor replace an input file of `inputs`."""
-    folder = Path(folder).absolute()
+    folder = given_path(folder)
     anchor = folder / name
     if is_staging(folder):
         raise OutputError(f"{folder}: lies in an mcore-proxy staging folder; choose a path outside it")
     _check_not_an_input(folder, patterns, inputs)
+    check_folder(folder, create=True)
+    check_not_in_checkpoint(folder)
     created = not folder.exists()
     tmp = anchor.with_name(f".{name}{STAGING_TAG}{os.getpid()}")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(exist_ok=True)
         with output_lock(anchor):
             old = _existing_files(folder, patterns, replace)
             remove_stale_staging(anchor)
@@ -329,7 +392,7 @@ def _check_not_an_input(folder: Path, patterns: tuple[str, ...], inputs: tuple[s
 
 def _existing_files(folder: Path, patterns: tuple[str, ...], replace: bool) -> set[Path]:
     """Files of an earlier output in `folder`; OutputError unless `replace`, or when one is a folder."""
-    found = sorted({p for pattern in patterns for p in folder.glob(pattern)})
+    found = list(dict.fromkeys(p for pattern in patterns for p in sorted(folder.glob(pattern))))
     for p in found:
         if p.is_dir() and not p.is_symlink():
             raise OutputError(f"{p}: is a folder where the output writes a file; choose another output")

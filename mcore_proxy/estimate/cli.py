@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.cli_support.flags import add_command, add_option, emit
+from mcore_proxy.cli_support.flags import add_command, add_option, emit, positive_int
 
 _UNITS = {
     "": 1 << 30,
@@ -52,7 +52,7 @@ def register(sub) -> None:
     )
     p.add_argument("--hf-config", type=Path, metavar="CONFIG", help="HF config.json (or its folder)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a public model configuration")
-    p.add_argument("--num-experts", "-k", type=int, required=True, metavar="K", help="experts the proxy keeps")
+    p.add_argument("--num-experts", "-k", type=positive_int, required=True, metavar="K", help="experts the proxy keeps")
     p.add_argument(
         "--device-memory",
         type=parse_size,
@@ -73,16 +73,19 @@ def register(sub) -> None:
         ("--etp", "expert tensor"),
         ("--dp", "data"),
     ):
-        add_option(p, flag, type=int, metavar="N", help=f"fix the {what}-parallel size (default: searched)")
-    add_option(p, "--micro-batch", type=int, default=1, metavar="N")
-    add_option(p, "--seq-len", type=int, default=4096, metavar="N")
+        add_option(p, flag, type=positive_int, metavar="N", help=f"fix the {what}-parallel size (default: searched)")
+    add_option(p, "--micro-batch", type=positive_int, default=1, metavar="N")
+    add_option(p, "--seq-len", type=positive_int, default=4096, metavar="N")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
     p.add_argument(
-        "--devices-per-node", type=int, default=8, help="device counts are whole nodes or a divisor of one (default 8)"
+        "--devices-per-node",
+        type=positive_int,
+        default=8,
+        help="device counts are whole nodes or a divisor of one (default 8)",
     )
-    p.add_argument("--max-devices", type=int, default=16384, help="largest device count searched")
+    p.add_argument("--max-devices", type=positive_int, default=16384, help="largest device count searched")
 
 
 def architecture(args):

@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from mcore_proxy.cli_support.flags import add_command, emit
+from mcore_proxy.cli_support.flags import add_command, emit, positive_int
 
 REPORT, PICTURE = "fidelity.json", "fidelity.png"
 
@@ -30,9 +30,9 @@ def register(sub) -> None:
     p.add_argument("--plan", type=Path, required=True, help="the plan.json the proxy was made with")
     p.add_argument("--data", type=Path, required=True, metavar="FILE", help="JSONL data")
     p.add_argument("-o", "--out", type=Path, metavar="DIR", help=f"write {REPORT} and {PICTURE} here")
-    p.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: all of FILE)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
-    p.add_argument("--max-length", type=int, help="longest sequence (default: max_position_embeddings)")
+    p.add_argument("--max-tokens", type=positive_int, help="stop after this many tokens (default: all of FILE)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--max-length", type=positive_int, help="longest sequence (default: max_position_embeddings)")
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
 
 

@@ -241,6 +241,51 @@ def _masked_forward(forward, dropped: torch.Tensor, F):
     return masked
 
 
+# what transformers' modelling code raises when a config it accepted describes a model it cannot
+# compute (shapes that do not broadcast, an index past a table): the model's failure, not ours
+_MODEL_FAILURES = (RuntimeError, ValueError, IndexError, TypeError, KeyError, NotImplementedError, AssertionError)
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def _raised_in_our_code(err: BaseException) -> bool:
+    """Whether the innermost frame of `err` that belongs to mcore-proxy or transformers is ours (a
+    hook of ours inside the forward), rather than the modelling code's."""
+    import traceback
+
+    import transformers
+
+    theirs = str(Path(transformers.__file__).resolve().parent)
+    owner = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        name = str(Path(frame.filename).resolve())
+        if name.startswith(_PACKAGE_DIR):
+            owner = "ours"
+        elif name.startswith(theirs):
+            owner = "theirs"
+    return owner != "theirs"
+
+
+@contextlib.contextmanager
+def model_forward(model):
+    """Run a forward of `model`; an error of transformers' modelling code becomes one ProxyError
+    sentence with its message (exit 2: the checkpoint's config describes a model transformers cannot
+    run), while an error raised in mcore-proxy's own code stays an internal error."""
+    try:
+        yield
+    except _MODEL_FAILURES as err:
+        if _raised_in_our_code(err):
+            raise
+        import transformers
+
+        folder = getattr(model.config, "_name_or_path", "") or "the model"
+        message = " ".join(str(err).split())[:300]
+        raise ProxyError(
+            f"{folder}: transformers {transformers.__version__} could not run this model "
+            f"({type(err).__name__}: {message}); its config.json describes a model transformers' own code "
+            "cannot compute, fix the config (check it by running the model in transformers alone)"
+        ) from None
+
+
 @torch.no_grad()
 def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, hidden: bool = False):
     """Logits [B, S, V] (float32), and with `hidden` the output of every decoder layer
@@ -257,11 +302,12 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
             for i in sorted(layers, key=int)
         ]
     try:
-        logits = model(
-            input_ids=input_ids.to(device),
-            attention_mask=None if attention_mask is None else attention_mask.to(device),
-            use_cache=False,
-        ).logits.float()
+        with model_forward(model):
+            logits = model(
+                input_ids=input_ids.to(device),
+                attention_mask=None if attention_mask is None else attention_mask.to(device),
+                use_cache=False,
+            ).logits.float()
     finally:
         for h in handles:
             h.remove()
@@ -350,14 +396,15 @@ def run_mtp(model, layers: list[MTPLayer], input_ids: torch.Tensor, attention_ma
     """The main model's decoder, then every MTP depth on its output (for their gates' hooks)."""
     device = next(model.parameters()).device
     ids, mask = input_ids.to(device), attention_mask.to(device)
-    if not layers:
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
-        return
-    hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    for layer in layers:
-        mask = mtp_mask(mask)
-        hidden = layer(model, ids, mask, hidden)
-        ids = torch.roll(ids, -1, dims=1)
+    with model_forward(model):
+        if not layers:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            return
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        for layer in layers:
+            mask = mtp_mask(mask)
+            hidden = layer(model, ids, mask, hidden)
+            ids = torch.roll(ids, -1, dims=1)
 
 
 def mtp_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import glob
 from pathlib import Path
 
 from mcore_proxy.core.errors import OutputError, PlanError
-from mcore_proxy.cli_support.flags import add_command, add_option, emit
+from mcore_proxy.cli_support.flags import add_command, add_option, emit, positive_int
 from mcore_proxy.cli_support.plotting import require_matplotlib
 from mcore_proxy.select.constraints import GROUP_POLICIES
 from mcore_proxy.select.fuse import NORMALISATIONS
@@ -41,10 +41,15 @@ def register(subparsers) -> None:
     add_option(p, "--ckpt", required=True, metavar="CKPT", help="source checkpoint (router weights, spec)")
     p.add_argument("--stats", required=True, help="routing statistics (.safetensors + .json)")
     p.add_argument(
-        "--num-experts", "-k", type=int, required=True, metavar="K", help="experts to keep in every MoE layer"
+        "--num-experts", "-k", type=positive_int, required=True, metavar="K", help="experts to keep in every MoE layer"
     )
     add_option(
-        p, "--target-ep", type=int, default=1, metavar="N", help="expert-parallel degree K must divide (default 1)"
+        p,
+        "--target-ep",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="expert-parallel degree K must divide (default 1)",
     )
     p.add_argument("--method", choices=METHODS, default="multiview")
     p.add_argument(
@@ -92,7 +97,7 @@ def register(subparsers) -> None:
         "are unchanged",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--restarts", type=int, default=8, help="K-Medoids restarts (lowest loss wins)")
+    p.add_argument("--restarts", type=positive_int, default=8, help="K-Medoids restarts (lowest loss wins)")
     p.add_argument("--report", metavar="DIR", help="write PNGs and summary.txt into DIR")
     p.add_argument("-o", "--output", required=True, help="plan.json to write (must not exist unless --force)")
 

@@ -7,7 +7,7 @@ import glob
 from pathlib import Path
 
 from mcore_proxy.core.errors import OutputError, StatsError
-from mcore_proxy.cli_support.flags import add_command, add_group, emit
+from mcore_proxy.cli_support.flags import add_command, add_group, emit, positive_int
 from mcore_proxy.cli_support.plotting import require_matplotlib
 
 MERGED_NAME = "routing_stats.safetensors"
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
         description="Summarise a statistics file (or a folder of rank files).",
     )
     s.add_argument("stats", help="a .safetensors statistics file, or a folder of rank files")
-    s.add_argument("--top", type=int, default=3, metavar="N", help="experts listed per end (3)")
+    s.add_argument("--top", type=positive_int, default=3, metavar="N", help="experts listed per end (3)")
     s.add_argument("--png", metavar="DIR", help="also write load.png and coact.png into DIR")
 
 
@@ -58,6 +58,21 @@ def rank_files(folder: Path) -> list[Path]:
             "exit and every MCORE_PROXY_TRACE_FLUSH_STEPS steps)"
         )
     return files
+
+
+def check_merge_output(out: Path, folder: Path) -> None:
+    """The merged file may not be one of the rank files it sums, nor lie in the folder it reads
+    (a later merge would sum it again), except under the default name, `DIR/routing_stats.safetensors`,
+    which no merge reads (it does not match `rank*.safetensors`)."""
+    if not folder.is_dir():
+        return  # rank_files names the problem
+    here = out.absolute().parent.resolve()
+    inside = here == folder.resolve() or folder.resolve() in here.parents
+    if inside and out.name != MERGED_NAME:
+        raise OutputError(
+            f"{out}: lies in the folder {folder} that the merge reads, so a later merge would sum it "
+            f"again (or it replaces a rank file); write it outside, or as {folder / MERGED_NAME}"
+        )
 
 
 def merge_folder(folder: Path, *, allow_missing_layers: bool = False):
@@ -75,6 +90,7 @@ def run_merge(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else folder / MERGED_NAME
     if out.suffix != ".safetensors":
         raise OutputError(f"{out}: the merged file must end in .safetensors (its sidecar is the .json)")
+    check_merge_output(out, folder)
     names = (glob.escape(out.name), glob.escape(sidecar_path(out).name))  # the JSON last, as save_stats
     with staged_files(out.parent, out.name, names, replace=args.force) as tmp:
         merged = merge_folder(folder, allow_missing_layers=args.allow_missing_layers)
@@ -105,7 +121,9 @@ def run_show(args: argparse.Namespace) -> int:
     if args.png:
         require_matplotlib("--png")  # before anything is printed or written
     path = Path(args.stats)
-    pngs = staged_files(args.png, "stats-png", HEATMAPS, replace=args.force) if args.png else nullcontext()
+    pngs = (
+        staged_files(args.png, "stats-png", HEATMAPS, replace=args.force, inputs=(path,)) if args.png else nullcontext()
+    )
     with pngs as png_dir:
         stats = merge_folder(path) if path.is_dir() else load_stats(path)
         written = [Path(args.png) / p.name for p in write_heatmaps(stats, png_dir)] if args.png else []

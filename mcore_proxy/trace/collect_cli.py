@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_proxy.cli_support.flags import add_command, emit
+from mcore_proxy.cli_support.flags import add_command, emit, positive_int
 
 
 def register(sub) -> None:
@@ -21,11 +21,11 @@ def register(sub) -> None:
     p.add_argument("--hf", type=Path, required=True, metavar="MODEL", help="Hugging Face checkpoint folder")
     p.add_argument("--data", type=Path, required=True, metavar="FILE", help="JSONL calibration data")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="folder for the statistics")
-    p.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: all of FILE)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, help="stop after this many tokens (default: all of FILE)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
     p.add_argument(
         "--max-length",
-        type=int,
+        type=positive_int,
         help="longest sequence; longer records are cut into windows (default: max_position_embeddings)",
     )
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")

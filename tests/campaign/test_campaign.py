@@ -94,7 +94,7 @@ def test_sigint_stops_the_runs_and_a_restart_resumes(tmp_path):
     # while it runs, a second campaign on the same work folder is refused
     second = subprocess.run(cli("campaign", config), capture_output=True, text=True, timeout=60)
     assert second.returncode == 2
-    assert f"another campaign (pid {proc.pid}) is running on this work folder" in second.stderr
+    assert f"another campaign is running on this work folder, pid {proc.pid}" in second.stderr
     finished = {p.parent.name: p.stat().st_mtime_ns for p in work.glob("*/run.json")}
     assert "baseline" in finished and len(finished) < 4
     partial = [p.name for p in work.iterdir() if not (p / "run.json").exists()]
@@ -214,3 +214,29 @@ def test_schedules_make_one_run_each(tmp_path):
     assert (first.name, first.spec) == ("omission@a@start=5", "update_omission:start=5")
     assert (second.name, second.spec) == ("omission@a@start=5+every=2", "update_omission:start=5,every=2")
     assert second.fault == "omission" and second.strength == "a"
+
+
+def test_the_work_folder_is_new_or_a_campaigns_and_keeps_no_lock(tmp_path, capsys):
+    """`work` set to "/" or to a checkpoint is refused before anything is written; a campaign marks
+    its own folder (campaign.json), runs again in it, and leaves no .lock behind."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+    for work, says in (
+        ("/", 'holds other files'),
+        (str(ckpt), "holds other files"),
+        (str(ckpt / "sub"), "checkpoint folder"),
+        ("", '"work" must name a folder'),
+    ):
+        config = write_config(tmp_path, steps=20, work=work)
+        before = sorted(p.name for p in ckpt.iterdir())
+        assert main(["campaign", str(config)]) == 2
+        assert says in capsys.readouterr().err
+        assert sorted(p.name for p in ckpt.iterdir()) == before and not os.path.exists("/library.json")
+    config = write_config(tmp_path, steps=20)
+    assert main(["campaign", str(config)]) == 0
+    work = tmp_path / "work"
+    assert json.loads((work / "campaign.json").read_text())["format"] == "mcore-proxy-campaign-work/1"
+    assert not (work / ".lock").exists()
+    assert main(["campaign", str(config)]) == 0  # its own folder: resumed, nothing rerun
+    assert "finished earlier" in capsys.readouterr().out and not (work / ".lock").exists()

@@ -36,7 +36,8 @@ def test_defects_raise_the_callers_error_naming_the_file(tmp_path, content, expe
 def test_missing_file_and_folder_give_the_missing_fix(tmp_path):
     with pytest.raises(ProxyError, match=r"b\.json: plan file not found; write one$"):
         read_json_object(tmp_path / "b.json", "plan file", FIX, missing_fix="write one")
-    with pytest.raises(ProxyError, match=r": is a folder, expected a plan file; regenerate it$"):
+    folder = r": is a folder, expected a plan file; pass the plan file itself, not a folder$"
+    with pytest.raises(ProxyError, match=folder):
         read_json_object(tmp_path, "plan file", FIX)
 
 
