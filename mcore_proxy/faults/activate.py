@@ -10,6 +10,8 @@ Standard library only. When the watched modules are imported, `mcore_proxy.fault
                                                  call lm_head) sees the output-logit faults
     mindspeed.patch_utils                     -> register the __init__ wrappers with
                                                  MindSpeedPatchesManager
+    vllm.model_executor.model_loader.base_loader -> every model vLLM loads gets the session on its
+                                                 routers and logits (engines/vllm.py)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ WATCHED = {
     "transformers.generation.utils": "patch_generation_module",
     "trl.trainer.utils": "patch_trl_module",
     "mindspeed.patch_utils": "patch_mindspeed_module",
+    "vllm.model_executor.model_loader.base_loader": "patch_vllm_loader_module",
 }
 
 FEATURE = Feature(

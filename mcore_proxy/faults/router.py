@@ -55,6 +55,10 @@ def _logit_site_handles(injector, site, transform) -> list:
 
     if site.kind == "router":
         return [add_logit_fault(site.module, fn)]
+    if site.kind == "vllm_router":  # before vLLM's own rule, which derives the top-k from them
+        from mcore_proxy.engines.vllm import add_logit_transform
+
+        return [add_logit_transform(site.module, fn)]
 
     def hook(router, args, output):  # transformers: (logits, top-k scores, indices)
         logits = fn(args[0].reshape(-1, router.weight.shape[1]), output[0])
@@ -69,7 +73,7 @@ class RouterNoise(Injector):
     """logits + std * N(0, 1)."""
 
     kind = "router_noise"
-    sites = ("router", "gate")
+    sites = ("router", "gate", "vllm_router")
 
     def _transform(self, input, logits, lid):
         return logits + self.spec["std"] * self.randn_like(logits)
@@ -77,7 +81,22 @@ class RouterNoise(Injector):
     def attach_router(self, site):
         return _logit_site_handles(self, site, self._transform)
 
-    attach_gate = attach_router
+    attach_gate = attach_vllm_router = attach_router
+
+
+class RouterPrecision(Injector):
+    """logits rounded to bf16 or fp16 (and cast back): a router run in low precision."""
+
+    kind = "router_precision"
+    sites = ("router", "gate", "vllm_router")
+
+    def attach_router(self, site):
+        from mcore_proxy.faults.logprob import DTYPES, round_to
+
+        dtype = DTYPES[self.spec["dtype"]]
+        return _logit_site_handles(self, site, lambda input, logits, lid: round_to(logits, dtype))
+
+    attach_gate = attach_vllm_router = attach_router
 
 
 class RouterWeight(Injector):

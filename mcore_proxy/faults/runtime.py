@@ -19,6 +19,9 @@ its callback runs while `import torch` is still under way.
   with transformers, e.g. TRL without vLLM), which is what `logprob_precision:when=rollout` acts on.
 - TRL: its trainers compute log-probs through a fused LM head that reads `lm_head.weight` without
   calling `lm_head`; `faults/fused_head.py` makes the output-logit faults reach those passes.
+- vLLM: every model its loaders build gets the session on its routers (`vllm_router` sites) and
+  its `LogitsProcessor` (an `output` site): faults set in the rollout engine's environment act in
+  the engine only.
 - `MCORE_PROXY_FAULTS_REPORT=FILE`: at exit, write what each fault did as JSON (rank-suffixed
   `FILE.rank{R}` when several ranks run).
 """
@@ -174,6 +177,21 @@ def patch_torch_optimizer_module(module) -> None:
     """Called while torch imports `torch.optim.optimizer`: only that module's own functions."""
     module.register_optimizer_step_pre_hook(_pre_step)
     module.register_optimizer_step_post_hook(_post_step)
+
+
+def _attach_vllm_model(model) -> None:
+    from mcore_proxy.faults.sites import vllm_sites
+
+    env_session().attach_sites(vllm_sites(model))
+
+
+def patch_vllm_loader_module(module) -> None:
+    """Called once vLLM's `model_loader.base_loader` is imported: the rollout engine's models get
+    the session (the faults then act in the engine only, where the environment sets them)."""
+    from mcore_proxy.engines import vllm as vllm_engine
+
+    vllm_engine.on_model_loaded(_attach_vllm_model)
+    vllm_engine.patch_loader_module(module)
 
 
 def patch_mindspeed_module(module) -> None:

@@ -7,7 +7,10 @@ id (resolved at call time: megatron sets `layer_number` after the MoE layer is b
     experts   megatron `MoELayer.experts` (output `(out [routed tokens, H], bias)`)
     gate      transformers: a sparse MoE block's router `nn.Linear` (output logits)
     hf_expert transformers: one expert module of a sparse MoE block (output [tokens, H])
-    output    megatron `GPTModel.output_layer` (output `(logits, bias)`), transformers `lm_head`
+    output    megatron `GPTModel.output_layer` (output `(logits, bias)`), transformers `lm_head`,
+              vLLM's `LogitsProcessor` (output logits [T, V])
+    vllm_router  vLLM: the router object of a fused-MoE layer (`engines/vllm.py`: logits
+              transformed before its `select_experts`)
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def gpt_model_sites(gpt) -> list[Site]:
     """The output layer of a megatron `GPTModel` stage that has one (post_process)."""
     output = getattr(gpt, "output_layer", None)
     return [Site("output", output)] if output is not None else []
+
+
+def vllm_sites(model) -> list[Site]:
+    """The routers and the logits of a model vLLM built (`mcore_proxy.engines.vllm`)."""
+    from mcore_proxy.engines import vllm as vllm_engine
+
+    sites = [Site("vllm_router", router, lambda lid=lid: lid) for lid, router in vllm_engine.moe_routers(model).items()]
+    logits = vllm_engine.logits_module(model)
+    return sites + ([Site("output", logits)] if logits is not None else [])
 
 
 def find_sites(model) -> list[Site]:

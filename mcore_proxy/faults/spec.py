@@ -101,6 +101,9 @@ LAYERS = {"layers": (_layers, None, True)}
 KINDS: dict[str, dict] = {
     # Gaussian noise of `std` (logit units) added to every router logit.
     "router_noise": {"std": (_std, 0.05, False), **LAYERS},
+    # Router logits rounded to bf16/fp16 (a router computed in low precision: the rollout engine's
+    # default where the trainer keeps its router in fp32, as `--moe-router-dtype fp32` does).
+    "router_precision": {"dtype": (_choice("bf16", "fp16"), "bf16", False), **LAYERS},
     # The router weight seen as W + N, N fixed per layer with std `std` x rms(W) (logits + x N^T).
     "router_weight": {"std": (_std, 0.1, False), **LAYERS},
     # Each top-k choice, with probability `rate`: `swap` for an expert the token did not choose

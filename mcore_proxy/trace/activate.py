@@ -9,6 +9,7 @@ Standard library only.
     megatron.core.transformer.moe.moe_layer   -> wrap MoELayer.__init__ (saliency only)
     mindspeed.patch_utils                     -> register *_wrapper functions with
                                                  MindSpeedPatchesManager
+    vllm.model_executor.model_loader.base_loader -> observe the routers of every model vLLM loads
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ WATCHED = {
     "megatron.core.transformer.moe.router": "patch_router_module",
     "megatron.core.transformer.moe.moe_layer": "patch_moe_layer_module",
     "mindspeed.patch_utils": "patch_mindspeed_module",
+    "vllm.model_executor.model_loader.base_loader": "patch_vllm_loader_module",
 }
 
 FEATURE = Feature("trace", ENV_DIR, "mcore_proxy.trace.runtime", WATCHED)

@@ -150,3 +150,18 @@ def mindspeed_patches() -> dict:
 def patch_mindspeed_module(module) -> None:
     """Called once `mindspeed.patch_utils` is imported."""
     register_with_mindspeed(module, mindspeed_patches(), "trace")
+
+
+def _trace_vllm_model(model) -> None:
+    from mcore_proxy.trace.vllm import attach
+
+    attach(env_tracer(), model)
+
+
+def patch_vllm_loader_module(module) -> None:
+    """Called once vLLM's `model_loader.base_loader` is imported: the routers of every model the
+    rollout engine loads feed the process-wide tracer."""
+    from mcore_proxy.engines import vllm as vllm_engine
+
+    vllm_engine.on_model_loaded(_trace_vllm_model)
+    vllm_engine.patch_loader_module(module)

@@ -25,6 +25,8 @@ SCENARIOS = {
     "router_weight": "router_weight:std=0.5,steps=0,2",
     "router_weight_again": "router_weight:std=0.5,steps=0,2",
     "router_weight_off": "router_weight:std=0.5,start=100",
+    "router_precision": "router_precision:dtype=bf16",
+    "router_precision_off": "router_precision:start=100",
     "topk_swap": "topk:mode=swap,rate=0.25,layers=0",
     "topk_drop": "topk:mode=drop,rate=0.25,layers=0",
     "topk_off": "topk:rate=0.25,start=100",

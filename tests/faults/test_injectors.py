@@ -13,6 +13,7 @@ OFF = [
     "router_noise_off",
     "router_noise_closed",
     "router_weight_off",
+    "router_precision_off",
     "topk_off",
     "expert_noise_off",
     "logprob_off",
@@ -65,6 +66,14 @@ def test_router_weight_is_a_fixed_perturbation_on_its_steps(scenarios):
     assert not torch.equal(run["maps"][0]["0"], base["maps"][0]["0"])
     assert same(run, scenarios["router_weight_again"])  # reproducible
     assert run["report"][0]["active_steps"] == [0, 2]
+
+
+def test_router_precision_rounds_the_router_logits(scenarios):
+    """bf16 logits (about 3 significant digits) move every probability a little from the first step."""
+    run, base = scenarios["router_precision"], scenarios["none"]
+    assert not torch.equal(run["probs"][0]["0"], base["probs"][0]["0"])
+    torch.testing.assert_close(run["probs"][0]["0"], base["probs"][0]["0"], rtol=0.05, atol=0.02)
+    assert run["report"][0]["active_steps"] == [0, 1, 2, 3]
 
 
 def test_topk_swap_keeps_k_experts_and_moves_about_the_rate(scenarios):
