@@ -34,6 +34,7 @@ COMMAND_MODULES = (
     "mcore_proxy.select.cli",
     "mcore_proxy.convert.cli",
     "mcore_proxy.fidelity.cli",
+    "mcore_proxy.rollout.cli",
     "mcore_proxy.campaign.cli",
     "mcore_proxy.diagnose.cli",
 )
@@ -56,6 +57,7 @@ a typical run:
   mcore-proxy select --ckpt CKPT --stats trace/routing_stats.safetensors --num-experts 8 -o plan.json
   mcore-proxy convert CKPT --plan plan.json -o PROXY --target-ep 1
   mcore-proxy verify --orig CKPT --proxy PROXY --plan plan.json
+  mcore-proxy consistency --orig HF --data FILE --vllm-python PY   rollout vs trainer routing
   mcore-proxy compare --orig-base A --orig-fault B --proxy-base C --proxy-fault D   (metric logs)
   mcore-proxy campaign faults.json                       faulted runs of the proxy -> library.json
   mcore-proxy watch RUN_LOG --baseline BASE_LOG          early warnings while a run grows

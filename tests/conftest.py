@@ -153,6 +153,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "megatron: builds or runs real megatron-core models (slow)")
+    config.addinivalue_line("markers", "vllm: serves models in vLLM's own environment (tools/vllm_env.sh)")
 
 
 __all__ = ["FIXTURES"]

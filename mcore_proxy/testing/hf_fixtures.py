@@ -421,6 +421,41 @@ MODELS = {
 }
 FAMILY_FIXTURES = tuple(MODELS)
 
+# The same models at head sizes vLLM's CPU attention accepts (64 and more; it refuses 16), named
+# `NAME@vllm`: the rollout tests serve them in vLLM. DeepSeek's MLA runs there only in bf16 and only
+# with the latent sizes its CPU kernel has (kv_lora_rank 512, rope dim 64).
+ROLLOUT_SIZES = {
+    "qwen3_moe": dict(head_dim=64),
+    "mixtral": dict(head_dim=64),
+    "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+    # vLLM's OLMoE never renormalises the top-k weights (the released model does not either)
+    "olmoe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, norm_topk_prob=False),
+    "glm4_moe": dict(head_dim=64),
+    "gpt_oss": dict(head_dim=64),
+    # and with the router keys DeepSeek's release carries (transformers does not write them; vLLM
+    # builds the selection bias only for topk_method noaux_tc)
+    "deepseek_v3": dict(
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    ),
+}
+ROLLOUT = "@vllm"
+
+
+def model_entry(name: str) -> tuple:
+    """(config class, model class, config kwargs, MTP block) of `name` or of its `NAME@vllm` form."""
+    base, _, variant = name.partition("@")
+    config_cls, model_cls, kwargs, mtp = MODELS[base]
+    if variant:
+        if f"@{variant}" != ROLLOUT or base not in ROLLOUT_SIZES:
+            raise KeyError(name)
+        kwargs = dict(kwargs, **ROLLOUT_SIZES[base])
+    return config_cls, model_cls, kwargs, mtp
+
 
 def _generator(name: str, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed((zlib.crc32(name.encode()) + 7919 * seed) % 2**63)
@@ -566,7 +601,7 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
     """Save tiny model `name` (see MODELS) into `folder` (created)."""
     import transformers
 
-    config_cls, model_cls, kwargs, mtp = MODELS[name]
+    config_cls, model_cls, kwargs, mtp = model_entry(name)
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
@@ -585,8 +620,9 @@ def fixture_key(name: str, seed: int = 0) -> str:
     import transformers
 
     source = Path(__file__).read_bytes()
-    digest = hashlib.sha256(repr((MODELS[name], seed, transformers.__version__)).encode() + source).hexdigest()[:12]
-    return f"hf-{name}-{digest}"
+    facts = repr((model_entry(name), seed, transformers.__version__)).encode()
+    digest = hashlib.sha256(facts + source).hexdigest()[:12]
+    return f"hf-{name.replace('@', '-')}-{digest}"
 
 
 def build_cached(name: str, root: str | os.PathLike, seed: int = 0) -> Path:

@@ -51,6 +51,7 @@ BASE = {
     "compare": {"--orig-base": "a", "--orig-fault": "b", "--proxy-base": "c", "--proxy-fault": "d"},
     "collect": {"--hf": "m", "--data": "d.jsonl", "-o": "stats"},
     "fidelity": {"--orig": "a", "--proxy": "b", "--plan": "p.json", "--data": "d.jsonl"},
+    "consistency": {"--orig": "a", "--data": "d.jsonl"},
     "campaign": {"CONFIG": "campaign.json"},
     "watch": {"LOGDIR": "run.jsonl"},
 }
@@ -180,6 +181,7 @@ def test_top_level_help_is_written_for_users(capsys):
         "verify",
         "distill",
         "fidelity",
+        "consistency",
         "campaign",
         "watch",
         "compare",
