@@ -47,6 +47,18 @@ FIXTURE = "deepseek_like_pp2_uneven"
 KEEP = 8
 CHECKPOINTS = ("original", "other", "proxy")
 MERGED = "stats.safetensors"
+# compare over the four metric logs every case's sandbox holds (logs/)
+COMPARE_LOGS = (
+    "compare",
+    "--orig-base",
+    "logs/ob.jsonl",
+    "--orig-fault",
+    "logs/of.jsonl",
+    "--proxy-base",
+    "logs/pb.jsonl",
+    "--proxy-fault",
+    "logs/pf.jsonl",
+)
 
 
 @dataclass(frozen=True)
@@ -443,22 +455,13 @@ def _finite_cases() -> list[CliCase]:
             setup="logs_nonfinite",
         )
     )
-    compare = (
-        "compare",
-        "--orig-base",
-        "logs/ob.jsonl",
-        "--orig-fault",
-        "logs/of.jsonl",
-        "--proxy-base",
-        "logs/pb.jsonl",
-        "--proxy-fault",
-        "logs/pf.jsonl",
+    cases.append(
+        CliCase(
+            "finite/logs/compare", "finite", COMPARE_LOGS, frozenset({0, 1}), says="non-finite", setup="logs_nonfinite"
+        )
     )
     cases.append(
-        CliCase("finite/logs/compare", "finite", compare, frozenset({0, 1}), says="non-finite", setup="logs_nonfinite")
-    )
-    cases.append(
-        CliCase("finite/all-nan/compare", "finite", compare, frozenset({2}), says="only NaN", setup="logs_all_nan")
+        CliCase("finite/all-nan/compare", "finite", COMPARE_LOGS, frozenset({2}), says="only NaN", setup="logs_all_nan")
     )
     cases.append(
         CliCase(
@@ -474,20 +477,9 @@ def _finite_cases() -> list[CliCase]:
 
 
 def _bad_input_cases() -> list[CliCase]:
-    compare = (
-        "compare",
-        "--orig-base",
-        "logs/ob.jsonl",
-        "--orig-fault",
-        "logs/of.jsonl",
-        "--proxy-base",
-        "logs/pb.jsonl",
-        "--proxy-fault",
-        "logs/pf.jsonl",
-    )
     estimate = ("estimate", "--hf-config", "hf_config.json", "--num-experts", "8")
     cases = [
-        CliCase("no-3/step-huge/compare", "no-3", compare, frozenset({2}), says="step", setup="log_step_huge"),
+        CliCase("no-3/step-huge/compare", "no-3", COMPARE_LOGS, frozenset({2}), says="step", setup="log_step_huge"),
         CliCase(
             "no-3/step-huge/watch",
             "no-3",
@@ -496,7 +488,7 @@ def _bad_input_cases() -> list[CliCase]:
             says="step",
             setup="log_step_huge",
         ),
-        CliCase("no-3/nested/compare", "no-3", compare, frozenset({2}), setup="log_nested"),
+        CliCase("no-3/nested/compare", "no-3", COMPARE_LOGS, frozenset({2}), setup="log_nested"),
         CliCase("no-3/nested/watch", "no-3", ("watch", "logs/of.jsonl", "--once"), frozenset({2}), setup="log_nested"),
         CliCase("no-3/estimate/huge", "no-3", estimate, frozenset({2}), says="not an integer", setup="cfg_huge"),
         CliCase(

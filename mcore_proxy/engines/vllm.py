@@ -25,6 +25,8 @@ import functools
 import logging
 import re
 
+from mcore_proxy.core.handles import CallbackHandle
+
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -73,18 +75,6 @@ class _Route:
         return not (self.transforms or self.observers)
 
 
-class Handle:
-    """Removes one callback (the API of torch's hook handles)."""
-
-    def __init__(self, remove):
-        self._remove = remove
-
-    def remove(self) -> None:
-        if self._remove is not None:
-            self._remove()
-            self._remove = None
-
-
 def _route(router) -> _Route:
     route = router.__dict__.get(_CHAIN)
     if route is None:
@@ -104,7 +94,7 @@ def _route(router) -> _Route:
     return route
 
 
-def _add(router, kind: str, fn) -> Handle:
+def _add(router, kind: str, fn) -> CallbackHandle:
     route = _route(router)
     getattr(route, kind).append(fn)
 
@@ -114,15 +104,15 @@ def _add(router, kind: str, fn) -> Handle:
             router.__dict__.pop("select_experts", None)
             router.__dict__.pop(_CHAIN, None)
 
-    return Handle(remove)
+    return CallbackHandle(remove)
 
 
-def add_logit_transform(router, fn) -> Handle:
+def add_logit_transform(router, fn) -> CallbackHandle:
     """`fn(hidden [T, H], logits [T, E]) -> logits` runs before the router's own rule."""
     return _add(router, "transforms", fn)
 
 
-def add_observer(router, fn) -> Handle:
+def add_observer(router, fn) -> CallbackHandle:
     """`fn(hidden [T, H], logits [T, E], weights [T, k], ids [T, k])` runs after the router's rule."""
     return _add(router, "observers", fn)
 

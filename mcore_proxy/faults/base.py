@@ -85,15 +85,3 @@ class Injector:
 
     def attach_optimizer(self, optimizer) -> list:
         return []
-
-
-class CallbackHandle:
-    """A removable attachment that is not a torch hook (a wrapper installed on an instance)."""
-
-    def __init__(self, remove):
-        self._remove = remove
-
-    def remove(self) -> None:
-        if self._remove is not None:
-            self._remove()
-            self._remove = None

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from mcore_proxy.faults import hf
-from mcore_proxy.faults.base import CallbackHandle, Injector
+from mcore_proxy.core.handles import CallbackHandle
+from mcore_proxy.faults.base import Injector
 
 _CHAIN = "_mcore_proxy_logit_faults"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.hf.models import load_model, mark_routers, routing, run, text_config_of
+from mcore_proxy.hf.models import Routes, load_model, mark_routers, run, text_config_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -58,28 +58,6 @@ def next_token_kl(orig: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] -> [T] KL(softmax(orig) || softmax(proxy)) in nats."""
     p, q = torch.log_softmax(orig.double(), -1), torch.log_softmax(proxy.double(), -1)
     return (p.exp() * (p - q)).sum(-1)
-
-
-class _Routes:
-    """Forward hooks on a model's routers: layer id -> (weights, experts) [T, k] of the last pass."""
-
-    def __init__(self, routers: dict[str, torch.nn.Module]):
-        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.handles = [
-            g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
-            for lid, g in routers.items()
-        ]
-
-    def _keep(self, lid: str, router, out) -> None:
-        weights, experts = routing(router, out)
-        self.seen[lid] = (
-            weights.detach().reshape(-1, weights.shape[-1]).float(),
-            experts.detach().reshape(-1, experts.shape[-1]),
-        )
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -182,7 +160,7 @@ def compare_models(
 
     masks = _check_pair(orig, proxy, plan, paths)
     kept_ids = {lid: torch.tensor(plan.kept(lid)) for lid in masks}
-    o_routes, p_routes = _Routes(mark_routers(orig)), _Routes(mark_routers(proxy))
+    o_routes, p_routes = Routes(mark_routers(orig)), Routes(mark_routers(proxy))
     sums, tokens = Sums(), 0
     try:
         with tqdm(total=max_tokens, unit="tok", desc="fidelity", disable=not progress) as bar:

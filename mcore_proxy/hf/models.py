@@ -173,6 +173,29 @@ def mark_routers(model) -> dict[str, torch.nn.Module]:
     return found
 
 
+class Routes:
+    """Forward hooks on a model's routers (`mark_routers`): `seen`, layer id -> (weights float32,
+    expert ids) [T, k] of the last forward pass; `close()` removes the hooks."""
+
+    def __init__(self, routers: dict[str, torch.nn.Module]):
+        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.handles = [
+            g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
+            for lid, g in routers.items()
+        ]
+
+    def _keep(self, lid: str, router, out) -> None:
+        weights, experts = routing(router, out)
+        self.seen[lid] = (
+            weights.detach().reshape(-1, weights.shape[-1]).float(),
+            experts.detach().reshape(-1, experts.shape[-1]),
+        )
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def restrict_gates(model, plan):
     """Within the block every router may choose only its layer's kept experts: the reference a

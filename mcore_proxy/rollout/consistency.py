@@ -39,18 +39,19 @@ def differing_experts(a: torch.Tensor, b: torch.Tensor, num_experts: int) -> tor
     return (one_hot_a ^ one_hot_b).sum(0)
 
 
+def average_ranks(values: list[float]) -> torch.Tensor:
+    """1-based ranks, ties sharing their mean rank: [3, 1, 3] -> [2.5, 1, 2.5]."""
+    v = torch.tensor(values, dtype=torch.float64)
+    below = (v[None, :] < v[:, None]).sum(1)
+    tied = (v[None, :] == v[:, None]).sum(1)
+    return below + (tied + 1) / 2
+
+
 def spearman(x: list[float], y: list[float]) -> float | None:
     """Rank correlation (average ranks for ties); None when either side is constant."""
     if len(x) < 2:
         return None
-    rx = torch.tensor(x, dtype=torch.float64).argsort().argsort().double()
-    ry = torch.tensor(y, dtype=torch.float64).argsort().argsort().double()
-    # average ranks of ties
-    for values, ranks in ((x, rx), (y, ry)):
-        v = torch.tensor(values, dtype=torch.float64)
-        for value in v.unique():
-            tied = v == value
-            ranks[tied] = ranks[tied].mean()
+    rx, ry = average_ranks(x), average_ranks(y)
     if rx.std() == 0 or ry.std() == 0:
         return None
     return float(torch.corrcoef(torch.stack([rx, ry]))[0, 1])
@@ -58,28 +59,23 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 def trainer_pass(model_dir: Path, sequences: list[list[int]], dtype: str) -> tuple[list[torch.Tensor], dict]:
     """transformers on each sequence: (log-probs per sequence [len - 1], layer -> top-k ids [T, k])."""
-    from mcore_proxy.hf.models import load_model, mark_routers, routing, run
+    from mcore_proxy.hf.models import Routes, load_model, mark_routers, run
 
     model = load_model(model_dir)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    routers = mark_routers(model)
-    chosen: dict[str, list[torch.Tensor]] = {layer: [] for layer in routers}
-    handles = [
-        router.register_forward_hook(
-            lambda mod, args, out, layer=layer: chosen[layer].append(routing(mod, out)[1].reshape(-1, mod.top_k))
-        )
-        for layer, router in routers.items()
-    ]
+    routes = Routes(mark_routers(model))
+    chosen: dict[str, list[torch.Tensor]] = {}
     logprobs = []
     try:
         for ids in sequences:
             tokens = torch.tensor([ids])
             logits = run(model, tokens)[0]
             logprobs.append(torch.log_softmax(logits[:-1].double(), -1).gather(-1, tokens[0, 1:, None])[:, 0].float())
+            for layer, (_, experts) in routes.seen.items():
+                chosen.setdefault(layer, []).append(experts)
     finally:
-        for handle in handles:
-            handle.remove()
+        routes.close()
     return logprobs, {layer: torch.cat(parts).long() for layer, parts in chosen.items()}
 
 

@@ -32,6 +32,16 @@ def test_defaults_are_megatron_cores_own():
     assert set(OLDER_MEGATRON_LACKS) <= set(TRANSFORMER_CONFIG_NAMES)
 
 
+def changed(args, changes: dict):
+    """`args` with `changes` set; a value of dataclasses.MISSING deletes the field."""
+    for k, v in changes.items():
+        if v is dataclasses.MISSING:
+            delattr(args, k)
+        else:
+            setattr(args, k, v)
+    return args
+
+
 def full_args(**changes):
     args = argparse.Namespace(
         num_layers=4,
@@ -47,12 +57,7 @@ def full_args(**changes):
         moe_ffn_hidden_size=16,
         swiglu=True,
     )
-    for k, v in changes.items():
-        if v is dataclasses.MISSING:
-            delattr(args, k)
-        else:
-            setattr(args, k, v)
-    return args
+    return changed(args, changes)
 
 
 def test_absent_fields_read_as_megatron_defaults():
@@ -105,12 +110,7 @@ def quickstart_args(**changes):
 
     model, layout = FIXTURES["deepseek_like_pp2_uneven"]
     args = model.megatron_args(layout)
-    for k, v in changes.items():
-        if v is dataclasses.MISSING:
-            delattr(args, k)
-        else:
-            setattr(args, k, v)
-    return args
+    return changed(args, changes)
 
 
 def test_the_quickstart_args_lack_what_megatron_derives():
