@@ -617,6 +617,10 @@ def _child(case: CliCase, sandbox: Path, out_path: Path, err_path: Path) -> None
         sys.stderr = open(2, "w", closefd=False)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        if "torch" in sys.modules:
+            # one intra-op thread: a forked child that enters the OpenMP pool its parent started
+            # hangs (GNU OpenMP is not fork-safe; every collect case hung after a parent matmul)
+            sys.modules["torch"].set_num_threads(1)
         from mcore_proxy.cli import main
 
         try:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "fuzz_cli.py"
 
@@ -28,6 +29,9 @@ def test_every_cli_case_keeps_the_rules(fuzz_cli, megatron_ckpt, tmp_path_factor
     work = tmp_path_factory.mktemp("fuzz-cli")
     corpus = fuzz_cli.build_corpus(work, legacy)
     cases = [c for c in fuzz_cli.make_cases() if c.needs != "hf" or (corpus / "hf_unrunnable").is_dir()]
+    # the parent's OpenMP pool running, as in a pytest worker that ran other tests: children forked
+    # from it hung in their first parallel region until they stopped entering it
+    torch.randn(512, 512) @ torch.randn(512, 512)
     records = fuzz_cli.campaign(cases, corpus, work, progress=False)
     failed = [(r["case"], r["outcome"], r["problems"], r["stderr"][-400:]) for r in records if r["problems"]]
     assert not failed, failed
