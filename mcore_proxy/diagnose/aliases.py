@@ -16,7 +16,8 @@ Sources (docs/logs.md has the table):
 - TRL's GRPOTrainer (1.x `_metrics`): `reward`, `kl`, `entropy`, `completions/mean_length`,
   `clip_ratio/region_mean`, `policy_loss`, `sampling/sampling_logp_difference/mean`, and the
   Trainer's `grad_norm`; written to TensorBoard under `train/`;
-- Megatron's console and TensorBoard (`grad norm`, `grad-norm`).
+- Megatron's console and TensorBoard (`grad norm`, `grad-norm`);
+- this project's routing consistency (`routing/decision_disagreement`, `routing/tokens_any_layer`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "train/clip_ratio/region_mean",
     ),
     "pg_loss": ("actor/pg_loss", "pg_loss", "policy_loss", "train/policy_loss"),
+    # routing consistency between the rollout engine and the trainer, as `mcore-proxy consistency`
+    # measures it and examples/rl_vllm logs it (no framework logs it under a common name yet)
+    "routing_disagreement": ("routing/decision_disagreement", "routing_disagreement"),
+    "routing_token_disagreement": ("routing/tokens_any_layer", "routing_token_disagreement"),
 }
 
 DESCRIPTIONS = {
@@ -83,6 +88,8 @@ DESCRIPTIONS = {
     "response_length": "mean response length (tokens)",
     "clipfrac": "fraction of clipped PPO ratios",
     "pg_loss": "policy-gradient loss",
+    "routing_disagreement": "share of router decisions (token x top-k slot) the two engines make differently",
+    "routing_token_disagreement": "share of tokens routed differently in at least one MoE layer by the two engines",
 }
 
 

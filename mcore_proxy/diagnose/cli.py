@@ -49,8 +49,8 @@ def register(subparsers) -> None:
         nargs="+",
         metavar="NAME",
         help="canonical (reward, kl_loss, ppo_kl, entropy, grad_norm, logprob_diff, rollout_kl, "
-        "response_length, clipfrac, pg_loss) or raw names (default: every known "
-        "metric the logs have)",
+        "response_length, clipfrac, pg_loss, routing_disagreement, routing_token_disagreement) or raw names "
+        "(default: every known metric the logs have)",
     )
     p.add_argument(
         "--onset-window",

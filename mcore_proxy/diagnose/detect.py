@@ -56,7 +56,13 @@ class Settings:
     rise: float = 3.0  # rising: the shift must exceed this many warm-up standard deviations
     persist: int = 3  # rising, diverge: the shift must cover this many logged steps
     effect: float = 1.0  # diverge: |shift| in units of the baseline's step-to-step noise
-    rising_metrics: tuple = ("logprob_diff", "rollout_kl", "ppo_kl")
+    rising_metrics: tuple = (
+        "logprob_diff",
+        "rollout_kl",
+        "ppo_kl",
+        "routing_disagreement",
+        "routing_token_disagreement",
+    )
     nonfinite_metrics: tuple = ()  # canonical or raw names watched for NaN/inf; () every metric
 
     def __post_init__(self):

@@ -80,8 +80,14 @@ class Injector:
         return noise.to(tensor.dtype)
 
     # -- attachment points (see sites.py) -------------------------------------------------------
+    def places(self, engine: str) -> bool:
+        """Whether the fault acts in `engine` ("trainer" or "rollout"): its spec's `engine`."""
+        return self.spec.engine in ("any", engine)
+
     def attach(self, site) -> list:
-        return getattr(self, f"attach_{site.kind}")(site) if site.kind in self.sites else []
+        if site.kind not in self.sites or not self.places(site.engine):
+            return []
+        return getattr(self, f"attach_{site.kind}")(site)
 
     def attach_optimizer(self, optimizer) -> list:
         return []

@@ -1,5 +1,5 @@
-"""Router faults: corrupted logits (`router_noise`), a corrupted weight (`router_weight`) and
-altered top-k choices (`topk`).
+"""Router faults: corrupted logits (`router_noise`, `router_precision`, `router_tie_flip`), a
+corrupted weight (`router_weight`) and altered top-k choices (`topk`).
 
 Logits are changed between megatron's `TopKRouter.gating` and `routing`: the router instance gets
 a `gating` of its own that calls its class's `gating` (whatever MindSpeed installed there) and then
@@ -96,6 +96,46 @@ class RouterPrecision(Injector):
 
         dtype = DTYPES[self.spec["dtype"]]
         return _logit_site_handles(self, site, lambda input, logits, lid: round_to(logits, dtype))
+
+    attach_gate = attach_vllm_router = attach_router
+
+
+def site_topk(site) -> int:
+    """The experts per token of a router site: megatron's `topk`, transformers' and vLLM's `top_k`."""
+    return int(getattr(site.module, "topk", None) or site.module.top_k)
+
+
+def flip_near_ties(logits: torch.Tensor, k: int, margin: float) -> torch.Tensor:
+    """logits [..., E] (megatron's [S, B, E], transformers' and vLLM's [T, E]) -> the same, with
+    the logits of each token's k-th and (k+1)-th expert swapped where they lie less than `margin`
+    apart: the runner-up takes the last place, as a tie broken the other way by a different kernel
+    or reduction order would. Unchanged where no pair is that close (margin 0: never)."""
+    if k >= logits.shape[-1]:
+        return logits
+    shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])
+    values, index = logits.float().topk(k + 1, dim=-1)
+    near = (values[:, k - 1] - values[:, k]) < margin
+    if not bool(near.any()):
+        return logits.reshape(shape)
+    rows = near.nonzero()[:, 0]
+    last, runner_up = index[rows, k - 1], index[rows, k]
+    out = logits.clone()
+    out[rows, last], out[rows, runner_up] = logits[rows, runner_up], logits[rows, last]
+    return out.reshape(shape)
+
+
+class RouterTieFlip(Injector):
+    """Near-ties at the top-k boundary broken the other way: the rollout engine's kernels sum in
+    another order than the trainer's, so a token whose k-th and (k+1)-th experts score within a
+    hair goes to the other one (R3's mechanism). Compared on the router logits; for a router that
+    chooses by score + selection bias (DeepSeek-V3) or by group, the logits' order is a proxy."""
+
+    kind = "router_tie_flip"
+    sites = ("router", "gate", "vllm_router")
+
+    def attach_router(self, site):
+        k, margin = site_topk(site), self.spec["margin"]
+        return _logit_site_handles(self, site, lambda input, logits, lid: flip_near_ties(logits, k, margin))
 
     attach_gate = attach_vllm_router = attach_router
 

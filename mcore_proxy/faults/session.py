@@ -20,14 +20,23 @@ from mcore_proxy.faults.clock import CLOCK, StepClock
 from mcore_proxy.faults.experts import ExpertNoise
 from mcore_proxy.faults.logprob import LogprobPrecision
 from mcore_proxy.faults.optimizer import UpdateOmission, torch_optimizers
-from mcore_proxy.faults.router import RouterNoise, RouterPrecision, RouterWeight, TopK
+from mcore_proxy.faults.router import RouterNoise, RouterPrecision, RouterTieFlip, RouterWeight, TopK
 from mcore_proxy.faults.spec import FaultSpec, parse
 
 log = logging.getLogger(__name__)
 
 INJECTORS = {
     cls.kind: cls
-    for cls in (RouterNoise, RouterPrecision, RouterWeight, TopK, ExpertNoise, LogprobPrecision, UpdateOmission)
+    for cls in (
+        RouterNoise,
+        RouterPrecision,
+        RouterTieFlip,
+        RouterWeight,
+        TopK,
+        ExpertNoise,
+        LogprobPrecision,
+        UpdateOmission,
+    )
 }
 _ATTACHED = "_mcore_proxy_fault_sessions"
 _TOKENS = itertools.count()

@@ -13,6 +13,7 @@ class Site:
     kind: str
     module: torch.nn.Module
     layer: Callable[[], str | None] = lambda: None
+    engine: str = "trainer"  # "rollout": a module of a model a rollout engine (vLLM) built
 
     def __repr__(self) -> str:
         return f"Site({self.kind}, {type(self.module).__name__})"

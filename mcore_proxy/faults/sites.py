@@ -55,9 +55,10 @@ def vllm_sites(model) -> list[Site]:
     """The routers and the logits of a model vLLM built (`mcore_proxy.engines.vllm`)."""
     from mcore_proxy.engines import vllm as vllm_engine
 
-    sites = [Site("vllm_router", router, lambda lid=lid: lid) for lid, router in vllm_engine.moe_routers(model).items()]
+    routers = vllm_engine.moe_routers(model).items()
+    sites = [Site("vllm_router", router, lambda lid=lid: lid, "rollout") for lid, router in routers]
     logits = vllm_engine.logits_module(model)
-    return sites + ([Site("output", logits)] if logits is not None else [])
+    return sites + ([Site("output", logits, engine="rollout")] if logits is not None else [])
 
 
 def find_sites(model) -> list[Site]:

@@ -10,7 +10,10 @@ continues the list of the parameter before it):
 Every kind takes the schedule parameters `start` (first step on, default 0), `stop` (first step
 off again; default never), `every` (on one step in N counted from `start`, default 1), `steps`
 (an explicit list such as `3,5,8-10`, instead of start/stop/every) and `seed` (of the fault's own
-random generator, default 0; the run's own random streams are never touched). A *step* is a
+random generator, default 0; the run's own random streams are never touched), and `engine`
+(`trainer`: the megatron-core and transformers models and the optimizers; `rollout`: the models a
+rollout engine, vLLM, builds; default `any`), which places a fault in one engine where both run in
+one process, as verl's hybrid engine and examples/rl_vllm do. A *step* is a
 training step: the number of optimizer steps the process has completed, or what the training loop
 sets with `mcore_proxy.faults.set_step` (see `mcore_proxy.faults.clock`).
 
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 from mcore_proxy.core.errors import ProxyError
 
 ENV_FAULTS = "MCORE_PROXY_FAULTS"
+ENGINES = ("any", "trainer", "rollout")
+TRAINER_ONLY = ("update_omission",)  # acts on the optimizer, which only the trainer has
 
 
 class FaultSpecError(ProxyError):
@@ -96,6 +101,7 @@ SCHEDULE_PARAMS = {
     "every": (_positive_int, 1, False),
     "steps": (_int_items, None, True),
     "seed": (int, 0, False),
+    "engine": (_choice(*ENGINES), "any", False),
 }
 LAYERS = {"layers": (_layers, None, True)}
 KINDS: dict[str, dict] = {
@@ -104,6 +110,9 @@ KINDS: dict[str, dict] = {
     # Router logits rounded to bf16/fp16 (a router computed in low precision: the rollout engine's
     # default where the trainer keeps its router in fp32, as `--moe-router-dtype fp32` does).
     "router_precision": {"dtype": (_choice("bf16", "fp16"), "bf16", False), **LAYERS},
+    # The k-th and (k+1)-th router logits swapped where they are less than `margin` apart (logit
+    # units): near-ties broken the other way, as another engine's summation order does.
+    "router_tie_flip": {"margin": (_std, 0.01, False), **LAYERS},
     # The router weight seen as W + N, N fixed per layer with std `std` x rms(W) (logits + x N^T).
     "router_weight": {"std": (_std, 0.1, False), **LAYERS},
     # Each top-k choice, with probability `rate`: `swap` for an expert the token did not choose
@@ -147,6 +156,7 @@ class FaultSpec:
     params: dict = field(default_factory=dict)
     schedule: Schedule = field(default_factory=Schedule)
     seed: int = 0
+    engine: str = "any"  # ENGINES: where the fault acts
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -156,6 +166,13 @@ class FaultSpec:
             raise FaultSpecError(
                 f"fault {self.kind!r} takes no parameter {sorted(unknown)[0]!r}; "
                 f"it takes {', '.join([*KINDS[self.kind], *SCHEDULE_PARAMS])}"
+            )
+        if self.engine not in ENGINES:
+            raise FaultSpecError(f"fault {self.kind!r}: engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.kind in TRAINER_ONLY and self.engine == "rollout":
+            raise FaultSpecError(
+                f"fault {self.kind!r} acts on the trainer's optimizer, which a rollout engine has not; "
+                "drop engine=rollout"
             )
         full = {name: default for name, (_, default, _) in KINDS[self.kind].items()}
         full.update(self.params)
@@ -174,6 +191,7 @@ class FaultSpec:
             items += [f"start={s.start}"] * (s.start != 0) + [f"stop={s.stop}"] * (s.stop is not None)
             items += [f"every={s.every}"] * (s.every != 1)
         items += [f"seed={self.seed}"] * (self.seed != 0)
+        items += [f"engine={self.engine}"] * (self.engine != "any")
         return self.kind + (":" + ",".join(items) if items else "")
 
 
@@ -222,9 +240,10 @@ def parse_one(text: str) -> FaultSpec:
             raise FaultSpecError(f"{where}: {key}={','.join(values)} is invalid ({err})") from None
         (schedule if key in SCHEDULE_PARAMS else params)[key] = value
     seed = schedule.pop("seed", 0)
+    engine = schedule.pop("engine", "any")
     if "steps" in schedule and set(schedule) - {"steps"}:
         raise FaultSpecError(f"{where}: give either steps= or start/stop/every, not both")
-    return FaultSpec(kind, params, Schedule(**schedule), seed)
+    return FaultSpec(kind, params, Schedule(**schedule), seed, engine)
 
 
 def parse(text: str) -> tuple[FaultSpec, ...]:

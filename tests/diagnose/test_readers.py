@@ -1,6 +1,7 @@
 """Readers on logs written by torch.utils.tensorboard, and on samples of each documented console
 and file format (tests/data/); bad input gets one sentence naming the file."""
 
+import json
 import os
 
 import numpy as np
@@ -115,3 +116,19 @@ def test_verl_rollout_correction_kl_is_rollout_kl_k3_first():
         "logprob_diff": "rollout_corr/log_ppl_abs_diff",
     }
     assert canonical_metrics(["train/rollout_corr/kl"]) == {"rollout_kl": "train/rollout_corr/kl"}
+
+
+def test_routing_consistency_rates_are_metrics(tmp_path):
+    """The rates examples/rl_vllm logs are canonical metrics that compare and watch read."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": i, "data": {"routing/decision_disagreement": 0.01 * i, "routing/tokens_any_layer": 0.1}}
+        for i in range(3)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = read_log(path)
+    assert canonical_metrics(run.metrics) == {
+        "routing_disagreement": "routing/decision_disagreement",
+        "routing_token_disagreement": "routing/tokens_any_layer",
+    }
+    assert run.metrics["routing/decision_disagreement"].values.tolist() == pytest.approx([0, 0.01, 0.02])

@@ -27,6 +27,8 @@ SCENARIOS = {
     "router_weight_off": "router_weight:std=0.5,start=100",
     "router_precision": "router_precision:dtype=bf16",
     "router_precision_off": "router_precision:start=100",
+    "router_tie_flip": "router_tie_flip:margin=0.05",
+    "router_tie_flip_off": "router_tie_flip:margin=0.05,start=100",
     "topk_swap": "topk:mode=swap,rate=0.25,layers=0",
     "topk_drop": "topk:mode=drop,rate=0.25,layers=0",
     "topk_off": "topk:rate=0.25,start=100",

@@ -77,6 +77,12 @@ def test_router_faults_change_the_routing_and_switch_off_exactly(model):
         pass
     again, again_logits = routed(model)
     assert torch.equal(again_logits, base_logits) and all(torch.equal(again[i][2], base[i][2]) for i in base)
+    with faults.inject("router_noise:std=2.0,engine=rollout;logprob_precision:engine=rollout", model=model):
+        elsewhere, elsewhere_logits = routed(model)  # a transformers model is the trainer's
+    assert torch.equal(elsewhere_logits, base_logits)
+    with faults.inject("router_tie_flip:margin=100,engine=trainer", model=model):
+        flipped, _ = routed(model)
+    assert all(not torch.equal(flipped[i][2], base[i][2]) for i in base)  # every token's 2nd choice
 
 
 def test_expert_noise_and_logprob_precision(model):

@@ -14,6 +14,7 @@ OFF = [
     "router_noise_closed",
     "router_weight_off",
     "router_precision_off",
+    "router_tie_flip_off",
     "topk_off",
     "expert_noise_off",
     "logprob_off",
@@ -74,6 +75,28 @@ def test_router_precision_rounds_the_router_logits(scenarios):
     assert not torch.equal(run["probs"][0]["0"], base["probs"][0]["0"])
     torch.testing.assert_close(run["probs"][0]["0"], base["probs"][0]["0"], rtol=0.05, atol=0.02)
     assert run["report"][0]["active_steps"] == [0, 1, 2, 3]
+
+
+def test_router_tie_flip_moves_only_near_tied_choices(scenarios):
+    """At step 0 (same weights, same input to layer 0) some tokens' k-th choice changes, each token
+    keeps k experts, and every token that changed had its k-th and (k+1)-th logits within the margin."""
+    run, base = scenarios["router_tie_flip"], scenarios["none"]
+    new, old = run["maps"][0]["0"], base["maps"][0]["0"]
+    changed = (new != old).any(dim=1)
+    assert changed.any() and not changed.all()
+    assert (new.sum(dim=1) == old.sum(dim=1)).all()
+    assert ((old & ~new).sum(dim=1) <= 1).all()  # one choice at most: the last one
+
+
+def test_flip_near_ties_swaps_the_boundary_pair_only():
+    from mcore_proxy.faults.router import flip_near_ties
+
+    logits = torch.tensor([[3.0, 1.00, 1.02, -1.0], [3.0, 1.0, 2.0, -1.0]])
+    out = flip_near_ties(logits, 2, 0.05)
+    assert torch.equal(out[0], logits[0, [0, 2, 1, 3]])  # 1.02 vs 1.00: within the margin, swapped
+    assert torch.equal(out[1], logits[1])  # 2.0 vs 1.0: not a near-tie
+    assert torch.equal(flip_near_ties(logits, 2, 0.0), logits)
+    assert flip_near_ties(logits, 4, 1.0) is logits  # k = E: nothing outside the top-k
 
 
 def test_topk_swap_keeps_k_experts_and_moves_about_the_rate(scenarios):

@@ -21,10 +21,11 @@ def test_the_issue_example_parses_with_defaults():
 
 
 def test_lists_continue_after_commas_and_text_round_trips():
-    (spec,) = parse("topk:mode=drop,layers=1,3-4,mtp.0,rate=0.5,steps=2,5-6,seed=7")
+    (spec,) = parse("topk:mode=drop,layers=1,3-4,mtp.0,rate=0.5,steps=2,5-6,seed=7,engine=trainer")
     assert spec["layers"] == frozenset({"1", "3", "4", "mtp.0"})
-    assert spec.schedule.steps == frozenset({2, 5, 6}) and spec.seed == 7
+    assert spec.schedule.steps == frozenset({2, 5, 6}) and spec.seed == 7 and spec.engine == "trainer"
     assert parse(spec.to_text()) == (spec,)
+    assert parse("router_noise")[0].engine == "any"
 
 
 def test_schedule_start_stop_every():
@@ -51,6 +52,8 @@ def test_schedule_start_stop_every():
         ("router_noise:steps=1,start=2", "either steps= or start/stop/every"),
         ("router_noise:layers=3-1", "empty range"),
         (" ; ", "no fault in"),
+        ("router_noise:engine=sglang", "must be one of any, trainer, rollout"),
+        ("update_omission:engine=rollout", "acts on the trainer's optimizer"),
     ],
 )
 def test_bad_specs_say_what_and_where(text, message):

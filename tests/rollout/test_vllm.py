@@ -112,6 +112,8 @@ ROLLOUT_FAULTS = {
     "router_noise:std=0.5": (True, True),
     "router_precision:dtype=fp16": (None, True),
     "logprob_precision:dtype=bf16": (False, True),
+    "router_tie_flip:margin=100": (True, True),  # every token's k-th and (k+1)-th swap
+    "router_noise:std=0.5,engine=trainer": (False, False),  # placed in the trainer: not here
     "router_noise:std=0.5,start=5": (False, False),  # attached, never on at step 0: bit-identical
 }
 
