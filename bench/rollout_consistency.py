@@ -27,11 +27,13 @@ FAULTS = (
     "router_precision:dtype=bf16",
     "router_noise:std=0.1",
     "router_noise:std=0.5",
+    "router_tie_flip:margin=0.05",
+    "router_tie_flip:margin=0.3",
 )
 
 
-def models(out: Path) -> tuple[Path, Path, Path, Path]:
-    orig = build_cached("qwen3_moe@vllm", out / "fixtures")
+def models(out: Path, name: str = "qwen3_moe@vllm") -> tuple[Path, Path, Path, Path]:
+    orig = build_cached(name, out / "fixtures")
     data = out / "data.jsonl"
     if not data.exists():
         calibration_jsonl(data, records=48, seed=1)
@@ -61,17 +63,20 @@ def row(report: dict) -> str:
 def run() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/out/rollout"))
+    parser.add_argument("--model", default="qwen3_moe@vllm", help="fixture: qwen3_moe@vllm-deep has 8 MoE layers")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), help="rollout faults ('' for none)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    orig, proxy, plan, data = models(args.out)
+    orig, proxy, plan, data = models(args.out, args.model)
     reports = []
     print(
         "| dtype | rollout fault | decisions differ, orig | proxy | tokens differing (any layer), orig | proxy "
         "| mean abs log-prob gap, orig | proxy | Spearman over layers | rate ratio proxy/orig | kept share |"
     )
     print("|---" * 11 + "|")
-    for dtype in ("fp32", "bf16"):
-        for fault in FAULTS:
+    for dtype in args.dtypes:
+        for fault in args.faults:
             start = time.perf_counter()
             report = measure(orig, data, proxy=proxy, plan=plan, dtype=dtype, faults=fault or None)
             report["seconds"] = round(time.perf_counter() - start, 1)

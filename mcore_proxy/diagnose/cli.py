@@ -38,8 +38,10 @@ def register(subparsers) -> None:
         p.add_argument(
             f"--{role}",
             metavar="LOG",
+            nargs="+",
             help=f"metric log of the {what} run: TensorBoard folder, .jsonl, .csv, console log (Megatron, "
-            "MindSpeed-RL, verl, TRL), trainer_state.json, MLflow run, W&B/SwanLab offline run",
+            "MindSpeed-RL, verl, TRL), trainer_state.json, MLflow run, W&B/SwanLab offline run; several "
+            "(one per seed, the same number and order for the four roles): compare seed by seed",
         )
     p.add_argument("--run", metavar="LOG", help="triage: the metric log of the run to diagnose")
     p.add_argument("--baseline", metavar="LOG", help="triage: the log of a healthy run of the same setting")
@@ -57,6 +59,13 @@ def register(subparsers) -> None:
         type=int,
         metavar="STEPS",
         help="onsets this close agree (default: 10%% of the compared steps, at least 3)",
+    )
+    p.add_argument(
+        "--min-share",
+        type=float,
+        default=0.8,
+        metavar="F",
+        help="over several seeds: the share of seeds that must reproduce the fault (default 0.8: 4 of 5)",
     )
     p.add_argument("-o", "--output", metavar="DIR", help="write report.json, report.md and PNG curves here")
 
@@ -78,11 +87,18 @@ def run_compare(args) -> int:
             "compare: pass --orig-base, --orig-fault, --proxy-base and --proxy-fault "
             "(or --run, --baseline and --library to triage a run)"
         )
-    from mcore_proxy.diagnose.compare import ROLES, compare_runs
+    from mcore_proxy.diagnose.compare import ROLES, compare_runs, role_name
     from mcore_proxy.diagnose.readers import read_log
     from mcore_proxy.diagnose.report import as_dict, summary_table, write_report
 
     paths = {role: getattr(args, role) for role in ROLES}
+    counts = {len(logs) for logs in paths.values()}
+    if len(counts) > 1:
+        given = ", ".join(f"--{role_name(r)} {len(p)}" for r, p in paths.items())
+        raise ProxyError(f"compare: give the same number of logs (one per seed) to each role; got {given}")
+    if counts != {1}:
+        return run_seeds(args, paths)
+    paths = {role: logs[0] for role, logs in paths.items()}
     comparison = compare_runs({role: read_log(path) for role, path in paths.items()}, args.metrics, args.onset_window)
     report = None
     if args.output:
@@ -91,6 +107,31 @@ def run_compare(args) -> int:
     emit(args, "compare", {**as_dict(comparison), "report": report}, text)
     if not comparison.consistent:
         raise CheckFailed(comparison.verdict())
+    return 0
+
+
+def run_seeds(args, paths: dict) -> int:
+    """compare over seeds: the i-th log of each role is seed i (diagnose/seeds.py)."""
+    from mcore_proxy.diagnose.compare import ROLES, compare_runs
+    from mcore_proxy.diagnose.readers import read_log
+    from mcore_proxy.diagnose.seeds import SeedsComparison, seeds_dict, seeds_table, write_seeds_report
+
+    if not 0 < args.min_share <= 1:
+        raise ProxyError(f"compare: --min-share {args.min_share} must lie in (0, 1], e.g. 0.8 for 4 of 5 seeds")
+    seeds = len(paths["orig_base"])
+    comparisons = tuple(
+        compare_runs({role: read_log(paths[role][i]) for role in ROLES}, args.metrics, args.onset_window)
+        for i in range(seeds)
+    )
+    result = SeedsComparison(comparisons, args.min_share)
+    report = None
+    if args.output:
+        inputs = tuple(p for logs in paths.values() for p in logs)
+        report = str(write_seeds_report(args.output, result, inputs=inputs, replace=args.force))
+    text = seeds_table(result) + (f"\nreport: {report}" if report else "")
+    emit(args, "compare", {**seeds_dict(result), "report": report}, text)
+    if not result.consistent:
+        raise CheckFailed(result.verdict())
     return 0
 
 

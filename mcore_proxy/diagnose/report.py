@@ -88,7 +88,7 @@ def as_dict(comparison: Comparison) -> dict:
     }
 
 
-def _safe(metric: str) -> str:
+def safe_name(metric: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", metric)
 
 
@@ -156,7 +156,7 @@ def write_report(out, comparison: Comparison, *, inputs: tuple = (), replace: bo
         lines = ["# mcore-proxy compare", "", comparison.verdict(), "", "```", summary_table(comparison), "```", ""]
         for metric in comparison.matches:
             fig = metric_figure(comparison, metric)
-            name = f"{_safe(metric)}.png"
+            name = f"{safe_name(metric)}.png"
             fig.savefig(tmp / name, dpi=90)
             plt.close(fig)
             lines.append(f"![{metric}]({name})")

@@ -139,6 +139,12 @@ def on_model_loaded(callback) -> None:
         _ON_LOAD.append(callback)
 
 
+def stop_on_model_loaded(callback) -> None:
+    """Undo `on_model_loaded(callback)` (a callback holding models would keep them alive)."""
+    if callback in _ON_LOAD:
+        _ON_LOAD.remove(callback)
+
+
 def _wrap_load_model(load_model):
     if getattr(load_model, _MARK, False):
         return load_model

@@ -173,6 +173,57 @@ def mark_routers(model) -> dict[str, torch.nn.Module]:
     return found
 
 
+def softmax_weights(router, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The top-k weights [T, k] a softmax router gives the experts `experts` [T, k]: softmax over all
+    E logits in fp32, gathered, renormalised unless the router has `norm_topk_prob=False` (Qwen3-MoE,
+    Mixtral, gpt-oss: softmax of the top-k logits is the same)."""
+    weights = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+class Replay:
+    """Routing replay (R3, arXiv 2510.11370): the model's routers take the expert ids another engine
+    chose for the same tokens, with their own weights for those experts (`softmax_weights`), so the
+    trainer's gradient flows through the rollout's routing. Set `ids`, layer id -> [T, k] in the
+    order of the next forward pass's tokens; a layer without ids routes as usual. At a router's first
+    call the rule is checked against the router's own choice: a router whose weights are not a
+    softmax over its chosen experts (a sigmoid router with a selection bias) is refused.
+    `close()` removes the hooks."""
+
+    def __init__(self, routers: dict[str, torch.nn.Module]):
+        self.ids: dict[str, torch.Tensor] = {}
+        self._checked: set[str] = set()
+        self.handles = [
+            g.register_forward_hook(lambda mod, args, out, lid=lid: self._replace(lid, mod, out))
+            for lid, g in routers.items()
+        ]
+
+    def _replace(self, lid: str, router, out):
+        ids = self.ids.get(lid)
+        if ids is None:
+            return None
+        if _output_kind(router) != "logits_weights_indices":
+            raise ProxyError(f"routing replay: {type(router).__name__} does not return (logits, weights, ids)")
+        logits, weights, own = out
+        if lid not in self._checked:
+            if not torch.allclose(softmax_weights(router, logits, own).float(), weights.float(), atol=1e-5):
+                raise ProxyError(
+                    f"routing replay: {type(router).__name__}'s weights are not a softmax over its chosen experts; "
+                    "replay supports softmax routers (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss)"
+                )
+            self._checked.add(lid)
+        if ids.numel() != own.numel():
+            raise ProxyError(f"routing replay: layer {lid} got {tuple(ids.shape)} ids for {tuple(own.shape)} choices")
+        ids = ids.to(device=own.device, dtype=own.dtype).view(own.shape)
+        return (logits, softmax_weights(router, logits, ids), ids)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 class Routes:
     """Forward hooks on a model's routers (`mark_routers`): `seen`, layer id -> (weights float32,
     expert ids) [T, k] of the last forward pass; `close()` removes the hooks."""

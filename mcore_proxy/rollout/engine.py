@@ -1,6 +1,7 @@
 """The rollout side of a check: sequences through vLLM, their prompt log-probs and every token's
 top-k experts per MoE layer. Runs in vLLM's environment (its own interpreter: docs/rollout.md),
-called by `rollout.run.run_engine`, never imported by the rest of the package:
+called by `rollout.run.run_engine` and used by examples/rl_vllm (`start_llm`, `score`), never
+imported by the rest of the package:
 
     VLLM_PYTHON -m mcore_proxy.rollout.engine REQUEST.json OUT_DIR
 
@@ -34,65 +35,93 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 KV_CACHE_BYTES = 1 << 28  # the tiny models' sequences need little; vLLM's CPU default reserves most RAM
 
 
-def _capture(routers: dict) -> tuple[dict, list]:
-    """Observers appending each call's top-k ids per layer; returns (calls by layer, handles)."""
-    from mcore_proxy.engines import vllm as vllm_engine
-
-    calls: dict[str, list] = {layer: [] for layer in routers}
-    handles = [
-        vllm_engine.add_observer(router, lambda h, logits, w, ids, layer=layer: calls[layer].append(ids.clone()))
-        for layer, router in routers.items()
-    ]
-    return calls, handles
-
-
-def run_model(path: str, sequences: list[list[int]], dtype: str) -> tuple[dict, dict]:
-    """(tensors, facts) of one model: see the module docstring."""
+def start_llm(path: str, dtype: str, max_len: int, *, max_num_seqs: int = 1, seed: int = 0, **kwargs):
+    """(vLLM's `LLM` on the HF folder `path`, the model it built): eager, no prefix caching, sequences
+    up to `max_len` tokens prefilled in one pass, a small KV cache. Token ids in, token ids out
+    (`skip_tokenizer_init`): the tiny models have no tokenizer, and the checks need none."""
     import importlib
 
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from mcore_proxy.engines import vllm as vllm_engine
 
     loaded = []
     vllm_engine.on_model_loaded(loaded.append)
     vllm_engine.patch_loader_module(importlib.import_module("vllm.model_executor.model_loader.base_loader"))
-    start = time.perf_counter()
-    longest = max(len(s) for s in sequences)
-    llm = LLM(
-        model=path,
-        dtype=dtype,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_seqs=1,
-        max_model_len=max(longest + 1, 32),
-        max_num_batched_tokens=max(longest + 1, 32),
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        gpu_memory_utilization=0.1,  # on CPU: the share of RAM vLLM checks is free at start
-        seed=0,
-    )
-    started = time.perf_counter() - start
-    routers = vllm_engine.moe_routers(loaded[-1])
-    calls, handles = _capture(routers)
-    tensors: dict[str, torch.Tensor] = {}
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    budget = max(max_len + 1, 32)
     try:
-        for i, ids in enumerate(sequences):
+        llm = LLM(
+            model=path,
+            dtype=dtype,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            max_num_seqs=max_num_seqs,
+            max_model_len=budget,
+            max_num_batched_tokens=max(budget, max_num_seqs * budget),
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            gpu_memory_utilization=0.1,  # on CPU: the share of RAM vLLM checks is free at start
+            seed=seed,
+            **kwargs,
+        )
+    finally:  # a fresh engine per sync: the list must not keep the earlier models alive
+        vllm_engine.stop_on_model_loaded(loaded.append)
+    return llm, loaded[-1]
+
+
+def score(llm, model, sequences: list[list[int]]) -> tuple[list, dict]:
+    """Each sequence's prefill alone: (log-probs [len - 1] float32 per sequence, as vLLM's
+    `prompt_logprobs` report them; layer id -> top-k ids [total tokens, k] int32, every token of
+    every sequence in order)."""
+    import torch
+    from vllm import SamplingParams
+
+    from mcore_proxy.engines import vllm as vllm_engine
+
+    routers = vllm_engine.moe_routers(model)
+    calls: dict[str, list] = {layer: [] for layer in routers}
+    handles = [
+        vllm_engine.add_observer(router, lambda h, logits, w, ids, layer=layer: calls[layer].append(ids.clone()))
+        for layer, router in routers.items()
+    ]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    logprobs = []
+    try:
+        for ids in sequences:  # one request per call: each forward pass is one sequence's prefill
             (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            tensors[f"logprobs.{i}"] = torch.tensor(
-                [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])], dtype=torch.float32
+            logprobs.append(
+                torch.tensor(
+                    [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])],
+                    dtype=torch.float32,
+                )
             )
     finally:
         for handle in handles:
             handle.remove()
     total = sum(len(s) for s in sequences)
+    topk = {}
     for layer, chunks in calls.items():
-        ids = torch.cat(chunks).to(torch.int32)
+        ids = torch.cat(chunks).to(torch.int32)  # max_tokens=1: the prefill is the only pass
         if ids.shape[0] != total:
             raise RuntimeError(f"layer {layer}: vLLM routed {ids.shape[0]} tokens, the sequences hold {total}")
-        tensors[f"topk.{layer}"] = ids.contiguous()
+        topk[layer] = ids
+    return logprobs, topk
+
+
+def run_model(path: str, sequences: list[list[int]], dtype: str) -> tuple[dict, dict]:
+    """(tensors, facts) of one model: see the module docstring."""
+    import torch
+    import vllm
+
+    from mcore_proxy.engines import vllm as vllm_engine
+
+    start = time.perf_counter()
+    llm, model = start_llm(path, dtype, max(len(s) for s in sequences))
+    started = time.perf_counter() - start
+    logprobs, topk = score(llm, model, sequences)
+    routers = vllm_engine.moe_routers(model)
+    tensors: dict[str, torch.Tensor] = {f"logprobs.{i}": lp for i, lp in enumerate(logprobs)}
+    tensors.update({f"topk.{layer}": ids.contiguous() for layer, ids in topk.items()})
     facts = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -102,7 +131,7 @@ def run_model(path: str, sequences: list[list[int]], dtype: str) -> tuple[dict, 
         "start_seconds": round(started, 2),
         "faults": os.environ.get("MCORE_PROXY_FAULTS", ""),
     }
-    del llm
+    del llm, model
     gc.collect()
     return tensors, facts
 

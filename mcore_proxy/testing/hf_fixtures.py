@@ -444,16 +444,20 @@ ROLLOUT_SIZES = {
     ),
 }
 ROLLOUT = "@vllm"
+DEEP = "-deep"  # `NAME@vllm-deep`: the rollout form with DEEP_LAYERS decoder layers
+DEEP_LAYERS = 9  # enough MoE layers (8 for Qwen3-MoE, whose first layer is dense) to rank them
 
 
 def model_entry(name: str) -> tuple:
-    """(config class, model class, config kwargs, MTP block) of `name` or of its `NAME@vllm` form."""
+    """(config class, model class, config kwargs, MTP block) of `name` or of its `NAME@vllm` and
+    `NAME@vllm-deep` forms."""
     base, _, variant = name.partition("@")
     config_cls, model_cls, kwargs, mtp = MODELS[base]
     if variant:
-        if f"@{variant}" != ROLLOUT or base not in ROLLOUT_SIZES:
+        deep = f"@{variant}" == ROLLOUT + DEEP
+        if (f"@{variant}" != ROLLOUT and not deep) or base not in ROLLOUT_SIZES:
             raise KeyError(name)
-        kwargs = dict(kwargs, **ROLLOUT_SIZES[base])
+        kwargs = dict(kwargs, **ROLLOUT_SIZES[base], **({"num_hidden_layers": DEEP_LAYERS} if deep else {}))
     return config_cls, model_cls, kwargs, mtp
 
 

@@ -172,3 +172,43 @@ def test_force_never_replaces_other_data_or_the_logs(tmp_path, synthetic, capsys
     assert main(["compare", *argv(paths, "-o", str(out), "--force")]) == 2
     assert expected in capsys.readouterr().err
     assert sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before
+
+
+def seeds_of(tmp_path, synthetic, proxy_faults):
+    """Logs of the four roles over seeds: seed i's proxy runs the fault proxy_faults[i]."""
+    paths = {role: [] for role in ROLES}
+    for seed, proxy_fault in enumerate(proxy_faults):
+        runs = {
+            "orig_base": synthetic.curves(seed=seed),
+            "orig_fault": synthetic.curves("omission", seed=seed, onset=30),
+            "proxy_base": synthetic.curves(seed=seed + 50, scale=0.8),
+            "proxy_fault": synthetic.curves(proxy_fault, seed=seed + 50, scale=0.8, onset=30),
+        }
+        for role, data in runs.items():
+            paths[role].append(synthetic.write_jsonl(tmp_path / f"{role}-s{seed}.jsonl", data))
+    return [a for role in ROLES for a in (f"--{role.replace('_', '-')}", *paths[role])]
+
+
+def test_over_seeds_a_verdict_needs_the_share_of_seeds(tmp_path, synthetic, capsys):
+    """Five seeds, the proxy reproduces omission in four: consistent at the default 0.8, not at 1.0;
+    the report counts per metric, seed by seed, and draws every seed's curves."""
+    argv = seeds_of(tmp_path, synthetic, ["omission"] * 4 + [None])  # seed 4: the proxy shows nothing
+    assert main(["compare", *argv, "--metrics", "reward", "-o", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert "CONSISTENT over seeds: the proxy reproduces the original's fault signature in 4 of 5 seeds" in out
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["agreeing"] == 4 and report["needed"] == 4 and len(report["per_seed"]) == 5
+    assert report["metrics"]["reward"]["departed"] == 5 and report["metrics"]["reward"]["reproduced"] == 4
+    assert (tmp_path / "report" / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["compare", *argv, "--metrics", "reward", "--min-share", "1", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert "NOT CONSISTENT over seeds" in captured.err
+    doc = json.loads(captured.out)
+    assert doc["format"] == "mcore-proxy-compare/1" and doc["mode"] == "seeds" and not doc["consistent"]
+
+
+def test_over_seeds_the_roles_need_as_many_logs(tmp_path, synthetic, capsys):
+    argv = seeds_of(tmp_path, synthetic, ["omission"] * 2)
+    cut = argv.index("--proxy-fault") + 2  # one proxy-fault log instead of two
+    assert main(["compare", *argv[:cut]]) == 2
+    assert "give the same number of logs (one per seed) to each role" in capsys.readouterr().err
