@@ -81,7 +81,6 @@ def _directions(values: dict) -> str:
 def seeds_table(result: SeedsComparison) -> str:
     """Per metric: the original's departures, the proxy's matches and both, over the seeds, with the
     directions seed by seed; then each seed's verdict and the verdict over seeds."""
-    n = result.seeds
     lines = [f"{'metric':<28} {'orig departs':>12} {'proxy matches':>13} {'reproduced':>10}  directions orig | proxy"]
     for metric, row in result.metrics().items():
         lines.append(
@@ -92,7 +91,7 @@ def seeds_table(result: SeedsComparison) -> str:
     for seed, comparison in enumerate(result.comparisons):
         lines.append(f"seed {seed}: {comparison.verdict()}")
     lines.append(result.verdict())
-    return "\n".join(lines) if n else result.verdict()
+    return "\n".join(lines)
 
 
 def seeds_dict(result: SeedsComparison) -> dict:
