@@ -257,6 +257,29 @@ def rollout(llm, served, prompts: list, args, step: int) -> tuple[list, list, ob
     return sequences, responses, logprobs, topk
 
 
+def check_replay(model, tokens) -> None:
+    """Refuse --routing-replay, before anything is written, for a model whose routers it cannot
+    replay: the model's own routing replayed once (hf.models.Replay checks its rule)."""
+    import torch
+
+    from mcore_proxy.core.errors import ProxyError
+    from mcore_proxy.hf.models import Replay, Routes, mark_routers
+
+    routes = Routes(mark_routers(model))
+    with torch.no_grad():
+        model(tokens)
+    routes.close()
+    replay = Replay(mark_routers(model))
+    replay.ids = {layer: ids for layer, (_, ids) in routes.seen.items()}
+    try:
+        with torch.no_grad():
+            model(tokens)
+    except ProxyError as err:
+        refuse(f"{err} (--routing-replay)")
+    finally:
+        replay.close()
+
+
 def trainer_logprobs(model, tokens, rollout_topk: dict, args) -> tuple:
     """The trainer's side before the update, no grad: (log-probs of the responses [B, R], its own
     top-k ids per layer, the routing replay or None). With --routing-replay the log-probs are taken
@@ -331,7 +354,9 @@ def main(argv=None) -> int:
     import vllm
     from tqdm import tqdm
 
+    from mcore_proxy.core.errors import ProxyError
     from mcore_proxy.faults.clock import set_step
+    from mcore_proxy.hf.models import mark_routers
     from mcore_proxy.rollout.engine import start_llm
 
     torch.manual_seed(args.seed)
@@ -339,6 +364,12 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     pool, check_sequences = task(int(model.config.get_text_config().vocab_size), args.prompt_length)
     length = args.prompt_length + args.response_length
+    try:  # the routing metrics need the family's routers: refused before anything is written
+        mark_routers(model)
+    except ProxyError as err:
+        refuse(f"{args.model}: {err}")
+    if args.routing_replay:
+        check_replay(model, torch.tensor(check_sequences))
     weights = args.out / "weights"
     args.out.mkdir(parents=True, exist_ok=True)
     run = {
