@@ -344,6 +344,8 @@ def main(argv=None) -> int:
         refuse(f"{args.model}: holds no config.json; give an HF model folder")
     if args.steps < 1 or args.prompts < 1 or args.group < 2 or args.prompts * args.group % args.minibatches:
         refuse("--steps >= 1, --group >= 2, and --prompts x --group divisible by --minibatches")
+    if not args.tis_cap > 0:  # a cap of 0 would weigh every token 0: no update at all
+        refuse(f"--tis-cap {args.tis_cap} must be > 0 (the largest importance weight a token keeps), e.g. 2")
     check_output(args.out, args.model)
     try:
         import mcore_proxy  # noqa: F401

@@ -142,6 +142,8 @@ def test_bad_input_is_one_sentence_and_exit_2(vllm_python, hf_model, tmp_path):
     assert (tmp_path / "used" / "keep.txt").read_text() == "mine"
     done = rl(vllm_python, tmp_path / "used", tmp_path / "new")
     assert done.returncode == 2 and "holds no config.json" in done.stderr and not (tmp_path / "new").exists()
+    done = rl(vllm_python, model, tmp_path / "new", "--tis-cap", "0")
+    assert done.returncode == 2 and "--tis-cap 0.0 must be > 0" in done.stderr and not (tmp_path / "new").exists()
     done = rl(vllm_python, hf_model("glm4_moe@vllm"), tmp_path / "new", "--routing-replay")
     assert done.returncode == 2 and "not a softmax over its chosen experts" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "new").exists()
