@@ -4,7 +4,7 @@ Mixtral, OLMoE, ...), and the output embeddings (`lm_head`). transformers is nev
 a model that is not a transformers model has no such sites.
 
 Routers are changed by a forward hook on the router module: logit faults re-derive the top-k
-from the corrupted logits with the router's own rule (softmax, top-k, `norm_topk_prob`); top-k
+from the corrupted logits with the router's own rule (`core.routing.softmax_topk`); top-k
 faults alter the indices. Expert noise acts on the block's combined routed-experts output.
 """
 
@@ -26,15 +26,6 @@ def is_hf_router(module) -> bool:
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and getattr(module, "num_experts", None) is not None
     )
-
-
-def topk_from_logits(router, logits: torch.Tensor):
-    """The router's rule: softmax in fp32, top-k, optional renormalisation."""
-    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-    top, index = torch.topk(probs, router.top_k, dim=-1)
-    if getattr(router, "norm_topk_prob", False):
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), index
 
 
 def find_sites(model) -> list[Site]:

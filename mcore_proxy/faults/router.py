@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from mcore_proxy.faults import hf
 from mcore_proxy.core.handles import CallbackHandle
+from mcore_proxy.core.routing import softmax_topk
 from mcore_proxy.faults.base import Injector
 
 _CHAIN = "_mcore_proxy_logit_faults"
@@ -65,7 +65,7 @@ def _logit_site_handles(injector, site, transform) -> list:
         logits = fn(args[0].reshape(-1, router.weight.shape[1]), output[0])
         if logits is output[0]:
             return None
-        return (logits, *hf.topk_from_logits(router, logits))
+        return (logits, *softmax_topk(router, logits))
 
     return [site.module.register_forward_hook(hook)]
 

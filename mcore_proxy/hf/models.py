@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.core.routing import softmax_weights
 
 log = logging.getLogger(__name__)
 
@@ -173,19 +174,9 @@ def mark_routers(model) -> dict[str, torch.nn.Module]:
     return found
 
 
-def softmax_weights(router, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """The top-k weights [T, k] a softmax router gives the experts `experts` [T, k]: softmax over all
-    E logits in fp32, gathered, renormalised unless the router has `norm_topk_prob=False` (Qwen3-MoE,
-    Mixtral, gpt-oss: softmax of the top-k logits is the same)."""
-    weights = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
-    if getattr(router, "norm_topk_prob", True):
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype)
-
-
 class Replay:
     """Routing replay (R3, arXiv 2510.11370): the model's routers take the expert ids another engine
-    chose for the same tokens, with their own weights for those experts (`softmax_weights`), so the
+    chose for the same tokens, with their own weights for those experts (`core.routing`), so the
     trainer's gradient flows through the rollout's routing. Set `ids`, layer id -> [T, k] in the
     order of the next forward pass's tokens; a layer without ids routes as usual. At a router's first
     call the rule is checked against the router's own choice: a router whose weights are not a

@@ -133,3 +133,20 @@ def test_environment_activation_through_post_init(helpers):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, 1]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_router_faults_keep_a_renormalising_routers_rule(hf_model, family):
+    """Mixtral's and gpt-oss's routers have no norm_topk_prob but renormalise their top-k weights:
+    a logit fault re-derives the choice by the same rule, so the weights still sum to 1."""
+    from mcore_proxy.hf.models import load_model, mark_routers
+
+    model = load_model(hf_model(family))
+    seen = []
+    router = next(iter(mark_routers(model).values()))
+    with faults.inject("router_noise:std=0.5", model=model):
+        handle = router.register_forward_hook(lambda mod, args, out: seen.append(out[1].detach()))
+        with torch.no_grad():
+            model(TOKENS)
+        handle.remove()
+    torch.testing.assert_close(seen[0].float().sum(-1), torch.ones(seen[0].shape[0]))
