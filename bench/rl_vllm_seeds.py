@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from rollout_consistency import models  # noqa: E402  (the same model and proxy)
 
+from mcore_proxy.checkpoint.torchfile import file_sha256  # noqa: E402
+
 ONSET = 3
 CONDITIONS = {  # label -> (MCORE_PROXY_FAULTS, extra arguments)
     "none": ("", []),
@@ -118,8 +120,8 @@ def vllm_python() -> str:
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
-    """file name -> sha256, as each run's run.json records its model's."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    """file name -> sha256, as each run's run.json records its model's (examples/rl_vllm)."""
+    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def folder_digest(folder: Path) -> str:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import sys
@@ -139,20 +138,17 @@ def rollout_training_metrics(rollout_lp, train_lp, tis_cap: float) -> dict:
 
 
 def routing_metrics(rollout_topk: dict, train_topk: dict) -> dict:
-    """Each token's top-k set in both engines -> the disagreement rates (rollout.consistency)."""
-    from mcore_proxy.rollout.consistency import decision_disagreement
+    """Each token's top-k set in both engines -> the disagreement rates (as `mcore-proxy consistency`)."""
+    from mcore_proxy.rollout.consistency import disagreement_by_layer, tokens_any_layer
 
-    shares, any_layer = [], None
-    for layer, ids in rollout_topk.items():
-        share = decision_disagreement(ids.long(), train_topk[layer].long())
-        shares.append(float(share.mean()))
-        any_layer = share > 0 if any_layer is None else any_layer | (share > 0)
+    shares = disagreement_by_layer(rollout_topk, train_topk)
     if not shares:
         return {}
+    means = {layer: float(share.mean()) for layer, share in shares.items()}
     return {
-        "routing/decision_disagreement": sum(shares) / len(shares),
-        "routing/tokens_any_layer": float(any_layer.double().mean()),
-        **{f"routing/decision_disagreement/layer_{layer}": v for layer, v in zip(rollout_topk, shares)},
+        "routing/decision_disagreement": sum(means.values()) / len(means),
+        "routing/tokens_any_layer": tokens_any_layer(shares),
+        **{f"routing/decision_disagreement/layer_{layer}": v for layer, v in means.items()},
     }
 
 
@@ -202,15 +198,10 @@ def update(model, optimizer, tokens, old_lp, rollout_lp, advantages, prompt_leng
 
 
 def file_hashes(folder: Path) -> dict:
-    out = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file():
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            out[path.name] = h.hexdigest()
-    return out
+    """file name -> sha256 of every file in `folder` (run.json's `model_sha256`)."""
+    from mcore_proxy.checkpoint.torchfile import file_sha256
+
+    return {path.name: file_sha256(path) for path in sorted(folder.iterdir()) if path.is_file()}
 
 
 def check_output(out: Path, model: Path) -> None:
@@ -257,20 +248,32 @@ def rollout(llm, served, prompts: list, args, step: int) -> tuple[list, list, ob
     return sequences, responses, logprobs, topk
 
 
+def routed_pass(model, tokens) -> tuple:
+    """One forward pass without grad: (logits [B, S, V], layer -> the trainer's own top-k ids [B x S, k])."""
+    import torch
+
+    from mcore_proxy.hf.models import Routes, mark_routers
+
+    routes = Routes(mark_routers(model))
+    try:
+        with torch.no_grad():
+            logits = model(tokens).logits
+    finally:
+        routes.close()
+    return logits, {layer: ids for layer, (_, ids) in routes.seen.items()}
+
+
 def check_replay(model, tokens) -> None:
     """Refuse --routing-replay, before anything is written, for a model whose routers it cannot
     replay: the model's own routing replayed once (hf.models.Replay checks its rule)."""
     import torch
 
     from mcore_proxy.core.errors import ProxyError
-    from mcore_proxy.hf.models import Replay, Routes, mark_routers
+    from mcore_proxy.hf.models import Replay, mark_routers
 
-    routes = Routes(mark_routers(model))
-    with torch.no_grad():
-        model(tokens)
-    routes.close()
+    _, own = routed_pass(model, tokens)
     replay = Replay(mark_routers(model))
-    replay.ids = {layer: ids for layer, (_, ids) in routes.seen.items()}
+    replay.ids = own
     try:
         with torch.no_grad():
             model(tokens)
@@ -286,22 +289,17 @@ def trainer_logprobs(model, tokens, rollout_topk: dict, args) -> tuple:
     on the rollout's routing, and the replay stays attached for the update."""
     import torch
 
-    from mcore_proxy.hf.models import Replay, Routes, mark_routers
+    from mcore_proxy.hf.models import Replay, mark_routers
 
-    routes = Routes(mark_routers(model))
-    try:
+    logits, own = routed_pass(model, tokens)
+    if args.routing_replay:
+        replay = (Replay(mark_routers(model)), rollout_topk)
+        replay[0].ids = rollout_topk
         with torch.no_grad():
-            old_lp = token_logprobs(model(tokens).logits, tokens)[:, args.prompt_length - 1 :]
-        own = {layer: ids for layer, (_, ids) in routes.seen.items()}
-    finally:
-        routes.close()
-    if not args.routing_replay:
-        return old_lp, own, None
-    replay = (Replay(mark_routers(model)), rollout_topk)
-    replay[0].ids = rollout_topk
-    with torch.no_grad():
-        old_lp = token_logprobs(model(tokens).logits, tokens)[:, args.prompt_length - 1 :]
-    return old_lp, own, replay
+            logits = model(tokens).logits
+    else:
+        replay = None
+    return token_logprobs(logits, tokens)[:, args.prompt_length - 1 :], own, replay
 
 
 def train_step(model, optimizer, llm, served, prompts, check_sequences, args, step: int) -> dict:

@@ -15,6 +15,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mcore_proxy.checkpoint.torchfile import file_sha256
+
 MANIFEST = "manifest.json"
 FORMAT = "mcore-proxy-manifest/1"
 PATHS_NOTE = (
@@ -29,14 +31,6 @@ def relative_to_output(path: str | os.PathLike, out: str | os.PathLike) -> str:
     return Path(os.path.relpath(os.path.abspath(path), os.path.abspath(out))).as_posix()
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_table(folder: Path) -> dict[str, dict]:
     """Relative path -> {size, sha256} for every file under `folder` except the manifest.
 
@@ -45,7 +39,7 @@ def file_table(folder: Path) -> dict[str, dict]:
     folder = Path(folder)
     files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
     with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1) or 1) as pool:
-        digests = list(pool.map(sha256_file, files))
+        digests = list(pool.map(file_sha256, files))
     return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
 
 

@@ -79,27 +79,41 @@ def trainer_pass(model_dir: Path, sequences: list[list[int]], dtype: str) -> tup
     return logprobs, {layer: torch.cat(parts).long() for layer, parts in chosen.items()}
 
 
-def measure_model(rollout, training_logprobs, training_topk, kept: dict[str, torch.Tensor] | None) -> dict:
-    """The report of one model from the rollout engine's result and the trainer's."""
-    layers = []
-    token_differs = None
-    for layer, rollout_ids in rollout.topk.items():
+def disagreement_by_layer(rollout_topk: dict, training_topk: dict) -> dict[str, torch.Tensor]:
+    """layer -> [T] `decision_disagreement` of each token, from both engines' top-k ids [T, k] of
+    the same tokens (the rollout engine's layers, in its order); refuses layers the two disagree on
+    in shape, which means the engines built different models."""
+    out = {}
+    for layer, rollout_ids in rollout_topk.items():
         train_ids = training_topk.get(layer)
         if train_ids is None or train_ids.shape != rollout_ids.shape:
             raise ProxyError(
                 f"layer {layer}: the rollout engine routed {tuple(rollout_ids.shape)} choices, the trainer "
                 f"{None if train_ids is None else tuple(train_ids.shape)}; the two engines built different models"
             )
-        share = decision_disagreement(rollout_ids, train_ids)
-        differs = share > 0
-        token_differs = differs if token_differs is None else token_differs | differs
+        out[layer] = decision_disagreement(rollout_ids.long(), train_ids.long())
+    return out
+
+
+def tokens_any_layer(shares: dict[str, torch.Tensor]) -> float:
+    """The share of tokens whose top-k set differs in at least one layer (0 without layers)."""
+    if not shares:
+        return 0.0
+    return float(torch.stack([share > 0 for share in shares.values()]).any(0).double().mean())
+
+
+def measure_model(rollout, training_logprobs, training_topk, kept: dict[str, torch.Tensor] | None) -> dict:
+    """The report of one model from the rollout engine's result and the trainer's."""
+    shares = disagreement_by_layer(rollout.topk, training_topk)
+    layers = []
+    for layer, share in shares.items():
         row = {
             "layer": layer,
             "decision_disagreement": float(share.mean()),
-            "token_disagreement": float(differs.double().mean()),
+            "token_disagreement": float((share > 0).double().mean()),
         }
         if kept is not None and layer in kept:
-            counts = differing_experts(rollout_ids, train_ids, kept[layer].numel())
+            counts = differing_experts(rollout.topk[layer], training_topk[layer], kept[layer].numel())
             total = int(counts.sum())
             row["kept_share"] = float(counts[kept[layer]].sum()) / total if total else None
         layers.append(row)
@@ -108,7 +122,7 @@ def measure_model(rollout, training_logprobs, training_topk, kept: dict[str, tor
         "tokens": int(rollout.topk[next(iter(rollout.topk))].shape[0]) if rollout.topk else 0,
         "layers": layers,
         "decision_disagreement": sum(r["decision_disagreement"] for r in layers) / max(len(layers), 1),
-        "tokens_any_layer": float(token_differs.double().mean()) if token_differs is not None else 0.0,
+        "tokens_any_layer": tokens_any_layer(shares),
         "logprob_gap_mean": float(gap.mean()),
         "logprob_gap_abs_mean": float(gap.abs().mean()),
         "logprob_gap_abs_max": float(gap.abs().max()),

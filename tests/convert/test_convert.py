@@ -68,7 +68,7 @@ def test_workers_and_single_process_write_the_same(megatron_ckpt, proxy_plan, tm
 
 
 def test_manifest_lists_every_file(megatron_ckpt, proxy_plan, tmp_path):
-    from mcore_proxy.convert.manifest import sha256_file
+    from mcore_proxy.checkpoint.torchfile import file_sha256
 
     ckpt, _ = megatron_ckpt(FIXTURE)
     plan_path, plan = proxy_plan(FIXTURE)
@@ -78,7 +78,7 @@ def test_manifest_lists_every_file(megatron_ckpt, proxy_plan, tmp_path):
     files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == files
     for name, entry in manifest["files"].items():
-        assert entry["sha256"] == sha256_file(out / name)
+        assert entry["sha256"] == file_sha256(out / name)
     assert manifest["plan"]["sha256"] and manifest["target"]["num_experts"] == plan.num_experts
     assert manifest["source"]["router_fingerprint"] == plan.source.router_fingerprint
 
