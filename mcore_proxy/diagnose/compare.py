@@ -2,7 +2,9 @@
 and (proxy baseline, proxy fault), matched metric by metric.
 
 A metric matches when the two signatures agree in direction of the shift and in trend, their
-onsets lie within `onset_window` steps of each other (when either shifted), when either shift
+onsets lie within `onset_window` steps of each other (when either shifted; or, for signatures over
+seeds, when the onsets' ranges under resampling the seeds overlap: the seeds cannot tell them
+apart, which a gradual drift's change point needs), when either shift
 curve has a trend their normalised shift curves correlate (Pearson r >= MIN_CORRELATION) on their
 common steps, and both or neither turn non-finite under the fault (NaN or inf in the faulted run,
 none in its baseline: a blow-up is part of a fault's signature; a proxy that shifts the same way
@@ -80,7 +82,10 @@ class MetricMatch:
         if not self.trend:
             out.append(f"trend {self.orig.trend:+d} vs {self.proxy.trend:+d}")
         if not self.onset:
-            out.append(f"onset {self.orig.onset} vs {self.proxy.onset} (window {self.onset_window})")
+            ranges = ""
+            if self.orig.onset_range is not None or self.proxy.onset_range is not None:
+                ranges = f", over seeds {self.orig.onset_range} vs {self.proxy.onset_range}"
+            out.append(f"onset {self.orig.onset} vs {self.proxy.onset} (window {self.onset_window}{ranges})")
         if not self.correlation_ok:
             r = "n/a" if self.correlation is None else f"{self.correlation:.2f}"
             out.append(f"shift curves correlate r={r} < {MIN_CORRELATION}")
@@ -106,6 +111,11 @@ def curve_correlation(a: MetricSignature, b: MetricSignature) -> float | None:
     return float(np.corrcoef(x, y)[0, 1])
 
 
+def ranges_overlap(a, b) -> bool:
+    """Whether two [lo, hi] step ranges overlap (False when either is None)."""
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
 def signs_agree(a: int, a_estimate: float, a_p: float, b: int, b_estimate: float, b_p: float) -> bool:
     """Whether two thresholded signs (+1, 0, -1) with their estimates and p-values agree."""
     if a == b:
@@ -121,7 +131,9 @@ def match_signatures(orig: MetricSignature, proxy: MetricSignature, onset_window
     """The rule of agreement of two signatures of one metric."""
     shifted = orig.shifted or proxy.shifted
     onset = not shifted or (
-        orig.onset is not None and proxy.onset is not None and abs(orig.onset - proxy.onset) <= onset_window
+        orig.onset is not None
+        and proxy.onset is not None
+        and (abs(orig.onset - proxy.onset) <= onset_window or ranges_overlap(orig.onset_range, proxy.onset_range))
     )
     direction = signs_agree(orig.direction, orig.shift, orig.p_shift, proxy.direction, proxy.shift, proxy.p_shift)
     trend = signs_agree(orig.trend, orig.tau, orig.p_trend, proxy.trend, proxy.tau, proxy.p_trend)

@@ -64,6 +64,9 @@ class MetricSignature:
     nonfinite_base: int = 0  # NaN/inf values the baseline logged in the compared steps
     nonfinite_fault: int = 0  # and the faulted run
     nonfinite_onset: int | None = None  # the faulted run's first step with one
+    # over seeds only (diagnose/seeds.py): the steps the onset spans when the seeds are resampled
+    # ([5th, 95th] percentile); None for one run, whose onset has no spread to measure
+    onset_range: list | None = None
 
     @property
     def shifted(self) -> bool:

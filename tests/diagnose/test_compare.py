@@ -195,14 +195,17 @@ def test_over_seeds_a_verdict_needs_the_share_of_seeds(tmp_path, synthetic, caps
     argv = seeds_of(tmp_path, synthetic, ["omission"] * 4 + [None])  # seed 4: the proxy shows nothing
     assert main(["compare", *argv, "--metrics", "reward", "-o", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
-    assert "CONSISTENT over seeds: the proxy reproduces the original's fault signature in 4 of 5 seeds" in out
+    assert "CONSISTENT over 5 seeds: the proxy reproduces the original's fault signature in 4 of 5 seeds" in out
+    assert "seed 4: does not reproduce reward" in out
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["agreeing"] == 4 and report["needed"] == 4 and len(report["per_seed"]) == 5
-    assert report["metrics"]["reward"]["departed"] == 5 and report["metrics"]["reward"]["reproduced"] == 4
+    reward = report["metrics"]["reward"]
+    assert reward["departed"] and reward["reproduced"] == [True] * 4 + [False]
+    assert reward["original"]["signature"]["direction"] == -1 and len(reward["proxy"]["shifts"]) == 5
     assert (tmp_path / "report" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["compare", *argv, "--metrics", "reward", "--min-share", "1", "--json"]) == 1
     captured = capsys.readouterr()
-    assert "NOT CONSISTENT over seeds" in captured.err
+    assert "NOT CONSISTENT over 5 seeds" in captured.err
     doc = json.loads(captured.out)
     assert doc["format"] == "mcore-proxy-compare/1" and doc["mode"] == "seeds" and not doc["consistent"]
 
