@@ -58,12 +58,15 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 
 def trainer_pass(model_dir: Path, sequences: list[list[int]], dtype: str) -> tuple[list[torch.Tensor], dict]:
-    """transformers on each sequence: (log-probs per sequence [len - 1], layer -> top-k ids [T, k])."""
+    """transformers on each sequence: (log-probs per sequence [len - 1], layer -> top-k ids [T, k]).
+    dtype: fp32, bf16, or fp64 (a reference the fp32 passes of both engines can be held to)."""
     from mcore_proxy.hf.models import Routes, load_model, mark_routers, run
 
     model = load_model(model_dir)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
+    if dtype in ("bf16", "fp64"):
+        model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float64)
+    if dtype == "fp64" and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # the grouped-matmul kernel refuses float64
     routes = Routes(mark_routers(model))
     chosen: dict[str, list[torch.Tensor]] = {}
     logprobs = []

@@ -432,6 +432,9 @@ ROLLOUT_SIZES = {
     "olmoe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, norm_topk_prob=False),
     "glm4_moe": dict(head_dim=64),
     "gpt_oss": dict(head_dim=64),
+    # top-1 as the releases route (vLLM scales the expert's input by its weight for top-1 only),
+    # and an attention chunk of at least vLLM's KV block (128), so longer than every test sequence
+    "llama4": dict(head_dim=64, attention_chunk_size=128, num_experts_per_tok=1),
     # and with the router keys DeepSeek's release carries (transformers does not write them; vLLM
     # builds the selection bias only for topk_method noaux_tc)
     "deepseek_v3": dict(
