@@ -1,22 +1,25 @@
 """The seed's faults in a two-engine GRPO run (vLLM rollouts, transformers training), original vs
 proxy, over several seeds; a fix validated on the proxy first; a campaign and triage on the loop.
 
-    python bench/rl_vllm_seeds.py --out DIR [--seeds 5] [--steps 15] [--workers 2]
+    python bench/rl_vllm_seeds.py --out DIR [--seeds 5] [--first-seed 0] [--steps 15] [--workers 2]
 
 Models: the tests' tiny Qwen3-MoE at vLLM's head size (`qwen3_moe@vllm`: 16 experts, top-4, 3 MoE
-layers) and its K = 8 proxy made by the user's pipeline (collect, select, convert), built in DIR
-once; their files' sha256 are checked against PINNED (a model that differs is said to differ, and
-its numbers are new measurements, not the recorded ones). Every run is
+layers, deterministic weights) and its K = 8 proxy, converted from the stored plan PINNED_PLAN
+(which the user's pipeline, collect and select, made once), built in DIR once; their files'
+sha256 are checked against PINNED (a model that differs is said to differ, and its numbers are
+new measurements, not the recorded ones). Every run is
 `examples/rl_vllm/run.py --check-sync` in vLLM's interpreter, faults from the environment, each
 placed in the engine where it lives (`engine=`), on from step ONSET:
 - precision: the rollout's logits in bf16, in vLLM only;
 - omission: every optimizer step left out, in the trainer only;
 - router_noise: Gaussian noise of std 0.5 on vLLM's router logits only;
 - tie_flip: near-ties (within 0.3) at vLLM's top-k boundary broken the other way; and
-  tie_flip+replay: the same with the fix R3 (`--routing-replay`).
+  tie_flip+replay: the same with the fix R3 (`--routing-replay`);
+- router_precision: vLLM's router logits in bf16 (the trainer's stay fp32); and
+  router_precision+replay: the same with R3.
 Then `mcore-proxy compare` over the seeds: each fault against the baseline on the metrics it is
-defined on; a different-fault pair (original precision, proxy omission); the fix (tie_flip as the
-baseline, tie_flip+replay as the change). A 40-step run proves the sync at every step. A campaign
+defined on; a different-fault pair (original precision, proxy omission); the fix, each faulted run
+as the baseline and the same with R3 as the change. A 40-step run proves the sync at every step. A campaign
 (3 faults x 2 strengths on the proxy, seed 0) builds a signature library, and the original's
 faulted runs of the other seeds are triaged against it. Runs go `--workers` at a time, each bound
 to one core; finished runs are reused by a later invocation. Writes DIR/summary.json and prints
@@ -51,6 +54,8 @@ CONDITIONS = {  # label -> (MCORE_PROXY_FAULTS, extra arguments)
     "router_noise": (f"router_noise:std=0.5,engine=rollout,start={ONSET}", []),
     "tie_flip": (f"router_tie_flip:margin=0.3,engine=rollout,start={ONSET}", []),
     "tie_flip+replay": (f"router_tie_flip:margin=0.3,engine=rollout,start={ONSET}", ["--routing-replay"]),
+    "router_precision": (f"router_precision:dtype=bf16,engine=rollout,start={ONSET}", []),
+    "router_precision+replay": (f"router_precision:dtype=bf16,engine=rollout,start={ONSET}", ["--routing-replay"]),
 }
 # compare: name -> (original baseline, original change, proxy baseline, proxy change, metrics,
 # the logged metric shown per seed)
@@ -96,6 +101,14 @@ COMPARES = {
         ["logprob_diff", "rollout_kl"],
         "rollout_corr/k3_kl",
     ),
+    "fix: routing replay, router precision": (
+        "router_precision",
+        "router_precision+replay",
+        "router_precision",
+        "router_precision+replay",
+        ["logprob_diff", "rollout_kl"],
+        "rollout_corr/k3_kl",
+    ),
 }
 CAMPAIGN_FAULTS = [
     {"name": "precision", "spec": "logprob_precision:dtype={strength},engine=rollout", "strengths": ["bf16", "fp16"]},
@@ -103,10 +116,16 @@ CAMPAIGN_FAULTS = [
     {"name": "router_noise", "spec": "router_noise:std={strength},engine=rollout", "strengths": [0.2, 0.5]},
 ]
 SYNC_STEPS = 40
-# sha256 of the JSON of {file name: sha256} of each model folder, as first measured (bench/RESULTS.md)
+# the proxy's plan (the kept experts), stored: collect's statistics come from a transformers forward
+# pass, whose numerics may move with the installed release; the conversion from a plan is exact
+PINNED_PLAN = REPO / "bench" / "pinned" / "qwen3_moe-vllm-k8-plan.json"
+# sha256 of the JSON of {file name: sha256} of each model folder but its provenance (bench/RESULTS.md).
+# The first proxy digest (2d40202a...) also hashed convert's manifest, whose provenance path moved with
+# the fixture's cache key on a fresh machine; the weights were the same (the runs reproduce digit for
+# digit), so only the digest's rule changed.
 PINNED = {
     "orig": "54d8c773385198807e1d57e5789ae666a13de6ac04aa9a5873685a835ea6b1ff",
-    "proxy": "2d40202a73ca26339ea9aca15d4a3150173cee99ce9c014ba20f2c21bea0eea4",
+    "proxy": "7ce5bde9a4d2ed6f959af5db77ac61de862c151258e32bb8d4a66bd55abbd3ed",
 }
 
 
@@ -119,9 +138,15 @@ def vllm_python() -> str:
     ).stdout.strip()
 
 
+# convert's manifest records where its inputs were (provenance: the fixture folder's name moves
+# with the fixture code), so a model's identity is every other file
+PROVENANCE = ("manifest.json",)
+
+
 def file_hashes(folder: Path) -> dict[str, str]:
-    """file name -> sha256, as each run's run.json records its model's (examples/rl_vllm)."""
-    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    """file name -> sha256 of every file but the provenance, as each run's run.json records its
+    model's (examples/rl_vllm)."""
+    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in PROVENANCE}
 
 
 def folder_digest(folder: Path) -> str:
@@ -134,7 +159,8 @@ def finished(out: Path, steps: int, model: Path) -> bool:
     log, run = out / "metrics.jsonl", out / "run.json"
     if not (log.exists() and run.exists()) or sum(1 for _ in open(log)) != steps:
         return False
-    return json.loads(run.read_text())["model_sha256"] == file_hashes(model)
+    recorded = json.loads(run.read_text())["model_sha256"]
+    return {k: v for k, v in recorded.items() if k not in PROVENANCE} == file_hashes(model)
 
 
 def run_one(py: str, model: Path, out: Path, label: str, seed: int, steps: int, core: int) -> tuple[Path, float]:
@@ -159,17 +185,7 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in open(run / "metrics.jsonl")]
 
 
-def shift(runs: Path, name: str, base: str, change: str, seed: int, metric: str) -> float:
-    """Mean of `metric` from step ONSET on: the changed run minus its baseline (same seed)."""
-
-    def mean(label: str) -> float:
-        values = [r["data"][metric] for r in rows(runs / f"{name}-{label}-s{seed}") if r["step"] >= ONSET]
-        return sum(values) / len(values)
-
-    return mean(change) - mean(base)
-
-
-def compare(runs: Path, seeds: int, name: str) -> dict:
+def compare(runs: Path, seeds: list[int], name: str) -> dict:
     ob, of, pb, pf, metrics, _ = COMPARES[name]
     argv = [sys.executable, "-m", "mcore_proxy", "compare", "--json", "--metrics", *metrics]
     for role, model, label in (
@@ -178,27 +194,38 @@ def compare(runs: Path, seeds: int, name: str) -> dict:
         ("proxy-base", "proxy", pb),
         ("proxy-fault", "proxy", pf),
     ):
-        argv += [f"--{role}", *(str(runs / f"{model}-{label}-s{s}" / "metrics.jsonl") for s in range(seeds))]
+        argv += [f"--{role}", *(str(runs / f"{model}-{label}-s{s}" / "metrics.jsonl") for s in seeds)]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode not in (0, 1):
         raise RuntimeError(f"compare {name}: exit {done.returncode}: {done.stderr[-1000:]}")
     return {"exit": done.returncode, "report": json.loads(done.stdout)}
 
 
-def table(runs: Path, name: str, result: dict) -> str:
-    ob, of, _, pf, metrics, shown = COMPARES[name]
+def table(name: str, result: dict, seeds: list[int]) -> str:
+    """Per seed: `compare`'s shift of each metric (faulted - baseline, mean from the seed-mean onset),
+    original / proxy, whether the seed reproduces the fault, and its single-run verdict."""
+    ob, of, pb, pf, metrics, _ = COMPARES[name]
     report = result["report"]
-    lines = [
-        f"**{name}**: `{of}` against `{ob}` (proxy: `{pf}`), metrics {', '.join(metrics)}; "
-        f"shown: mean `{shown}` from step {ONSET}, change - baseline",
-        "",
+    found = report["metrics"]
+    lines = [f"**{name}**: `{of}` against `{ob}` (proxy: `{pf}` against `{pb}`), metrics {', '.join(metrics)}", ""]
+    lines += [
+        "| seed | " + " | ".join(f"{m}: original / proxy" for m in found) + " | reproduces | this seed alone |",
+        "|---" * (len(found) + 3) + "|",
     ]
-    lines += ["| seed | original | proxy | compare, this seed |", "|---|---|---|---|"]
-    for seed, per_seed in enumerate(report["per_seed"]):
-        o = shift(runs, "orig", ob, of, seed, shown)
-        p = shift(runs, "proxy", COMPARES[name][2], pf, seed, shown)
-        verdict = "consistent" if per_seed["consistent"] else "NOT: " + per_seed["verdict"].split(": ", 1)[-1]
-        lines.append(f"| {seed} | {o:+.3g} | {p:+.3g} | {verdict[:110]} |")
+    for i, seed in enumerate(seeds):
+        cells = [f"{found[m]['original']['shifts'][i]:+.3g} / {found[m]['proxy']['shifts'][i]:+.3g}" for m in found]
+        per_seed, alone = report["per_seed"][i], report["single_run"][i]
+        said = "yes" if per_seed["reproduces"] else "no: " + ", ".join(per_seed["not_reproduced"])
+        lines.append(f"| {seed} | {' | '.join(cells)} | {said} | {'consistent' if alone['consistent'] else 'not'} |")
+    lines += [
+        "",
+        "| metric | original: direction, mean shift, p over seeds, onset | proxy | match |",
+        "|---|---|---|---|",
+    ]
+    for m, x in found.items():
+        o, p = x["original"]["signature"], x["proxy"]["signature"]
+        cell = lambda g: f"{g['direction']:+d}, {g['shift']:+.3g}, p {g['p_shift']:.2g}, onset {g['onset']}"  # noqa: E731
+        lines.append(f"| {m} | {cell(o)} | {cell(p)} | {'yes' if x['match'] else 'no: ' + ', '.join(x['reasons'])} |")
     return "\n".join(lines + ["", f"`compare` exit {result['exit']}: {report['verdict']}", ""])
 
 
@@ -233,11 +260,12 @@ def campaign(py: str, proxy: Path, out: Path, steps: int, workers: int) -> Path:
     return out / "campaign" / "library.json"
 
 
-def triage(runs: Path, library: Path, seeds: int) -> list[dict]:
-    """The original's faulted runs of seeds 1.. (held out: another model, other seeds) against the library."""
+def triage(runs: Path, library: Path, seeds: list[int]) -> list[dict]:
+    """The original's faulted runs of every seed but the campaign's (held out: another model, other
+    seeds) against the library."""
     out = []
     for fault in ("precision", "omission", "router_noise"):
-        for seed in range(1, seeds):
+        for seed in (s for s in seeds if s != 0):
             argv = [sys.executable, "-m", "mcore_proxy", "compare", "--json", "--library", str(library)]
             argv += ["--run", str(runs / f"orig-{fault}-s{seed}" / "metrics.jsonl")]
             argv += ["--baseline", str(runs / f"orig-none-s{seed}" / "metrics.jsonl")]
@@ -252,6 +280,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("/tmp/mcore-proxy-rl-vllm"))
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0, help="e.g. 5 with --seeds 5: held-out seeds 5-9")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument(
@@ -262,9 +291,10 @@ def main() -> int:
         help="a subset (e.g. none omission with more --steps): only the compares they cover, no campaign",
     )
     args = ap.parse_args()
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     full = args.conditions == list(CONDITIONS)
     py = vllm_python()
-    orig, proxy, _, _ = models(args.out)
+    orig, proxy, _, _ = models(args.out, pinned_plan=PINNED_PLAN)
     digests = {"orig": folder_digest(orig), "proxy": folder_digest(proxy)}
     for name, digest in digests.items():
         if PINNED[name] and digest != PINNED[name]:
@@ -277,7 +307,7 @@ def main() -> int:
     runs.mkdir(parents=True, exist_ok=True)
     jobs = [
         (name, path, label, seed, args.steps, runs / f"{name}-{label}-s{seed}")
-        for seed in range(args.seeds)
+        for seed in seeds
         for label in args.conditions
         for name, path in (("orig", orig), ("proxy", proxy))
     ]
@@ -291,7 +321,7 @@ def main() -> int:
         for n, future in enumerate(concurrent.futures.as_completed(futures), 1):
             out, took = future.result()
             print(f"[{n}/{len(jobs)}] {out.name} {took:.0f} s", flush=True)
-    summary = {"seeds": args.seeds, "steps": args.steps, "onset": ONSET, "conditions": CONDITIONS, "models": digests}
+    summary = {"seeds": seeds, "steps": args.steps, "onset": ONSET, "conditions": CONDITIONS, "models": digests}
     summary["sync"] = {
         "no_fault_runs_max": max(r["data"]["sync/max_logprob_diff"] for d in runs.glob("*-none-s*") for r in rows(d)),
     }
@@ -310,13 +340,13 @@ def main() -> int:
         for name in ("orig", "proxy")
     }
     covered = [name for name, c in COMPARES.items() if set(c[:4]) <= set(args.conditions)]
-    summary["compare"] = {name: compare(runs, args.seeds, name) for name in covered}
+    summary["compare"] = {name: compare(runs, seeds, name) for name in covered}
     if full:
-        summary["triage"] = triage(runs, campaign(py, proxy, args.out, args.steps, args.workers), args.seeds)
+        summary["triage"] = triage(runs, campaign(py, proxy, args.out, args.steps, args.workers), seeds)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: summary[k] for k in ("models", "sync", "seconds_per_step_median")}, indent=1))
     for name, result in summary["compare"].items():
-        print(table(runs, name, result))
+        print(table(name, result, seeds))
     triaged = summary.get("triage", [])
     if triaged:
         right = sum(t["right"] for t in triaged)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -32,16 +33,24 @@ FAULTS = (
 )
 
 
-def models(out: Path, name: str = "qwen3_moe@vllm") -> tuple[Path, Path, Path, Path]:
+def models(out: Path, name: str = "qwen3_moe@vllm", pinned_plan: Path | None = None) -> tuple[Path, Path, Path, Path]:
+    """(original, K = 8 proxy, plan, calibration data) in `out`, built once. With `pinned_plan` the
+    proxy is converted from that plan instead of collect + select: the routing statistics come
+    from a transformers forward pass whose numerics may move with the installed release, while
+    the conversion from a stored plan is exact, so the proxy is rebuilt the same anywhere."""
     orig = build_cached(name, out / "fixtures")
     data = out / "data.jsonl"
     if not data.exists():
         calibration_jsonl(data, records=48, seed=1)
     proxy, plan = out / "proxy", out / "plan.json"
     if not proxy.exists():
-        assert cli(["collect", "--hf", str(orig), "--data", str(data), "-o", str(out / "stats")]) == 0
-        stats = out / "stats" / "routing_stats.safetensors"
-        assert cli(["select", "--ckpt", str(orig), "--stats", str(stats), "--num-experts", "8", "-o", str(plan)]) == 0
+        if pinned_plan is not None:
+            shutil.copyfile(pinned_plan, plan)
+        else:
+            assert cli(["collect", "--hf", str(orig), "--data", str(data), "-o", str(out / "stats")]) == 0
+            stats = out / "stats" / "routing_stats.safetensors"
+            argv = ["select", "--ckpt", str(orig), "--stats", str(stats), "--num-experts", "8", "-o", str(plan)]
+            assert cli(argv) == 0
         assert cli(["convert", str(orig), "--plan", str(plan), "-o", str(proxy)]) == 0
     return orig, proxy, plan, data
 
