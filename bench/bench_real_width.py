@@ -437,7 +437,7 @@ def run_buffers(spec_path: Path, repeat: int = 2) -> int:
     fds = [os.open(f, os.O_RDONLY) for f in spec["files"]]
     reads = [r for r in spec["reads"] if r[2] >= MIB]
     total = sum(r[2] for r in reads)
-    ctypes.CDLL("libc.so.6").mallopt(-3, MIB)  # M_MMAP_THRESHOLD, as cli_support.memory sets it
+    ctypes.CDLL("libc.so.6").mallopt(-3, MIB)  # M_MMAP_THRESHOLD, as runtime.memory sets it
 
     def fresh():
         for rank, off, n in reads:

@@ -177,7 +177,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mcore_proxy.cli_support.interrupts import signal_name, stop_on_signals
+    from mcore_proxy.runtime.interrupts import signal_name, stop_on_signals
 
     args = parse(build_parser(), argv)
     logging.basicConfig(

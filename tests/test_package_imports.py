@@ -128,22 +128,23 @@ def test_the_library_does_not_import_the_test_helpers():
 ALLOWED = {
     "core": set(),
     "mcore": {"core"},
+    "runtime": {"core"},
     "cli_support": {"core"},
     "activation": {"core", "cli_support"},
     "engines": {"core"},
-    "checkpoint": {"core", "mcore", "cli_support"},
+    "checkpoint": {"core", "mcore", "runtime", "cli_support"},
     "functional": {"core", "mcore", "checkpoint"},
-    "select": {"core", "mcore", "cli_support", "checkpoint"},
+    "select": {"core", "mcore", "runtime", "cli_support", "checkpoint"},
     "hf": {"core", "checkpoint", "select"},
-    "convert": {"core", "mcore", "cli_support", "checkpoint", "functional", "select", "hf"},
+    "convert": {"core", "mcore", "runtime", "cli_support", "checkpoint", "functional", "select", "hf"},
     "trace": {"core", "mcore", "cli_support", "activation", "engines", "checkpoint", "hf"},
     "faults": {"core", "activation", "engines", "trace"},
     "diagnose": {"core", "cli_support"},
-    "campaign": {"core", "cli_support", "activation", "diagnose", "faults"},
+    "campaign": {"core", "runtime", "cli_support", "activation", "diagnose", "faults"},
     "estimate": {"core", "mcore", "cli_support", "checkpoint", "select"},
     "fidelity": {"core", "cli_support", "checkpoint", "select", "hf", "convert"},
     "rollout": {"core", "cli_support", "activation", "engines", "checkpoint", "select", "hf", "trace", "faults"},
-    "testing": {"core", "mcore", "cli_support", "checkpoint", "functional", "select", "convert", "trace"},
+    "testing": {"core", "mcore", "checkpoint", "functional", "select", "convert", "trace"},
 }
 # the command-line entry points at the root: they may import every part, and no part imports them
 ENTRY_POINTS = {"mcore_proxy.cli", "mcore_proxy.__main__"}
@@ -183,6 +184,32 @@ def test_every_import_goes_in_an_allowed_direction():
             elif mine is not None and theirs not in (None, mine) and theirs not in ALLOWED[mine]:
                 bad.append(f"{where}: {mine} may import only {sorted(ALLOWED[mine])}")
     assert not bad, "\n".join(bad)
+
+
+def _is_command(module: str) -> bool:
+    """The command line: the entry points, each part's `cli.py` and `*_cli.py`, and `cli_support`
+    (flags, plotting). Everything else is the library."""
+    name = module.rsplit(".", 1)[-1]
+    return module in ENTRY_POINTS or name == "cli" or name.endswith("_cli") or _part(module) == "cli_support"
+
+
+def _command_imports(modules) -> list[str]:
+    return [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {imported}"
+        for module in modules
+        if not _is_command(module)
+        for imported, _, line in _imports(module)
+        if (target := _resolve(imported)) and _is_command(target)
+    ]
+
+
+def test_the_library_never_imports_the_command_line():
+    """What library code needs from its process (signals, memory, progress bars) is in `runtime`;
+    a reader, writer or worker that imported a command module would drag argparse and the flag
+    table into every training and rollout process that uses it."""
+    bad = _command_imports(MODULES)
+    assert not bad, "\n".join(bad)
+    assert _is_command("mcore_proxy.trace.collect_cli") and not _is_command("mcore_proxy.runtime.memory")
 
 
 def test_the_direction_checker_sees_a_violation(monkeypatch):

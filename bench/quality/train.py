@@ -76,7 +76,7 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 def _train_worker(rank: int, shape: str, out: str, report: str) -> None:
     from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
-    from mcore_proxy.cli_support.interrupts import die_with_parent
+    from mcore_proxy.runtime.interrupts import die_with_parent
 
     die_with_parent()  # a killed ablation must not leave a training orphan writing into the cache
     s = SETTINGS[shape]

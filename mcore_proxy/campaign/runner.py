@@ -98,7 +98,7 @@ def finished(entry: Entry) -> dict | None:
 
 
 def _start(config: CampaignConfig, entry: Entry) -> tuple[subprocess.Popen, float]:
-    from mcore_proxy.cli_support.interrupts import die_with_parent
+    from mcore_proxy.runtime.interrupts import die_with_parent
 
     shutil.rmtree(entry.run_dir, ignore_errors=True)
     entry.run_dir.mkdir(parents=True)
@@ -139,7 +139,7 @@ def _stop(running: dict) -> None:
 def build_library(config: CampaignConfig) -> Library | None:
     """The library of every finished run (None before the baseline finished); written atomically,
     with stop signals held until it is written (no temporary file left behind by a SIGINT)."""
-    from mcore_proxy.cli_support.interrupts import deferred
+    from mcore_proxy.runtime.interrupts import deferred
 
     with deferred():
         return _build_library(config)

@@ -16,8 +16,8 @@ from mcore_proxy.core.output import refuse_staging, staged_output, write_markers
 from mcore_proxy.checkpoint.target import complete_target
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError, ProxyError
-from mcore_proxy.cli_support.memory import return_freed_buffers_to_os
-from mcore_proxy.cli_support.progress import byte_bar
+from mcore_proxy.runtime.memory import return_freed_buffers_to_os
+from mcore_proxy.runtime.progress import byte_bar
 
 # Tried in order: a torch_dist iteration folder also has a tracker beside it, as legacy ones do.
 FORMATS: tuple[Format, ...] = (

@@ -44,7 +44,7 @@ from mcore_proxy.checkpoint.safe_globals import (
 )
 from mcore_proxy.checkpoint.zipindex import read_directory, read_stored
 from mcore_proxy.checkpoint.zipwrite import HashingSink, TorchZipWriter, as_bytes, torch_archive_records
-from mcore_proxy.cli_support.memory import import_torch_while_waiting, prefer_huge_pages
+from mcore_proxy.runtime.memory import import_torch_while_waiting, prefer_huge_pages
 from mcore_proxy.core.dtypes import ITEMSIZE, Shape, TorchDtypeName, dtype_name, itemsize, torch_dtype
 from mcore_proxy.core.dtypes import STORAGE_DTYPES as _STORAGE_DTYPES
 from mcore_proxy.core.errors import CheckpointError
@@ -523,7 +523,7 @@ def _from_payload(path: Path, payload: bytes | None) -> "TorchFile":
 
 def _worker_signals() -> None:
     """A parsing worker leaves Ctrl-C to its parent, which stops the pool, and dies quietly when
-    the pool stops it (SIGTERM): it must not run the parent's handlers (`cli_support.interrupts`)."""
+    the pool stops it (SIGTERM): it must not run the parent's handlers (`runtime.interrupts`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

@@ -1,3 +1,3 @@
-"""What a command needs around the library: the shared flags and their spelling table (`flags`),
-progress bars in bytes (`progress`), the optional plotting extra (`plotting`), clean exits on
-signals (`interrupts`) and flat resident memory for streaming processes (`memory`)."""
+"""What the commands need around the library: the shared flags and their spelling table (`flags`)
+and the optional plotting extra (`plotting`). Only command modules (`cli.py`, `*_cli.py`) import
+it; what library code needs from its process lives in `mcore_proxy.runtime`."""

@@ -40,8 +40,8 @@ from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.core.tensors import host_tensors
 from mcore_proxy.mcore.launch_flags import model_flags
 from mcore_proxy.mcore.megatron_args import DEFAULTS
-from mcore_proxy.cli_support.memory import expect_torch, return_freed_buffers_to_os
-from mcore_proxy.cli_support.progress import byte_bar
+from mcore_proxy.runtime.memory import expect_torch, return_freed_buffers_to_os
+from mcore_proxy.runtime.progress import byte_bar
 
 FILE_OVERHEAD = 64 << 10  # bytes allowed per output file beyond its tensors (zip headers, pickles)
 PLANNED_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-router-num-groups", "--moe-router-group-topk")
@@ -478,7 +478,7 @@ def _convert_under_torchrun(req: ConvertRequest, prep: Prepared, check_space: bo
     units and reports their files (sizes, hashes, records) through the store; rank 0 then runs the
     writer's finish, writes manifest and markers and renames, or removes the folder if any rank
     failed. Other ranks wait for rank 0's verdict."""
-    from mcore_proxy.cli_support.interrupts import die_with_parent
+    from mcore_proxy.runtime.interrupts import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the launcher died: stop (and clean up) as for its own SIGTERM
     ranks = _Ranks()

@@ -121,7 +121,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     """Every check; problems are collected, not raised (the CLI turns them into exit code 1)."""
     from tqdm import tqdm
 
-    from mcore_proxy.cli_support.memory import expect_torch, return_freed_buffers_to_os
+    from mcore_proxy.runtime.memory import expect_torch, return_freed_buffers_to_os
     from mcore_proxy.select.plan import load_plan
 
     return_freed_buffers_to_os()

@@ -20,7 +20,7 @@ from mcore_proxy.core.errors import InternalError
 
 
 def _main(conn, parent_pid: int, fn, args, with_progress: bool) -> None:
-    from mcore_proxy.cli_support import interrupts
+    from mcore_proxy.runtime import interrupts
 
     interrupts.as_worker(parent_pid)
     try:

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.cli_support.memory import expect_torch
+    from mcore_proxy.runtime.memory import expect_torch
     from mcore_proxy.core.output import staged_files
     from mcore_proxy.select.constraints import check_stats_match
     from mcore_proxy.select.report import REPORT_FILES, summary_dict, summary_table, write_report
