@@ -248,30 +248,15 @@ def rollout(llm, served, prompts: list, args, step: int) -> tuple[list, list, ob
     return sequences, responses, logprobs, topk
 
 
-def routed_pass(model, tokens) -> tuple:
-    """One forward pass without grad: (logits [B, S, V], layer -> the trainer's own top-k ids [B x S, k])."""
-    import torch
-
-    from mcore_proxy.hf.models import Routes, mark_routers
-
-    routes = Routes(mark_routers(model))
-    try:
-        with torch.no_grad():
-            logits = model(tokens).logits
-    finally:
-        routes.close()
-    return logits, {layer: ids for layer, (_, ids) in routes.seen.items()}
-
-
 def check_replay(model, tokens) -> None:
     """Refuse --routing-replay, before anything is written, for a model whose routers it cannot
     replay: the model's own routing replayed once (hf.models.Replay checks its rule)."""
     import torch
 
     from mcore_proxy.core.errors import ProxyError
-    from mcore_proxy.hf.models import Replay, mark_routers
+    from mcore_proxy.hf.models import Replay, mark_routers, routed_run
 
-    _, own = routed_pass(model, tokens)
+    _, own = routed_run(model, tokens)
     replay = Replay(mark_routers(model))
     replay.ids = own
     try:
@@ -289,9 +274,9 @@ def trainer_logprobs(model, tokens, rollout_topk: dict, args) -> tuple:
     on the rollout's routing, and the replay stays attached for the update."""
     import torch
 
-    from mcore_proxy.hf.models import Replay, mark_routers
+    from mcore_proxy.hf.models import Replay, mark_routers, routed_run
 
-    logits, own = routed_pass(model, tokens)
+    logits, own = routed_run(model, tokens)
     if args.routing_replay:
         replay = (Replay(mark_routers(model)), rollout_topk)
         replay[0].ids = rollout_topk

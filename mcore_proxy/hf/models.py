@@ -379,6 +379,17 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
     return (logits, outputs) if hidden else logits
 
 
+def routed_run(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One `run` with the routers observed: (logits [B, S, V] float32, layer id -> the model's own
+    top-k expert ids [B x S, k])."""
+    routes = Routes(mark_routers(model))
+    try:
+        logits = run(model, input_ids)
+    finally:
+        routes.close()
+    return logits, {layer: ids for layer, (_, ids) in routes.seen.items()}
+
+
 # -- DeepSeek's MTP layers, which transformers does not build -----------------------------------
 
 

@@ -60,25 +60,21 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 def trainer_pass(model_dir: Path, sequences: list[list[int]], dtype: str) -> tuple[list[torch.Tensor], dict]:
     """transformers on each sequence: (log-probs per sequence [len - 1], layer -> top-k ids [T, k]).
     dtype: fp32, bf16, or fp64 (a reference the fp32 passes of both engines can be held to)."""
-    from mcore_proxy.hf.models import Routes, load_model, mark_routers, run
+    from mcore_proxy.hf.models import load_model, routed_run
 
     model = load_model(model_dir)
     if dtype in ("bf16", "fp64"):
         model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float64)
     if dtype == "fp64" and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # the grouped-matmul kernel refuses float64
-    routes = Routes(mark_routers(model))
     chosen: dict[str, list[torch.Tensor]] = {}
     logprobs = []
-    try:
-        for ids in sequences:
-            tokens = torch.tensor([ids])
-            logits = run(model, tokens)[0]
-            logprobs.append(torch.log_softmax(logits[:-1].double(), -1).gather(-1, tokens[0, 1:, None])[:, 0].float())
-            for layer, (_, experts) in routes.seen.items():
-                chosen.setdefault(layer, []).append(experts)
-    finally:
-        routes.close()
+    for ids in sequences:
+        tokens = torch.tensor([ids])
+        logits, seen = routed_run(model, tokens)
+        logprobs.append(torch.log_softmax(logits[0, :-1].double(), -1).gather(-1, tokens[0, 1:, None])[:, 0].float())
+        for layer, experts in seen.items():
+            chosen.setdefault(layer, []).append(experts)
     return logprobs, {layer: torch.cat(parts).long() for layer, parts in chosen.items()}
 
 

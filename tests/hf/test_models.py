@@ -6,20 +6,14 @@ import torch
 pytest.importorskip("transformers")
 
 from mcore_proxy.core.errors import ProxyError  # noqa: E402
-from mcore_proxy.hf.models import Replay, Routes, load_model, mark_routers  # noqa: E402
+from mcore_proxy.hf.models import Replay, load_model, mark_routers, routed_run  # noqa: E402
 
 TOKENS = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
 
 
 def routed(model) -> tuple[torch.Tensor, dict]:
     """(logits, layer -> top-k ids) of one pass."""
-    routes = Routes(mark_routers(model))
-    try:
-        with torch.no_grad():
-            logits = model(TOKENS).logits
-    finally:
-        routes.close()
-    return logits, {layer: ids for layer, (_, ids) in routes.seen.items()}
+    return routed_run(model, TOKENS)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
