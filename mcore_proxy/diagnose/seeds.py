@@ -41,6 +41,7 @@ from functools import cached_property
 
 import numpy as np
 
+from mcore_proxy.core.optional import require
 from mcore_proxy.diagnose.compare import Comparison, MetricMatch, match_signatures
 from mcore_proxy.diagnose.series import Series
 from mcore_proxy.diagnose.signature import ALPHA, MetricSignature, align, metric_signature, noise_scale, onset_index
@@ -60,9 +61,9 @@ class SeedShifts:
     curves: tuple = ()  # per seed: (steps, faulted - baseline), for the figure
 
 
-def aligned(pairs: list[tuple[Series, Series]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(steps [n], baselines [seeds, n], faulted runs [seeds, n]) on the steps every pair has."""
-    each = [align(b, f) for b, f in pairs]
+def aligned(each: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each seed's aligned (steps, baseline, faulted run) (`signature.align`) -> (steps [n],
+    baselines [seeds, n], faulted runs [seeds, n]) on the steps every seed has."""
     common = each[0][0]
     for steps, _, _ in each[1:]:
         common = np.intersect1d(common, steps)
@@ -88,17 +89,16 @@ def onset_range(steps: np.ndarray, base: np.ndarray, fault: np.ndarray, draws: i
     return [int(np.floor(np.percentile(found, 5))), int(np.ceil(np.percentile(found, 95)))]
 
 
-def shift_from(base: Series, fault: Series, start: int | None) -> float:
-    """Mean of (fault - baseline) on the common steps >= start (all of them for None); 0 if none."""
-    steps, b, f = align(base, fault)
+def shift_from(steps: np.ndarray, d: np.ndarray, start: int | None) -> float:
+    """Mean of the shift curve d (faulted - baseline) on steps >= start (all of them for None); 0 if none."""
     keep = steps >= start if start is not None else np.ones(len(steps), bool)
-    return float(np.mean(f[keep] - b[keep])) if keep.any() else 0.0
+    return float(np.mean(d[keep])) if keep.any() else 0.0
 
 
 def across_seeds(shifts, alpha: float = ALPHA) -> tuple[int, float]:
     """(direction, p): the sign of the mean shift where a one-sample t-test of the seeds' shifts
     against 0 gives p < alpha, else 0; equal shifts test exactly (p 0 unless they are all 0)."""
-    from scipy import stats
+    stats = require("scipy.stats", why="compare over seeds (statistical tests)")
 
     x = np.asarray(shifts, float)
     if len(x) < 2 or np.all(x == x[0]):
@@ -118,8 +118,10 @@ def _pairs(comparisons, metric: str, model: str) -> tuple[tuple[int, ...], list[
     return seeds, pairs
 
 
-def _mean_signature(metric: str, pairs) -> MetricSignature:
-    steps, base, fault = aligned(pairs)
+def _mean_signature(metric: str, pairs, each) -> MetricSignature:
+    """The signature of the seed-mean curves; pairs: each seed's (baseline, faulted) Series, each:
+    the same aligned (`signature.align`)."""
+    steps, base, fault = aligned(each)
     sig = metric_signature(metric, Series(steps, base.mean(axis=0)), Series(steps, fault.mean(axis=0)))
     return replace(
         sig,
@@ -133,24 +135,24 @@ def _mean_signature(metric: str, pairs) -> MetricSignature:
 
 def seed_shifts(comparisons, metric: str) -> tuple[SeedShifts, SeedShifts]:
     """The (original, proxy) `SeedShifts` of one metric (see the module docstring)."""
-    out = {}
-    means = {model: _mean_signature(metric, _pairs(comparisons, metric, model)[1]) for model in ("orig", "proxy")}
-    for model, other in (("orig", "proxy"), ("proxy", "orig")):
+    models = {}
+    for model in ("orig", "proxy"):
         seeds, pairs = _pairs(comparisons, metric, model)
-        start = means[model].onset if means[model].onset is not None else means[other].onset
-        shifts = tuple(shift_from(b, f, start) for b, f in pairs)
+        each = [align(b, f) for b, f in pairs]  # every seed's pair aligned once
+        models[model] = seeds, pairs, [(steps, f - b) for steps, b, f in each], _mean_signature(metric, pairs, each)
+    out = {}
+    for model, other in (("orig", "proxy"), ("proxy", "orig")):
+        seeds, pairs, curves, mean = models[model]
+        start = mean.onset if mean.onset is not None else models[other][3].onset
+        shifts = tuple(shift_from(steps, d, start) for steps, d in curves)
         direction, p = across_seeds(shifts)
-        curves = []
-        for b, f in pairs:
-            steps, vb, vf = align(b, f)
-            curves.append((steps.tolist(), (vf - vb).tolist()))
         out[model] = SeedShifts(
-            replace(means[model], direction=direction, p_shift=p, shift=float(np.mean(shifts))),
+            replace(mean, direction=direction, p_shift=p, shift=float(np.mean(shifts))),
             seeds,
             shifts,
             tuple(f.nonfinite > 0 and b.nonfinite == 0 for b, f in pairs),
             start,
-            tuple(curves),
+            tuple((steps.tolist(), d.tolist()) for steps, d in curves),
         )
     return out["orig"], out["proxy"]
 

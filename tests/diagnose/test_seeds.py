@@ -9,6 +9,7 @@ import pytest
 from mcore_proxy.diagnose.compare import compare_runs
 from mcore_proxy.diagnose.seeds import SeedsComparison, across_seeds, aligned, onset_range
 from mcore_proxy.diagnose.series import RunLog, Series
+from mcore_proxy.diagnose.signature import align
 
 
 def log(name: str, data: dict) -> RunLog:
@@ -88,7 +89,7 @@ def test_onset_range_brackets_the_onset_and_is_repeatable(synthetic):
     pairs = [
         (c.series["logprob_diff"]["orig_base"], c.series["logprob_diff"]["orig_fault"]) for c in result.comparisons
     ]
-    steps, base, fault = aligned(pairs)
+    steps, base, fault = aligned([align(b, f) for b, f in pairs])
     assert base.shape == fault.shape == (5, 60)
     lo, hi = onset_range(steps, base, fault)
     assert lo <= 20 <= hi and [lo, hi] == onset_range(steps, base, fault)
