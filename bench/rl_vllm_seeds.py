@@ -16,10 +16,13 @@ placed in the engine where it lives (`engine=`), on from step ONSET:
 - tie_flip: near-ties (within 0.3) at vLLM's top-k boundary broken the other way; and
   tie_flip+replay: the same with the fix R3 (`--routing-replay`);
 - router_precision: vLLM's router logits in bf16 (the trainer's stay fp32); and
-  router_precision+replay: the same with R3.
+  router_precision+replay: the same with R3;
+- precision_fp8: the rollout's logits in fp8 (E4M3), in vLLM only; and precision_fp8+no_tis: the
+  same trained without TIS (`--no-tis`), so that TIS is the fix compared.
 Then `mcore-proxy compare` over the seeds: each fault against the baseline on the metrics it is
 defined on; a different-fault pair (original precision, proxy omission); the fix, each faulted run
-as the baseline and the same with R3 as the change. A 40-step run proves the sync at every step. A campaign
+as the baseline and the same with R3 as the change, and the fp8 runs without TIS against those
+with it. A 40-step run proves the sync at every step. A campaign
 (3 faults x 2 strengths on the proxy, seed 0) builds a signature library, and the original's
 faulted runs of the other seeds are triaged against it. Runs go `--workers` at a time, each bound
 to one core; finished runs are reused by a later invocation. Writes DIR/summary.json and prints
@@ -56,6 +59,8 @@ CONDITIONS = {  # label -> (MCORE_PROXY_FAULTS, extra arguments)
     "tie_flip+replay": (f"router_tie_flip:margin=0.3,engine=rollout,start={ONSET}", ["--routing-replay"]),
     "router_precision": (f"router_precision:dtype=bf16,engine=rollout,start={ONSET}", []),
     "router_precision+replay": (f"router_precision:dtype=bf16,engine=rollout,start={ONSET}", ["--routing-replay"]),
+    "precision_fp8": (f"logprob_precision:dtype=fp8,engine=rollout,start={ONSET}", []),
+    "precision_fp8+no_tis": (f"logprob_precision:dtype=fp8,engine=rollout,start={ONSET}", ["--no-tis"]),
 }
 # compare: name -> (original baseline, original change, proxy baseline, proxy change, metrics)
 COMPARES = {
@@ -101,6 +106,20 @@ COMPARES = {
         "router_precision",
         "router_precision+replay",
         ["logprob_diff", "rollout_kl"],
+    ),
+    "fix: TIS, fp8 precision": (
+        "precision_fp8+no_tis",
+        "precision_fp8",
+        "precision_fp8+no_tis",
+        "precision_fp8",
+        ["reward", "logprob_diff", "rollout_kl"],
+    ),
+    "precision fp8, no TIS": (
+        "none",
+        "precision_fp8+no_tis",
+        "none",
+        "precision_fp8+no_tis",
+        ["reward", "logprob_diff", "rollout_kl"],
     ),
 }
 CAMPAIGN_FAULTS = [

@@ -26,7 +26,8 @@ One step (0-based, as the fault schedules count; `faults.set_step`):
    their log-probs, then re-runs each whole sequence's prefill to record its routing;
 3. the trainer's log-probs and routing on the same sequences (no grad): the rollout-training gap;
 4. GRPO: group-normalised advantages, PPO clip on the ratio to the trainer's log-probs, truncated
-   importance sampling (TIS) to correct for the rollout engine, `--minibatches` optimizer steps.
+   importance sampling (TIS) to correct for the rollout engine (`--no-tis`: without it, the fix
+   switched off), `--minibatches` optimizer steps.
    With `--routing-replay` (R3) steps 3-4 route every token to the experts vLLM chose for it (the
    routing metrics still compare the trainer's own choice).
 
@@ -74,6 +75,12 @@ def parse_args(argv):
     p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per training step")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--tis-cap", type=float, default=2.0, help="truncation of the rollout importance weights")
+    p.add_argument(
+        "--no-tis",
+        action="store_true",
+        help="train without the TIS correction (every token's weight 1, as a loop that ignores the rollout's "
+        "log-probs); the TIS metrics are still logged",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="vLLM's dtype")
     p.add_argument(
         "--routing-replay",
@@ -177,7 +184,7 @@ def update(model, optimizer, tokens, old_lp, rollout_lp, advantages, prompt_leng
         old, adv = old_lp[sl], advantages[sl, None]
         ratio = (new_lp - old).exp()
         clipped = ratio.clamp(1 - args.clip, 1 + args.clip)
-        tis = (old - rollout_lp[sl]).exp().clamp(max=args.tis_cap).detach()
+        tis = 1.0 if args.no_tis else (old - rollout_lp[sl]).exp().clamp(max=args.tis_cap).detach()
         loss = (tis * torch.maximum(-ratio * adv, -clipped * adv)).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
