@@ -25,7 +25,8 @@ setup(
             "tensorboard",
             "ruptures",
             "scipy",
-            "transformers>=5",
+            # pinned: docs/families.md is generated against this release, and tests/test_docs.py checks it
+            "transformers==5.25.0",
             "tokenizers",
             "accelerate",
             "trl==1.16.0",

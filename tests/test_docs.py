@@ -74,6 +74,15 @@ def test_readme_setup_section_holds_exactly_two_commands():
         assert (REPO / command.split()[1]).is_file()
 
 
+def test_families_table_is_up_to_date():
+    """docs/families.md's table of every MoE type in the installed transformers (pinned in the test
+    extra): discovery and the twin proof on each, about a minute."""
+    spec = importlib.util.spec_from_file_location("families_table", REPO / "tools" / "families_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--check"]) == 0, "docs/families.md is stale: run python tools/families_table.py"
+
+
 def test_cli_reference_is_up_to_date():
     spec = importlib.util.spec_from_file_location("cli_reference", REPO / "tools" / "cli_reference.py")
     module = importlib.util.module_from_spec(spec)

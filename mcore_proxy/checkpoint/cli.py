@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from mcore_proxy.cli_support.flags import add_checkpoint_argument, add_command, emit
 
 
@@ -20,7 +22,12 @@ def register(sub) -> None:
 def run_inspect(args) -> int:
     from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.checkpoint.inspect import describe, format_description
+    from mcore_proxy.convert.twin import proof_of
 
-    info = describe(open_checkpoint(args.ckpt))
+    view = open_checkpoint(args.ckpt)
+    info = describe(view)
+    proof = proof_of(view)  # a family discovered from transformers: proven on its tiny twin, reported
+    if proof is not None:
+        info["twin_proof"] = {**dataclasses.asdict(proof), "summary": proof.summary()}
     emit(args, "inspect", info, format_description(info))
     return 0

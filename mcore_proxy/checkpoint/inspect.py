@@ -128,6 +128,7 @@ def family_support(family, config: dict) -> dict:
     archs = config.get("architectures") or [None]
     megatron = family.megatron if family.megatron is not None and archs[0] in family.megatron.architectures else None
     return {
+        "origin": family.origin,
         "hf_to_hf": "collect, select, convert, verify, fidelity",
         "megatron": f"HF <-> Megatron as {megatron.name}" if megatron else "no Megatron mapping (HF -> HF only)",
         "notes": family.notes or None,
@@ -200,9 +201,11 @@ def format_description(d: dict) -> str:
         rows.append(
             (
                 "support",
-                f"HF -> HF: {support['hf_to_hf']}; {support['megatron']}"
+                f"{support['origin']} family; HF -> HF: {support['hf_to_hf']}; {support['megatron']}"
                 + (f"; {support['notes']}" if support["notes"] else ""),
             )
         )
+    if d.get("twin_proof"):
+        rows.append(("twin proof", d["twin_proof"]["summary"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

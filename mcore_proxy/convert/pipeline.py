@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_proxy.checkpoint import open_checkpoint
+from mcore_proxy.convert.twin import require_proven
 from mcore_proxy.checkpoint.formats import detect_format, format_names, get_format, writer_of
 from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
 from mcore_proxy.checkpoint.hf.quant import holds_quantized
@@ -99,8 +100,11 @@ def open_views(
     With `dequantize` the source is read with its quantized weights as bf16 (`ModelView.dequantized`);
     with an output format `fmt`, under the names its framework's writer reads (`ModelView.named_for`:
     a Hugging Face source written as a Megatron checkpoint is read under megatron-core names); with
-    `merge`, kept experts are their clusters' frequency-weighted means (`prune.MERGE_RULE`)."""
+    `merge`, kept experts are their clusters' frequency-weighted means (`prune.MERGE_RULE`). A
+    family discovered from transformers is refused unless its tiny twin proves it (`twin.py`)."""
     source = open_checkpoint(ckpt)
+    if plan_path is not None:
+        require_proven(source)
     if dequantize:
         source = source.dequantized()
     if fmt is not None:

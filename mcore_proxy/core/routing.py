@@ -9,6 +9,12 @@ replay, which gives a router's weights to experts another engine chose (hf/model
 from __future__ import annotations
 
 
+def topk_of(router) -> int:
+    """How many experts a router chooses per token: its `top_k`, else what `hf.models.mark_routers`
+    read from the model's config for a router that does not carry one."""
+    return int(getattr(router, "_mcore_proxy_topk", None) or router.top_k)
+
+
 def renormalises(router) -> bool:
     """Whether the router rescales its top-k weights to sum to 1."""
     return bool(getattr(router, "norm_topk_prob", True))
@@ -28,5 +34,5 @@ def softmax_topk(router, logits):
     """(weights [T, k], expert ids [T, k]): the router's own choice for `logits` [T, E]."""
     import torch
 
-    experts = torch.topk(logits.float(), router.top_k, dim=-1).indices
+    experts = torch.topk(logits.float(), topk_of(router), dim=-1).indices
     return softmax_weights(router, logits, experts), experts

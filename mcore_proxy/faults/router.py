@@ -62,7 +62,7 @@ def _logit_site_handles(injector, site, transform) -> list:
         return [add_logit_transform(site.module, fn)]
 
     def hook(router, args, output):  # transformers: (logits, top-k scores, indices)
-        logits = fn(args[0].reshape(-1, router.weight.shape[1]), output[0])
+        logits = fn(args[0].reshape(-1, args[0].shape[-1]), output[0])
         if logits is output[0]:
             return None
         return (logits, *softmax_topk(router, logits))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.hf.models import Routes, load_model, mark_routers, run, text_config_of
+from mcore_proxy.hf.models import Routes, load_model, mark_routers, router_weight, run, text_config_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -98,13 +98,13 @@ def _check_pair(orig, proxy, plan, paths) -> dict[str, torch.Tensor]:
         )
     masks = {}
     for lid in og:
-        kept = plan.kept(lid)
-        if pg[lid].weight.shape[0] != len(kept) or og[lid].weight.shape[0] <= max(kept):
+        kept, E, K = plan.kept(lid), router_weight(og[lid]).shape[0], router_weight(pg[lid]).shape[0]
+        if K != len(kept) or E <= max(kept):
             raise ProxyError(
-                f"{paths[2]}: layer {lid} keeps {len(kept)} of {og[lid].weight.shape[0]} experts, but "
-                f"{paths[1]} has {pg[lid].weight.shape[0]}; use the plan the proxy was made with"
+                f"{paths[2]}: layer {lid} keeps {len(kept)} of {E} experts, but "
+                f"{paths[1]} has {K}; use the plan the proxy was made with"
             )
-        mask = torch.zeros(og[lid].weight.shape[0], dtype=torch.bool)
+        mask = torch.zeros(E, dtype=torch.bool)
         mask[kept] = True
         masks[lid] = mask
     return masks

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.core.routing import softmax_weights
+from mcore_proxy.core.routing import softmax_weights, topk_of
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,16 @@ def device_of(name: str) -> torch.device:
 
 
 def family_of_model(model):
-    """The descriptor of a loaded transformers model (by its class name)."""
-    from mcore_proxy.checkpoint.hf.families import FAMILIES
+    """The family of a loaded transformers model (by its class name): declared, or discovered in
+    this process when its checkpoint was opened."""
+    from mcore_proxy.checkpoint.hf.discovery import discovered
+    from mcore_proxy.checkpoint.hf.families import declared
 
     arch = type(model).__name__
-    for family in FAMILIES:
-        if arch in family.architectures:
-            return family
-    raise ProxyError(f"{arch} is not a Mixture-of-Experts family mcore-proxy knows")
+    found = declared(arch) or getattr(discovered(arch), "family", None)
+    if found is None:
+        raise ProxyError(f"{arch} is not a Mixture-of-Experts family mcore-proxy knows; open its checkpoint first")
+    return found
 
 
 def load_model(folder: str | Path, device: str = "cpu"):
@@ -131,15 +133,20 @@ def _decoder_layers(model) -> dict[str, torch.nn.Module]:
 def routers(model) -> dict[str, torch.nn.Module]:
     """Layer id ("3") -> the MoE router module of that decoder layer (the family's
     `runtime.router_module`, e.g. `mlp.gate`, `mlp.router`, `feed_forward.router`)."""
-    path = family_of_model(model).runtime.router_module
+    runtime = family_of_model(model).runtime
     out = {}
     for layer_id, layer in _decoder_layers(model).items():
-        module = _child(layer, path)
-        if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
+        module = _child(layer, runtime.router_module)
+        if module is not None and isinstance(_child(module, runtime.router_weight), torch.Tensor):
             out[layer_id] = module
     if not out:
-        raise ProxyError(f"{type(model).__name__} has no MoE router at layers.*.{path}")
+        raise ProxyError(f"{type(model).__name__} has no MoE router at layers.*.{runtime.router_module}")
     return out
+
+
+def router_weight(router) -> torch.Tensor:
+    """A router's weight [E, H] (its family's `runtime.router_weight`, set by `mark_routers`)."""
+    return _child(router, getattr(router, "_mcore_proxy_weight", "weight"))
 
 
 def _child(module, path: str):
@@ -155,7 +162,7 @@ def routing(router, output) -> tuple[torch.Tensor, torch.Tensor]:
     kind = _output_kind(router)
     if kind == "scores_logits":  # Llama-4: sigmoid of the top-k logits, 0 elsewhere
         scores, logits = output
-        experts = logits.topk(router.top_k, dim=-1).indices
+        experts = logits.topk(topk_of(router), dim=-1).indices
         return scores.gather(-1, experts), experts
     _, weights, experts = output
     return weights, experts
@@ -166,11 +173,18 @@ def _output_kind(router) -> str:
 
 
 def mark_routers(model) -> dict[str, torch.nn.Module]:
-    """`routers(model)`, each told how its family's router returns its choice (for `routing`)."""
+    """`routers(model)`, each told how its family's router returns its choice (for `routing`),
+    where its weight is (`router_weight`) and its top-k (`core.routing.topk_of`)."""
     family = family_of_model(model)
     found = routers(model)
+    topk = next(
+        (getattr(text_config_of(model), k) for k in family.config.topk if hasattr(text_config_of(model), k)), None
+    )
     for module in found.values():
         module._mcore_proxy_output = family.runtime.output
+        module._mcore_proxy_weight = family.runtime.router_weight
+        if not hasattr(module, "top_k"):
+            module._mcore_proxy_topk = topk
     return found
 
 
@@ -256,8 +270,9 @@ def restrict_gates(model, plan):
     family = family_of_model(model)
     layers = _decoder_layers(model)
     saved = []
-    for layer_id, router in routers(model).items():
-        dropped = torch.ones(router.weight.shape[0], dtype=torch.bool, device=router.weight.device)
+    for layer_id, router in mark_routers(model).items():
+        weight = router_weight(router)
+        dropped = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
         dropped[list(plan.kept(layer_id))] = False
         edits = []
         bias = _child(layers[layer_id], family.runtime.score_bias) if family.runtime.score_bias else None

@@ -419,6 +419,52 @@ MODELS = {
         0,
     ),
 }
+# Families no declaration covers: read by discovery from transformers itself (checkpoint/hf/discovery.py)
+_NO_TOPK = {k: v for k, v in _SMALL.items() if k != "num_experts_per_tok"}
+DISCOVERED = {
+    # fused experts, sliding and full attention, softmax top-2
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        dict(
+            _SMALL,
+            head_dim=8,
+            num_hidden_layers=2,
+            intermediate_size=16,
+            num_experts=8,
+            layer_types=["sliding_attention", "full_attention"],
+            mlp_layer_types=["sparse", "sparse"],
+            sliding_window=8,
+        ),
+        0,
+    ),
+    # the router module wraps its linear (`mlp.gate.wg`), top-k as `moe_topk`, a shared MLP
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        "HunYuanMoEV1ForCausalLM",
+        dict(_NO_TOPK, head_dim=8, num_hidden_layers=2, intermediate_size=16, num_experts=8, moe_topk=2),
+        0,
+    ),
+    # sigmoid scores with a selection bias, a shared expert, layer 0 dense
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        "ExaoneMoeForCausalLM",
+        dict(
+            _SMALL,
+            head_dim=8,
+            num_hidden_layers=3,
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            num_experts=8,
+            first_k_dense_replace=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            sliding_window=8,
+        ),
+        0,
+    ),
+}
+MODELS.update(DISCOVERED)
 FAMILY_FIXTURES = tuple(MODELS)
 
 # The same models at head sizes vLLM's CPU attention accepts (64 and more; it refuses 16), named
@@ -485,7 +531,7 @@ def decisive_value(name: str, shape, seed: int) -> torch.Tensor:
 
 
 # routers of unit scale (routing far from uniform), whatever the family calls them
-ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight")
+ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight", "mlp.gate.wg.weight")
 
 
 def fill(model, seed: int = 0) -> None:

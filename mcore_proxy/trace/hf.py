@@ -47,9 +47,12 @@ class GateHooks:
     before each forward pass: it sets the padding of every layer. Detaches on exit."""
 
     def __init__(self, tracer: Tracer, gates: dict[str, torch.nn.Module]):
+        from mcore_proxy.core.routing import topk_of
+        from mcore_proxy.hf.models import router_weight
+
         self.tracer, self.padding = tracer, {}
         for layer_id, gate in gates.items():
-            info = RouterInfo(layer_id, int(gate.weight.shape[0]), int(gate.top_k))
+            info = RouterInfo(layer_id, int(router_weight(gate).shape[0]), topk_of(gate))
             tracer.attach(
                 gate.register_forward_hook(lambda mod, args, out, info=info: self._record(info, mod, args, out))
             )

@@ -96,7 +96,8 @@ class ConfigKeys:
 class Runtime:
     """How the model runs in transformers (module paths relative to a decoder layer module).
 
-    router_module: the router whose forward hooks record routing; `output`: what it returns,
+    router_module: the router whose forward hooks record routing; router_weight: its weight, from
+    the router module (`wg.weight` where the module wraps its linear); `output`: what it returns,
     "logits_weights_indices" ((logits [T, E], top-k weights [T, k], ids [T, k]), transformers 5's
     TopKRouter) or "scores_logits" (Llama-4: (scores [T, E] sigmoid of the top-k logits, 0
     elsewhere, logits [T, E])). score_bias / hash_table: in-memory tensors a restriction edits.
@@ -104,6 +105,7 @@ class Runtime:
     config `model_type`s transformers does not know but builds as another (Kimi-K2 text-only)."""
 
     router_module: str = "mlp.gate"
+    router_weight: str = "weight"  # the router's weight [E, H], relative to router_module
     output: str = "logits_weights_indices"
     score_bias: str | None = None
     hash_table: str | None = None
@@ -129,6 +131,7 @@ class MoEFamily:
     mtp_copied: tuple[str, ...] = ()  # globs (relative to an MTP layer) of its own extra tensors
     megatron: object | None = None  # an optional Megatron mapping (checkpoint/hf/family.Family)
     notes: str = ""  # what transformers does not do for this family (README, inspect)
+    origin: str = "declared"  # or "discovered" (discovery.py): read from transformers itself
     _compiled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -180,7 +183,9 @@ def _shared_free(rest: str) -> str:
 
 def expert_leaf(pattern: str, kind: str) -> str:
     """The canonical leaf of a routed-expert pattern: what follows `{e}.` (`w1.weight`,
-    `gate_proj.weight_scale_inv`), or a fused tensor's last name (`gate_up_proj_blocks`)."""
+    `gate_proj.weight_scale_inv`), or a fused tensor's last name (`gate_up_proj_blocks`; with its
+    module's name where that is `weight` or `bias`: `input_linear.weight`)."""
     if kind == EXPERT:
         return pattern.split("{e}.", 1)[1]
-    return pattern.rsplit(".", 1)[-1]
+    parts = pattern.split(".")  # a module's `weight` / `bias` keeps its module's name: `fc1.weight`
+    return ".".join(parts[-2:]) if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]

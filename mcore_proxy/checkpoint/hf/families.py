@@ -387,5 +387,16 @@ FAMILIES: tuple[MoEFamily, ...] = (
 )
 
 
+def declared(architecture: str) -> MoEFamily | None:
+    """The declaration of `architecture` (a config.json `architectures` entry), or None."""
+    return next((f for f in FAMILIES if architecture in f.architectures), None)
+
+
 def family_named(name: str) -> MoEFamily:
-    return next(f for f in FAMILIES if f.name == name)
+    """A declared family, or one discovered in this process (`discovery.py`), by its name."""
+    from mcore_proxy.checkpoint.hf.discovery import discovered_named
+
+    found = next((f for f in FAMILIES if f.name == name), None) or discovered_named(name)
+    if found is None:
+        raise KeyError(name)
+    return found

@@ -68,18 +68,36 @@ def first_int(config: HFConfig, keys: tuple[str, ...], default=None) -> int:
 
 
 def family_of(config: HFConfig) -> MoEFamily:
-    """The descriptor of config.json's architecture; one sentence listing the supported ones else."""
-    from mcore_proxy.checkpoint.hf.families import FAMILIES
+    """The family of config.json's architecture: its declaration (`families.py`), else the family
+    discovered from transformers itself (`discovery.py`); one sentence naming what is missing if
+    neither reads it."""
+    from mcore_proxy.checkpoint.hf.discovery import discover
+    from mcore_proxy.checkpoint.hf.families import declared
 
-    arch = config.architecture()
-    for family in FAMILIES:
-        if arch in family.architectures:
-            return family
-    supported = ", ".join(f"{a} ({f.name})" for f in FAMILIES for a in f.architectures)
-    raise CheckpointError(
-        f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not a Mixture-"
-        f"of-Experts family mcore-proxy knows; it reads {supported}"
-    )
+    return declared(config.architecture()) or discover(config).family
+
+
+class UnaccountedTensor(CheckpointError):
+    """A key the family's record does not account for (router, routed experts, or copied)."""
+
+
+def read_with_family(config: HFConfig, make):
+    """`make(family)` (a native view) with config.json's family (`family_of`); where a declared
+    family does not account for a tensor (a model type transformers builds with a declared
+    family's class, but spells otherwise on the Hub), the family discovered from transformers
+    reads it instead, and the declaration's refusal stands if that fails too."""
+    from mcore_proxy.checkpoint.hf.discovery import discover
+
+    family = family_of(config)
+    try:
+        return make(family)
+    except UnaccountedTensor as err:
+        if family.origin != "declared":
+            raise
+        try:
+            return make(discover(config).family)
+        except CheckpointError:
+            raise err from None
 
 
 @dataclass(frozen=True)
@@ -119,9 +137,16 @@ class HFNativeView(ModelView):
     """A Hugging Face checkpoint under its family's descriptor; `get` reads only that tensor's
     bytes (one expert's rows of a fused tensor)."""
 
-    def __init__(self, path, wmap: dict[str, str], infos: dict[str, TensorInfo], config: HFConfig):
+    def __init__(
+        self,
+        path,
+        wmap: dict[str, str],
+        infos: dict[str, TensorInfo],
+        config: HFConfig,
+        family: MoEFamily | None = None,
+    ):
         self.path, self.config = Path(path), config
-        self.family = family_of(config)
+        self.family = family or family_of(config)
         text = text_config(config)
         self.num_layers = text.int("num_hidden_layers", minimum=1)
         self._sources: dict[str, _Source] = {}
@@ -160,7 +185,7 @@ class HFNativeView(ModelView):
             self._layers.add(int(layer_id))
         found = self.family.role(layer_id, rest)
         if found is None:
-            raise CheckpointError(
+            raise UnaccountedTensor(
                 f"{where}: tensor {key} is not a part of {self.family.name} that mcore-proxy "
                 "accounts for (router, routed experts, or a tensor it copies); it is not dropped "
                 "or copied silently: check the architecture in config.json"
@@ -364,6 +389,22 @@ class HFNativeView(ModelView):
         return DequantizedNativeView(self)
 
 
+class StateDictView(HFNativeView):
+    """A state dict held in memory (key -> tensor), read as a folder of `family` with this
+    config.json would be: the twin proof (`convert/twin.py`) runs the reader's indexing, checks
+    and spec on a model it built, with nothing written to disk."""
+
+    def __init__(self, state: dict, config: HFConfig, family: MoEFamily):
+        self._state = state
+        infos = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in state.items()}
+        super().__init__(config.path.parent, {k: "<memory>" for k in state}, infos, config, family)
+
+    def get(self, name: str) -> torch.Tensor:
+        s = self._sources[name]
+        tensor = self._state[s.key]
+        return (tensor if s.row is None else tensor[s.row]).clone()
+
+
 class DequantizedNativeView(ModelView):
     """A native view with every quantized weight (`quant.find_quantized`) read in config.json's
     dtype (as transformers dequantizes it), under the dequantized tensor's name, and no
@@ -462,4 +503,5 @@ def open_hf(path) -> HFNativeView:
     config = HFConfig.load(path)
     family_of(config)  # an unknown architecture is refused before any shard is read
     wmap = weight_map(path)
-    return HFNativeView(path, wmap, read_headers(path, wmap), config)
+    headers = read_headers(path, wmap)
+    return read_with_family(config, lambda family: HFNativeView(path, wmap, headers, config, family))

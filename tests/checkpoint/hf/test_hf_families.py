@@ -5,7 +5,8 @@ transformers: the proxy's logits equal the original's with every router restrict
 experts (within 1e-5), and the restriction changes them measurably; `verify --functional` and
 `fidelity` run on each. Routers carry nonzero logit biases (gpt-oss) and selection biases
 (DeepSeek, GLM, Kimi, MiniMax, ERNIE); DeepSeek-V4's hash-routed layer sends tokens to kept and
-dropped experts alike."""
+dropped experts alike. Three families no declaration covers (Cohere2-MoE, Hunyuan-V1-MoE,
+EXAONE-MoE) go the same way, read by the family discovered from transformers itself."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ CASES = {
     "ernie4_5_moe": ("ERNIE-4.5-MoE", ["1", "2"], ["moe_num_experts"]),
     "llama4": ("Llama-4", ["1", "3"], ["num_local_experts"]),
     "mimo_v2_flash": ("MiMo-V2-Flash", ["1", "2"], ["n_routed_experts"]),
+    # no declaration: discovered from transformers (checkpoint/hf/discovery.py), proven on a twin
+    "cohere2_moe": ("Cohere2Moe", ["0", "1"], ["num_experts"]),
+    "hunyuan_v1_moe": ("HunYuanMoEV1", ["0", "1"], ["num_experts"]),
+    "exaone_moe": ("ExaoneMoe", ["1", "2"], ["num_experts"]),
 }
 TOKENS = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(11))
 
@@ -47,8 +52,10 @@ def lookup(config: dict, dotted: str):
 
 
 def test_every_family_has_a_fixture():
-    assert {family for family, _, _ in CASES.values()} | {"Qwen3-MoE", "DeepSeek-V3", "DeepSeek-V3.2"} == {
-        f.name for f in FAMILIES
+    assert {f.name for f in FAMILIES} <= {family for family, _, _ in CASES.values()} | {
+        "Qwen3-MoE",
+        "DeepSeek-V3",
+        "DeepSeek-V3.2",
     }
 
 

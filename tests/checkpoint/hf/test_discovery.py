@@ -1,0 +1,66 @@
+"""A family discovered from transformers itself (checkpoint/hf/discovery.py): what it finds agrees
+with the declarations written by hand, and what it cannot read is refused in one sentence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mcore_proxy.checkpoint.hf.config import HFConfig
+from mcore_proxy.checkpoint.hf.discovery import NotDiscovered, discover
+from mcore_proxy.checkpoint.hf.families import declared
+
+
+def config_of(folder: Path, **changes) -> HFConfig:
+    config = HFConfig.load(folder)
+    return HFConfig({**config.data, **changes}, config.path)
+
+
+def default_config(model_type: str, arch: str, **changes) -> HFConfig:
+    import transformers
+
+    data = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    data.update(changes, model_type=model_type, architectures=[arch])
+    return HFConfig(data, Path(f"<{model_type}>") / "config.json")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "minimax_m2", "ernie4_5_moe"])
+def test_discovery_finds_what_the_declaration_says(hf_model, name):
+    """Router, its biases, fused experts and the Hub's per-expert spelling: each discovered
+    pattern is one the declaration holds, and the router module is the one it hooks."""
+    config = config_of(hf_model(name))
+    found, written = discover(config).family, declared(config.architecture())
+    assert found.origin == "discovered" and written.origin == "declared"
+    assert set(found.router.weight) <= set(written.router.weight)
+    assert set(found.router.bias) <= set(written.router.bias)
+    assert set(found.router.score_bias) <= set(written.router.score_bias) and (
+        bool(found.router.score_bias) == bool(written.router.score_bias)
+    )
+    assert set(found.experts.fused) <= set(written.experts.fused) and found.experts.fused
+    assert set(found.experts.per_expert) & set(written.experts.per_expert) or not written.experts.per_expert
+    assert found.runtime.router_module == written.runtime.router_module
+    assert set(found.config.experts) & set(written.config.experts)
+
+
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        # a dense model: nothing counts experts
+        (default_config("llama", "LlamaForCausalLM"), ["LlamaForCausalLM", "no config key that counts routed experts"]),
+        # a model type transformers does not ship (remote code): never run
+        (
+            default_config("qwen3_moe", "MyMoeForCausalLM", auto_map={"AutoModelForCausalLM": "m.MyMoe"}),
+            ["MyMoeForCausalLM", "remote code is never run"],
+        ),
+        (default_config("jetmoe", "JetMoeForCausalLM"), ["2 routers per layer"]),
+        (default_config("zaya", "ZayaForCausalLM"), ["E + 1 slots", "always-on extra experts"]),
+    ],
+    ids=["dense", "remote-code", "two-routers", "extra-slots"],
+)
+def test_what_discovery_cannot_read_is_refused_in_one_sentence(config, words):
+    with pytest.raises(NotDiscovered) as err:
+        discover(config)
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("every family and its status: docs/families.md")
+    assert all(w in message for w in words), message
