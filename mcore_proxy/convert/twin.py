@@ -36,6 +36,10 @@ from mcore_proxy.select.plan import LayerPlan, RouterSettings, SelectionPlan, So
 
 TOLERANCE = 1e-5
 MIN_EFFECT = 1e-3  # restricting the routers must move some logit this much, or the proof proves nothing
+# router logits of std ~2.4 at the twin's hidden size 64: decisive, yet no sigmoid saturates to 1.0 in
+# fp32; saturated scores tie exactly, and torch.topk breaks ties by position, so even the original's
+# choice would depend on the expert count (Flint, whose router is fp32 in every precision, did at 1.0)
+ROUTER_STD = 0.3
 
 
 @dataclass(frozen=True)
@@ -93,11 +97,12 @@ def prove(architecture: str) -> Proof:
         raise CheckpointError(f"{architecture}: no family was discovered for it in this process; open its checkpoint")
     key = (architecture, json.dumps(found.twin, sort_keys=True, default=str))
     if key not in _PROOFS:
-        _PROOFS[key] = _proof(found)
+        _PROOFS[key] = run_proof(found)
     return _PROOFS[key]
 
 
-def _proof(found: Discovery) -> Proof:
+def run_proof(found: Discovery) -> Proof:
+    """The proof of one discovery's family record on its twin (`prove` runs it once per twin)."""
     architecture = found.family.architectures[0]
     start = time.perf_counter()
     try:
@@ -186,10 +191,10 @@ def _build(config: dict, arch: str):
 
 
 def fill(model, family) -> None:
-    """Random weights the proof can fail on: routers N(0, 1) (routing decided by the logits, so a
-    dropped expert changes it), selection biases N(0, 0.1), norms near 1, every other matrix
-    N(0, 1 / fan_in); integer tables and buffers a checkpoint does not hold (RoPE frequencies) keep
-    transformers' own values."""
+    """Random weights the proof can fail on: routers N(0, ROUTER_STD^2) (routing decided by the
+    logits, so a dropped expert changes it), selection biases N(0, 0.1), norms near 1, every other
+    matrix N(0, 1 / fan_in); integer tables and buffers a checkpoint does not hold (RoPE
+    frequencies) keep transformers' own values."""
     import torch
 
     g = torch.Generator().manual_seed(1)
@@ -201,7 +206,7 @@ def fill(model, family) -> None:
             x = torch.randn(tensor.shape, generator=g)
             leaf = name.rsplit(".", 1)[-1]
             if any(name.endswith("." + r) for r in routers):
-                tensor.copy_(x)
+                tensor.copy_(ROUTER_STD * x)
             elif "norm" in name.lower():
                 tensor.copy_(1.0 + 0.1 * x if leaf == "weight" else 0.1 * x)
             elif "bias" in leaf or tensor.ndim <= 1:

@@ -181,6 +181,8 @@ def expert_indexed(a, b, experts: int, half: int) -> dict[str, tuple]:
     """Tensors of build `a` (E experts) whose shape differs in build `b` (E/2): name -> (shape,
     changed axes, extra slots c where an axis is E + c, dtype); modules that are lists of E ->
     ("list", E). Axes that do not follow E exactly are recorded as ("odd", shape in b)."""
+    import torch
+
     ta, tb = _tensors(a), _tensors(b)
     out: dict[str, tuple] = {}
     for name, (shape, dtype) in ta.items():
@@ -196,21 +198,10 @@ def expert_indexed(a, b, experts: int, half: int) -> dict[str, tuple]:
     mods_b = dict(b.named_modules())
     for name, module in a.named_modules():
         other = mods_b.get(name)
-        if isinstance(module, _module_list()) and len(module) == experts and other is not None and len(other) == half:
+        lists = isinstance(module, torch.nn.ModuleList) and isinstance(other, torch.nn.ModuleList)
+        if lists and len(module) == experts and len(other) == half:
             out[name] = ("list", experts)
     return out
-
-
-def _bool():
-    import torch
-
-    return torch.bool
-
-
-def _module_list():
-    import torch
-
-    return torch.nn.ModuleList
 
 
 @dataclass(frozen=True)
@@ -227,6 +218,8 @@ class _Structure:
 
 
 def _structure(roles: dict, modules: dict, tensors: dict, where_arch) -> _Structure:
+    import torch
+
     kinds: dict[str, set] = {k: set() for k in ("router", "router_bias", "score_bias", "hash", "fused", "per_expert")}
     prefixes = set()
     lists = sorted(n for n, r in roles.items() if r[0] == "list")
@@ -245,7 +238,7 @@ def _structure(roles: dict, modules: dict, tensors: dict, where_arch) -> _Struct
     for name, (shape, dtype) in tensors.items():  # hash tables [V, k]: their shape does not follow E
         if (
             not dtype.is_floating_point
-            and dtype != _bool()
+            and dtype != torch.bool
             and len(shape) == 2
             and name.rsplit(".", 1)[0] in router_owners
         ):
