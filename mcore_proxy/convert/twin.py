@@ -50,7 +50,7 @@ class Proof:
 
     architecture: str
     passed: bool
-    max_abs_diff: float
+    max_abs_diff: float | None  # None where the twin could not be pruned and loaded
     effect: float
     precision: str
     experts: tuple[int, int]  # the twin's (E, K)
@@ -109,7 +109,7 @@ def run_proof(found: Discovery) -> Proof:
         return _prove(found, start)
     except (RuntimeError, ValueError, KeyError, IndexError, TypeError, CheckpointError) as err:
         why = f"twin could not be pruned and loaded ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
-        return Proof(architecture, False, float("nan"), 0.0, "", (found.twin_experts, 0), _since(start), why)
+        return Proof(architecture, False, None, 0.0, "", (found.twin_experts, 0), _since(start), why)
 
 
 def _since(start: float) -> float:
@@ -149,8 +149,12 @@ def _prove(found: Discovery, start: float) -> Proof:
                 reference = original(input_ids=tokens, use_cache=False).logits
         for model in (original, proxy):
             model.float()
-    diff, effect = float((got - reference).abs().max()), float((full - reference.float()).abs().max())
     experts = (view.spec.num_experts, plan.num_experts)
+    if not all(
+        bool(torch.isfinite(t).all()) for t in (full, reference, got)
+    ):  # NaN never passes, nor is reported as a number
+        return Proof(arch, False, None, 0.0, precision, experts, _since(start), "twin's logits are not finite")
+    diff, effect = float((got - reference).abs().max()), float((full - reference.float()).abs().max())
     if not _close(got, reference):
         return Proof(arch, False, diff, effect, precision, experts, _since(start), f"pruned twin differs by {diff:.1e}")
     if not effect > MIN_EFFECT:
