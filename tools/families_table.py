@@ -74,7 +74,8 @@ def row(model_type: str, arch: str, data: dict, rollout_types: set[str]) -> str:
     try:
         discover(HFConfig(data, Path(f"<{model_type}>") / "config.json"))
         proof = prove(arch)
-        proven = f"proven ({proof.precision}, {proof.max_abs_diff:.0e})" if proof.passed else f"fails: {proof.why}"
+        # the measured difference moves in its last digits with the thread count: the row says the bound
+        proven = "proven" if proof.passed else f"fails: {proof.why}"
         state, config = saved_twin(arch)
         reader = read_with_family(config, lambda family: StateDictView(state, config, family)).family
     except NotDiscovered as err:
