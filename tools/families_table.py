@@ -67,7 +67,7 @@ def row(model_type: str, arch: str, data: dict, rollout_types: set[str]) -> str:
     from mcore_proxy.checkpoint.hf.config import HFConfig
     from mcore_proxy.checkpoint.hf.discovery import NotDiscovered, discover
     from mcore_proxy.checkpoint.hf.families import declared
-    from mcore_proxy.checkpoint.hf.native import StateDictView, read_with_family
+    from mcore_proxy.checkpoint.hf.native import StateDictView, family_of, read_with_family
     from mcore_proxy.convert.twin import prove, saved_twin
 
     reader = None
@@ -77,7 +77,7 @@ def row(model_type: str, arch: str, data: dict, rollout_types: set[str]) -> str:
         # the measured difference moves in its last digits with the thread count: the row says the bound
         proven = "proven" if proof.passed else f"fails: {proof.why}"
         state, config = saved_twin(arch)
-        reader = read_with_family(config, lambda family: StateDictView(state, config, family)).family
+        reader = read_with_family(config, family_of(config), lambda f: StateDictView(state, config, f)).family
     except NotDiscovered as err:
         proven = "not discovered: " + str(err).split(": ", 1)[1].split("; every family")[0]
         reader = declared(arch)  # where discovery cannot decide, a declaration reads the family

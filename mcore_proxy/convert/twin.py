@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
-from mcore_proxy.checkpoint.hf.discovery import FULL_LIST, Discovery, discovered
+from mcore_proxy.checkpoint.hf.discovery import FULL_LIST, Discovery, build_twin, discovered
 from mcore_proxy.checkpoint.hf.native import StateDictView
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, proxy_config
 from mcore_proxy.core.errors import CheckpointError
@@ -122,14 +122,14 @@ def _prove(found: Discovery, start: float) -> Proof:
     from mcore_proxy.hf.models import restrict_gates, run
 
     family, arch = found.family, found.family.architectures[0]
-    original = _build(found.twin, arch)
+    original = build_twin(found.twin)
     fill(original, family)
     state = original.state_dict()
     config = HFConfig(found.twin, Path(f"<twin of {arch}>") / "config.json")
     view = StateDictView(state, config, family)
     plan = twin_plan(view.spec)
     pruned = PrunedView(view, plan)
-    proxy = _build(proxy_config(found.twin, pruned.spec, family), arch)
+    proxy = build_twin(proxy_config(found.twin, pruned.spec, family))
     proxy.load_state_dict(_written(pruned), strict=True)
     tokens = torch.randint(3, 120, (2, 11), generator=torch.Generator().manual_seed(5))
     full = run(original, tokens)
@@ -170,28 +170,14 @@ def saved_twin(architecture: str) -> tuple[dict, HFConfig]:
     """The twin of the family discovered for `architecture`, as `save_pretrained` would write it:
     (key -> tensor in the saved spelling, its config.json). What a folder of this type holds, for
     asking which family reads it (`native.read_with_family`)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     found = discovered(architecture)
-    model = _build(found.twin, architecture)
+    model = build_twin(found.twin)
     fill(model, found.family)
-    state = {k: v.contiguous() for k, v in revert_weight_conversion(model, dict(model.state_dict())).items()}
-    return state, HFConfig(found.twin, Path(f"<twin of {architecture}>") / "config.json")
+    return _saved(model), HFConfig(found.twin, Path(f"<twin of {architecture}>") / "config.json")
 
 
 def _close(got, reference) -> bool:
     return bool(((got - reference).abs() <= TOLERANCE * (1 + reference.abs())).all())
-
-
-def _build(config: dict, arch: str):
-    import torch
-    import transformers
-
-    config_class = transformers.CONFIG_MAPPING[config["model_type"]]
-    args = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
-    torch.manual_seed(0)
-    model = getattr(transformers, arch)._from_config(config_class(**args), dtype=torch.float32)
-    return model.eval()
 
 
 def fill(model, family) -> None:
@@ -250,15 +236,20 @@ def _written(view) -> dict:
     return out
 
 
+def _saved(model) -> dict:
+    """A model's state dict in the spelling `save_pretrained` writes (transformers'
+    `revert_weight_conversion`), every tensor contiguous as in a file."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {k: v.contiguous() for k, v in revert_weight_conversion(model, dict(model.state_dict())).items()}
+
+
 def _saved_mismatch(original, proxy, found: Discovery, config: HFConfig, plan) -> str:
     """'' when the original twin in save_pretrained's spelling, pruned, is the proxy twin in that
     spelling; else what differs."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    saved = {k: v.contiguous() for k, v in revert_weight_conversion(original, dict(original.state_dict())).items()}
-    pruned = PrunedView(StateDictView(saved, config, found.family), plan)
+    pruned = PrunedView(StateDictView(_saved(original), config, found.family), plan)
     got = _written(pruned)
-    want = revert_weight_conversion(proxy, dict(proxy.state_dict()))
+    want = _saved(proxy)
     if set(got) != set(want):
         extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
         return f"save_pretrained spelling does not round-trip (keys {(extra or missing)[:2]})"

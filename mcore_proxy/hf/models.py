@@ -177,9 +177,8 @@ def mark_routers(model) -> dict[str, torch.nn.Module]:
     where its weight is (`router_weight`) and its top-k (`core.routing.topk_of`)."""
     family = family_of_model(model)
     found = routers(model)
-    topk = next(
-        (getattr(text_config_of(model), k) for k in family.config.topk if hasattr(text_config_of(model), k)), None
-    )
+    text = text_config_of(model)
+    topk = next((getattr(text, k) for k in family.config.topk if hasattr(text, k)), None)
     for module in found.values():
         module._mcore_proxy_output = family.runtime.output
         module._mcore_proxy_weight = family.runtime.router_weight

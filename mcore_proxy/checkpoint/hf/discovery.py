@@ -88,7 +88,6 @@ def _refuse(where: str, arch: str, why: str) -> NotDiscovered:
 
 @functools.lru_cache(maxsize=32)
 def _discover(arch: str, data_json: str, where: str) -> Discovery:
-    import torch
 
     from mcore_proxy.core.optional import require
 
@@ -126,12 +125,11 @@ def _discover(arch: str, data_json: str, where: str) -> Discovery:
     twin_experts = min(experts, twin.MAX_EXPERTS) // 2 * 2
     small = twin.twin_config(full, text_key, list(count_keys), experts, twin_experts)
     half = twin.with_experts(small, text_key, list(count_keys), twin_experts, twin_experts // 2)
+    twin_json = dict(small, model_type=model_type, architectures=[arch])
     try:
-        with torch.device("meta"):
-            a = model_class._from_config(config_class(**_args(small)))
-            b = model_class._from_config(config_class(**_args(half)))
-        torch.manual_seed(0)
-        model = model_class._from_config(config_class(**_args(small)), dtype=torch.float32).eval()
+        a = build_twin(twin_json, meta=True)
+        b = build_twin(dict(half, model_type=model_type, architectures=[arch]), meta=True)
+        model = build_twin(twin_json)
     except Exception as err:  # transformers' own code on a config it accepted: the reason, named
         raise _refuse(where, arch, f"could not be built small by transformers ({_reason(err)})") from None
     roles = expert_indexed(a, b, twin_experts, twin_experts // 2)
@@ -139,17 +137,28 @@ def _discover(arch: str, data_json: str, where: str) -> Discovery:
     structure = _structure(roles, dict(a.named_modules()), _tensors(a), where_arch)
     runtime = _observe(model, structure, twin_experts, text, where_arch)
     family = _family(arch, model_type, structure, runtime, model, count_keys, text, transformers.__version__)
-    twin_json = dict(small, model_type=model_type, architectures=[arch])
     return Discovery(family, twin_json, twin_experts)
+
+
+def build_twin(config: dict, meta: bool = False):
+    """transformers' model of a twin's config.json (its `model_type` and `architectures`): on the
+    meta device, or on CPU in float32 from seed 0, in eval mode."""
+    import torch
+    import transformers
+
+    config_class = transformers.CONFIG_MAPPING[config["model_type"]]
+    model_class = getattr(transformers, config["architectures"][0])
+    args = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    if meta:
+        with torch.device("meta"):
+            return model_class._from_config(config_class(**args))
+    torch.manual_seed(0)
+    return model_class._from_config(config_class(**args), dtype=torch.float32).eval()
 
 
 def _reason(err: BaseException) -> str:
     """An exception of transformers' code as part of one sentence: its type and first 160 characters."""
     return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
-
-
-def _args(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
 
 
 def _text_key(config) -> str | None:
@@ -296,9 +305,7 @@ def _is_router(name: str, role: tuple, fused_owners: set) -> bool:
     in_experts = any(owner == f or owner.startswith(f + ".") for f in fused_owners)
     if len(shape) != 2 or not dtype.is_floating_point or in_experts or leaf.endswith("bias") or shape[0] == 1:
         return False
-    if axes == (1,):
-        return False  # transposed [H, E]: refused as an axis mcore-proxy does not prune
-    return axes == (0,)
+    return axes == (0,)  # not a transposed [H, E]: refused later as an axis mcore-proxy does not prune
 
 
 # -- runtime: the router module, by one forward of the twin ---------------------------------------

@@ -81,14 +81,13 @@ class UnaccountedTensor(CheckpointError):
     """A key the family's record does not account for (router, routed experts, or copied)."""
 
 
-def read_with_family(config: HFConfig, make):
+def read_with_family(config: HFConfig, family: MoEFamily, make):
     """`make(family)` (a native view) with config.json's family (`family_of`); where a declared
     family does not account for a tensor (a model type transformers builds with a declared
     family's class, but spells otherwise on the Hub), the family discovered from transformers
     reads it instead, and the declaration's refusal stands if that fails too."""
     from mcore_proxy.checkpoint.hf.discovery import discover
 
-    family = family_of(config)
     try:
         return make(family)
     except UnaccountedTensor as err:
@@ -501,7 +500,7 @@ def open_hf(path) -> HFNativeView:
     """A Hugging Face folder as its family's descriptor sees it: what `open_checkpoint` returns."""
     path = Path(path)
     config = HFConfig.load(path)
-    family_of(config)  # an unknown architecture is refused before any shard is read
+    family = family_of(config)  # an unknown architecture is refused before any shard is read
     wmap = weight_map(path)
     headers = read_headers(path, wmap)
-    return read_with_family(config, lambda family: HFNativeView(path, wmap, headers, config, family))
+    return read_with_family(config, family, lambda f: HFNativeView(path, wmap, headers, config, f))
