@@ -67,7 +67,8 @@ def row(model_type: str, arch: str, data: dict, rollout_types: set[str]) -> str:
     from mcore_proxy.checkpoint.hf.config import HFConfig
     from mcore_proxy.checkpoint.hf.discovery import NotDiscovered, discover
     from mcore_proxy.checkpoint.hf.families import declared
-    from mcore_proxy.checkpoint.hf.native import StateDictView, family_of, read_with_family
+    from mcore_proxy.checkpoint.hf.families import family_of
+    from mcore_proxy.checkpoint.hf.native import StateDictView, read_with_family
     from mcore_proxy.convert.twin import prove, saved_twin
 
     reader = None

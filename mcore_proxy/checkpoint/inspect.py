@@ -126,11 +126,11 @@ def family_support(family, config: dict) -> dict:
     """What mcore-proxy does with an HF family's folder (docs/families.md says what proves each);
     the Megatron mapping may cover only some of the family's architectures."""
     archs = config.get("architectures") or [None]
-    megatron = family.megatron if family.megatron is not None and archs[0] in family.megatron.architectures else None
+    mapped = family.megatron is not None and archs[0] in family.megatron.architectures
     return {
         "origin": family.origin,
         "hf_to_hf": "collect, select, convert, verify, fidelity",
-        "megatron": f"HF <-> Megatron as {megatron.name}" if megatron else "no Megatron mapping (HF -> HF only)",
+        "megatron": f"HF <-> Megatron as {family.name}" if mapped else "no Megatron mapping (HF -> HF only)",
         "notes": family.notes or None,
     }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mcore_proxy.checkpoint.hf.families import EXPERT_COUNT_KEYS
 from mcore_proxy.core.jsonfile import read_json_object
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.model import MAX_SIZE, MLA, Architecture, Indexer, LinearAttention, V4Attention
@@ -146,9 +147,10 @@ def from_hf_config(cfg: dict, source: str) -> dict:
     cfg = {**_HF_DEFAULTS.get(kind, {}), **cfg}
     get, need = _sizes(cfg, source)
     layers = need("num_hidden_layers")
-    experts = get("num_experts") or get("n_routed_experts") or get("num_local_experts")
+    # every family's spelling of E (the family records' `ConfigKeys.experts`)
+    experts = next((get(key) for key in EXPERT_COUNT_KEYS if get(key)), None)
     if not experts:
-        raise ProxyError(f"{source}: no num_experts / n_routed_experts; estimate needs a MoE model")
+        raise ProxyError(f"{source}: no {' / '.join(EXPERT_COUNT_KEYS)}; estimate needs a MoE model")
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
     moe_ffn = get("moe_intermediate_size") or need("intermediate_size")  # Mixtral, gpt-oss: one width

@@ -17,7 +17,6 @@ _ROUTER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_laye
 _EXPERT = re.compile(
     r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.(\d+)\.linear_fc([12])\.weight$"
 )
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # (tensor, the Megatron arg that says it exists, the tensor whose layers it belongs to): where the
 # anchor exists, the tensor exists exactly when the arg (made from config.json) is true; a mismatch
 # would write a Megatron checkpoint that megatron-core refuses to load, or that lacks a tensor
@@ -42,7 +41,9 @@ def _fail(view, says: str, name: str) -> CheckpointError:
 
 
 def _expert_key(view) -> str:
-    return next((k for k in EXPERT_KEYS if view.config.has(k)), EXPERT_KEYS[0])
+    """The spelling of E this config.json uses (the family record's `ConfigKeys.experts`)."""
+    keys = view.family.config.experts
+    return next((k for k in keys if view.config.has(k)), keys[0])
 
 
 def check_optional_tensors(view) -> None:

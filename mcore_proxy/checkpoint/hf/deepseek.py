@@ -28,8 +28,15 @@ from __future__ import annotations
 
 from functools import partial
 
-from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, SHARED_ROWS, Ignored, Row, Table
+from mcore_proxy.checkpoint.hf.descriptor import E_ROUTED
+from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, SHARED_ROWS, Ignored, Row
+from mcore_proxy.checkpoint.hf.megatron_mapping import (
+    MegatronMapping,
+    dtype_fields,
+    dtype_name,
+    local_spec_args,
+    require,
+)
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
 
@@ -66,7 +73,6 @@ _MLA = (
         Row("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
         Row("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
         Row("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-        Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
         Row(
             "mlp.shared_experts.linear_fc1.weight",
             ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
@@ -85,7 +91,7 @@ _INDEXER = (
 _IGNORED = MTP_COPIES + (
     Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),
 )
-TABLES = {V3: Table(_MLA, _IGNORED), V32: Table(_MLA + _INDEXER, _IGNORED)}
+ROWS = {V3: _MLA, V32: _MLA + _INDEXER}
 HF_GROUP_SCORE_EXPERTS = 2  # transformers scores a routing group by the sum of its 2 best experts
 
 
@@ -161,7 +167,7 @@ def _args_from_config(config, mtp_layers: int = 0, *, family: str):
     layers = config.int("num_hidden_layers", minimum=1)
     hidden = config.int("hidden_size", minimum=1)
     heads = config.int("num_attention_heads", minimum=1)
-    experts = config.first_int("n_routed_experts", "num_local_experts")
+    experts = config.first_int(*E_ROUTED)
     if config.data.get("rope_interleave", True) is not True and family == V3:
         raise CheckpointError(
             f"{config.path}: rope_interleave is false; megatron-core's multi-latent attention "
@@ -282,28 +288,28 @@ def _config_from_args(args, spec, *, family: str) -> dict:
     }
     if family == V32:
         config.update({key: ma.arg_int(args, field, minimum=1, needed=f"{V32}'s indexer") for key, field in _INDEXER})
-    return proxy_config(config, spec)
+    return config
 
 
-def proxy_config(config: dict, spec) -> dict:
-    out = dict(config)
-    out["n_routed_experts"] = spec.num_experts
-    out["num_experts_per_tok"] = spec.topk
-    out["n_group"] = spec.num_groups or 1
-    out["topk_group"] = spec.group_topk or 1
-    out.pop("num_local_experts", None)
-    return out
+def _claims(view, *, family: str) -> bool:
+    """Multi-latent attention (not DeepSeek-V4's variant), with (V3.2) or without (V3) an indexer."""
+    args = view.args
+    if not ma.arg_bool(args, "multi_latent_attention"):
+        return False
+    if ma.arg_str(args, "experimental_attention_variant") not in (None, "dsa"):
+        return False
+    return any(".core_attention.indexer." in n for n in view.names()) == (family == V32)
 
 
-def _family(name: str) -> Family:
-    return Family(
-        name,
+def _mapping(name: str) -> MegatronMapping:
+    return MegatronMapping(
         (_ARCH[name],),
-        TABLES[name],
+        ROWS[name],
         partial(_args_from_config, family=name),
         partial(_config_from_args, family=name),
-        proxy_config,
+        ignored=_IGNORED,
+        claims=partial(_claims, family=name),
     )
 
 
-FAMILIES = (_family(V3), _family(V32))
+MAPPINGS = {V3: _mapping(V3), V32: _mapping(V32)}

@@ -47,16 +47,19 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
 
-from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import GLU, MODEL, MTP, PICK, Row, Table
+from mcore_proxy.checkpoint.hf.descriptor import E_ROUTED
+from mcore_proxy.checkpoint.hf.mapping import GLU, MODEL, MTP, PICK, Row
+from mcore_proxy.checkpoint.hf.megatron_mapping import (
+    MegatronMapping,
+    dtype_fields,
+    dtype_name,
+    local_spec_args,
+    require,
+)
 from mcore_proxy.checkpoint.names import MTP_MODEL_LAYER
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +118,6 @@ ROWS = (
     *_compressor(_CORE + "indexer.compressor", "attn.indexer.compressor"),
     *_hyper_connection("self_attention_hyper_connection", "hc_attn"),
     *_hyper_connection("mlp_hyper_connection", "hc_ffn"),
-    Row("mlp.router.weight", "ffn.gate.weight"),
-    Row("mlp.router.expert_bias", "ffn.gate.bias"),
-    Row("mlp.router.tid2eid", "ffn.gate.tid2eid", dtypes=("int64", "int32")),
-    Row("mlp.experts.{e}.linear_fc1.weight", ("ffn.experts.{e}.w1.weight", "ffn.experts.{e}.w3.weight"), GLU),
-    Row("mlp.experts.{e}.linear_fc2.weight", "ffn.experts.{e}.w2.weight"),
     Row("mlp.shared_experts.linear_fc1.weight", ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"), GLU),
     Row("mlp.shared_experts.linear_fc2.weight", "ffn.shared_experts.w2.weight"),
     # the MTP block `mtp.{k}.` beside its decoder layer (Megatron-LM: e_proj and h_proj apart with mHC)
@@ -127,7 +125,6 @@ ROWS = (
     Row("final_layernorm.weight", "norm.weight", scope=MTP),
     *(Row(f"hc_head_{p}", f"hc_head_{p}", scope=MTP) for p in ("fn", "base", "scale")),
 )
-TABLE = Table(ROWS, mtp_prefix="mtp.{k}.")
 
 
 # -- config.json -> Megatron-LM dev args ---------------------------------------------------------------
@@ -275,7 +272,7 @@ def args_from_config(config, mtp_layers: int = 0):
             MEGATRON_RATIOS,
         )
     experts, ffn = (
-        config.first_int("n_routed_experts", "num_local_experts"),
+        config.first_int(*E_ROUTED),
         config.int("moe_intermediate_size", minimum=1),
     )
     vocab = config.int("vocab_size", minimum=1)
@@ -336,8 +333,8 @@ def args_from_config(config, mtp_layers: int = 0):
 # -- Megatron-LM dev args -> config.json ----------------------------------------------------------------
 
 
-def claims(args, spec) -> bool:
-    return ma.arg_str(args, "experimental_attention_variant") == VARIANT
+def claims(view) -> bool:
+    return ma.arg_str(view.args, "experimental_attention_variant") == VARIANT
 
 
 def _layer_types(args, layers: int) -> tuple[list[str], dict]:
@@ -392,69 +389,57 @@ def config_from_args(args, spec) -> dict:
         "partial_rotary_factor": rope_dim / head_dim,
     }
     hashed = ma.arg_int(args, "moe_n_hash_layers", maximum=layers)
-    return proxy_config(
-        {
-            "architectures": [ARCHITECTURE],
-            "model_type": "deepseek_v4",
-            "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
-            "hidden_size": spec.hidden_size,
-            "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-            "num_hidden_layers": layers,
-            "num_attention_heads": ma.arg_int(args, "num_attention_heads", minimum=1),
-            "num_key_value_heads": 1,
-            "head_dim": head_dim,
-            "q_lora_rank": ma.arg_int(args, "q_lora_rank", minimum=1, needed=NAME),
-            "partial_rotary_factor": rope_dim / head_dim,
-            "o_groups": ma.arg_int(args, "o_groups", minimum=1),
-            "o_lora_rank": ma.arg_int(args, "o_lora_rank", minimum=1),
-            "layer_types": types,
-            "compress_rates": rates,
-            "sliding_window": ma.arg_int(args, "csa_window_size", minimum=1),
-            "index_n_heads": ma.arg_int(args, "dsa_indexer_n_heads", minimum=1, needed=NAME),
-            "index_head_dim": ma.arg_int(args, "dsa_indexer_head_dim", minimum=1, needed=NAME),
-            "index_topk": ma.arg_int(args, "dsa_indexer_topk", minimum=1, needed=NAME),
-            "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
-            "n_shared_experts": 1,
-            "scoring_func": "sqrtsoftplus",
-            "norm_topk_prob": True,
-            "routed_scaling_factor": ma.topk_scaling_factor(args),
-            "swiglu_limit": ma.arg_float(args, "activation_func_clamp_value") or 10.0,
-            "hc_mult": ma.arg_int(args, "num_residual_streams", minimum=1),
-            "hc_sinkhorn_iters": ma.arg_int(args, "mhc_sinkhorn_iterations", minimum=1),
-            "hc_eps": HC_EPS,
-            "rope_theta": main["rope_theta"],
-            "compress_rope_theta": compress["rope_theta"],
-            "rope_parameters": {"main": main, "compress": compress},
-            "max_position_embeddings": ma.max_position_embeddings(args),
-            "rms_norm_eps": ma.norm_epsilon(args),
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "mlp_bias": False,
-            "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
-            "num_nextn_predict_layers": spec.mtp_layers,
-            "dtype": dtype_name(args),
-        },
-        spec,
-    )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "deepseek_v4",
+        "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
+        "hidden_size": spec.hidden_size,
+        "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+        "num_hidden_layers": layers,
+        "num_attention_heads": ma.arg_int(args, "num_attention_heads", minimum=1),
+        "num_key_value_heads": 1,
+        "head_dim": head_dim,
+        "q_lora_rank": ma.arg_int(args, "q_lora_rank", minimum=1, needed=NAME),
+        "partial_rotary_factor": rope_dim / head_dim,
+        "o_groups": ma.arg_int(args, "o_groups", minimum=1),
+        "o_lora_rank": ma.arg_int(args, "o_lora_rank", minimum=1),
+        "layer_types": types,
+        "compress_rates": rates,
+        "sliding_window": ma.arg_int(args, "csa_window_size", minimum=1),
+        "index_n_heads": ma.arg_int(args, "dsa_indexer_n_heads", minimum=1, needed=NAME),
+        "index_head_dim": ma.arg_int(args, "dsa_indexer_head_dim", minimum=1, needed=NAME),
+        "index_topk": ma.arg_int(args, "dsa_indexer_topk", minimum=1, needed=NAME),
+        "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": ma.topk_scaling_factor(args),
+        "swiglu_limit": ma.arg_float(args, "activation_func_clamp_value") or 10.0,
+        "hc_mult": ma.arg_int(args, "num_residual_streams", minimum=1),
+        "hc_sinkhorn_iters": ma.arg_int(args, "mhc_sinkhorn_iterations", minimum=1),
+        "hc_eps": HC_EPS,
+        "rope_theta": main["rope_theta"],
+        "compress_rope_theta": compress["rope_theta"],
+        "rope_parameters": {"main": main, "compress": compress},
+        "max_position_embeddings": ma.max_position_embeddings(args),
+        "rms_norm_eps": ma.norm_epsilon(args),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
+        "num_nextn_predict_layers": spec.mtp_layers,
+        "dtype": dtype_name(args),
+    }
 
 
-def proxy_config(config: dict, spec) -> dict:
-    out = dict(config)
-    out["n_routed_experts"] = spec.num_experts
-    out["num_experts_per_tok"] = spec.topk
-    out.pop("num_local_experts", None)
-    return out
-
-
-FAMILY = Family(
-    NAME,
+MAPPING = MegatronMapping(
     (ARCHITECTURE,),
-    TABLE,
+    ROWS,
     args_from_config,
     config_from_args,
-    proxy_config,
-    None,
-    claims,
+    mtp_prefix="mtp.{k}.",
+    claims=claims,
     variants=frozenset({MTP_MODEL_LAYER}),
+    hash_table=("mlp.router.tid2eid", ("int64", "int32")),
 )

@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from mcore_proxy.checkpoint.hf.mapping import Table, routed_rows
+
 ROUTER, ROUTER_BIAS, SCORE_BIAS, HASH_TABLE, EXPERT, FUSED, COPY = (
     "router",
     "router_bias",
@@ -80,6 +82,13 @@ class Experts:
     suffixes: tuple[str, ...] = ("",) + QUANT_SUFFIXES
 
 
+# the config.json spellings of the expert count E, the first one the family's own (and the one
+# a config made from Megatron args gets); transformers 5 aliases `num_local_experts` to each
+E_QWEN = ("num_experts", "num_local_experts")  # Qwen, OLMoE, Kimi-Linear
+E_ROUTED = ("n_routed_experts", "num_local_experts")  # DeepSeek, GLM, MiMo, Kimi-K2.5
+E_LOCAL = ("num_local_experts", "num_experts")  # Mixtral, MiniMax, gpt-oss
+
+
 @dataclass(frozen=True)
 class ConfigKeys:
     """config.json keys. Reads take the first present spelling (top level, then `text_config`);
@@ -129,7 +138,7 @@ class MoEFamily:
     mtp: tuple[str, ...] = ()  # MTP layer prefixes (`mtp.layers.{k}.`); "after" in
     mtp_after_decoder: bool = False  # ... or MTP layer k is decoder layer num_hidden_layers + k
     mtp_copied: tuple[str, ...] = ()  # globs (relative to an MTP layer) of its own extra tensors
-    megatron: object | None = None  # an optional Megatron mapping (checkpoint/hf/family.Family)
+    megatron: object | None = None  # its Megatron side, if any (megatron_mapping.MegatronMapping)
     notes: str = ""  # what transformers does not do for this family (README, inspect)
     origin: str = "declared"  # or "discovered" (discovery.py): read from transformers itself
     _compiled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -146,6 +155,13 @@ class MoEFamily:
         c["roles"] = tuple((kind, pattern + suffix, _glob(pattern + suffix)) for kind, pattern, suffix in roles)
         for name in ("copied", "mtp_copied", "model_copied"):
             c[name] = tuple(_glob(p) for p in getattr(self, name))
+        if (m := self.megatron) is not None:
+            c["table"] = Table(m.rows + routed_rows(self.router, self.experts, m.hash_table), m.ignored, m.mtp_prefix)
+
+    def megatron_table(self) -> Table:
+        """The HF <-> megatron-core mapping table: the Megatron mapping's rows and the router and
+        expert rows derived from this record's layout (`mapping.routed_rows`)."""
+        return self._compiled["table"]
 
     # -- classifying a checkpoint key ----------------------------------------------------------
     def locate(self, key: str, num_layers: int) -> tuple[str | None, str, str]:

@@ -10,7 +10,17 @@ mapping of a family (`megatron=`) is optional: only HF <-> Megatron conversion n
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import deepseek, deepseek_v4, glm4_moe, mixtral, qwen2_moe, qwen3_moe
-from mcore_proxy.checkpoint.hf.descriptor import ConfigKeys, Experts, MoEFamily, Router, Runtime
+from mcore_proxy.checkpoint.hf.config import HFConfig
+from mcore_proxy.checkpoint.hf.descriptor import (
+    E_LOCAL,
+    E_QWEN,
+    E_ROUTED,
+    ConfigKeys,
+    Experts,
+    MoEFamily,
+    Router,
+    Runtime,
+)
 
 # -- pieces many families share --------------------------------------------------------------------
 ATTENTION = ("self_attn.*",)  # every kind: GQA, MLA, indexers, sinks, biases, q/k norms
@@ -29,8 +39,6 @@ HUB_EXPERTS = Experts(
 GATE = Router(weight=("mlp.gate.weight",))
 BIASED_GATE = Router(weight=("mlp.gate.weight",), score_bias=("mlp.gate.e_score_correction_bias",))
 BIASED_RUNTIME = Runtime(score_bias="mlp.gate.e_score_correction_bias")
-E_ROUTED = ("n_routed_experts", "num_local_experts")  # DeepSeek-style spelling of E, and its alias
-E_QWEN = ("num_experts", "num_local_experts")
 # DeepSeek-style MTP layer (model.layers.{N + k}): its own norms and projection, embedding and head copies
 DEEPSEEK_MTP = ("enorm.*", "hnorm.*", "eh_proj.*", "shared_head.*", "embed_tokens.*")
 
@@ -42,7 +50,7 @@ QWEN3_MOE = MoEFamily(
     ConfigKeys(E_QWEN),
     copied=ATTENTION + NORMS + DENSE_MLP,
     model_copied=MODEL,
-    megatron=qwen3_moe.FAMILY,
+    megatron=qwen3_moe.MAPPING,
 )
 
 QWEN2_MOE = MoEFamily(
@@ -53,7 +61,7 @@ QWEN2_MOE = MoEFamily(
     ConfigKeys(E_QWEN),
     copied=ATTENTION + NORMS + DENSE_MLP + ("mlp.shared_expert.*", "mlp.shared_expert_gate.*"),
     model_copied=MODEL,
-    megatron=qwen2_moe.FAMILY,
+    megatron=qwen2_moe.MAPPING,
 )
 
 # linear attention (gated delta net) beside full attention; the MTP block (`mtp.*`, which
@@ -111,10 +119,10 @@ MIXTRAL = MoEFamily(
     ("MixtralForCausalLM",),
     Router(weight=("block_sparse_moe.gate.weight", "mlp.gate.weight")),
     _W123,
-    ConfigKeys(("num_local_experts", "num_experts")),
+    ConfigKeys(E_LOCAL),
     copied=ATTENTION + NORMS,
     model_copied=MODEL,
-    megatron=mixtral.FAMILY,
+    megatron=mixtral.MAPPING,
 )
 
 # sigmoid scores; the selection bias sits on the MoE block, not on the gate
@@ -126,7 +134,7 @@ MINIMAX_M2 = MoEFamily(
         score_bias=("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     ),
     _W123,
-    ConfigKeys(("num_local_experts", "num_experts"), score_function="sigmoid"),
+    ConfigKeys(E_LOCAL, score_function="sigmoid"),
     runtime=Runtime(score_bias="mlp.e_score_correction_bias"),
     copied=ATTENTION + NORMS,
     model_copied=MODEL,
@@ -146,7 +154,7 @@ DEEPSEEK_V3 = MoEFamily(
     model_copied=MODEL,
     mtp_after_decoder=True,
     mtp_copied=DEEPSEEK_MTP,
-    megatron=deepseek.FAMILIES[0],
+    megatron=deepseek.MAPPINGS[deepseek.V3],
     notes="also Kimi-K2 text checkpoints (model_type kimi_k2, which transformers builds as deepseek_v3)",
 )
 
@@ -161,7 +169,7 @@ DEEPSEEK_V32 = MoEFamily(
     model_copied=MODEL,
     mtp_after_decoder=True,
     mtp_copied=DEEPSEEK_MTP,
-    megatron=deepseek.FAMILIES[1],
+    megatron=deepseek.MAPPINGS[deepseek.V32],
 )
 
 # MiMo-V2-Flash: DeepSeek-V3's biased sigmoid gate over sliding and full attention with sinks
@@ -211,7 +219,7 @@ KIMI_LINEAR = MoEFamily(
     ),
     _W123,
     ConfigKeys(
-        ("num_experts", "num_local_experts"),
+        E_QWEN,
         topk=("num_experts_per_token", "num_experts_per_tok"),
         groups=("num_expert_group", "topk_group"),
         score_function="sigmoid",
@@ -243,7 +251,7 @@ GLM4_MOE = MoEFamily(
     model_copied=MODEL,
     mtp_after_decoder=True,
     mtp_copied=DEEPSEEK_MTP,
-    megatron=glm4_moe.FAMILY,
+    megatron=glm4_moe.MAPPING,
 )
 
 # DeepSeek-V4: hash-routed first layers (tid2eid), sqrtsoftplus scores; the release spells keys
@@ -290,7 +298,7 @@ DEEPSEEK_V4 = MoEFamily(
     ),
     mtp=("mtp.{k}.",),
     mtp_copied=("e_proj.*", "h_proj.*", "enorm.*", "hnorm.*", "norm.*", "hc_head_*"),
-    megatron=deepseek_v4.FAMILY,
+    megatron=deepseek_v4.MAPPING,
     notes="transformers does not build the MTP layer: it is pruned by router weights only (no statistics); "
     "Megatron mapping: Megatron-LM's dev branch names at TP 1 (a quantized release: --dequantize to HF first)",
 )
@@ -310,7 +318,7 @@ GPT_OSS = MoEFamily(
             "mlp.experts.down_proj_bias",
         ),
     ),
-    ConfigKeys(("num_local_experts", "num_experts"), topk=("num_experts_per_tok", "experts_per_token")),
+    ConfigKeys(E_LOCAL, topk=("num_experts_per_tok", "experts_per_token")),
     runtime=Runtime(router_module="mlp.router"),
     copied=ATTENTION + NORMS,
     model_copied=MODEL,
@@ -392,6 +400,14 @@ def declared(architecture: str) -> MoEFamily | None:
     return next((f for f in FAMILIES if architecture in f.architectures), None)
 
 
+def family_of(config: HFConfig) -> MoEFamily:
+    """The family of config.json's architecture: its declaration, else the family discovered from
+    transformers itself (`discovery.py`); one sentence naming what is missing if neither reads it."""
+    from mcore_proxy.checkpoint.hf.discovery import discover
+
+    return declared(config.architecture()) or discover(config).family
+
+
 def family_named(name: str) -> MoEFamily:
     """A declared family, or one discovered in this process (`discovery.py`), by its name."""
     from mcore_proxy.checkpoint.hf.discovery import discovered_named
@@ -400,3 +416,12 @@ def family_named(name: str) -> MoEFamily:
     if found is None:
         raise KeyError(name)
     return found
+
+
+def with_megatron() -> tuple[MoEFamily, ...]:
+    """The declared families that convert to and from megatron-core (registry order)."""
+    return tuple(f for f in FAMILIES if f.megatron is not None)
+
+
+# every spelling of the expert count any family's config.json uses (estimate reads configs by these)
+EXPERT_COUNT_KEYS = tuple(dict.fromkeys(k for f in FAMILIES for k in f.config.experts))

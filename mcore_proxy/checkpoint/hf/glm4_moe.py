@@ -19,8 +19,8 @@ no Megatron mapping here.
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import deepseek, gqa
-from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row, Table
+from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row
+from mcore_proxy.checkpoint.hf.megatron_mapping import MegatronMapping, local_spec_args, require
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
 
@@ -28,21 +28,19 @@ NAME = "GLM-4.5-MoE"
 ARCHITECTURE = "Glm4MoeForCausalLM"
 HF_ROTARY_DEFAULT = 0.5  # Glm4MoeConfig's partial_rotary_factor when config.json has none
 
-TABLE = Table(
-    rows=SHARED_ROWS
+ROWS = (
+    SHARED_ROWS
     + deepseek.MTP_ROWS
     + (gqa.QKV_ROW, gqa.QKV_BIAS_ROW)
     + gqa.QK_NORM_ROWS
     + (
-        Row("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
         Row(
             "mlp.shared_experts.linear_fc1.weight",
             ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
             GLU,
         ),
         Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
-    ),
-    ignored=deepseek.MTP_COPIES + (gqa.ROPE_FREQUENCIES,),
+    )
 )
 
 
@@ -93,30 +91,33 @@ def config_from_args(args, spec) -> dict:
             f"MoE layers {list(spec.moe_layers)} are not 'dense first, then MoE', which is all a "
             f"{NAME} config.json can say"
         )
-    return deepseek.proxy_config(
-        {
-            "architectures": [ARCHITECTURE],
-            "model_type": "glm4_moe",
-            **gqa.decoder_config(args, spec, rotary_key=True),
-            "intermediate_size": int(spec.ffn_hidden_size),
-            "moe_intermediate_size": moe_size,
-            "attention_bias": ma.arg_bool(args, "add_qkv_bias"),
-            "use_qk_norm": ma.arg_bool(args, "qk_layernorm"),
-            "n_shared_experts": shared // moe_size,
-            "first_k_dense_replace": first_dense,
-            "norm_topk_prob": spec.topk > 1,  # what megatron does (`deepseek.sigmoid_router_args`)
-            "routed_scaling_factor": ma.topk_scaling_factor(args),
-            "num_nextn_predict_layers": spec.mtp_layers,
-        },
-        spec,
-    )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "glm4_moe",
+        **gqa.decoder_config(args, spec, rotary_key=True),
+        "intermediate_size": int(spec.ffn_hidden_size),
+        "moe_intermediate_size": moe_size,
+        "attention_bias": ma.arg_bool(args, "add_qkv_bias"),
+        "use_qk_norm": ma.arg_bool(args, "qk_layernorm"),
+        "n_shared_experts": shared // moe_size,
+        "first_k_dense_replace": first_dense,
+        "norm_topk_prob": spec.topk > 1,  # what megatron does (`deepseek.sigmoid_router_args`)
+        "routed_scaling_factor": ma.topk_scaling_factor(args),
+        "num_nextn_predict_layers": spec.mtp_layers,
+    }
 
 
-def claims(args, spec) -> bool:
+def claims(view) -> bool:
     """GQA with a sigmoid router."""
-    return gqa.is_gqa(args) and spec.score_function == "sigmoid"
+    return gqa.is_gqa(view.args) and view.spec.score_function == "sigmoid"
 
 
-FAMILY = Family(
-    NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, deepseek.proxy_config, gqa.qkv_groups, claims
+MAPPING = MegatronMapping(
+    (ARCHITECTURE,),
+    ROWS,
+    args_from_config,
+    config_from_args,
+    ignored=deepseek.MTP_COPIES + (gqa.ROPE_FREQUENCIES,),
+    qkv_groups=gqa.qkv_groups,
+    claims=claims,
 )

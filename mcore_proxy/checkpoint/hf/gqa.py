@@ -19,7 +19,7 @@ Checked against transformers 5.24 (`models/{mixtral,qwen2_moe,glm4_moe}`) and me
 
 from __future__ import annotations
 
-from mcore_proxy.checkpoint.hf.family import dtype_fields, dtype_name
+from mcore_proxy.checkpoint.hf.megatron_mapping import dtype_fields, dtype_name
 from mcore_proxy.checkpoint.hf.mapping import LAYER, QKV, Ignored, Row
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
@@ -169,17 +169,3 @@ def softmax_router_requirements(args, spec) -> list[tuple[str, object, object]]:
         ("moe_router_num_groups", spec.num_groups or 1, 1),
         ("moe_router_topk_scaling_factor", ma.topk_scaling_factor(args), 1.0),
     ]
-
-
-def expert_count_config(expert_keys: tuple[str, ...]):
-    """The `proxy_config` of a family whose config.json spells E as one of `expert_keys`: every
-    spelling present (else the first) set to the proxy's E, and its top-k."""
-
-    def proxy_config(config: dict, spec) -> dict:
-        out = dict(config)
-        for key in [k for k in expert_keys if k in out] or [expert_keys[0]]:
-            out[key] = spec.num_experts
-        out["num_experts_per_tok"] = spec.topk
-        return out
-
-    return proxy_config

@@ -87,9 +87,9 @@ class Ignored:
 
 
 # Rows every family here shares: transformers names these tensors alike in its Llama-style MoE
-# models. A family's table is its own rows plus these (tables match by anchored patterns, so the
-# order between rows of different tensors does not matter; a read-only alternative spelling
-# follows the row it stands in for).
+# models. A family's table is its own rows, these, and its router and expert rows (`routed_rows`)
+# (tables match by anchored patterns, so the order between rows of different tensors does not
+# matter; a read-only alternative spelling follows the row it stands in for).
 WHOLE_MODEL_ROWS = (
     Row("embedding.word_embeddings.weight", "model.embed_tokens.weight", scope=MODEL),
     Row("decoder.final_layernorm.weight", "model.norm.weight", scope=MODEL),
@@ -104,19 +104,43 @@ DENSE_SWIGLU_ROWS = (
     Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
     Row("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
-# transformers' in-memory experts (gate rows, then up rows, in `gate_up_proj`), in every family here
-FUSED_EXPERT_ROWS = (
-    Row("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj", FUSED, read_only=True),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.down_proj", FUSED, read_only=True),
-)
-ROUTED_SWIGLU_ROWS = (
-    Row("mlp.router.weight", "mlp.gate.weight"),
-    Row(
-        "mlp.experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), GLU
-    ),
-    Row("mlp.experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight"),
-) + FUSED_EXPERT_ROWS
-SHARED_ROWS = WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW,) + DENSE_SWIGLU_ROWS + ROUTED_SWIGLU_ROWS
+SHARED_ROWS = WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW,) + DENSE_SWIGLU_ROWS
+
+
+def _spellings(canonical: str, patterns: tuple[str, ...], **fields) -> tuple[Row, ...]:
+    """A tensor's rows: its first HF spelling is the one written, the others are read only."""
+    return tuple(Row(canonical, p, read_only=i > 0, **fields) for i, p in enumerate(patterns))
+
+
+def routed_rows(router, experts, hash_table: tuple[str, tuple[str, str]] | None = None) -> tuple[Row, ...]:
+    """The router's and routed experts' rows, derived from a family record's HF layout
+    (`descriptor.Router`, `descriptor.Experts`), so that those keys are spelled once:
+
+      router weight [E, H]          -> mlp.router.weight
+      selection bias [E]            -> mlp.router.expert_bias
+      hash table [V, k]             -> `hash_table`'s canonical name, cast between its dtypes
+      expert e's gate, up [F, H]    -> mlp.experts.{e}.linear_fc1.weight (glu)
+      expert e's down [H, F]        -> mlp.experts.{e}.linear_fc2.weight
+      fused gate_up [E, 2F, H], down [E, H, F] -> the same, row e (read only)
+
+    Per-expert patterns list (gate, up, down) weights in that order; their quantization
+    companions (DeepSeek-V4's FP4 `.scale`) are not Megatron tensors. A layout megatron-core's
+    router cannot hold (a logit bias) or whose experts are not SwiGLU is a ValueError at import."""
+    if router.bias:
+        raise ValueError(f"megatron-core's router has no logit bias ({router.bias[0]})")
+    weights = [p for p in experts.per_expert if p.endswith(".weight")]
+    if len(weights) != 3 or len(experts.fused) not in (0, 2):
+        raise ValueError(f"not SwiGLU experts (gate, up, down): {experts}")
+    rows = _spellings("mlp.router.weight", router.weight) + _spellings("mlp.router.expert_bias", router.score_bias)
+    if router.hash_table:
+        name, dtypes = hash_table
+        rows += _spellings(name, router.hash_table, dtypes=dtypes)
+    rows += (
+        Row("mlp.experts.{e}.linear_fc1.weight", tuple(weights[:2]), GLU),
+        Row("mlp.experts.{e}.linear_fc2.weight", weights[2]),
+    )
+    fused = ("mlp.experts.{e}.linear_fc1.weight", "mlp.experts.{e}.linear_fc2.weight")
+    return rows + tuple(Row(c, hf, FUSED, read_only=True) for c, hf in zip(fused, experts.fused))
 
 
 def _compile(pattern: str) -> re.Pattern:

@@ -16,40 +16,16 @@ Checked against transformers 5.24 `models/mixtral` (and the `mixtral` entry of i
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import gqa
-from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import (
-    ATTENTION_OUTPUT_ROW,
-    FUSED_EXPERT_ROWS,
-    GLU,
-    LAYER_NORM_ROWS,
-    WHOLE_MODEL_ROWS,
-    Row,
-    Table,
-)
+from mcore_proxy.checkpoint.hf.descriptor import E_LOCAL
+from mcore_proxy.checkpoint.hf.mapping import ATTENTION_OUTPUT_ROW, LAYER_NORM_ROWS, WHOLE_MODEL_ROWS
+from mcore_proxy.checkpoint.hf.megatron_mapping import MegatronMapping, local_spec_args, require
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
-EXPERT_KEYS = ("num_local_experts", "num_experts")
-
-TABLE = Table(
-    rows=WHOLE_MODEL_ROWS
-    + LAYER_NORM_ROWS
-    + (ATTENTION_OUTPUT_ROW, gqa.QKV_ROW)
-    + (
-        Row("mlp.router.weight", "block_sparse_moe.gate.weight"),
-        Row("mlp.router.weight", "mlp.gate.weight", read_only=True),
-        Row(
-            "mlp.experts.{e}.linear_fc1.weight",
-            ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
-            GLU,
-        ),
-        Row("mlp.experts.{e}.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight"),
-    )
-    + FUSED_EXPERT_ROWS,
-    ignored=(gqa.ROPE_FREQUENCIES,),
-)
+# no dense MLP: every layer is a MoE layer
+ROWS = WHOLE_MODEL_ROWS + LAYER_NORM_ROWS + (ATTENTION_OUTPUT_ROW, gqa.QKV_ROW)
 
 
 def args_from_config(config, mtp_layers: int = 0):
@@ -60,7 +36,7 @@ def args_from_config(config, mtp_layers: int = 0):
             f"{config.path}: sliding_window is {config.data['sliding_window']!r}; megatron-core's "
             f"local attention has no window, so this {NAME} has no Megatron equivalent"
         )
-    experts = config.first_int(*EXPERT_KEYS)
+    experts = config.first_int(*E_LOCAL)
     if experts < 1:
         raise CheckpointError(f"{config.path}: {NAME} with {experts} experts is not a MoE model; fix config.json")
     decoder = gqa.decoder_args(config, NAME, eps=1e-5, rotary_default=gqa.WHOLE_HEADS)
@@ -96,25 +72,18 @@ def config_from_args(args, spec) -> dict:
         ],
         NAME,
     )
-    return proxy_config(
-        {
-            "architectures": [ARCHITECTURE],
-            "model_type": "mixtral",
-            **gqa.decoder_config(args, spec, rotary_key=False),
-            "intermediate_size": int(spec.moe_ffn_hidden_size),
-            "sliding_window": None,
-            "num_local_experts": spec.num_experts,
-            "num_experts_per_tok": spec.topk,
-        },
-        spec,
-    )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "mixtral",
+        **gqa.decoder_config(args, spec, rotary_key=False),
+        "intermediate_size": int(spec.moe_ffn_hidden_size),
+        "sliding_window": None,
+    }
 
 
-proxy_config = gqa.expert_count_config(EXPERT_KEYS)
-
-
-def claims(args, spec) -> bool:
+def claims(view) -> bool:
     """GQA without q/k norms, a softmax router and no shared expert."""
+    args, spec = view.args, view.spec
     return (
         gqa.is_gqa(args)
         and not ma.arg_bool(args, "qk_layernorm")
@@ -123,4 +92,12 @@ def claims(args, spec) -> bool:
     )
 
 
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, gqa.qkv_groups, claims)
+MAPPING = MegatronMapping(
+    (ARCHITECTURE,),
+    ROWS,
+    args_from_config,
+    config_from_args,
+    ignored=(gqa.ROPE_FREQUENCIES,),
+    qkv_groups=gqa.qkv_groups,
+    claims=claims,
+)

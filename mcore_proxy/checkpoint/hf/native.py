@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
+from mcore_proxy.checkpoint.hf.families import family_of
 from mcore_proxy.checkpoint.hf.descriptor import (
     COPY,
     EXPERT,
@@ -65,16 +66,6 @@ def first_int(config: HFConfig, keys: tuple[str, ...], default=None) -> int:
             "source config.json has it)"
         )
     return default
-
-
-def family_of(config: HFConfig) -> MoEFamily:
-    """The family of config.json's architecture: its declaration (`families.py`), else the family
-    discovered from transformers itself (`discovery.py`); one sentence naming what is missing if
-    neither reads it."""
-    from mcore_proxy.checkpoint.hf.discovery import discover
-    from mcore_proxy.checkpoint.hf.families import declared
-
-    return declared(config.architecture()) or discover(config).family
 
 
 class UnaccountedTensor(CheckpointError):
@@ -145,6 +136,7 @@ class HFNativeView(ModelView):
         family: MoEFamily | None = None,
     ):
         self.path, self.config = Path(path), config
+        self._read_index = (config, wmap, infos)  # handed to the Megatron-named view: read once
         self.family = family or family_of(config)
         text = text_config(config)
         self.num_layers = text.int("num_hidden_layers", minimum=1)
@@ -359,23 +351,20 @@ class HFNativeView(ModelView):
         """The Hugging Face key a canonical tensor is read from (a fused one: its whole tensor)."""
         return self._sources[name].key
 
-    def megatron(self) -> ModelView:
-        """The same checkpoint under megatron-core names (HF -> Megatron conversion)."""
-        if self.family.megatron is None:
-            raise ProxyError(
-                f"{self.path}: {self.family.name} has no Megatron mapping in mcore-proxy; convert it to "
-                "--format hf (Hugging Face to Hugging Face needs none)"
-            )
+    def megatron(self, dequantize_fp8: bool = False) -> ModelView:
+        """The same checkpoint under megatron-core names (HF -> Megatron conversion), from the
+        index this view read."""
+        from mcore_proxy.checkpoint.hf.reader import HFCheckpoint, require_mapping
+
+        require_mapping(self.family, self.config)
         other = next((q for q in find_quantized(self.names()) if q.scheme != FP8_BLOCK), None)
-        if other is not None:  # the Megatron mapping reads FP8 block scales only (`_scale_inv`)
+        if other is not None:  # the Megatron mapping reads FP8 block scales only
             raise ProxyError(
                 f"{self.path}: {self.hf_key(other.weight)} is quantized ({other.scheme}), which the "
                 f"{self.family.name} Megatron mapping does not read; convert the folder to --format hf "
                 "with --dequantize first, then that folder to Megatron"
             )
-        from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
-
-        return HFCheckpoint(self.path)
+        return HFCheckpoint(self.path, dequantize_fp8, family=self.family, index=self._read_index)
 
     def named_for(self, framework: str) -> ModelView:
         return self if framework == "transformers" else self.megatron()
@@ -482,10 +471,7 @@ class DequantizedNativeView(ModelView):
     def named_for(self, framework: str) -> ModelView:
         if framework == "transformers":
             return self
-        from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
-
-        self.source.megatron()  # refuses a family without a Megatron mapping
-        return HFCheckpoint(self.source.path, dequantize_fp8=True)
+        return self.source.megatron(dequantize_fp8=True)
 
 
 def _key_order(key: str):

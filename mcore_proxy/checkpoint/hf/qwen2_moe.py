@@ -17,29 +17,24 @@ Checked against transformers 5.24 `models/qwen2_moe` and megatron-core 0.16.1
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf import gqa
-from mcore_proxy.checkpoint.hf.family import Family, local_spec_args, require
-from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row, Table
+from mcore_proxy.checkpoint.hf.descriptor import E_QWEN
+from mcore_proxy.checkpoint.hf.mapping import GLU, SHARED_ROWS, Row
+from mcore_proxy.checkpoint.hf.megatron_mapping import MegatronMapping, local_spec_args, require
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Qwen2-MoE"
 ARCHITECTURE = "Qwen2MoeForCausalLM"
-EXPERT_KEYS = ("num_experts", "num_local_experts")
-
-TABLE = Table(
-    rows=SHARED_ROWS
-    + (
-        gqa.QKV_ROW,
-        gqa.QKV_BIAS_ROW,
-        Row(
-            "mlp.shared_experts.linear_fc1.weight",
-            ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-            GLU,
-        ),
-        Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
-        Row("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"),
+ROWS = SHARED_ROWS + (
+    gqa.QKV_ROW,
+    gqa.QKV_BIAS_ROW,
+    Row(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        GLU,
     ),
-    ignored=(gqa.ROPE_FREQUENCIES,),
+    Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
+    Row("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"),
 )
 
 
@@ -58,7 +53,7 @@ def args_from_config(config, mtp_layers: int = 0):
             f"{config.path}: use_sliding_window is true; megatron-core's local attention has no "
             f"window, so this {NAME} has no Megatron equivalent"
         )
-    experts = config.first_int(*EXPERT_KEYS)
+    experts = config.first_int(*E_QWEN)
     shared = config.int("shared_expert_intermediate_size", minimum=1)
     if experts < 1:
         raise CheckpointError(f"{config.path}: {NAME} with {experts} experts is not a MoE model; fix config.json")
@@ -95,31 +90,24 @@ def config_from_args(args, spec) -> dict:
         NAME,
     )
     dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers]
-    return proxy_config(
-        {
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen2_moe",
-            **gqa.decoder_config(args, spec, rotary_key=False),
-            "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
-            "qkv_bias": ma.arg_bool(args, "add_qkv_bias"),
-            "use_sliding_window": False,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": dense,
-            "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-            "shared_expert_intermediate_size": int(spec.shared_expert_size),
-            "norm_topk_prob": not ma.arg_bool(args, "moe_router_pre_softmax"),
-            "num_experts": spec.num_experts,
-            "num_experts_per_tok": spec.topk,
-        },
-        spec,
-    )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen2_moe",
+        **gqa.decoder_config(args, spec, rotary_key=False),
+        "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
+        "qkv_bias": ma.arg_bool(args, "add_qkv_bias"),
+        "use_sliding_window": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+        "shared_expert_intermediate_size": int(spec.shared_expert_size),
+        "norm_topk_prob": not ma.arg_bool(args, "moe_router_pre_softmax"),
+    }
 
 
-proxy_config = gqa.expert_count_config(EXPERT_KEYS)
-
-
-def claims(args, spec) -> bool:
+def claims(view) -> bool:
     """GQA without q/k norms, a softmax router and a shared expert."""
+    args, spec = view.args, view.spec
     return (
         gqa.is_gqa(args)
         and not ma.arg_bool(args, "qk_layernorm")
@@ -128,4 +116,12 @@ def claims(args, spec) -> bool:
     )
 
 
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, gqa.qkv_groups, claims)
+MAPPING = MegatronMapping(
+    (ARCHITECTURE,),
+    ROWS,
+    args_from_config,
+    config_from_args,
+    ignored=(gqa.ROPE_FREQUENCIES,),
+    qkv_groups=gqa.qkv_groups,
+    claims=claims,
+)

@@ -18,17 +18,21 @@ Checked against transformers 5.24 `models/qwen3_moe` and megatron-core 0.16.1:
 
 from __future__ import annotations
 
-from mcore_proxy.checkpoint.hf.family import Family, dtype_fields, dtype_name, local_spec_args, require
-from mcore_proxy.checkpoint.hf.gqa import QK_NORM_ROWS, QKV_ROW, ROPE_FREQUENCIES, expert_count_config, qkv_groups
-from mcore_proxy.checkpoint.hf.mapping import SHARED_ROWS, Table
+from mcore_proxy.checkpoint.hf.descriptor import E_QWEN
+from mcore_proxy.checkpoint.hf.gqa import QK_NORM_ROWS, QKV_ROW, ROPE_FREQUENCIES, qkv_groups
+from mcore_proxy.checkpoint.hf.mapping import SHARED_ROWS
+from mcore_proxy.checkpoint.hf.megatron_mapping import (
+    MegatronMapping,
+    dtype_fields,
+    dtype_name,
+    local_spec_args,
+    require,
+)
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
-EXPERT_KEYS = ("num_experts", "num_local_experts")
-
-TABLE = Table(rows=SHARED_ROWS + (QKV_ROW, *QK_NORM_ROWS), ignored=(ROPE_FREQUENCIES,))
 
 
 def _moe_pattern(config, layers: int, experts: int) -> list[int]:
@@ -45,7 +49,7 @@ def args_from_config(config, mtp_layers: int = 0):
     hidden = config.int("hidden_size", minimum=1)
     heads = config.int("num_attention_heads", minimum=1)
     groups = config.int("num_key_value_heads", heads, minimum=1)
-    experts = config.first_int(*EXPERT_KEYS)
+    experts = config.first_int(*E_QWEN)
     rope = config.rope()
     for key, bad, why in (
         ("attention_bias", True, "q/k/v/o biases"),
@@ -130,39 +134,39 @@ def config_from_args(args, spec) -> dict:
     heads, groups, head_dim = qkv_groups(args)
     positions = ma.max_position_embeddings(args)
     dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers]
-    return proxy_config(
-        {
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen3_moe",
-            "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": groups,
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": positions,
-            "rms_norm_eps": ma.norm_epsilon(args),
-            "rope_parameters": {"rope_type": "default", "rope_theta": ma.arg_float(args, "rotary_base")},
-            "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": dense,
-            "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
-            "norm_topk_prob": not ma.arg_bool(args, "moe_router_pre_softmax"),
-            "num_experts": spec.num_experts,
-            "num_experts_per_tok": spec.topk,
-            "dtype": dtype_name(args),
-        },
-        spec,
-    )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3_moe",
+        "vocab_size": ma.arg_int(args, "padded_vocab_size", minimum=1),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": int(spec.ffn_hidden_size or spec.moe_ffn_hidden_size),
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": positions,
+        "rms_norm_eps": ma.norm_epsilon(args),
+        "rope_parameters": {"rope_type": "default", "rope_theta": ma.arg_float(args, "rotary_base")},
+        "tie_word_embeddings": not ma.arg_bool(args, "untie_embeddings_and_output_weights"),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "moe_intermediate_size": int(spec.moe_ffn_hidden_size),
+        "norm_topk_prob": not ma.arg_bool(args, "moe_router_pre_softmax"),
+        "dtype": dtype_name(args),
+    }
 
 
-# every spelling of E config.json has is set (one left stale would describe the original's E)
-proxy_config = expert_count_config(EXPERT_KEYS)
-
-
-FAMILY = Family(NAME, (ARCHITECTURE,), TABLE, args_from_config, config_from_args, proxy_config, qkv_groups)
+# the family a Megatron checkpoint no other mapping claims is written as (its checks say what it lacks)
+MAPPING = MegatronMapping(
+    (ARCHITECTURE,),
+    SHARED_ROWS + (QKV_ROW, *QK_NORM_ROWS),
+    args_from_config,
+    config_from_args,
+    ignored=(ROPE_FREQUENCIES,),
+    qkv_groups=qkv_groups,
+    default=True,
+)

@@ -1,10 +1,12 @@
 """Reader: a Hugging Face folder (config.json + sharded safetensors) as a lazy canonical ModelView.
 
 Opening reads `config.json`, the shard index and every shard's header (shapes and dtypes, no
-tensor data), maps every key through the family's table, and checks that config.json and the
-tensors agree. `get(name)` reads only that tensor's bytes (its HF parts, or one expert's rows of
-a fused tensor). The folder's Python files, `auto_map` and pickles are never used: weights come
-from safetensors only, and a `pytorch_model*.bin` folder is refused.
+tensor data) (or takes them from the native view that read them: a folder is indexed once), maps
+every key through the family record's Megatron table (`MoEFamily.megatron_table`), and checks
+that config.json and the tensors agree. `get(name)` reads only that tensor's bytes (its HF
+parts, or one expert's rows of a fused tensor). The folder's Python files, `auto_map` and
+pickles are never used: weights come from safetensors only, and a `pytorch_model*.bin` folder
+is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from mcore_proxy.checkpoint.hf import quant
 from mcore_proxy.checkpoint.hf.config import HFConfig
-from mcore_proxy.checkpoint.hf.family import Family
+from mcore_proxy.checkpoint.hf.descriptor import MoEFamily
+from mcore_proxy.checkpoint.hf.families import family_of
 from mcore_proxy.checkpoint.hf.folder import read_headers, weight_map
 from mcore_proxy.checkpoint.hf.mapping import (
     COPY,
@@ -40,7 +43,7 @@ from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor
 from mcore_proxy.checkpoint.names import canonical_sort_key
 from mcore_proxy.checkpoint.view import ModelView, ViewInfo
 from mcore_proxy.core.dtypes import torch_dtype
-from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.core.errors import CheckpointError, ProxyError
 from mcore_proxy.mcore.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -49,22 +52,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def families() -> tuple[Family, ...]:
-    from mcore_proxy.checkpoint.hf import deepseek, deepseek_v4, glm4_moe, mixtral, qwen2_moe, qwen3_moe
-
-    return (qwen3_moe.FAMILY, *deepseek.FAMILIES, mixtral.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY, deepseek_v4.FAMILY)
-
-
-def family_of(config: HFConfig) -> Family:
+def require_mapping(family: MoEFamily, config: HFConfig):
+    """The family's Megatron mapping, if it covers config.json's architecture; else one sentence."""
     arch = config.architecture()
-    for family in families():
-        if arch in family.architectures:
-            return family
-    supported = ", ".join(f"{a} ({f.name})" for f in families() for a in f.architectures)
-    raise CheckpointError(
-        f"{config.path}: architecture {arch or config.data.get('architectures')!r} is not supported; "
-        f"mcore-proxy reads {supported}"
-    )
+    if family.megatron is None or arch not in family.megatron.architectures:
+        raise ProxyError(
+            f"{config.path}: {arch} ({family.name}) has no Megatron mapping in mcore-proxy; convert "
+            "it to --format hf (Hugging Face to Hugging Face needs none); docs/families.md lists "
+            "the families that have one"
+        )
+    return family.megatron
 
 
 @dataclass(frozen=True)
@@ -101,20 +98,27 @@ class HFCheckpoint(ModelView):
     With `dequantize_fp8`, FP8 weights read as bf16 and their scales are not part of the view.
     """
 
-    def __init__(self, path, dequantize_fp8: bool = False):
+    def __init__(self, path, dequantize_fp8: bool = False, *, family: MoEFamily | None = None, index=None):
+        """index: (HFConfig, weight map, headers) already read from this folder, else read here;
+        family: the folder's record (`families.family_of` when not given)."""
         self.path = Path(path)
-        self.config = HFConfig.load(self.path)
-        self.family = family_of(self.config)
+        if index is None:
+            config = HFConfig.load(self.path)
+            wmap = weight_map(self.path)
+            index = (config, wmap, read_headers(self.path, wmap))
+        self._read_index = index
+        self.config, wmap, infos = index
+        self.family = family or family_of(self.config)
+        self.mapping = require_mapping(self.family, self.config)
+        self.table = self.family.megatron_table()
         self.dequantize_fp8 = dequantize_fp8
-        wmap = weight_map(self.path)
-        infos = read_headers(self.path, wmap)
         self.num_layers = self.config.int("num_hidden_layers", minimum=1)
         self._entries: dict[str, _Entry] = {}
         self._fp8_block = self._block_size(infos)
         self._index(wmap, infos)
         self._check_complete()
         self.mtp_layers = self._mtp_depths()
-        args = self.family.args_from_config(self.config, self.mtp_layers)
+        args = self.mapping.args_from_config(self.config, self.mtp_layers)
         spec = ModelSpec.from_args(args, str(self.config.path))
         spec = dataclasses.replace(spec, extra={**spec.extra, "hf_family": self.family.name})
         self.hf = HFSource(
@@ -129,7 +133,7 @@ class HFCheckpoint(ModelView):
                 args=args,
                 layout=None,
                 format_info=self.hf,
-                variants=self.family.variants,
+                variants=self.mapping.variants,
             )
         )
         from mcore_proxy.checkpoint.hf.checks import check_config_matches
@@ -150,7 +154,7 @@ class HFCheckpoint(ModelView):
         return tuple(block)
 
     def _index(self, wmap: dict[str, str], infos: dict[str, TensorInfo]) -> None:
-        table = self.family.table
+        table = self.table
         scales = {k for k in wmap if k.endswith(SCALE_SUFFIX)}
         for key in sorted(set(wmap) - scales):
             scope, index, rest = split_hf_key(key, self.num_layers)
@@ -223,7 +227,7 @@ class HFCheckpoint(ModelView):
                     "the checkpoint is incomplete, copy it again"
                 )
             joined_shape(entry.row.transform, [p.info.shape for p in entry.parts.values()])
-            elements = len(self.family.table.siblings(entry.row))
+            elements = len(self.table.siblings(entry.row))
             if entry.row.transform == PICK and tuple(entry.parts[0].info.shape) != (elements,):
                 raise CheckpointError(
                     f"{self.path}: {entry.parts[0].key} has shape {list(entry.parts[0].info.shape)}, "
@@ -288,7 +292,7 @@ class HFCheckpoint(ModelView):
         if row.transform == GLU:
             return glu_join(*tensors)
         if row.transform == QKV:
-            return qkv_join(*tensors, groups=self.family.qkv_groups(self.args)[1])
+            return qkv_join(*tensors, groups=self.mapping.qkv_groups(self.args)[1])
         if row.transform == PICK:
             return tensors[0][row.index : row.index + 1].clone()
         return tensors[0]
@@ -313,7 +317,7 @@ class HFCheckpoint(ModelView):
     def dequantized(self) -> "HFCheckpoint":
         if self.hf.fp8_block is None:
             return super().dequantized()
-        return HFCheckpoint(self.path, dequantize_fp8=True)
+        return HFCheckpoint(self.path, dequantize_fp8=True, family=self.family, index=self._read_index)
 
 
 def hf_source(view) -> HFSource | None:
@@ -322,4 +326,4 @@ def hf_source(view) -> HFSource | None:
     return info if isinstance(info, HFSource) else None
 
 
-__all__ = ["HFCheckpoint", "HFSource", "hf_source", "family_of", "families", "LAYER", "MODEL", "MTP"]
+__all__ = ["HFCheckpoint", "HFSource", "hf_source", "require_mapping", "LAYER", "MODEL", "MTP"]

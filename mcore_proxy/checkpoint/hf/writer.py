@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mcore_proxy.checkpoint.hf.family import Family
+from mcore_proxy.checkpoint.hf.descriptor import MoEFamily
 from mcore_proxy.checkpoint.hf.mapping import (
     GLU,
     MTP,
@@ -39,7 +38,7 @@ from mcore_proxy.checkpoint.hf.mapping import (
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, native_source
 from mcore_proxy.checkpoint.hf.native_writer import proxy_config as native_proxy_config
 from mcore_proxy.checkpoint.hf.folder import INDEX
-from mcore_proxy.checkpoint.hf.reader import families, hf_source
+from mcore_proxy.checkpoint.hf.reader import hf_source
 from mcore_proxy.checkpoint.hf.safetensors_io import StreamingWriter
 from mcore_proxy.checkpoint.interface import Finished, TargetOptions, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.names import OUTPUT_LAYER, embeddings_tied
@@ -47,12 +46,9 @@ from mcore_proxy.checkpoint.view import ModelView, stream
 from mcore_proxy.checkpoint.zipwrite import HashingSink
 from mcore_proxy.core.dtypes import torch_dtype
 from mcore_proxy.core.errors import CheckpointError, ProxyError
-from mcore_proxy.mcore.megatron_args import arg_bool
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 CONFIG_FILES = ("generation_config.json",)
@@ -67,8 +63,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-# config.json keys that point at code or at settings the output no longer has
-DROPPED_CONFIG_KEYS = ("auto_map",)
 
 
 @dataclass(frozen=True)
@@ -98,25 +92,22 @@ class Shard:
     tensors: tuple
 
 
-def family_for(view: ModelView) -> Family:
-    """The HF family of a view: the source's, or for Megatron views the one its args describe."""
+def family_for(view: ModelView) -> MoEFamily:
+    """The family record of a view: the HF source's, or for a Megatron view the first in the
+    registry whose Megatron mapping claims it, else the registry's default mapping."""
+    from mcore_proxy.checkpoint.hf.families import family_named, with_megatron
+
     source = hf_source(view)
-    by_name = {f.name: f for f in families()}
     if source is not None:
-        return by_name[source.family]
-    args = view.args
-    claimed = next((f for f in families() if f.claims is not None and f.claims(args, view.spec)), None)
-    if claimed is not None:
-        return claimed
-    if arg_bool(args, "multi_latent_attention"):
-        indexer = any(".core_attention.indexer." in n for n in view.names())
-        return by_name["DeepSeek-V3.2" if indexer else "DeepSeek-V3"]
-    return by_name["Qwen3-MoE"]
+        return family_named(source.family)
+    mapped = with_megatron()
+    claimed = next((f for f in mapped if f.megatron.claims is not None and f.megatron.claims(view)), None)
+    return claimed or next(f for f in mapped if f.megatron.default)
 
 
-def _row_for(family: Family, name: str) -> tuple[Row, str, int | None, int | None]:
+def _row_for(family: MoEFamily, name: str) -> tuple[Row, str, int | None, int | None]:
     scope, index, rest, row_scope = split_canonical(name)
-    found = family.table.match_canonical(row_scope, rest)
+    found = family.megatron_table().match_canonical(row_scope, rest)
     if found is None:
         raise CheckpointError(
             f"tensor {name} has no {family.name} Hugging Face name; this model has a part that "
@@ -126,16 +117,16 @@ def _row_for(family: Family, name: str) -> tuple[Row, str, int | None, int | Non
     return found[0], scope, index, found[1]
 
 
-def _piece_shapes(row: Row, shape: tuple[int, ...], view: ModelView, family: Family):
+def _piece_shapes(row: Row, shape: tuple[int, ...], view: ModelView, family: MoEFamily):
     if row.transform == GLU:
         return [(shape[0] // 2,) + shape[1:]] * 2
     if row.transform == QKV:
-        heads, groups, head_dim = family.qkv_groups(view.args)
+        heads, groups, head_dim = family.megatron.qkv_groups(view.args)
         return [(heads * head_dim,) + shape[1:], (groups * head_dim,) + shape[1:], (groups * head_dim,) + shape[1:]]
     return [shape]
 
 
-def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
+def outputs_of(view: ModelView, family: MoEFamily, name: str) -> list[Out]:
     """The HF tensors canonical `name` becomes."""
     scale = name.endswith(SCALE_SUFFIX)
     row, scope, index, expert = _row_for(family, name[: -len(SCALE_SUFFIX)] if scale else name)
@@ -144,11 +135,12 @@ def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
             f"{name}: FP8 block scales cannot follow a {row.transform} transform; convert with --dequantize"
         )
     shapes = _piece_shapes(row, tuple(view.shape(name)), view, family)
-    num_layers, mtp_prefix = view.spec.num_layers, family.table.mtp_prefix
+    table = family.megatron_table()
+    num_layers, mtp_prefix = view.spec.num_layers, table.mtp_prefix
     dtype = torch_dtype(row.dtypes[0]) if row.dtypes is not None else view.dtype(name)
     gather = ()
     if row.transform == PICK:  # the first element's row writes the HF tensor of all its siblings
-        siblings = family.table.siblings(row)
+        siblings = table.siblings(row)
         if row is not siblings[0]:
             return []
         gather = tuple(canonical_name(s, scope, index, None) for s in siblings[1:])
@@ -166,10 +158,10 @@ def outputs_of(view: ModelView, family: Family, name: str) -> list[Out]:
     ]
 
 
-def _tied_copies(view: ModelView, family: Family, depth: int, present: set[str]) -> list[Out]:
+def _tied_copies(view: ModelView, family: MoEFamily, depth: int, present: set[str]) -> list[Out]:
     """DeepSeek's MTP layers carry copies of the embedding and LM head (megatron shares them)."""
     out = []
-    for ign in family.table.ignored:
+    for ign in family.megatron_table().ignored:
         if ign.scope == MTP and ign.tied_to and ign.tied_to in present:
             out.append(
                 Out(
@@ -183,7 +175,7 @@ def _tied_copies(view: ModelView, family: Family, depth: int, present: set[str])
     return out
 
 
-def output_groups(view: ModelView, family: Family) -> list[list[Out]]:
+def output_groups(view: ModelView, family: MoEFamily) -> list[list[Out]]:
     """Every output tensor, grouped by the canonical tensor it is cut from, in canonical order."""
     names = view.names()
     present = set(names)
@@ -214,13 +206,13 @@ def plan_shards(groups: list[list[Out]], max_bytes: int) -> list[Shard]:
     return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(s)) for i, s in enumerate(shards)]
 
 
-def _pieces(view: ModelView, family: Family, tensor: torch.Tensor, count: int) -> list[torch.Tensor]:
+def _pieces(view: ModelView, family: MoEFamily, tensor: torch.Tensor, count: int) -> list[torch.Tensor]:
     """The HF pieces of one canonical tensor: itself, [gate, up], or [q, k, v]."""
     if count == 1:
         return [tensor]
     if count == 2:
         return list(glu_split(tensor))
-    heads, groups, head_dim = family.qkv_groups(view.args)
+    heads, groups, head_dim = family.megatron.qkv_groups(view.args)
     return list(qkv_split(tensor, heads, groups, head_dim))
 
 
@@ -305,12 +297,11 @@ class HFWriter(Writer):
             return native_proxy_config(native.config, view.spec, native.descriptor)
         family = family_for(view)
         source = hf_source(view)
-        if source is None:
-            return family.config_from_args(_tying_said(view), view.spec)
-        config = family.proxy_config(source.config, view.spec)
-        for key in DROPPED_CONFIG_KEYS:
-            if config.pop(key, None) is not None:
-                log.info("config.json: %s dropped (the model is built into transformers; no remote code)", key)
+        if source is None:  # expert count, top-k and groups in the family's spellings, as below
+            return native_proxy_config(
+                family.megatron.config_from_args(_tying_said(view), view.spec), view.spec, family
+            )
+        config = native_proxy_config(source.config, view.spec, family)  # drops auto_map: no remote code
         if "quantization_config" in config and not source.fp8_block:
             del config["quantization_config"]
             config["dtype"] = "bfloat16"
@@ -360,7 +351,7 @@ _FLAGS = {
 }
 
 
-def _write_megatron_named(view: ModelView, family: Family, writer: StreamingWriter, shard: Shard, progress) -> None:
+def _write_megatron_named(view: ModelView, family: MoEFamily, writer: StreamingWriter, shard: Shard, progress) -> None:
     import torch
 
     firsts = [i for i, o in enumerate(shard.tensors) if o.piece == 0]

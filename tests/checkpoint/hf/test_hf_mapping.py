@@ -3,11 +3,22 @@ own computation, the tables by what they match, FP8 block scales against their d
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from mcore_proxy.checkpoint.hf import deepseek, qwen3_moe
+from mcore_proxy.checkpoint.hf.families import (
+    DEEPSEEK_V3,
+    DEEPSEEK_V4,
+    DEEPSEEK_V32,
+    GPT_OSS,
+    MIXTRAL,
+    QWEN3_MOE,
+    with_megatron,
+)
 from mcore_proxy.checkpoint.hf.mapping import (
+    FUSED,
     GLU,
     LAYER,
     MODEL,
@@ -62,7 +73,8 @@ def test_hf_keys_split_into_scope_layer_and_rest(key, layers, expected):
 
 def test_every_row_maps_back_to_its_own_hf_names():
     """canonical -> HF -> canonical is the identity for every written row of every family."""
-    for table in (qwen3_moe.TABLE, *deepseek.TABLES.values()):
+    for family in with_megatron():
+        table = family.megatron_table()
         for row in table.rows:
             if row.read_only:
                 continue
@@ -75,14 +87,16 @@ def test_every_row_maps_back_to_its_own_hf_names():
                 assert found is not None and found[0] == row, name
                 for part, pattern in enumerate(row.hf):
                     hf_rest = pattern.replace("{e}", "5")
-                    assert table.match_hf(scope, hf_rest)[:2] == (row, part), (name, pattern)
+                    first = table.siblings(row)[0]  # a pick row's HF tensor reads as its first element's
+                    assert table.match_hf(scope, hf_rest)[:2] == (first, part), (name, pattern)
 
 
 def test_tables_know_the_family_tensors():
-    assert qwen3_moe.TABLE.match_hf(LAYER, "self_attn.q_proj.weight")[0].transform == QKV
-    assert qwen3_moe.TABLE.match_hf(LAYER, "mlp.experts.7.up_proj.weight")[1:] == (1, 7)
-    assert qwen3_moe.TABLE.match_hf(LAYER, "self_attn.q_a_proj.weight") is None  # not a Qwen3 tensor
-    v3, v32 = deepseek.TABLES[deepseek.V3], deepseek.TABLES[deepseek.V32]
+    qwen3 = QWEN3_MOE.megatron_table()
+    assert qwen3.match_hf(LAYER, "self_attn.q_proj.weight")[0].transform == QKV
+    assert qwen3.match_hf(LAYER, "mlp.experts.7.up_proj.weight")[1:] == (1, 7)
+    assert qwen3.match_hf(LAYER, "self_attn.q_a_proj.weight") is None  # not a Qwen3 tensor
+    v3, v32 = DEEPSEEK_V3.megatron_table(), DEEPSEEK_V32.megatron_table()
     assert v3.match_hf(LAYER, "self_attn.indexer.wq_b.weight") is None and v32.match_hf(
         LAYER, "self_attn.indexer.wq_b.weight"
     )
@@ -90,3 +104,21 @@ def test_tables_know_the_family_tensors():
     assert v3.match_hf(MTP, "shared_experts.gate_proj.weight") is None
     assert v3.match_hf(LAYER, "mlp.shared_experts.gate_proj.weight")[0].transform == GLU
     assert v3.ignored_for(MTP, "shared_head.head.weight").tied_to == "output_layer.weight"
+
+
+def test_router_and_expert_rows_come_from_the_family_record():
+    """The Megatron table's router and expert rows are the record's HF layout: its first spelling
+    written, the others read only; a layout megatron-core's router cannot hold is refused."""
+    table = MIXTRAL.megatron_table()
+    written, alternative = (
+        table.match_hf(LAYER, "block_sparse_moe.gate.weight"),
+        table.match_hf(LAYER, "mlp.gate.weight"),
+    )
+    assert written[0].canonical == alternative[0].canonical == "mlp.router.weight"
+    assert not written[0].read_only and alternative[0].read_only
+    assert table.match_hf(LAYER, "block_sparse_moe.experts.3.w3.weight")[1:] == (1, 3)  # up: fc1's part 1
+    assert table.match_hf(LAYER, "mlp.experts.gate_up_proj")[0].transform == FUSED
+    v4 = DEEPSEEK_V4.megatron_table().match_hf(LAYER, "ffn.gate.tid2eid")[0]
+    assert (v4.canonical, v4.dtypes) == ("mlp.router.tid2eid", ("int64", "int32"))
+    with pytest.raises(ValueError, match="logit bias"):
+        dataclasses.replace(GPT_OSS, megatron=QWEN3_MOE.megatron)

@@ -1,10 +1,15 @@
-"""A model family of the HF format: its mapping table and its two config translations.
+"""The Megatron side of a model family (`MegatronMapping`): what HF <-> Megatron conversion adds
+to the family's record (`descriptor.MoEFamily.megatron`).
 
-`args_from_config` turns `config.json` into the Megatron `args` a megatron-core run of the same
-model uses (argparse names; the canonical ModelView carries them, so an HF checkpoint converts
-to legacy or torch_dist with its args written, and the launch flags are printed from them).
-`config_from_args` is the way back, for Megatron -> HF. `proxy_config` edits a source
-config.json for a proxy: expert count and routing groups per the plan, everything else kept.
+- `rows`: the family's mapping rows for every tensor but the router and the routed experts (its
+  attention, norms, shared experts, MTP layers); those rows are derived from the record's own
+  HF layout (`mapping.routed_rows`), so a router or expert key is spelled in one place;
+- `args_from_config` turns `config.json` into the Megatron `args` a megatron-core run of the same
+  model uses (argparse names; the canonical ModelView carries them, so an HF checkpoint converts
+  to legacy or torch_dist with its args written, and the launch flags are printed from them);
+- `config_from_args` is the way back, for Megatron -> HF. It leaves the expert count, top-k and
+  routing groups out: the writer sets them in every spelling the record's `ConfigKeys` name
+  (`native_writer.proxy_config`), as it does for a pruned HF source.
 """
 
 from __future__ import annotations
@@ -13,28 +18,31 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
-from mcore_proxy.checkpoint.hf.mapping import Table
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
 
 
 @dataclass(frozen=True)
-class Family:
-    name: str
-    architectures: tuple[str, ...]
-    table: Table
+class MegatronMapping:
+    architectures: tuple[str, ...]  # those of the family's architectures the mapping covers
+    rows: tuple  # mapping.Row, the router's and routed experts' excepted
     args_from_config: Callable  # (HFConfig, mtp_layers) -> argparse.Namespace
-    config_from_args: Callable  # (args, ModelSpec) -> dict (a new config.json)
-    proxy_config: Callable  # (dict, ModelSpec) -> dict (a source config.json for the view's experts)
+    config_from_args: Callable  # (args, ModelSpec) -> dict (a new config.json, expert counts aside)
+    ignored: tuple = ()  # mapping.Ignored
+    mtp_prefix: str | None = None  # where HF keeps MTP layer k when not at `model.layers.{N + k}.`
     qkv_groups: Callable | None = None  # (args) -> (heads, groups, head_dim) for the qkv transform
-    # (args, ModelSpec) -> bool: Megatron args of this family's shape. Megatron -> HF writes the first
-    # family of `reader.families()` that claims the args (Qwen3-MoE when none does: its checks then
-    # say what the model lacks); claims are only what tells the families apart, `config_from_args`
-    # refuses the rest
+    # (view) -> bool: a Megatron checkpoint of this family's shape. Megatron -> HF writes the first
+    # family of the registry whose mapping claims the view, else the one marked `default` (whose
+    # checks then say what the model lacks); claims are only what tells the families apart,
+    # `config_from_args` refuses the rest
     claims: Callable | None = None
+    default: bool = False
     # the `names.py` spellings the Megatron version that runs this family saves in legacy files
     # (DeepSeek-V4, Megatron-LM dev: "mtp_model_layer"); HF -> Megatron writes them
     variants: frozenset = frozenset()
+    # a hash table's canonical name and (HF, Megatron) dtypes, where the family has one
+    # (DeepSeek-V4: Megatron-LM dev's `mlp.router.tid2eid`, int64 in transformers, int32 there)
+    hash_table: tuple[str, tuple[str, str]] | None = None
 
 
 def local_spec_args(**fields) -> argparse.Namespace:
