@@ -464,6 +464,62 @@ DISCOVERED = {
         0,
     ),
 }
+# Vision-language wrappers, discovered: the language model's experts are pruned, the vision tower,
+# its projector and their configs copied. Image token ids sit above every calibration word's id.
+_VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+_TEXT = dict(_SMALL, head_dim=8, num_hidden_layers=2)
+VISION_LANGUAGE = {
+    # the language model under `model.language_model`, fused experts, multimodal RoPE
+    "qwen3_vl_moe": (
+        "Qwen3VLMoeConfig",
+        "Qwen3VLMoeForConditionalGeneration",
+        dict(
+            text_config=dict(_TEXT, moe_intermediate_size=16, num_experts=8),
+            vision_config=dict(_VISION, depth=1, num_heads=4, out_hidden_size=32, deepstack_visual_indexes=[0]),
+            image_token_id=VOCAB - 3,
+            video_token_id=VOCAB - 2,
+            vision_start_token_id=VOCAB - 1,
+            vision_end_token_id=VOCAB - 4,
+            tie_word_embeddings=False,
+        ),
+        0,
+    ),
+    # top-k as `moe_topk`, shared experts beside the routed ones, a cross-attention projector
+    "aria": (
+        "AriaConfig",
+        "AriaForConditionalGeneration",
+        dict(
+            text_config=dict(_TEXT, model_type="aria_text", moe_intermediate_size=16, moe_num_experts=8, moe_topk=2),
+            vision_config=dict(_VISION, num_hidden_layers=1),
+            image_token_index=VOCAB - 1,
+        ),
+        0,
+    ),
+    # MiniMax-M3's sparse text model (sigmoid scores, selection bias, a shared expert, an indexer)
+    "minimax_m3_vl": (
+        "MiniMaxM3VLConfig",
+        "MiniMaxM3SparseForConditionalGeneration",
+        dict(
+            text_config=dict(
+                _TEXT,
+                model_type="minimax_m3_vl_text",
+                num_local_experts=8,
+                dense_intermediate_size=16,
+                shared_intermediate_size=16,
+                mlp_layer_types=["sparse", "sparse"],
+                layer_types=["full_attention", "full_attention"],
+                index_n_heads=2,
+                index_head_dim=8,
+                index_block_size=16,
+            ),
+            vision_config=dict(_VISION, num_hidden_layers=1),
+            image_token_index=VOCAB - 1,
+            video_token_index=VOCAB - 2,
+        ),
+        0,
+    ),
+}
+DISCOVERED.update(VISION_LANGUAGE)
 MODELS.update(DISCOVERED)
 FAMILY_FIXTURES = tuple(MODELS)
 

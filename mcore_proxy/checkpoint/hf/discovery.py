@@ -63,6 +63,10 @@ class NotDiscovered(CheckpointError):
 _FOUND: dict[str, Discovery] = {}
 
 
+# elements (parameters and buffers) a twin may hold; the largest that transformers 5.25 builds: 2.4e7
+MAX_TWIN_NUMEL = 50_000_000
+
+
 def discovered(architecture: str) -> Discovery | None:
     """The discovery registered for `architecture` in this process, or None."""
     return _FOUND.get(architecture)
@@ -129,7 +133,12 @@ def _discover(arch: str, data_json: str, where: str) -> Discovery:
     try:
         a = build_twin(twin_json, meta=True)
         b = build_twin(dict(half, model_type=model_type, architectures=[arch]), meta=True)
+        size = sum(t.numel() for t in [*a.parameters(), *a.buffers()])
+        if size > MAX_TWIN_NUMEL:  # a size the twin rules do not shrink: never allocated on CPU
+            raise _refuse(where, arch, f"has a twin of {size:.1e} parameters, not small (a size key the twin misses)")
         model = build_twin(twin_json)
+    except NotDiscovered:
+        raise
     except Exception as err:  # transformers' own code on a config it accepted: the reason, named
         raise _refuse(where, arch, f"could not be built small by transformers ({_reason(err)})") from None
     roles = expert_indexed(a, b, twin_experts, twin_experts // 2)

@@ -217,7 +217,8 @@ def _shrink_routing(d: dict, count_keys: list[str], experts: int, twin_experts: 
 
 
 def _shrink_tower(d: dict, text_hidden) -> dict:
-    """A vision or audio sub-config: one layer, hidden 64 (the towers are copied, never pruned)."""
+    """A vision or audio sub-config and the sub-configs it nests: one layer, hidden 64 (the towers
+    are copied, never pruned)."""
     d = copy.deepcopy(d)
     own = d.get("hidden_size") or d.get("embed_dim")
     for key, value in list(d.items()):
@@ -233,6 +234,9 @@ def _shrink_tower(d: dict, text_hidden) -> dict:
             d[key] = 4
         elif "intermediate" in key:
             d[key] = 64
+    for key, value in list(d.items()):  # a tower built of towers (an image encoder beside a ViT)
+        if isinstance(value, dict) and "model_type" in value:
+            d[key] = _shrink_tower(value, text_hidden)
     return d
 
 

@@ -55,8 +55,13 @@ def test_discovery_finds_what_the_declaration_says(hf_model, name):
         ),
         (default_config("jetmoe", "JetMoeForCausalLM"), ["2 routers per layer"]),
         (default_config("zaya", "ZayaForCausalLM"), ["E + 1 slots", "always-on extra experts"]),
+        # a vision tower whose layer sizes no twin rule shrinks: refused on the meta device, never allocated
+        (
+            default_config("inkling_mm_model", "InklingForConditionalGeneration"),
+            ["InklingForConditionalGeneration has a twin of", "not small"],
+        ),
     ],
-    ids=["dense", "remote-code", "two-routers", "extra-slots"],
+    ids=["dense", "remote-code", "two-routers", "extra-slots", "twin-not-small"],
 )
 def test_what_discovery_cannot_read_is_refused_in_one_sentence(config, words):
     with pytest.raises(NotDiscovered) as err:

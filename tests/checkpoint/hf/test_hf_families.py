@@ -19,7 +19,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.hf.families import FAMILIES
 from mcore_proxy.cli import main
 from mcore_proxy.hf.models import load_model, restrict_gates, run
-from mcore_proxy.testing.hf_fixtures import hf_tensors
+from mcore_proxy.testing.hf_fixtures import VISION_LANGUAGE, hf_tensors
 
 # fixture name -> (family, MoE layer ids, config.json keys that hold the expert count)
 CASES = {
@@ -41,6 +41,10 @@ CASES = {
     "cohere2_moe": ("Cohere2Moe", ["0", "1"], ["num_experts"]),
     "hunyuan_v1_moe": ("HunYuanMoEV1", ["0", "1"], ["num_experts"]),
     "exaone_moe": ("ExaoneMoe", ["1", "2"], ["num_experts"]),
+    # vision-language wrappers, discovered: the vision tower and projector are copied bit for bit
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", ["0", "1"], ["text_config.num_local_experts"]),
+    "aria": ("AriaForConditionalGeneration", ["0", "1"], ["text_config.moe_num_experts"]),
+    "minimax_m3_vl": ("MiniMaxM3SparseForConditionalGeneration", ["0", "1"], ["text_config.num_local_experts"]),
 }
 TOKENS = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(11))
 
@@ -105,6 +109,20 @@ def test_kept_tensors_are_the_sources_and_the_rest_is_copied(hf_proxy, name):
     moe = {hf.split("{e}")[0] for hf in spelling.values() for hf in [hf[0]]}
     copied = [k for k in source if not any(k.startswith(m) for m in moe) and k not in {v[0] for v in spelling.values()}]
     assert copied and all(torch.equal(got[k], source[k]) for k in copied)
+
+
+@pytest.mark.parametrize("name", sorted(VISION_LANGUAGE))
+def test_a_vision_language_proxy_keeps_its_vision_tower_and_its_config(hf_proxy, name):
+    """Only the language model is pruned: every vision tensor and the vision config are the source's."""
+    orig, _, _, _, proxy = hf_proxy(name)
+    source, got = hf_tensors(orig), hf_tensors(proxy)
+    vision = [k for k in source if "vision" in k or "visual" in k or "projector" in k]
+    assert len(vision) > 10 and all(torch.equal(got[k], source[k]) for k in vision)
+    before, after = (json.loads((folder / "config.json").read_text()) for folder in (orig, proxy))
+    assert after["vision_config"] == before["vision_config"]
+    assert {k: v for k, v in after.items() if k != "text_config"} == {
+        k: v for k, v in before.items() if k != "text_config"
+    }
 
 
 def test_hash_routed_tokens_follow_their_substitutes(hf_proxy):
