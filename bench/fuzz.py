@@ -258,14 +258,14 @@ def _huge_tensor(path: Path) -> None:
     """Replace the file by one whose pickle declares 2**50 elements over a 16-byte storage."""
     import torch
 
-    from mcore_proxy.checkpoint.torchfile import TorchFileWriter, _TensorRecord
+    from mcore_proxy.checkpoint.torchfile import TorchFileWriter, TensorRecord
 
     state = torch.load(path, weights_only=False)
     writer = TorchFileWriter(path)
     rec = writer.add(torch.zeros(4))
     model = state.get("model", {}) if isinstance(state, dict) else {}
     key = next((k for k, v in model.items() if isinstance(v, torch.Tensor)), "w")
-    huge = _TensorRecord(rec.key, torch.float32, torch.Size([1 << 25, 1 << 25]))
+    huge = TensorRecord(rec.key, torch.float32, torch.Size([1 << 25, 1 << 25]))
     if "model" in state:
         writer.close({"args": state["args"], "checkpoint_version": 3.0, "iteration": 10, "model": {key: huge}})
     else:

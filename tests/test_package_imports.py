@@ -109,6 +109,22 @@ def test_no_module_imports_another_modules_private_names():
     assert not bad, "\n".join(bad)
 
 
+def test_tests_benchmarks_and_examples_use_only_public_names():
+    """What a test or benchmark needs of a module is its public face: a private helper worth
+    testing on its own is given a public name."""
+    bad = []
+    for folder in ("tests", "bench", "examples", "tools"):
+        for path in sorted((ROOT.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mcore_proxy":
+                    bad += [
+                        f"{path.relative_to(ROOT.parent)}:{node.lineno} imports {a.name} from {node.module}"
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_library_does_not_import_the_test_helpers():
     """`mcore_proxy.testing` builds fixtures for tests; a library module that needs megatron-core
     on CPU uses `mcore_proxy.functional`."""
@@ -199,7 +215,7 @@ def _is_command(module: str) -> bool:
 
 def _command_imports(modules) -> list[str]:
     return [
-        f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {imported}"
+        f"{module}:{line} imports {imported}"
         for module in modules
         if not _is_command(module)
         for imported, _, line in _imports(module)
@@ -214,6 +230,58 @@ def test_the_library_never_imports_the_command_line():
     bad = _command_imports(MODULES)
     assert not bad, "\n".join(bad)
     assert _is_command("mcore_proxy.trace.collect_cli") and not _is_command("mcore_proxy.runtime.memory")
+
+
+# Inside a format: every module of a format package (`checkpoint/hf/`, `legacy/`, `torch_dist/`; the
+# package's `__init__` is its interface) and the MindSpeed-LLM naming the Megatron formats share.
+# Callers outside `checkpoint` reach them through `checkpoint/formats.py`, the `Format` and `Writer`
+# records, the views, and each format package's `__init__`. `testing` builds fixture files of each
+# format on purpose and is not a caller.
+MINDSPEED_NAMING = {"mcore_proxy.checkpoint.mindspeed_llm", "mcore_proxy.checkpoint.mindspeed_llm_v4"}
+
+
+def _inside_a_format(module: str) -> bool:
+    parts = module.split(".")
+    return module in MINDSPEED_NAMING or (
+        len(parts) > 3 and parts[1] == "checkpoint" and MODULES[".".join(parts[:3])].name == "__init__.py"
+    )
+
+
+def _format_imports(modules) -> list[str]:
+    return [
+        f"{module}:{line} imports {imported}"
+        for module in modules
+        if _part(module) not in ("checkpoint", "testing")
+        for imported, _, line in _imports(module)
+        if (target := _resolve(imported)) and _inside_a_format(target)
+    ]
+
+
+def test_no_caller_imports_a_formats_modules():
+    """checkpoint/interface.py's rule: what a caller needs of a format (a rank's state dict, the
+    quantization it holds, which namings it writes) is a value of its interface."""
+    bad = _format_imports(MODULES)
+    assert not bad, "\n".join(bad)
+    assert _inside_a_format("mcore_proxy.checkpoint.hf.native") and _inside_a_format(
+        "mcore_proxy.checkpoint.mindspeed_llm"
+    )
+    assert not _inside_a_format("mcore_proxy.checkpoint.hf") and not _inside_a_format("mcore_proxy.checkpoint.view")
+
+
+def test_the_format_and_command_checkers_see_a_violation(tmp_path, monkeypatch):
+    """A module written for the occasion: a caller that reaches into the HF reader and imports a
+    command's flags is caught by both checkers."""
+    bad = tmp_path / "bad_caller.py"
+    bad.write_text(
+        "from mcore_proxy.checkpoint.hf.reader import HFCheckpoint\n"
+        "from mcore_proxy.checkpoint import hf\n"
+        "from mcore_proxy.cli_support.flags import add_flags\n"
+    )
+    monkeypatch.setitem(MODULES, "mcore_proxy.select.bad_caller", bad)
+    assert _format_imports(["mcore_proxy.select.bad_caller"]) == [
+        "mcore_proxy.select.bad_caller:1 imports mcore_proxy.checkpoint.hf.reader"
+    ]
+    assert len(_command_imports(["mcore_proxy.select.bad_caller"])) == 1
 
 
 def test_the_direction_checker_sees_a_violation(monkeypatch):

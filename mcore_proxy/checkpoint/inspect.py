@@ -53,7 +53,7 @@ def describe(view: ModelView) -> dict:
     info = view.info
     layout = info.layout
     descriptor = getattr(info.format_info, "descriptor", None)  # an HF folder read by its family's descriptor
-    files, file_bytes = _files_and_bytes(info.path) if info.path else (0, 0)
+    files, file_bytes = files_and_bytes(info.path) if info.path else (0, 0)
     return {
         "path": str(info.path or ""),
         "checkpoint_format": info.format,
@@ -104,7 +104,7 @@ def describe(view: ModelView) -> dict:
     }
 
 
-def _files_and_bytes(path) -> tuple[int, int]:
+def files_and_bytes(path) -> tuple[int, int]:
     """(files, bytes) under `path`, a file or a folder, with one stat per file: scandir tells files
     from folders without one, where `rglob` + `is_file` + `stat` cost 0.1 s on 2,048 rank folders.
     Symlinked files count, symlinked folders are not entered (as `rglob`)."""

@@ -4,7 +4,8 @@ A format is one package under `mcore_proxy/checkpoint/` (`legacy/`, `torch_dist/
 exposing one `Format` record, registered by one row in `checkpoint/formats.py`. Everything else
 goes through that table: `open_checkpoint`, `detect_format`, `inspect`, the CLI's `--format`
 choices, `write_checkpoint` and `convert` (one process, `--workers N`, or `torchrun` ranks). No
-caller imports a format's modules, and a format imports no other format.
+caller outside `checkpoint/` imports a module inside a format package (its `__init__` is its
+public face; tests/test_package_imports.py checks it), and a format imports no other format.
 
 Reading (`Format.detect`, `Format.open`):
   detect(path) -> bool       cheap, no tensor data: does `path` (a checkpoint root or a data
@@ -98,7 +99,7 @@ class Finished:
 class TargetOptions:
     """What the user asked of the output's parallel layout; None: not given (keep the source's).
     plan_ep: the plan's EP degree, the default EP when `ep` is not given; naming: the tensor names
-    (not a layout: `convert.pipeline.prepare` checks it against the format)."""
+    (not a layout: each writer's `refuse_options` checks it against the format)."""
 
     tp: int | None = None
     pp: int | None = None
@@ -109,7 +110,7 @@ class TargetOptions:
     pipeline_layout: str | None = None
     vpp: int | None = None
     plan_ep: int | None = None
-    naming: str | None = None  # "megatron" / "mindspeed-llm" (checkpoint/mindspeed_llm.py)
+    naming: str | None = None  # one of NAMINGS; a format that does not write it refuses it
     tp_extend_ep: bool | None = None  # MindSpeed-LLM --moe-tp-extend-ep
 
     def __post_init__(self):
@@ -128,11 +129,36 @@ class TargetOptions:
         ]
 
 
+# the tensor names a Megatron checkpoint is written in (`--naming`: a value; the legacy writer maps it)
+NAMINGS = ("megatron", "mindspeed-llm")
+
+
 class Writer(ABC):
-    """Writes any ModelView at a target (module docstring)."""
+    """Writes any ModelView at a target (module docstring).
+
+    `namings`: the `--naming` values this format writes; `tp_extend_ep`: whether it writes
+    MindSpeed-LLM's --moe-tp-extend-ep layout. `refuse_options` turns the others away."""
+
+    namings: tuple[str, ...] = ("megatron",)
+    tp_extend_ep: bool = False
+
+    def refuse_options(self, options: TargetOptions) -> None:
+        """ProxyError for an option this format does not write (call first in `target`)."""
+        if options.naming not in (None, *NAMINGS):
+            raise ProxyError(f"--naming {options.naming!r} is not one of {', '.join(NAMINGS)}")
+        if options.naming is not None and options.naming not in self.namings:
+            raise ProxyError(
+                f"--naming {options.naming} is written in the legacy format only (MindSpeed-LLM saves "
+                "--ckpt-format torch); pass --format legacy"
+            )
+        if options.tp_extend_ep and not self.tp_extend_ep:
+            raise ProxyError(
+                "--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy"
+            )
 
     def target(self, view, options: TargetOptions):
         """A Megatron ParallelLayout: the options given, else the source's TP/PP/ETP and the plan's EP."""
+        self.refuse_options(options)
         return source_target(
             view,
             tp=options.tp,
@@ -144,6 +170,13 @@ class Writer(ABC):
             pipeline_layout=options.pipeline_layout,
             vpp=options.vpp,
         )
+
+    def model_flags(self, view, target) -> list[str]:
+        """The model-shape flags of the launch line that loads `view` written at `target`
+        (Megatron-LM's, from the view's args; a writer of another framework's names overrides)."""
+        from mcore_proxy.mcore.launch_flags import model_flags
+
+        return model_flags(view.args)
 
     @abstractmethod
     def check(self, view, target) -> None: ...
@@ -174,3 +207,7 @@ class Format:
     open: Callable[[Path], object]
     writer: Writer | None = None
     framework: str = "megatron-core"
+    # load_rank(path, (tp, pp, ep), layout) -> dict: the state dict one megatron-core rank loads
+    # from the checkpoint at `path` written at `layout` (weights only: nothing in it runs); a format
+    # megatron-core loads rank file by rank file has one (legacy)
+    load_rank: Callable[[Path, tuple, object], dict] | None = None

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
+from mcore_proxy.checkpoint.interface import NAMINGS
 from mcore_proxy.checkpoint.names import apply_variants, canonical_sort_key, restore_variant
 from mcore_proxy.checkpoint.view import ModelView
 from mcore_proxy.core.errors import CheckpointError
@@ -45,8 +46,7 @@ from mcore_proxy.mcore.sharding import MINDSPEED_SPEC
 if TYPE_CHECKING:
     import torch
 
-MEGATRON, MINDSPEED_LLM = "megatron", "mindspeed-llm"
-NAMINGS = (MEGATRON, MINDSPEED_LLM)
+MEGATRON, MINDSPEED_LLM = NAMINGS
 
 # NAME_VARIANTS ids MindSpeed-LLM's naming uses (names.py); "final_layernorm_top" only with MTP
 _RENAME_VARIANTS = ("mtp_final_layernorms", "dsa_indexer")
@@ -291,25 +291,18 @@ def detect_naming(args, keys, where: str = "args") -> MindSpeedNaming | None:
 # -- writing: a canonical view seen under MindSpeed-LLM's names --------------------------------------
 
 
-def written_naming(view, naming: str | None, fmt: str):
-    """The naming a writer of format `fmt` writes `view` in: `naming` ("megatron" / "mindspeed-llm"),
-    or by default the source's (MindSpeed-LLM names are written to legacy checkpoints only, as
-    MindSpeed-LLM saves them). Returns a MindSpeedNaming or None (megatron-core names)."""
+def written_naming(view, naming: str | None):
+    """The naming the legacy writer writes `view` in: `naming` ("megatron" / "mindspeed-llm",
+    already checked by `Writer.refuse_options`), or by default the source's. Returns a
+    MindSpeedNaming or None (megatron-core names)."""
     from mcore_proxy.checkpoint.layer_spec import attention_kind
     from mcore_proxy.core.errors import ProxyError
 
-    if naming not in (None, *NAMINGS):
-        raise ProxyError(f"--naming {naming!r} is not one of {', '.join(NAMINGS)}")
     source = view.info.naming
     if naming is None:
-        return source if fmt == "legacy" else None
+        return source
     if naming == MEGATRON:
         return None
-    if fmt != "legacy":
-        raise ProxyError(
-            f"--naming {MINDSPEED_LLM} is written in the legacy format only (MindSpeed-LLM saves "
-            "--ckpt-format torch); pass --format legacy"
-        )
     if view.args is not None and arg(view.args, "experimental_attention_variant") == "dsv4_hybrid":
         from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming
 

@@ -462,7 +462,7 @@ class TorchFile:
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
-def _model_payload(path: str) -> bytes | None:
+def model_payload(path: str) -> bytes | None:
     """Worker side of `open_many`: the model state of one rank file (`model`, `model0`, ...) as
     plain data: a LazyTensor becomes its storage and box, a None or number stays itself. None
     when the file holds anything else there (the parent then parses the file itself: objects
@@ -532,12 +532,12 @@ def open_many(
     paths: list[Path], workers: int, like: "collections.abc.Iterable[TorchFile]" = ()
 ) -> "collections.abc.Iterator[TorchFile]":
     """TorchFiles of `paths`, in order, parsed by `workers` forked processes (in this one when
-    `workers` <= 1). Only the model state crosses back, as plain data (`_model_payload`): the
+    `workers` <= 1). Only the model state crosses back, as plain data (`model_payload`): the
     files' other entries (args, optimizer, RNG state) are not kept; open the files that must
     tell those with `TorchFile`. Parsing a rank file (zip index, pickle) is pure Python, so
     processes, not threads. Each file's metadata is read ahead (`MetadataReadAhead`), as much of
     it as the files `like` these held, with a margin (64 KiB and 32 KiB without them)."""
-    ahead_args = _read_ahead_sizes(like)
+    ahead_args = read_ahead_sizes(like)
     if workers <= 1 or len(paths) < 2:
         ahead = MetadataReadAhead(paths, *ahead_args)
         try:
@@ -560,7 +560,7 @@ def open_many(
     with pool:
         # up to 64 files a task: each result wakes this process, whose core the workers share
         chunksize = max(1, min(64, len(paths) // (4 * workers)))
-        payloads = pool.imap(_model_payload, [str(p) for p in paths], chunksize)
+        payloads = pool.imap(model_payload, [str(p) for p in paths], chunksize)
         ahead = MetadataReadAhead(paths, *ahead_args)  # after the fork: no child starts with this thread's state
         try:
             import_torch_while_waiting()
@@ -571,7 +571,7 @@ def open_many(
             ahead.close()
 
 
-def _read_ahead_sizes(like) -> tuple[int, ...]:
+def read_ahead_sizes(like) -> tuple[int, ...]:
     """(head, tail) bytes to read ahead of files like `like`: a quarter more than their largest,
     in whole 4 KiB pages; () (the defaults) when none of them was parsed here."""
     spans = [tf.metadata_span for tf in like if tf.metadata_span is not None]
@@ -594,7 +594,7 @@ def materialize(obj):
 # -- writing -------------------------------------------------------------------------------
 
 
-class _TensorRecord:
+class TensorRecord:
     __slots__ = ("key", "dtype", "shape", "numel")
 
     def __init__(self, key: str, dtype: str, shape: tuple[int, ...]):
@@ -605,7 +605,7 @@ class _TensorRecord:
 class _StoragePid:
     __slots__ = ("record",)
 
-    def __init__(self, record: _TensorRecord):
+    def __init__(self, record: TensorRecord):
         self.record = record
 
 
@@ -654,7 +654,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us emit Unresolv
         return None
 
     def reducer_override(self, obj):
-        if isinstance(obj, _TensorRecord):
+        if isinstance(obj, TensorRecord):
             stride = _contiguous_stride(obj.shape)
             return (
                 _Global.of("torch._utils", "_rebuild_tensor_v2"),
@@ -725,10 +725,10 @@ class TorchFileWriter:
         self.size: int | None = None
         self.sha256: str | None = None
 
-    def add(self, tensor: "torch.Tensor") -> _TensorRecord:
+    def add(self, tensor: "torch.Tensor") -> TensorRecord:
         return self.add_pieces([tensor])
 
-    def add_pieces(self, pieces: list["torch.Tensor"]) -> _TensorRecord:
+    def add_pieces(self, pieces: list["torch.Tensor"]) -> TensorRecord:
         """One tensor stored as `pieces` back to back (blocks along dim 0, e.g. the gate and up
         rows of a GLU shard): the same bytes as their concatenation, without making it."""
         pieces = [p.detach().cpu() for p in pieces]  # torch tensors or HostTensors
@@ -741,7 +741,7 @@ class TorchFileWriter:
         except BaseException:
             self.abort()
             raise
-        return _TensorRecord(key, pieces[0].dtype, shape)
+        return TensorRecord(key, pieces[0].dtype, shape)
 
     def close(self, obj) -> None:
         try:

@@ -132,6 +132,14 @@ class ModelView(ABC):
         Hugging Face view read as megatron-core names: `HFNativeView.named_for`)."""
         return self
 
+    def quantized_schemes(self) -> frozenset[str]:
+        """The quantization schemes of the weights this view holds with their companions, read from
+        the names alone (no tensor data): "fp8-block", "e8m0-scale", "mxfp4", "int4-packed"
+        (`checkpoint/hf/quant.py`; FP8 block scales keep their companions under Megatron names)."""
+        from mcore_proxy.checkpoint.hf.quant import find_quantized
+
+        return frozenset(q.scheme for q in find_quantized(self.names()))
+
     def dequantized(self) -> "ModelView":
         """The same checkpoint with block-quantised (FP8) weights read as bf16 and no scale tensors
         (`convert --dequantize`); a view that holds none refuses."""

@@ -94,15 +94,12 @@ def _build(view):
     """The one-rank model chunk of `view`, its tensors loaded strictly, in fp32 (call inside the world)."""
     import torch
 
-    from mcore_proxy.checkpoint.legacy.reader import RANK_FILE, resolve_legacy_dir
-    from mcore_proxy.checkpoint.layout import rank_dir_name
-    from mcore_proxy.checkpoint.torchfile import load_weights_only
+    from mcore_proxy.checkpoint.formats import get_format
     from mcore_proxy.functional.family import build_chunks
     from mcore_proxy.functional.model import Layout
 
     (chunk,) = build_chunks(_family(view), Layout())
-    it_dir, _ = resolve_legacy_dir(view.info.path)
-    state = load_weights_only(it_dir / rank_dir_name(0, 0, 0, Layout()) / RANK_FILE)
+    state = get_format("legacy").load_rank(view.info.path, (0, 0, 0), Layout())
     chunk.load_state_dict(state["model"], strict=True)
     return chunk.to(torch.float32)
 

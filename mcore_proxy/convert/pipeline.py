@@ -27,10 +27,7 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.convert.twin import require_proven
 from mcore_proxy.checkpoint.formats import detect_format, format_names, get_format, writer_of
 from mcore_proxy.checkpoint.interface import TargetOptions, Unit, WrittenFile
-from mcore_proxy.checkpoint.hf.quant import holds_quantized
 from mcore_proxy.checkpoint.layout import ParallelLayout
-from mcore_proxy.checkpoint import mindspeed_llm_v4 as mindspeed_v4
-from mcore_proxy.checkpoint.mindspeed_llm import written_naming
 from mcore_proxy.core.output import staged_output, write_markers
 from mcore_proxy.checkpoint.safe_globals import unsafe_args
 from mcore_proxy.checkpoint.target import first_last
@@ -39,7 +36,6 @@ from mcore_proxy.convert.manifest import relative_to_output, plan_fingerprint, w
 from mcore_proxy.convert.prune import MERGE_RULE, PrunedView
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.core.tensors import host_tensors
-from mcore_proxy.mcore.launch_flags import model_flags
 from mcore_proxy.mcore.megatron_args import DEFAULTS
 from mcore_proxy.runtime.memory import expect_torch, return_freed_buffers_to_os
 from mcore_proxy.runtime.progress import byte_bar
@@ -146,10 +142,11 @@ def output_format(req: ConvertRequest) -> str:
     return source
 
 
-def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
-    """Megatron launch flags that must change to train or evaluate the proxy. A source without a
-    parallel layout (Hugging Face, in memory) was not saved by a Megatron launch: every model
-    flag its args hold comes first."""
+def launch_flags(view: ModelView, target: ParallelLayout, plan, writer) -> list[str]:
+    """Megatron launch flags that must change to train or evaluate the proxy written by `writer`
+    (its format's Writer). A source without a parallel layout (Hugging Face, in memory) was not
+    saved by a Megatron launch: every model flag its args hold (the writer's `model_flags`) comes
+    first."""
     flags = [
         f"--tensor-model-parallel-size {target.tp}",
         f"--pipeline-model-parallel-size {target.pp}",
@@ -163,11 +160,7 @@ def launch_flags(view: ModelView, target: ParallelLayout, plan) -> list[str]:
             flags += [f"--moe-router-num-groups {r.num_groups}", f"--moe-router-group-topk {r.group_topk}"]
     if view.layout is None and view.args is not None:
         # the source's args hold its expert count and routing; with a plan, the plan's say what the proxy has
-        shape = (
-            mindspeed_v4.launch_flags(mindspeed_v4.mindspeed_args(view.args))
-            if isinstance(target.naming, mindspeed_v4.MindSpeedV4Naming)
-            else model_flags(view.args)
-        )
+        shape = writer.model_flags(view, target)
         flags = [f for f in shape if plan is None or f.split()[0] not in PLANNED_FLAGS] + flags
     flags += pipeline_flags(view.layout, target)
     flags.append("--moe-grouped-gemm" if target.expert_layout != "sequential" else "(no --moe-grouped-gemm)")
@@ -285,20 +278,17 @@ def prepare(req: ConvertRequest, check_space: bool = True) -> Prepared:
 
     fmt = output_format(req)
     source, view, plan = open_views(req.ckpt, req.plan, req.dequantize, fmt, req.merge)
-    written_naming(view, req.target.naming, fmt)  # MindSpeed-LLM names: legacy output of MLA models only
-    if req.merge and holds_quantized(source):
+    if req.merge and source.quantized_schemes():
         raise ProxyError(
             f"{req.ckpt}: holds quantized expert weights, which --merge-clusters cannot average; add --dequantize"
         )
-    if req.target.tp_extend_ep and fmt != "legacy":
-        raise ProxyError("--moe-tp-extend-ep is a layout of legacy rank folders (MindSpeed-LLM); pass --format legacy")
     writer = writer_of(fmt)
     target = writer.target(view, target_options(req, plan))
     writer.check(view, target)
     units = writer.units(view, target)
     sources = view.sources if isinstance(view, PrunedView) else lambda n: [n]
     read = sum(tensor_nbytes(view, n) * len(sources(n)) for n in view.names())
-    flags = [] if target is None else launch_flags(view, target, plan)
+    flags = [] if target is None else launch_flags(view, target, plan, writer)
     result = ConvertResult(
         req.out,
         target,

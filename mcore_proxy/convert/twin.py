@@ -26,10 +26,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mcore_proxy.checkpoint.hf.config import HFConfig
-from mcore_proxy.checkpoint.hf.discovery import FULL_LIST, Discovery, build_twin, discovered
-from mcore_proxy.checkpoint.hf.native import StateDictView
-from mcore_proxy.checkpoint.hf.native_writer import native_outputs, proxy_config
+from mcore_proxy.checkpoint.hf import (
+    FULL_LIST,
+    Discovery,
+    HFConfig,
+    StateDictView,
+    build_twin,
+    discovered,
+    native_outputs,
+    proxy_config,
+)
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.convert.prune import PrunedView
 from mcore_proxy.select.plan import LayerPlan, RouterSettings, SelectionPlan, SourceInfo

@@ -15,7 +15,6 @@ import torch
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.formats import get_format
 from mcore_proxy.checkpoint.safe_globals import enum_member_name
-from mcore_proxy.checkpoint.hf.quant import holds_quantized
 from mcore_proxy.checkpoint.view import ModelView, tensor_nbytes
 from mcore_proxy.convert.manifest import MANIFEST, check_manifest
 from mcore_proxy.convert.prune import PrunedView
@@ -139,7 +138,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
     frameworks = {get_format(v.info.format).framework for v in (source, proxy_view)}
     if len(frameworks) > 1:  # compared under the one naming both have: megatron-core's
         source, proxy_view = source.named_for("megatron-core"), proxy_view.named_for("megatron-core")
-    if holds_quantized(source) and not holds_quantized(proxy_view):
+    if source.quantized_schemes() and not proxy_view.quantized_schemes():
         source = source.dequantized()  # the proxy was written with --dequantize
     try:
         expected = PrunedView(source, plan, merge=merged)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mcore_proxy.checkpoint.hf.families import EXPERT_COUNT_KEYS
+from mcore_proxy.checkpoint.hf import EXPERT_COUNT_KEYS
 from mcore_proxy.core.jsonfile import read_json_object
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate.model import MAX_SIZE, MLA, Architecture, Indexer, LinearAttention, V4Attention

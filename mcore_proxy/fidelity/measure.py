@@ -63,7 +63,7 @@ def next_token_kl(orig: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def as_hf(path: Path, what: str):
     """`path` if it is a Hugging Face folder, else its HF conversion in a temporary folder."""
-    from mcore_proxy.checkpoint.hf.folder import is_hf_checkpoint
+    from mcore_proxy.checkpoint.hf import is_hf_checkpoint
 
     if is_hf_checkpoint(path):
         yield Path(path)

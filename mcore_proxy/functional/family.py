@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_proxy.checkpoint.layout import rank_dir_name
-from mcore_proxy.checkpoint.legacy.reader import RANK_FILE, resolve_legacy_dir
+from mcore_proxy.checkpoint.formats import get_format
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.functional.run import causal_inputs, fixed_tokens, rank_coords, restrict_routers, writes_folder
@@ -304,8 +303,6 @@ def enter_layout(rank: int, world: int, port: int, model: Family, layout: Layout
 
 
 def _load_worker(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
-    from mcore_proxy.checkpoint.torchfile import load_weights_only
-
     torch.set_num_threads(1)  # several ranks share few cores
     try:
         for model, layout, ckpt, out, keep in jobs:
@@ -313,8 +310,7 @@ def _load_worker(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
             chunks = build_chunks(model, layout)
             coords = rank_coords(layout)
             writer = writes_folder(coords, world)  # a collective: every rank calls it once per job
-            it_dir, _ = resolve_legacy_dir(ckpt)
-            state = load_weights_only(it_dir / rank_dir_name(*coords, layout) / RANK_FILE)
+            state = get_format("legacy").load_rank(ckpt, coords, layout)
             for chunk, key in zip(chunks, state_keys(chunks)):
                 chunk.load_state_dict(state[key], strict=True)
             with contextlib.ExitStack() as stack:

@@ -11,8 +11,7 @@ import os
 
 import torch
 
-from mcore_proxy.checkpoint.legacy.reader import RANK_FILE, resolve_legacy_dir
-from mcore_proxy.checkpoint.layout import rank_dir_name
+from mcore_proxy.checkpoint.formats import get_format
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed
 from mcore_proxy.functional.model import Layout, ToyMoE, build_gpt
 
@@ -96,15 +95,11 @@ def restrict_routers(gpt, keep: dict[str, list[int]]):
 
 
 def _load_worker(rank, world, port, model, layout, ckpt_dir, out_path, keep=None):
-    from mcore_proxy.checkpoint.torchfile import load_weights_only
-
     init_distributed(rank, world, port, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
     try:
         gpt = build_gpt(model, layout)
-        it_dir, _ = resolve_legacy_dir(ckpt_dir)
         coords = rank_coords(layout)
-        path = it_dir / rank_dir_name(*coords, layout) / RANK_FILE
-        state = load_weights_only(path)  # what verify --functional loads: nothing in it may run
+        state = get_format("legacy").load_rank(ckpt_dir, coords, layout)  # weights only: nothing in it runs
         gpt.load_state_dict(state["model"], strict=True)
         with restrict_routers(gpt, keep) if keep is not None else contextlib.nullcontext():
             logits = forward_logits(gpt, fixed_tokens(model))

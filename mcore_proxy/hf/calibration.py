@@ -39,7 +39,7 @@ class Batch:
         return self.attention_mask.reshape(-1) == 0
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict]]:
+def records(path: Path) -> Iterator[tuple[int, dict]]:
     if not path.is_file():
         raise ProxyError(
             f"{path}: data file not found; pass a JSONL file with one {{\"text\": ...}} or "
@@ -72,7 +72,7 @@ def token_ids(path: Path, tokenizer_for, vocab_size: int) -> Iterator[list[int]]
     """Token ids of every record. `tokenizer_for()` returns the tokenizer (called on the first
     text record only, so `input_ids` data needs none)."""
     tokenizer = None
-    for number, record in _records(Path(path)):
+    for number, record in records(Path(path)):
         if "input_ids" in record:
             ids = record["input_ids"]
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -57,8 +57,7 @@ def device_of(name: str) -> torch.device:
 def family_of_model(model):
     """The family of a loaded transformers model (by its class name): declared, or discovered in
     this process when its checkpoint was opened."""
-    from mcore_proxy.checkpoint.hf.discovery import discovered
-    from mcore_proxy.checkpoint.hf.families import declared
+    from mcore_proxy.checkpoint.hf import declared, discovered
 
     arch = type(model).__name__
     found = declared(arch) or getattr(discovered(arch), "family", None)
@@ -97,16 +96,14 @@ def _check_quantized_loads(view, folder) -> None:
     DeepSeek-V4's FP4 through accelerate); compressed-tensors int4 needs its own package."""
     import importlib.util
 
-    from mcore_proxy.checkpoint.hf.quant import INT4_PACKED, MXFP4, find_quantized
-
-    schemes = {q.scheme for q in find_quantized(view.names())}
-    if INT4_PACKED in schemes:
+    schemes = view.quantized_schemes()
+    if "int4-packed" in schemes:
         raise ProxyError(
             f"{folder}: compressed-tensors int4 weights are not run by mcore-proxy; collect statistics "
             "on the model's bf16 release (or with the patched Megatron router), then select and convert "
             "this folder: its int4 rows are pruned as they are"
         )
-    if schemes - {MXFP4} and importlib.util.find_spec("accelerate") is None:
+    if schemes - {"mxfp4"} and importlib.util.find_spec("accelerate") is None:
         raise ProxyError(
             f"{folder}: FP8 weights load in transformers on CPU only through accelerate's "
             "dequantization; pip install accelerate, or convert a copy with --dequantize and run that"
@@ -465,18 +462,15 @@ def mtp_layers(model, folder: str | Path) -> list[MTPLayer]:
     `num_hidden_layers + k`: DeepSeek-V3/V3.2, GLM-4.5), none for other families (their MTP
     layers are not run: `unobserved_layers`)."""
     from mcore_proxy.checkpoint.formats import open_checkpoint
-    from mcore_proxy.checkpoint.hf.folder import weight_map
-    from mcore_proxy.checkpoint.hf.safetensors_io import read_tensor
 
     view = open_checkpoint(folder)
     if not view.info.format_info.descriptor.mtp_after_decoder:
         return []
-    wmap, n = weight_map(Path(folder)), view.num_layers
+    n = view.num_layers
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     layers = []
     for depth in range(view.spec.mtp_layers):
-        prefix = f"model.layers.{n + depth}."
-        tensors = {k[len(prefix) :]: read_tensor(Path(folder) / f, k) for k, f in wmap.items() if k.startswith(prefix)}
+        tensors = view.tensors_under(f"model.layers.{n + depth}.")
         layers.append(MTPLayer(model, depth, tensors).to(device=device, dtype=dtype).eval())
     return layers
 

@@ -127,7 +127,7 @@ def test_inspect_of_a_legacy_checkpoint_imports_no_torch(megatron_ckpt, fixture,
 def test_files_and_bytes_counts_as_rglob_does(tmp_path):
     """One stat per file, same answer as rglob + is_file + stat: nested folders, a symlinked file
     counted, a symlinked folder not entered, a dangling link not a file."""
-    from mcore_proxy.checkpoint.inspect import _files_and_bytes
+    from mcore_proxy.checkpoint.inspect import files_and_bytes
 
     (tmp_path / "iter_1" / "mp_rank_00").mkdir(parents=True)
     (tmp_path / "iter_1" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x" * 1000)
@@ -136,5 +136,5 @@ def test_files_and_bytes_counts_as_rglob_does(tmp_path):
     (tmp_path / "linked_dir").symlink_to(tmp_path / "iter_1", target_is_directory=True)
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert _files_and_bytes(tmp_path) == (len(files), sum(p.stat().st_size for p in files)) == (3, 1014)
-    assert _files_and_bytes(tmp_path / "link.pt") == (1, 7)
+    assert files_and_bytes(tmp_path) == (len(files), sum(p.stat().st_size for p in files)) == (3, 1014)
+    assert files_and_bytes(tmp_path / "link.pt") == (1, 7)

@@ -12,7 +12,7 @@ import torch
 
 from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.checkpoint.safe_globals import Unresolved
-from mcore_proxy.checkpoint.torchfile import _model_payload, open_many
+from mcore_proxy.checkpoint.torchfile import model_payload, open_many
 from mcore_proxy.cli import main
 
 FIXTURES = ["seq_tp2_pp2_ep2", "grouped_ep4", "deepseek_like_pp2_uneven"]
@@ -57,7 +57,7 @@ def test_objects_other_than_tensors_never_cross_back_from_a_worker(tmp_path):
     plain, other = tmp_path / "plain.pt", tmp_path / "other.pt"
     torch.save({"model": {"w": torch.arange(6.0).view(2, 3), "x._extra_state": None}}, plain)
     torch.save({"model": {"w": torch.ones(2), "x._extra_state": io.BytesIO(b"fp8 meta")}}, other)
-    assert _model_payload(str(other)) is None and _model_payload(str(plain)) is not None
+    assert model_payload(str(other)) is None and model_payload(str(plain)) is not None
     first, second = open_many([plain, other], workers=2)
     assert first.obj["model"]["x._extra_state"] is None
     assert torch.equal(first.obj["model"]["w"].load(), torch.arange(6.0).view(2, 3))

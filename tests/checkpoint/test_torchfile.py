@@ -98,7 +98,7 @@ def test_metadata_span_covers_what_a_parse_reads(tmp_path):
     through data.pkl's last byte, and the whole zip directory at the end."""
     import struct
 
-    from mcore_proxy.checkpoint.torchfile import _read_ahead_sizes
+    from mcore_proxy.checkpoint.torchfile import read_ahead_sizes
 
     path = tmp_path / "model_optim_rng.pt"
     torch.save({"args": {"n": list(range(2000))}, "w": torch.randn(1 << 16)}, path)
@@ -111,6 +111,6 @@ def test_metadata_span_covers_what_a_parse_reads(tmp_path):
     pkl_end = pkl.header_offset + 30 + name_len + extra_len + pkl.file_size
     head, tail = TorchFile(path).metadata_span
     assert pkl_end <= head <= pkl_end + 64 and tail == directory
-    ahead = _read_ahead_sizes([TorchFile(path)])  # a quarter more, in whole pages
+    ahead = read_ahead_sizes([TorchFile(path)])  # a quarter more, in whole pages
     assert all(n % 4096 == 0 and 1.25 * m <= n < 1.25 * m + 4096 for n, m in zip(ahead, (head, tail)))
-    assert _read_ahead_sizes([]) == ()
+    assert read_ahead_sizes([]) == ()

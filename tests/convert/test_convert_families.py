@@ -164,6 +164,7 @@ def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
     """No layout string nor virtual stages in the proxy's args (megatron-core builds it from
     first/last stage sizes), and the launch flags say so."""
     from mcore_proxy.checkpoint import open_checkpoint
+    from mcore_proxy.checkpoint.formats import writer_of
     from mcore_proxy.convert.pipeline import launch_flags
 
     proxies, plans, _, _, _ = pipeline
@@ -172,7 +173,8 @@ def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
     assert args.pipeline_model_parallel_layout is None and args.virtual_pipeline_model_parallel_size is None
     assert (args.decoder_first_pipeline_num_layers, args.num_experts) == (3, KEEP)
     assert view.layout.stage_layers == (3, 2) and view.layout.vpp == 1
-    flags = launch_flags(open_checkpoint(family_ckpt["deepseek_v3_mla"].legacy), view.layout, plans["deepseek_v3_mla"])
+    source = open_checkpoint(family_ckpt["deepseek_v3_mla"].legacy)
+    flags = launch_flags(source, view.layout, plans["deepseek_v3_mla"], writer_of("legacy"))
     assert "--decoder-first-pipeline-num-layers 3" in flags and "(no --pipeline-model-parallel-layout)" in flags
 
 

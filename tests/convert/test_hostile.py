@@ -142,7 +142,7 @@ def test_huge_declared_sizes_are_refused_before_allocating(copy_of, capsys):
     """A rank file whose pickle declares a tensor of 2**50 elements over a 16-byte storage member."""
     import time
 
-    from mcore_proxy.checkpoint.torchfile import TorchFileWriter, _TensorRecord
+    from mcore_proxy.checkpoint.torchfile import TorchFileWriter, TensorRecord
 
     ckpt = copy_of()
     f = rank_files(ckpt)[0]
@@ -150,7 +150,7 @@ def test_huge_declared_sizes_are_refused_before_allocating(copy_of, capsys):
     writer = TorchFileWriter(f)
     record = writer.add(torch.zeros(4))
     key = next(k for k, v in state["model"].items() if isinstance(v, torch.Tensor))
-    state["model"] = {key: _TensorRecord(record.key, torch.float32, torch.Size([1 << 25, 1 << 25]))}
+    state["model"] = {key: TensorRecord(record.key, torch.float32, torch.Size([1 << 25, 1 << 25]))}
     writer.close({"args": state["args"], "model": state["model"], "checkpoint_version": 3.0})
     start = time.perf_counter()
     code, _, err = run(capsys, "inspect", ckpt)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mcore_proxy.hf.calibration import _records
+from mcore_proxy.hf.calibration import records
 from mcore_proxy.core.errors import ProxyError
 
 
@@ -20,4 +20,4 @@ def test_a_bad_line_names_the_file_and_line(tmp_path, line):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'{"input_ids": [3, 4]}\n' + line + b"\n")
     with pytest.raises(ProxyError, match=r"data\.jsonl:2: not a JSON object"):
-        list(_records(path))
+        list(records(path))

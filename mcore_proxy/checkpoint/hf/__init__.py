@@ -12,12 +12,21 @@ transformers 5 builds (no remote code).
   transforms; `checks`: config.json against the
   tensors; `fp8`: DeepSeek's block scales);
 - `writer.HFWriter`: either kind of view as an HF folder (the format interface's Writer).
+
+What callers outside this package use is imported from here (the names in `__all__`), never from
+the modules above (`tests/test_package_imports.py`): the FORMAT record, the family registry
+(`declared`, `discovered`, EXPERT_COUNT_KEYS) that finds routers in transformers models, and what
+the twin proof (`convert/twin.py`) reads and writes an in-memory twin with.
 """
 
 from __future__ import annotations
 
+from mcore_proxy.checkpoint.hf.config import HFConfig
+from mcore_proxy.checkpoint.hf.discovery import FULL_LIST, Discovery, build_twin, discovered
+from mcore_proxy.checkpoint.hf.families import EXPERT_COUNT_KEYS, declared
 from mcore_proxy.checkpoint.hf.folder import is_hf_checkpoint
-from mcore_proxy.checkpoint.hf.native import open_hf
+from mcore_proxy.checkpoint.hf.native import StateDictView, open_hf
+from mcore_proxy.checkpoint.hf.native_writer import native_outputs, proxy_config
 from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 from mcore_proxy.checkpoint.hf.writer import HFWriter
 from mcore_proxy.checkpoint.interface import Format
@@ -31,4 +40,18 @@ FORMAT = Format(
     framework="transformers",
 )
 
-__all__ = ["FORMAT", "HFCheckpoint", "is_hf_checkpoint"]
+__all__ = [
+    "EXPERT_COUNT_KEYS",
+    "FORMAT",
+    "FULL_LIST",
+    "Discovery",
+    "HFCheckpoint",
+    "HFConfig",
+    "StateDictView",
+    "build_twin",
+    "declared",
+    "discovered",
+    "is_hf_checkpoint",
+    "native_outputs",
+    "proxy_config",
+]

@@ -347,6 +347,12 @@ class HFNativeView(ModelView):
         s = self._sources[name]
         return read_tensor(self.path / s.file, s.key, s.row)
 
+    def tensors_under(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor of the folder whose HF key starts with `prefix`, keyed by the rest of the
+        key, read now (an MTP block transformers does not build, run by `hf.models.mtp_layers`)."""
+        _, wmap, _ = self._read_index
+        return {k[len(prefix) :]: read_tensor(self.path / f, k) for k, f in wmap.items() if k.startswith(prefix)}
+
     def hf_key(self, name: str) -> str:
         """The Hugging Face key a canonical tensor is read from (a fused one: its whole tensor)."""
         return self._sources[name].key

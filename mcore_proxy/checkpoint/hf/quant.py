@@ -189,8 +189,3 @@ def config_dtype(config: dict) -> torch.dtype:
         if name in ("bfloat16", "float16", "float32"):
             return getattr(torch, name)
     return torch.bfloat16
-
-
-def holds_quantized(view) -> bool:
-    """Whether a view holds quantized weights with their companions (reads no tensor data)."""
-    return bool(find_quantized(view.names()))

@@ -226,6 +226,7 @@ class HFWriter(Writer):
 
     def target(self, view: ModelView, options: TargetOptions) -> None:
         """HF output has no parallel layout: the options that set one are refused."""
+        self.refuse_options(options)
         given = [_FLAGS[name] for name in options.given()]
         if given:
             raise ProxyError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mcore_proxy.checkpoint.interface import Format
-from mcore_proxy.checkpoint.legacy.reader import LegacyCheckpoint, is_legacy_checkpoint
+from mcore_proxy.checkpoint.legacy.reader import LegacyCheckpoint, is_legacy_checkpoint, load_rank
 from mcore_proxy.checkpoint.legacy.writer import LegacyWriter
 
 FORMAT = Format(
@@ -12,6 +12,7 @@ FORMAT = Format(
     detect=is_legacy_checkpoint,
     open=LegacyCheckpoint,
     writer=LegacyWriter(),
+    load_rank=load_rank,
 )
 
 __all__ = ["FORMAT", "LegacyCheckpoint"]

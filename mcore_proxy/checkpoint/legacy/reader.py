@@ -96,6 +96,15 @@ def resolve_legacy_dir(path) -> tuple[Path, int | str]:
     )
 
 
+def load_rank(path, coords: tuple[int, int, int], layout) -> dict:
+    """The state dict megatron-core's rank `coords` (tp, pp, ep) loads from the legacy checkpoint
+    at `path` (root or iteration folder) written at `layout`, weights only (nothing in it runs)."""
+    from mcore_proxy.checkpoint.torchfile import load_weights_only
+
+    it_dir, _ = resolve_legacy_dir(path)
+    return load_weights_only(it_dir / rank_dir_name(*coords, layout) / RANK_FILE)
+
+
 class _GroupedExpert:
     """One expert's fc1/fc2 inside a GroupedMLP `weight1` [H, El*n] / `weight2` [El*m, H].
 

@@ -20,7 +20,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mcore_proxy.checkpoint.interface import Finished, Unit, WrittenFile, Writer
+from mcore_proxy.checkpoint.interface import NAMINGS, Finished, Unit, WrittenFile, Writer
 from mcore_proxy.checkpoint.iteration import folder_name, header_iteration, tracker_marker
 from mcore_proxy.checkpoint.layout import ParallelLayout, rank_dir_name
 from mcore_proxy.checkpoint.legacy.reader import RANK_FILE
@@ -31,7 +31,8 @@ from mcore_proxy.checkpoint.mindspeed_llm import (
     naming_args,
     written_naming,
 )
-from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming, MindSpeedV4NamedView
+from mcore_proxy.checkpoint.mindspeed_llm_v4 import MindSpeedV4Naming, MindSpeedV4NamedView, mindspeed_args
+from mcore_proxy.checkpoint.mindspeed_llm_v4 import launch_flags as mindspeed_v4_launch_flags
 from mcore_proxy.checkpoint.names import (
     GROUPED,
     OUTPUT_LAYER,
@@ -289,9 +290,18 @@ class LegacyWriter(Writer):
     """The legacy format's Writer (see `checkpoint/interface.py`). Names: megatron-core's, or
     MindSpeed-LLM's (`--naming`, by default the source's; checkpoint/mindspeed_llm.py)."""
 
+    namings = NAMINGS
+    tp_extend_ep = True
+
+    def model_flags(self, view, target) -> list[str]:
+        """MindSpeed-LLM's flags for its DeepSeek-V4 names; Megatron-LM's otherwise."""
+        if isinstance(target.naming, MindSpeedV4Naming):
+            return mindspeed_v4_launch_flags(mindspeed_args(view.args))
+        return super().model_flags(view, target)
+
     def target(self, view, options):
         target = super().target(view, options)
-        naming = written_naming(view, options.naming, "legacy")
+        naming = written_naming(view, options.naming)
         source = view.info.layout
         extend = options.tp_extend_ep
         if extend is None:
