@@ -25,7 +25,7 @@ import functools
 import logging
 import re
 
-from mcore_proxy.core.handles import CallbackHandle
+from mcore_proxy.engines.hooks import CallbackHandle
 
 log = logging.getLogger(__name__)
 

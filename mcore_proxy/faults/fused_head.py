@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from mcore_proxy.core.handles import CallbackHandle
+from mcore_proxy.engines.hooks import CallbackHandle
 
 log = logging.getLogger(__name__)
 

@@ -10,41 +10,16 @@ faults alter the indices. Expert noise acts on the block's combined routed-exper
 
 from __future__ import annotations
 
-import re
-import sys
-
-import torch
-
+from mcore_proxy.engines import transformers as hf_models
 from mcore_proxy.faults.site import Site
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def is_hf_router(module) -> bool:
-    return (
-        hasattr(module, "top_k")
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
-        and getattr(module, "num_experts", None) is not None
-    )
 
 
 def find_sites(model) -> list[Site]:
-    if "transformers" not in sys.modules:
+    """The routers, fused routed experts and output embeddings of a transformers model (none of
+    anything else), found by `engines/transformers.py` without a family record."""
+    if not hf_models.is_transformers_model(model):
         return []
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        return []
-    sites = []
-    for name, module in model.named_modules():
-        match = _LAYER.search(name + ".")
-        if is_hf_router(module) and match:
-            lid = match.group(1)
-            sites.append(Site("gate", module, lambda lid=lid: lid))
-        elif name.endswith(".experts") and match and hasattr(module, "gate_up_proj"):
-            lid = match.group(1)
-            sites.append(Site("hf_expert", module, lambda lid=lid: lid))
+    sites = [Site("gate", module, lambda lid=lid: lid) for lid, module in hf_models.routers(model).items()]
+    sites += [Site("hf_expert", module, lambda lid=lid: lid) for lid, module in hf_models.fused_experts(model).items()]
     output = model.get_output_embeddings()
-    if output is not None:
-        sites.append(Site("output", output))
-    return sites
+    return sites + ([Site("output", output)] if output is not None else [])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_proxy.core.handles import CallbackHandle
+from mcore_proxy.engines.hooks import CallbackHandle
 from mcore_proxy.core.routing import softmax_topk
 from mcore_proxy.faults.base import Injector
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+from mcore_proxy.engines.hooks import Hooks
 from mcore_proxy.faults import sites as sites_mod
 from mcore_proxy.faults.clock import CLOCK, StepClock
 from mcore_proxy.faults.experts import ExpertNoise
@@ -49,7 +50,7 @@ class FaultSession:
             raise TypeError("FaultSession takes fault specs or their text form")
         self.clock = clock
         self.injectors = [INJECTORS[s.kind](s, clock) for s in specs]
-        self._handles: list = []
+        self.hooks = Hooks()  # every hook of every injector, and the optimizer step hooks
         self._token = next(_TOKENS)
         self._marked: list = []
 
@@ -71,7 +72,7 @@ class FaultSession:
             if not self._first_time(site.module):
                 continue
             for injector in self.injectors:
-                self._handles += injector.attach(site)
+                self.hooks.add(*injector.attach(site))
         return n
 
     def attach_model(self, model) -> int:
@@ -84,14 +85,12 @@ class FaultSession:
             if not self._first_time(opt):
                 continue
             for injector in self.injectors:
-                self._handles += injector.attach_optimizer(opt)
-            self._handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.clock.advance(o)))
+                self.hooks.add(*injector.attach_optimizer(opt))
+            self.hooks.add(opt.register_step_post_hook(lambda o, args, kwargs: self.clock.advance(o)))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
-        for handle in reversed(self._handles):
-            handle.remove()
-        self._handles.clear()
+        self.hooks.remove()
         for seen in self._marked:
             seen.discard(self._token)
         self._marked.clear()

@@ -15,40 +15,21 @@ id (resolved at call time: megatron sets `layer_number` after the MoE layer is b
 
 from __future__ import annotations
 
-from typing import Iterable
-
+from mcore_proxy.engines import megatron
 from mcore_proxy.faults import hf
 from mcore_proxy.faults.site import Site
-
-
-def _megatron_classes():
-    try:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-    except ImportError:
-        return None
-    return MoELayer, GPTModel
-
-
-def router_layer_id(router) -> str | None:
-    from mcore_proxy.trace.megatron import layer_id
-
-    if getattr(router, "layer_number", None) is None:
-        return None
-    return layer_id(router.layer_number, router.config.num_layers)
 
 
 def moe_layer_sites(layer) -> list[Site]:
     """The router and experts of one megatron `MoELayer`."""
     router = layer.router
-    lid = lambda: router_layer_id(router)  # noqa: E731
+    lid = lambda: megatron.router_layer_id(router)  # noqa: E731
     return [Site("router", router, lid), Site("experts", layer.experts, lid)]
 
 
 def gpt_model_sites(gpt) -> list[Site]:
     """The output layer of a megatron `GPTModel` stage that has one (post_process)."""
-    output = getattr(gpt, "output_layer", None)
-    return [Site("output", output)] if output is not None else []
+    return [Site("output", output) for output in megatron.output_layers(gpt)]
 
 
 def vllm_sites(model) -> list[Site]:
@@ -62,15 +43,10 @@ def vllm_sites(model) -> list[Site]:
 
 
 def find_sites(model) -> list[Site]:
-    """Every site of `model` (a module, or a list of virtual-pipeline chunks)."""
-    chunks: Iterable = model if isinstance(model, (list, tuple)) else [model]
-    sites: list[Site] = []
-    classes = _megatron_classes()
-    for chunk in chunks:
-        for module in chunk.modules():
-            if classes is not None and isinstance(module, classes[0]):
-                sites += moe_layer_sites(module)
-            elif classes is not None and isinstance(module, classes[1]):
-                sites += gpt_model_sites(module)
+    """Every site of `model` (a module, or a list of virtual-pipeline chunks): megatron-core's
+    (`engines/megatron.py`) and transformers' (`faults/hf.py`)."""
+    sites = [site for layer in megatron.moe_layers(model) for site in moe_layer_sites(layer)]
+    sites += [Site("output", output) for output in megatron.output_layers(model)]
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
         sites += hf.find_sites(chunk)
     return sites

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_proxy.checkpoint.formats import get_format
+from mcore_proxy.engines.hooks import Hooks
 from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_distributed, local_mla_spec
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.functional.run import causal_inputs, fixed_tokens, rank_coords, restrict_routers, writes_folder
@@ -229,23 +230,17 @@ def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tenso
     labels = {"labels": tokens} if model.mtp_layers else {}
     vpp = len(chunks) > 1
     seen: list[torch.Tensor] = []
-    hooks = [
-        c.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
-        for c in chunks
-        if c.post_process
-    ]
-    try:
-        with torch.no_grad():
-            for vp, chunk in enumerate(chunks):
-                vp_stage = vp if vpp else None
-                if not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
-                    chunk.set_input_tensor(_recv(ps.get_pipeline_model_parallel_prev_rank()))
-                out = chunk(tokens, positions, mask, **labels)
-                if not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
-                    _send(out, ps.get_pipeline_model_parallel_next_rank())
-    finally:
-        for h in hooks:
-            h.remove()
+    with Hooks() as hooks, torch.no_grad():
+        for c in chunks:
+            if c.post_process:
+                hooks.forward(c.output_layer, lambda m, i, o: seen.append(o[0].detach().clone()))
+        for vp, chunk in enumerate(chunks):
+            vp_stage = vp if vpp else None
+            if not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
+                chunk.set_input_tensor(_recv(ps.get_pipeline_model_parallel_prev_rank()))
+            out = chunk(tokens, positions, mask, **labels)
+            if not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
+                _send(out, ps.get_pipeline_model_parallel_next_rank())
     if not seen:
         return None
     if len(seen) != 1 + model.mtp_layers:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from pathlib import Path
 
 import torch
 
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.core.routing import softmax_weights, topk_of
+from mcore_proxy.engines import transformers as hf_models
+from mcore_proxy.engines.hooks import CallbackHandle, Hooks
 
 log = logging.getLogger(__name__)
 
@@ -116,26 +117,11 @@ def text_config_of(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _decoder_layers(model) -> dict[str, torch.nn.Module]:
-    """Decoder layer index -> module, wherever the text model keeps them (`model.layers`,
-    `model.language_model.layers`)."""
-    out = {}
-    for name, module in model.named_modules():
-        m = re.match(r"^(?:.*\.)?layers\.(\d+)$", name)
-        if m and not name.startswith(("model.visual", "model.vision", "vision", "mtp")):
-            out[m.group(1)] = module
-    return out
-
-
 def routers(model) -> dict[str, torch.nn.Module]:
     """Layer id ("3") -> the MoE router module of that decoder layer (the family's
     `runtime.router_module`, e.g. `mlp.gate`, `mlp.router`, `feed_forward.router`)."""
     runtime = family_of_model(model).runtime
-    out = {}
-    for layer_id, layer in _decoder_layers(model).items():
-        module = _child(layer, runtime.router_module)
-        if module is not None and isinstance(_child(module, runtime.router_weight), torch.Tensor):
-            out[layer_id] = module
+    out = hf_models.routers(model, runtime.router_module, runtime.router_weight)
     if not out:
         raise ProxyError(f"{type(model).__name__} has no MoE router at layers.*.{runtime.router_module}")
     return out
@@ -143,15 +129,7 @@ def routers(model) -> dict[str, torch.nn.Module]:
 
 def router_weight(router) -> torch.Tensor:
     """A router's weight [E, H] (its family's `runtime.router_weight`, set by `mark_routers`)."""
-    return _child(router, getattr(router, "_mcore_proxy_weight", "weight"))
-
-
-def _child(module, path: str):
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
+    return hf_models.child(router, getattr(router, "_mcore_proxy_weight", "weight"))
 
 
 def routing(router, output) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,10 +174,9 @@ class Replay:
     def __init__(self, routers: dict[str, torch.nn.Module]):
         self.ids: dict[str, torch.Tensor] = {}
         self._checked: set[str] = set()
-        self.handles = [
-            g.register_forward_hook(lambda mod, args, out, lid=lid: self._replace(lid, mod, out))
-            for lid, g in routers.items()
-        ]
+        self.hooks = Hooks()
+        for lid, g in routers.items():
+            self.hooks.forward(g, lambda mod, args, out, lid=lid: self._replace(lid, mod, out))
 
     def _replace(self, lid: str, router, out):
         ids = self.ids.get(lid)
@@ -221,8 +198,7 @@ class Replay:
         return (logits, softmax_weights(router, logits, ids), ids)
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.hooks.remove()
 
 
 class Routes:
@@ -231,10 +207,9 @@ class Routes:
 
     def __init__(self, routers: dict[str, torch.nn.Module]):
         self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.handles = [
-            g.register_forward_hook(lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
-            for lid, g in routers.items()
-        ]
+        self.hooks = Hooks()
+        for lid, g in routers.items():
+            self.hooks.forward(g, lambda mod, args, out, lid=lid: self._keep(lid, mod, out))
 
     def _keep(self, lid: str, router, out) -> None:
         weights, experts = routing(router, out)
@@ -244,8 +219,7 @@ class Routes:
         )
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.hooks.remove()
 
 
 @contextlib.contextmanager
@@ -259,39 +233,41 @@ def restrict_gates(model, plan):
 
     The logits are masked by wrapping `torch.nn.functional.linear` for the duration of the
     router's own call (its one projection), so the router's code runs unchanged."""
+    family = family_of_model(model)
+    layers = hf_models.decoder_layers(model)
+    with Hooks() as hooks:  # each router's restore, undone newest first on exit
+        for layer_id, router in mark_routers(model).items():
+            hooks.add(_restrict(router, layer_id, layers[layer_id], family, plan))
+        yield
+
+
+def _restrict(router, layer_id: str, layer, family, plan) -> CallbackHandle:
+    """Mask one router to its layer's kept experts (see `restrict_gates`); the handle restores it."""
     import torch.nn.functional as F
 
     from mcore_proxy.select.plan import substitute_rows
 
-    family = family_of_model(model)
-    layers = _decoder_layers(model)
-    saved = []
-    for layer_id, router in mark_routers(model).items():
-        weight = router_weight(router)
-        dropped = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
-        dropped[list(plan.kept(layer_id))] = False
-        edits = []
-        bias = _child(layers[layer_id], family.runtime.score_bias) if family.runtime.score_bias else None
-        if isinstance(bias, torch.Tensor):
-            edits.append((bias, bias.detach().clone()))
-            bias.data[..., dropped] = float("-inf")
-        table = _child(layers[layer_id], family.runtime.hash_table) if family.runtime.hash_table else None
-        if isinstance(table, torch.Tensor):
-            edits.append((table, table.detach().clone()))
-            table.data.copy_(
-                substitute_rows(table.cpu(), plan, layer_id, dropped.numel(), f"the model's {layer_id}").to(
-                    table.device
-                )
-            )
-        saved.append((router, edits))
-        router.forward = _masked_forward(router.forward, dropped, F)
-    try:
-        yield
-    finally:
-        for router, edits in saved:
-            del router.forward  # back to the class's method
-            for tensor, value in edits:
-                tensor.data.copy_(value)
+    weight = router_weight(router)
+    dropped = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
+    dropped[list(plan.kept(layer_id))] = False
+    edits = []
+    bias = hf_models.child(layer, family.runtime.score_bias) if family.runtime.score_bias else None
+    if isinstance(bias, torch.Tensor):
+        edits.append((bias, bias.detach().clone()))
+        bias.data[..., dropped] = float("-inf")
+    table = hf_models.child(layer, family.runtime.hash_table) if family.runtime.hash_table else None
+    if isinstance(table, torch.Tensor):
+        edits.append((table, table.detach().clone()))
+        rows = substitute_rows(table.cpu(), plan, layer_id, dropped.numel(), f"the model's {layer_id}")
+        table.data.copy_(rows.to(table.device))
+    router.forward = _masked_forward(router.forward, dropped, F)
+
+    def restore():
+        del router.forward  # back to the class's method
+        for tensor, value in edits:
+            tensor.data.copy_(value)
+
+    return CallbackHandle(restore)
 
 
 def _masked_forward(forward, dropped: torch.Tensor, F):
@@ -368,25 +344,20 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
     [L][B, S, H] (captured by hooks on the layers: transformers' `hidden_states` replaces the
     last layer's output with the final norm's)."""
     device = next(model.parameters()).device
-    outputs, handles = [], []
-    if hidden:
-        layers = _decoder_layers(model)
-        handles = [
-            layers[i].register_forward_hook(
-                lambda mod, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)
-            )
-            for i in sorted(layers, key=int)
-        ]
-    try:
+    outputs = []
+    with Hooks() as hooks:
+        if hidden:
+            layers = hf_models.decoder_layers(model)
+            for i in sorted(layers, key=int):
+                hooks.forward(
+                    layers[i], lambda mod, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+                )
         with model_forward(model):
             logits = model(
                 input_ids=input_ids.to(device),
                 attention_mask=None if attention_mask is None else attention_mask.to(device),
                 use_cache=False,
             ).logits.float()
-    finally:
-        for h in handles:
-            h.remove()
     return (logits, outputs) if hidden else logits
 
 

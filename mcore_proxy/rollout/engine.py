@@ -77,16 +77,19 @@ def score(llm, model, sequences: list[list[int]]) -> tuple[list, dict]:
     from vllm import SamplingParams
 
     from mcore_proxy.engines import vllm as vllm_engine
+    from mcore_proxy.engines.hooks import Hooks
 
     routers = vllm_engine.moe_routers(model)
     calls: dict[str, list] = {layer: [] for layer in routers}
-    handles = [
-        vllm_engine.add_observer(router, lambda h, logits, w, ids, layer=layer: calls[layer].append(ids.clone()))
-        for layer, router in routers.items()
-    ]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     logprobs = []
-    try:
+    with Hooks() as hooks:
+        for layer, router in routers.items():
+            hooks.add(
+                vllm_engine.add_observer(
+                    router, lambda h, logits, w, ids, layer=layer: calls[layer].append(ids.clone())
+                )
+            )
         for ids in sequences:  # one request per call: each forward pass is one sequence's prefill
             (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
             logprobs.append(
@@ -95,9 +98,6 @@ def score(llm, model, sequences: list[list[int]]) -> tuple[list, dict]:
                     dtype=torch.float32,
                 )
             )
-    finally:
-        for handle in handles:
-            handle.remove()
     total = sum(len(s) for s in sequences)
     topk = {}
     for layer, chunks in calls.items():

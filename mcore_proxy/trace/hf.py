@@ -53,9 +53,7 @@ class GateHooks:
         self.tracer, self.padding = tracer, {}
         for layer_id, gate in gates.items():
             info = RouterInfo(layer_id, int(router_weight(gate).shape[0]), topk_of(gate))
-            tracer.attach(
-                gate.register_forward_hook(lambda mod, args, out, info=info: self._record(info, mod, args, out))
-            )
+            tracer.hooks.forward(gate, lambda mod, args, out, info=info: self._record(info, mod, args, out))
 
     def set_batch(self, batch) -> None:
         from mcore_proxy.hf.models import mtp_mask

@@ -1,36 +1,23 @@
 """megatron-core glue: router -> RouterInfo, forward hooks, and `install(model, out_dir)`.
-
-Layer ids come from the router's own `layer_number` (1-based, global: megatron adds the pipeline
-and virtual-pipeline offsets when it builds the layer), so every stage names its layers the way
-the canonical checkpoint does: L = layer_number - 1, and MTP layers, which megatron numbers after
-the decoder (num_layers + k + 1), become `mtp.{k}`.
+Routers, MoE layers and layer ids come from `engines/megatron.py`; the hooks are the tracer's
+(`Tracer.hooks`, an `engines.hooks.Hooks`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable
 
 import torch
 
+from mcore_proxy.engines import megatron
+from mcore_proxy.engines.megatron import layer_id
 from mcore_proxy.trace import activate
 from mcore_proxy.trace.tracer import RouterInfo, Tracer
 
 log = logging.getLogger(__name__)
 
 _INFO_ATTR = "_mcore_proxy_trace_info"
-
-
-def layer_id(layer_number: int | None, num_layers: int) -> str:
-    """megatron's 1-based global `layer_number` -> stats layer id (`"12"` or `"mtp.0"`)."""
-    if layer_number is None:
-        raise RuntimeError(
-            "MoE router has no layer_number: megatron sets it when the MoE layer is "
-            "built inside a TransformerLayer; trace whole models, not bare routers"
-        )
-    index = int(layer_number) - 1
-    return str(index) if index < num_layers else f"mtp.{index - num_layers}"
 
 
 def _tp_size_rank(module) -> tuple[int, int]:
@@ -160,12 +147,6 @@ def record_experts_call(tracer: Tracer, moe_layer, args: tuple, output) -> None:
     tracer.record_saliency(info.layer_id, experts, out, args[1])
 
 
-def _modules(model) -> Iterable[torch.nn.Module]:
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        yield from chunk.modules()
-
-
 def install(
     model, out_dir: str | os.PathLike, *, flush_every: int = 0, saliency: bool = False, rank: int | None = None
 ) -> Tracer:
@@ -185,27 +166,18 @@ def install(
 def attach_hooks(tracer: Tracer, model, *, saliency: bool = False) -> int:
     """Register the forward hooks of `install` on `model`, owned by `tracer` (removed by
     `tracer.detach()`); returns the number of routers hooked."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    routers, no_saliency = 0, []
-    for module in _modules(model):
-        if isinstance(module, TopKRouter):
-            routers += 1
-            tracer.attach(
-                module.register_forward_hook(
-                    lambda mod, args, kwargs, out: record_router_call(tracer, mod, args, kwargs, out), with_kwargs=True
-                )
+    routers, no_saliency = megatron.routers(model), []
+    for router in routers:
+        tracer.hooks.forward(
+            router, lambda mod, args, kwargs, out: record_router_call(tracer, mod, args, kwargs, out), with_kwargs=True
+        )
+    for layer in megatron.moe_layers(model) if saliency else []:
+        if saliency_supported(layer):
+            tracer.hooks.forward(
+                layer.experts, lambda mod, args, out, layer=layer: record_experts_call(tracer, layer, args, out)
             )
-        elif saliency and isinstance(module, MoELayer):
-            if saliency_supported(module):
-                tracer.attach(
-                    module.experts.register_forward_hook(
-                        lambda mod, args, out, layer=module: record_experts_call(tracer, layer, args, out)
-                    )
-                )
-            else:
-                no_saliency.append(module.layer_number)
+        else:
+            no_saliency.append(layer.layer_number)
     if no_saliency:
         log.warning(
             "trace: saliency_sum is not recorded for MoE layers with layer_number %s: "
@@ -214,4 +186,4 @@ def attach_hooks(tracer: Tracer, model, *, saliency: bool = False) -> int:
         )
     if not routers:
         raise ValueError("install(): the model has no megatron-core TopKRouter; is it a MoE model?")
-    return routers
+    return len(routers)

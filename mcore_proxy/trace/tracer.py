@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.core.stats import RoutingStats, layer_sort_key, save_stats
+from mcore_proxy.engines.hooks import Hooks
 from mcore_proxy.trace.accumulator import LayerAccumulator, full_routing
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class Tracer:
         self._rank = rank
         self._world = None
         self._step_layer: str | None = None
-        self._handles: list = []
+        self.hooks = Hooks()  # every hook that feeds this tracer; `detach` removes them
         self._skipped_backward = 0
         self.closed = False
 
@@ -176,13 +177,9 @@ class Tracer:
             return None
         return save_stats(stats, self.path)
 
-    def attach(self, handle) -> None:
-        """Own a hook handle; it is removed by `detach`."""
-        self._handles.append(handle)
-
     def detach(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+        """Remove every hook this tracer owns (`hooks`)."""
+        self.hooks.remove()
 
     def close(self) -> Path | None:
         """Final flush, then detach every hook. Idempotent."""

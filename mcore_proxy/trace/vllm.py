@@ -32,5 +32,5 @@ def attach(tracer: Tracer, model) -> int:
         def observe(hidden, logits, weights, ids, info=info):
             tracer.record(info, hidden, weights, ids)
 
-        tracer.attach(vllm_engine.add_observer(router, observe))
+        tracer.hooks.add(vllm_engine.add_observer(router, observe))
     return len(routers)

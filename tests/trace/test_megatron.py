@@ -11,7 +11,7 @@ import torch
 
 from mcore_proxy.testing.trace_runs import replica_logits
 from mcore_proxy.trace.cli import merge_folder
-from mcore_proxy.trace.megatron import layer_id
+from mcore_proxy.engines.megatron import layer_id
 
 pytestmark = pytest.mark.megatron  # real megatron-core models (slow)
 

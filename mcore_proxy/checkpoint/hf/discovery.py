@@ -39,6 +39,7 @@ from mcore_proxy.checkpoint.hf import twin
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.descriptor import ConfigKeys, Experts, MoEFamily, Router, Runtime
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.engines.hooks import Hooks
 
 FULL_LIST = "docs/families.md"  # where the refusals point: every family, and why
 _TEXT_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "text_model_config")
@@ -337,22 +338,18 @@ def _observe(model, structure: _Structure, experts: int, text: dict, where_arch)
 
         return hook
 
-    handles = [
-        module.register_forward_hook(note(rest))
-        for modules in layers.values()
-        for rest, module in modules.items()
-        if router_leaf.startswith(rest + ".")
-    ]
     vocab = int(text.get("vocab_size") or twin.VOCAB)
     tokens = torch.randint(3, min(vocab, twin.VOCAB) - 8, (2, 9), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            model(input_ids=tokens, use_cache=False)
-    except Exception as err:
-        raise _refuse(*where_arch, f"could not run small in transformers ({_reason(err)})") from None
-    finally:
-        for h in handles:
-            h.remove()
+    with Hooks() as hooks:
+        for modules in layers.values():
+            for rest, module in modules.items():
+                if router_leaf.startswith(rest + "."):
+                    hooks.forward(module, note(rest))
+        try:
+            with torch.no_grad():
+                model(input_ids=tokens, use_cache=False)
+        except Exception as err:
+            raise _refuse(*where_arch, f"could not run small in transformers ({_reason(err)})") from None
     found = sorted((r for r, k in seen.items() if k == "logits_weights_indices"), key=len, reverse=True)
     if not found:
         raise _refuse(*where_arch, "has a router whose output is not (logits, weights, expert ids)")
