@@ -71,7 +71,7 @@ DEAD_POLICY = (
 
 @dataclass(frozen=True)
 class Options:
-    """Every knob of one selection, validated before any work (see `select_experts`)."""
+    """Every knob of one selection, validated before any work (see `run_selection`)."""
 
     method: str = "multiview"
     weights: tuple[float, float, float] = DEFAULT_WEIGHTS
@@ -448,9 +448,32 @@ def run_selection(
     progress: Callable[[Iterable], Iterable] | None = None,
     keep_matrices: bool = True,
 ) -> tuple[SelectionPlan, dict[str, LayerDetail]]:
-    """`select_experts` (same arguments), also returning per-layer details for the report
-    (`keep_matrices` False: without the fused distance matrices and cluster labels, so memory does
-    not grow with depth)."""
+    """Choose `num_experts` (K) experts in every MoE layer: (the plan, per-layer details for the
+    report). `select_experts` returns the plan alone.
+
+    source: a ModelView (router weights `decoder.layers.{L}.mlp.router.weight` [E, H], model
+    spec, iteration and router fingerprint come from it) or a mapping {layer id: [E, H] array or
+    tensor} (then the fingerprint is None and routing groups come from the keywords).
+    stats: RoutingStats of exactly the checkpoint's MoE layers (MTP included).
+    method: one of METHODS ("multiview", a view subset such as "router+coact", or a ranking
+    baseline "frequency", "gate-mass", "saliency", "random", "first-k").
+    target_ep: expert-parallel degree K must divide. weights: (R, C, P) fusion weights
+    (DEFAULT_WEIGHTS).
+    coact_mode: "partners" | "substitutes". norm: "minmax" | "rank". router_metric: "cosine" |
+    "euclidean". group_policy: "per-group" | "flatten" (None: per-group when the router is
+    group-limited). seed, restarts: K-Medoids restarts (and the random baseline's seed).
+    num_groups / group_topk / score_function: override the checkpoint's routing settings.
+    representative: "frequency" (the most frequent member of each cluster) | "reconstruction"
+    (the member that best reconstructs the layer's output, `refine.refine_representatives`).
+    weight_search: choose each layer's (R, C, P) weights from WEIGHT_GRID by reconstruction.
+    Both None: DEFAULT_REFINEMENTS for "multiview" (see `resolve_refinements`).
+    topk: the proxy router's top-k, `constraints.proxy_topk` (None: the source's; a number; "auto").
+    method "recon-prune": backward elimination by reconstruction, no clustering. The
+    reconstruction options read the layer's expert weights (`reconstruct.layer_function`).
+    progress: wraps the iterable of layer ids (e.g. tqdm). keep_matrices False: details without
+    the fused distance matrices and cluster labels, so memory does not grow with depth.
+    Raises PlanError / StatsError (ProxyError) on infeasible settings before reading tensors.
+    """
     spec, facts, get_weight, iteration, fingerprint = _router_source(
         source, stats, num_groups, group_topk, score_function
     )
@@ -523,70 +546,7 @@ def run_selection(
     return plan, details
 
 
-def select_experts(
-    source,
-    stats: RoutingStats,
-    num_experts: int,
-    *,
-    method: str = "multiview",
-    target_ep: int = 1,
-    weights=DEFAULT_WEIGHTS,
-    coact_mode: str = "partners",
-    norm: str = "minmax",
-    router_metric: str = "cosine",
-    group_policy: str | None = None,
-    seed: int = 0,
-    restarts: int = 8,
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    score_function: str | None = None,
-    representative: str | None = None,
-    weight_search: bool | None = None,
-    topk: int | str | None = None,
-    progress: Callable[[Iterable], Iterable] | None = None,
-) -> SelectionPlan:
-    """Choose `num_experts` (K) experts in every MoE layer and return the plan.
-
-    source: a ModelView (router weights `decoder.layers.{L}.mlp.router.weight` [E, H], model
-    spec, iteration and router fingerprint come from it) or a mapping {layer id: [E, H] array or
-    tensor} (then the fingerprint is None and routing groups come from the keywords).
-    stats: RoutingStats of exactly the checkpoint's MoE layers (MTP included).
-    method: one of METHODS ("multiview", a view subset such as "router+coact", or a ranking
-    baseline "frequency", "gate-mass", "saliency", "random", "first-k").
-    target_ep: expert-parallel degree K must divide. weights: (R, C, P) fusion weights
-    (DEFAULT_WEIGHTS).
-    coact_mode: "partners" | "substitutes". norm: "minmax" | "rank". router_metric: "cosine" |
-    "euclidean". group_policy: "per-group" | "flatten" (None: per-group when the router is
-    group-limited). seed, restarts: K-Medoids restarts (and the random baseline's seed).
-    num_groups / group_topk / score_function: override the checkpoint's routing settings.
-    representative: "frequency" (the most frequent member of each cluster) | "reconstruction"
-    (the member that best reconstructs the layer's output, `refine.refine_representatives`).
-    weight_search: choose each layer's (R, C, P) weights from WEIGHT_GRID by reconstruction.
-    Both None: DEFAULT_REFINEMENTS for "multiview" (see `resolve_refinements`).
-    topk: the proxy router's top-k, `constraints.proxy_topk` (None: the source's; a number; "auto").
-    method "recon-prune": backward elimination by reconstruction, no clustering. The
-    reconstruction options read the layer's expert weights (`reconstruct.layer_function`).
-    progress: wraps the iterable of layer ids (e.g. tqdm).
-    Raises PlanError / StatsError (ProxyError) on infeasible settings before reading tensors.
-    """
-    return run_selection(
-        source,
-        stats,
-        num_experts,
-        method=method,
-        target_ep=target_ep,
-        weights=weights,
-        coact_mode=coact_mode,
-        norm=norm,
-        router_metric=router_metric,
-        group_policy=group_policy,
-        seed=seed,
-        restarts=restarts,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        score_function=score_function,
-        representative=representative,
-        weight_search=weight_search,
-        topk=topk,
-        progress=progress,
-    )[0]
+def select_experts(source, stats: RoutingStats, num_experts: int, **options) -> SelectionPlan:
+    """Choose `num_experts` (K) experts in every MoE layer and return the plan: `run_selection`
+    with its keywords, without the per-layer details."""
+    return run_selection(source, stats, num_experts, keep_matrices=False, **options)[0]
