@@ -34,6 +34,8 @@ DEFAULT_MOE = {
     "hunyuan_v1_moe": dict(num_experts=16, moe_topk=2),
     "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),
     "lfm2_moe": dict(layer_types=(["conv", "conv", "full_attention"] * 20)[:32]),
+    # GLM-4.5V's config.json sets head_dim 128, for which its rotary split [8, 12, 12] is sized
+    "glm4v_moe": dict(text_config=dict(head_dim=128)),
     "qwen4_exp_text": dict(
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
     ),
@@ -69,9 +71,17 @@ def _moe_entries(names: dict, wrapper: bool) -> list[tuple[str, str, dict]]:
             continue
         if (text is not config) != wrapper:  # a wrapper under a causal-LM head: its text type has the row
             continue
-        data = dict(config.to_dict(), **DEFAULT_MOE.get(model_type, {}))
+        data = _merged(config.to_dict(), DEFAULT_MOE.get(model_type, {}))
         if expert_count_keys(text.to_dict() if wrapper else data):
             out.append((model_type, arch, dict(data, model_type=model_type, architectures=[arch])))
+    return out
+
+
+def _merged(config: dict, settings: dict) -> dict:
+    """`config` with `settings` set, into its sub-configs too (`text_config`)."""
+    out = dict(config)
+    for key, value in settings.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 

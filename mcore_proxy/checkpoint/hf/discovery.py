@@ -129,6 +129,24 @@ def _discover(arch: str, data_json: str, where: str) -> Discovery:
         raise _refuse(where, arch, f"has {experts} experts per layer: too few to prune")
     twin_experts = min(experts, twin.MAX_EXPERTS) // 2 * 2
     small = twin.twin_config(full, text_key, list(count_keys), experts, twin_experts)
+    found = (where, arch, model_type, text_key, count_keys, text, twin_experts, transformers.__version__)
+    try:
+        return _discover_twin(small, *found)
+    except _NotRunSmall:
+        wide = twin.with_source_head_dim(small, text_key, text)
+        if wide == small:
+            raise
+        # a rotary split sized for the source's heads (GLM-4.5V's mrope_section): the twin keeps them
+        return _discover_twin(wide, *found)
+
+
+class _NotRunSmall(NotDiscovered):
+    """The twin was built but transformers could not run it."""
+
+
+def _discover_twin(small: dict, where, arch, model_type, text_key, count_keys, text, twin_experts, version):
+    """The family read from one twin config (`small`): built with E and E/2 experts on the meta
+    device, the expert-indexed tensors by shape, the router by one forward."""
     half = twin.with_experts(small, text_key, list(count_keys), twin_experts, twin_experts // 2)
     twin_json = dict(small, model_type=model_type, architectures=[arch])
     try:
@@ -146,7 +164,7 @@ def _discover(arch: str, data_json: str, where: str) -> Discovery:
     where_arch = (where, arch)
     structure = _structure(roles, dict(a.named_modules()), _tensors(a), where_arch)
     runtime = _observe(model, structure, twin_experts, text, where_arch)
-    family = _family(arch, model_type, structure, runtime, model, count_keys, text, transformers.__version__)
+    family = _family(arch, model_type, structure, runtime, model, count_keys, text, version)
     return Discovery(family, twin_json, twin_experts)
 
 
@@ -349,7 +367,8 @@ def _observe(model, structure: _Structure, experts: int, text: dict, where_arch)
             with torch.no_grad():
                 model(input_ids=tokens, use_cache=False)
         except Exception as err:
-            raise _refuse(*where_arch, f"could not run small in transformers ({_reason(err)})") from None
+            why = f"could not run small in transformers ({_reason(err)})"
+            raise _NotRunSmall(_refuse(*where_arch, why).args[0]) from None
     found = sorted((r for r, k in seen.items() if k == "logits_weights_indices"), key=len, reverse=True)
     if not found:
         raise _refuse(*where_arch, "has a router whose output is not (logits, weights, expert ids)")

@@ -269,6 +269,16 @@ def twin_config(full: dict, text_key: str | None, count_keys: list[str], experts
     return out
 
 
+def with_source_head_dim(config: dict, text_key: str | None, text: dict) -> dict:
+    """`config` (a twin) with its text part's `head_dim` back at the source's, where the source
+    gives one: for models whose code sizes a rotary split for the real heads."""
+    out = copy.deepcopy(config)
+    part = out[text_key] if text_key else out
+    if _is_int(text.get("head_dim")):
+        part["head_dim"] = text["head_dim"]
+    return out
+
+
 def with_experts(config: dict, text_key: str | None, count_keys: list[str], old: int, new: int) -> dict:
     """`config` with its expert count `old` set to `new` in every counting key."""
     out = copy.deepcopy(config)
