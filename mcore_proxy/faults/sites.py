@@ -29,7 +29,8 @@ def moe_layer_sites(layer) -> list[Site]:
 
 def gpt_model_sites(gpt) -> list[Site]:
     """The output layer of a megatron `GPTModel` stage that has one (post_process)."""
-    return [Site("output", output) for output in megatron.output_layers(gpt)]
+    output = getattr(gpt, "output_layer", None)
+    return [Site("output", output)] if output is not None else []
 
 
 def vllm_sites(model) -> list[Site]:

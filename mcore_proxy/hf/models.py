@@ -97,14 +97,16 @@ def _check_quantized_loads(view, folder) -> None:
     DeepSeek-V4's FP4 through accelerate); compressed-tensors int4 needs its own package."""
     import importlib.util
 
+    from mcore_proxy.checkpoint.hf import INT4_PACKED, MXFP4
+
     schemes = view.quantized_schemes()
-    if "int4-packed" in schemes:
+    if INT4_PACKED in schemes:
         raise ProxyError(
             f"{folder}: compressed-tensors int4 weights are not run by mcore-proxy; collect statistics "
             "on the model's bf16 release (or with the patched Megatron router), then select and convert "
             "this folder: its int4 rows are pruned as they are"
         )
-    if schemes - {"mxfp4"} and importlib.util.find_spec("accelerate") is None:
+    if schemes - {MXFP4} and importlib.util.find_spec("accelerate") is None:
         raise ProxyError(
             f"{folder}: FP8 weights load in transformers on CPU only through accelerate's "
             "dequantization; pip install accelerate, or convert a copy with --dequantize and run that"

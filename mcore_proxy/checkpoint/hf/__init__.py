@@ -15,8 +15,9 @@ transformers 5 builds (no remote code).
 
 What callers outside this package use is imported from here (the names in `__all__`), never from
 the modules above (`tests/test_package_imports.py`): the FORMAT record, the family registry
-(`declared`, `discovered`, EXPERT_COUNT_KEYS) that finds routers in transformers models, and what
-the twin proof (`convert/twin.py`) reads and writes an in-memory twin with.
+(`declared`, `discovered`, EXPERT_COUNT_KEYS) that finds routers in transformers models, the
+names of the quantization schemes `ModelView.quantized_schemes` reports, and what the twin proof
+(`convert/twin.py`) reads and writes an in-memory twin with.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mcore_proxy.checkpoint.hf.families import EXPERT_COUNT_KEYS, declared
 from mcore_proxy.checkpoint.hf.folder import is_hf_checkpoint
 from mcore_proxy.checkpoint.hf.native import StateDictView, open_hf
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, proxy_config
+from mcore_proxy.checkpoint.hf.quant import INT4_PACKED, MXFP4
 from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
 from mcore_proxy.checkpoint.hf.writer import HFWriter
 from mcore_proxy.checkpoint.interface import Format
@@ -47,6 +49,8 @@ __all__ = [
     "Discovery",
     "HFCheckpoint",
     "HFConfig",
+    "INT4_PACKED",
+    "MXFP4",
     "StateDictView",
     "build_twin",
     "declared",

@@ -87,8 +87,8 @@ def discover(config: HFConfig) -> Discovery:
     return found
 
 
-def _refuse(where: str, arch: str, why: str) -> NotDiscovered:
-    return NotDiscovered(f"{where}: {arch or 'its architecture'} {why}; every family and its status: {FULL_LIST}")
+def _refuse(where: str, arch: str, why: str, kind: type[NotDiscovered] = NotDiscovered) -> NotDiscovered:
+    return kind(f"{where}: {arch or 'its architecture'} {why}; every family and its status: {FULL_LIST}")
 
 
 @functools.lru_cache(maxsize=32)
@@ -367,8 +367,7 @@ def _observe(model, structure: _Structure, experts: int, text: dict, where_arch)
             with torch.no_grad():
                 model(input_ids=tokens, use_cache=False)
         except Exception as err:
-            why = f"could not run small in transformers ({_reason(err)})"
-            raise _NotRunSmall(_refuse(*where_arch, why).args[0]) from None
+            raise _refuse(*where_arch, f"could not run small in transformers ({_reason(err)})", _NotRunSmall) from None
     found = sorted((r for r, k in seen.items() if k == "logits_weights_indices"), key=len, reverse=True)
     if not found:
         raise _refuse(*where_arch, "has a router whose output is not (logits, weights, expert ids)")
