@@ -34,7 +34,8 @@ def main() -> None:
 
     # CPU stand-in for GPUs and the tiny-model builder of mcore-proxy's tests: megatron-core
     # needs a few CUDA calls neutralised on CPU. Neither has anything to do with tracing.
-    from mcore_proxy.functional.model import build_gpt, Layout, toy_from_args
+    from mcore_proxy.functional.family import family_from_args
+    from mcore_proxy.functional.model import build_gpt, Layout
     from mcore_proxy.functional.run import forward_logits
     from mcore_proxy.checkpoint.layout import rank_dir_name
     from mcore_proxy.functional.cpu import patch_megatron_for_cpu
@@ -59,7 +60,7 @@ def main() -> None:
         expert_tensor_parallel_size=layout.etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    model = toy_from_args(margs)
+    model = family_from_args(margs, seq_length=margs.seq_length)
     gpt = build_gpt(model, layout)
     coords = (
         ps.get_tensor_model_parallel_rank(),

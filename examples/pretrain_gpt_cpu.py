@@ -100,28 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def toy_model(args):
-    """The ToyMoE / Layout of mcore_proxy's megatron-core test helpers that the arguments describe."""
-    from mcore_proxy.functional.model import Layout, ToyMoE
+    """The model (as mcore_proxy reads a checkpoint's args: `functional.family.family_from_args`)
+    and the Layout the arguments describe."""
+    from mcore_proxy.functional.family import family_from_args
+    from mcore_proxy.functional.model import Layout
 
-    freq = args.moe_layer_freq
-    model = ToyMoE(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_experts=args.num_experts,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        topk=args.moe_router_topk,
-        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
-        shared_expert_size=args.moe_shared_expert_intermediate_size,
-        shared_expert_gate=args.moe_shared_expert_gate,
-        score_function=args.moe_router_score_function,
-        expert_bias=args.moe_router_enable_expert_bias,
-        num_groups=args.moe_router_num_groups,
-        group_topk=args.moe_router_group_topk,
-        vocab_size=args.padded_vocab_size,
-        seq_length=args.seq_length,
-    )
+    model = family_from_args(args, seq_length=args.seq_length)
     layout = Layout(
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from bench.quality import task
-from mcore_proxy.functional.model import Layout, toy_from_args, ToyMoE
+from mcore_proxy.functional.family import family_from_args
+from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.functional.run import causal_inputs
 
 # The testing ToyMoE config gates its experts with GELU although its args say --swiglu; these
@@ -98,7 +99,7 @@ def read_state(ckpt: str | Path) -> dict:
 def load(ckpt: str | Path):
     """(ToyMoE, GPTModel in eval mode) of a one-rank legacy checkpoint, loaded strictly."""
     state = read_state(ckpt)
-    model = toy_from_args(state["args"])
+    model = family_from_args(state["args"], seq_length=state["args"].seq_length)
     gpt = build(model)
     gpt.load_state_dict(state["model"], strict=True)
     return model, gpt.eval()

@@ -132,6 +132,13 @@ class ModelView(ABC):
         Hugging Face view read as megatron-core names: `HFNativeView.named_for`)."""
         return self
 
+    def embeddings_tied(self) -> bool:
+        """Whether the output layer is the word embeddings: the args' say, else the tensors'
+        (`names.embeddings_tied`)."""
+        from mcore_proxy.checkpoint.names import OUTPUT_LAYER, embeddings_tied
+
+        return embeddings_tied(self.args, OUTPUT_LAYER in self.names())
+
     def quantized_schemes(self) -> frozenset[str]:
         """The quantization schemes of the weights this view holds with their companions, read from
         the names alone (no tensor data): "fp8-block", "e8m0-scale", "mxfp4", "int4-packed"

@@ -84,10 +84,9 @@ def _one_rank(view, label: str):
 
 
 def _family(view):
-    from mcore_proxy.checkpoint.names import OUTPUT_LAYER, embeddings_tied
-    from mcore_proxy.functional.family import family_from_args
+    from mcore_proxy.functional.family import family_from_spec
 
-    return family_from_args(view.args, tied=embeddings_tied(view.args, OUTPUT_LAYER in view.names()))
+    return family_from_spec(view.spec, tied=view.embeddings_tied())
 
 
 def _build(view):

@@ -208,18 +208,14 @@ def functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     with the source's when its routers may only choose the kept experts. The two are the same
     function, so they must agree to rounding."""
     from mcore_proxy.checkpoint.formats import write_checkpoint
-    from mcore_proxy.checkpoint.names import OUTPUT_LAYER, embeddings_tied
     from mcore_proxy.checkpoint.target import resolve_target
-    from mcore_proxy.functional.family import StagedLayout, family_from_args, load_legacy_and_run
-    from mcore_proxy.functional.model import toy_from_args
+    from mcore_proxy.functional.family import StagedLayout, family_from_spec, load_legacy_and_run
 
     keep = {lid: plan.kept(lid) for lid in source.spec.moe_layer_ids}
-    # absent args fields take Megatron's defaults; a field without one is named before any work
-    for label, view in (("the source", source), ("the proxy", proxy)):
-        toy_from_args(view.args, str(view.info.path or label))
-    # the families' builder: GQA or multi-latent attention, MTP, learned or rope positions
+    # GQA or multi-latent attention, MTP, learned or rope positions; a size the args lack is named
+    # (with the file) before any work
     models = {
-        label: family_from_args(view.args, tied=embeddings_tied(view.args, OUTPUT_LAYER in view.names()))
+        label: family_from_spec(view.spec, tied=view.embeddings_tied())
         for label, view in (("source", source), ("proxy", proxy))
     }
     # the reference routes as the proxy does: a proxy top-k (`select --proxy-topk`) changes how many

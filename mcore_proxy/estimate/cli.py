@@ -90,7 +90,7 @@ def register(sub) -> None:
 
 def architecture(args):
     """The Architecture of the layered sources (preset < config.json < checkpoint args)."""
-    from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge, read_hf_config
+    from mcore_proxy.estimate.sources import from_hf_config, from_preset, from_spec, merge, read_hf_config
 
     parts = []
     if args.preset:
@@ -101,9 +101,7 @@ def architecture(args):
         from mcore_proxy.checkpoint import open_checkpoint
 
         view = open_checkpoint(args.ckpt)
-        parts.append(
-            {**from_megatron_args(view.args, view.names(), f"{args.ckpt} args"), "name": args.ckpt.resolve().name}
-        )
+        parts.append({**from_spec(view.spec, view.names(), f"{args.ckpt} args"), "name": args.ckpt.resolve().name})
     if not parts:
         raise ProxyError("estimate needs a model: --ckpt CKPT, --hf-config config.json or --preset NAME")
     return merge(*parts)

@@ -26,23 +26,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.mcore.spec import MLA
 
 
 # The largest size or count taken from any source (2^31 - 1): far beyond any model's width, expert
 # count or vocabulary, and small enough that products of a few of them stay exact in float64-based
 # reports and in int64 tensors.
 MAX_SIZE = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class MLA:
-    """Multi-latent attention sizes (Megatron argument names; DeepSeek's config names in brackets)."""
-
-    q_lora_rank: int | None  # [q_lora_rank]; None: no query compression (linear_q_proj)
-    kv_lora_rank: int  # [kv_lora_rank]
-    qk_head_dim: int  # [qk_nope_head_dim]
-    qk_pos_emb_head_dim: int  # [qk_rope_head_dim]
-    v_head_dim: int  # [v_head_dim]
 
 
 @dataclass(frozen=True)

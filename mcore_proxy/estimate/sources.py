@@ -7,8 +7,9 @@ Qwen2MoeConfig, Qwen3NextConfig, Qwen3_5MoeTextConfig, DeepseekV3Config and Deep
 additions, Kimi-K2's `kimi_k2`, Glm4MoeConfig, DeepseekV4Config, GptOssConfig); a vision-language
 config is read through its `text_config`; transformers is not needed. Every size and count it
 gives must be a JSON integer in 0..MAX_SIZE (`config_int`): 1.5 or 1e308 is refused by name.
-A checkpoint contributes its Megatron/MindSpeed `args` and, where an argument is absent, the
-tensor names it holds (metadata only: no tensor bytes are read).
+A checkpoint contributes its ModelSpec (read once from its Megatron/MindSpeed `args` by the
+format) and, for what only tensors show, the tensor names it holds (metadata only: no tensor
+bytes are read).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 from mcore_proxy.checkpoint.hf import EXPERT_COUNT_KEYS
 from mcore_proxy.core.jsonfile import read_json_object
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.estimate.model import MAX_SIZE, MLA, Architecture, Indexer, LinearAttention, V4Attention
+from mcore_proxy.mcore.spec import MLA
+from mcore_proxy.estimate.model import MAX_SIZE, Architecture, Indexer, LinearAttention, V4Attention
 from mcore_proxy.estimate.presets import PRESETS
 
 # transformers' defaults where a config.json may leave a field out, per model_type
@@ -312,83 +314,55 @@ def from_preset(name: str) -> dict:
     return {**from_hf_config(PRESETS[name], f"preset {name}"), "name": PRESETS[name]["name"]}
 
 
-def from_megatron_args(args, names: list[str], source: str) -> dict:
-    """Architecture fields from a checkpoint's `args` (Megatron and MindSpeed-LLM spellings);
-    where an argument is absent, the checkpoint's canonical tensor names decide, and what neither
-    says is left to a preset or config.json (merge names what is still missing)."""
-    from mcore_proxy.mcore.spec import ModelSpec
-
-    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
-    spec = ModelSpec.from_args(args)
-    heads, hidden = _int(get("num_attention_heads")), spec.hidden_size
+def from_spec(spec, names: list[str], source: str) -> dict:
+    """Architecture fields from a checkpoint's ModelSpec (its args, read once by the format);
+    where the args leave a size unknown (None) it is left to a preset or config.json (merge names
+    what is still missing). The tensor names (none: unknown) add what hand-made args leave out: a
+    flag off by default is on when its tensors are there, one on by default (biases, LayerNorm) is
+    off when they are not."""
+    has = lambda *texts: any(t in n for n in names for t in texts)  # noqa: E731
+    present = lambda said, *texts: said and (not names or has(*texts))  # noqa: E731
+    heads, hidden = spec.num_attention_heads, spec.hidden_size
     # MindSpeed-LLM pads the layer count with --noop-layers (placeholders that hold no
     # parameters, for even pipeline stages): count the real layers only
     real = [L for L in range(spec.num_layers) if L not in spec.noop_layers]
-    groups = get("num_query_groups") if get("group_query_attention") else heads
-    has = lambda text: any(text in n for n in names)  # noqa: E731
+    mla = spec.mla
+    if mla is None and has("linear_kv_down_proj", "kv_layernorm"):
+        raise ProxyError(
+            f"{source}: the tensors are multi-latent attention's but the args do not say "
+            "multi_latent_attention; add it (and the MLA sizes) to the args"
+        )
     out = dict(
         num_layers=len(real),
         hidden_size=hidden,
-        vocab_size=_int(get("padded_vocab_size") or get("vocab_size")),
+        vocab_size=spec.vocab_size,
         num_attention_heads=heads,
-        num_query_groups=_int(groups),
-        kv_channels=_int(get("kv_channels") or (hidden // heads if heads else None)),
-        ffn_hidden_size=_int(get("ffn_hidden_size")),
+        # MLA has no key/value groups: counted as MHA
+        num_query_groups=spec.num_query_groups or heads,
+        kv_channels=spec.kv_channels or (hidden // heads if heads else None),
+        ffn_hidden_size=spec.ffn_hidden_size,
         num_experts=spec.num_experts,
-        moe_ffn_hidden_size=_int(spec.moe_ffn_hidden_size),
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         topk=spec.topk,
         moe_layers=tuple(i for i, L in enumerate(real) if L in spec.moe_layers),
-        shared_expert_size=_int(spec.shared_expert_size) or _n_shared(args),
-        shared_expert_gate=bool(get("moe_shared_expert_gate"))
-        or has("shared_expert_gate")
-        or has("shared_experts.gate_weight"),
+        shared_expert_size=spec.shared_expert_size or 0,
+        shared_expert_gate=spec.shared_expert_gate or has("shared_expert_gate", "shared_experts.gate_weight"),
         mtp_layers=spec.mtp_layers,
-        tied_embeddings=_flag(get("untie_embeddings_and_output_weights"), not has("output_layer.weight"), invert=True),
-        qk_layernorm=_flag(get("qk_layernorm"), has("q_layernorm")),
-        add_bias_linear=_flag(get("add_bias_linear"), has("linear_proj.bias")),
-        add_qkv_bias=_flag(get("add_qkv_bias"), has("linear_qkv.bias")),
-        gated_linear_unit=spec.gated_linear_unit,
-        layernorm_bias=get("normalization") == "LayerNorm",
+        tied_embeddings=not (has("output_layer.weight") if spec.untie_embeddings is None else spec.untie_embeddings),
+        qk_layernorm=spec.qk_layernorm or has("q_layernorm"),
+        add_bias_linear=present(spec.add_bias_linear, "linear_proj.bias"),
+        add_qkv_bias=spec.add_qkv_bias or has("linear_qkv.bias"),
+        gated_linear_unit=spec.activation != "gelu",
+        layernorm_bias=present(spec.normalization == "LayerNorm", "layernorm.bias", "layer_norm_bias"),
         expert_bias=spec.expert_bias or has("router.expert_bias"),
         score_function=spec.score_function,
+        num_groups=spec.num_groups,
+        group_topk=spec.group_topk,
         source=source,
     )
     out = {k: v for k, v in out.items() if v is not None}  # unknown here: left to a preset
-    # decided even when absent: a checkpoint says whether it has MLA and routing groups
-    mla = get("multi_latent_attention") or get("multi_head_latent_attention")
-    if mla is None:
-        mla = has("linear_kv_down_proj") or has("kv_layernorm")
-    out["mla"] = (
-        MLA(
-            q_lora_rank=_int(get("q_lora_rank")),
-            kv_lora_rank=_int(get("kv_lora_rank")),
-            qk_head_dim=_int(get("qk_head_dim") or get("qk_nope_head_dim")),
-            qk_pos_emb_head_dim=_int(get("qk_pos_emb_head_dim") or get("qk_rope_head_dim")),
-            v_head_dim=_int(get("v_head_dim")),
-        )
-        if mla
-        else None
-    )
-    out["num_groups"], out["group_topk"] = spec.num_groups or get("n_group"), spec.group_topk or get("topk_group")
+    out["mla"] = mla  # decided even when absent: a checkpoint says whether it has MLA
     return out
-
-
-def _int(value) -> int | None:
-    return None if value is None else int(value)
-
-
-def _flag(arg, from_names: bool, invert: bool = False) -> bool:
-    """A boolean argument when the args hold it, else what the tensor names show."""
-    if arg is None:
-        return from_names
-    return not bool(arg) if invert else bool(arg)
-
-
-def _n_shared(args) -> int:
-    """MindSpeed-LLM's --n-shared-experts (x the expert width) when the Megatron size is absent."""
-    n = getattr(args, "n_shared_experts", None)
-    width = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "moe_intermediate_size", None)
-    return int(n) * int(width) if n and width else 0
 
 
 def merge(*parts: dict) -> Architecture:

@@ -72,14 +72,11 @@ class Family(ToyMoE):
         # (or a first-stage size, set below with the real PP)
         base = super().transformer_config(dataclasses.replace(layout, pp=1, first_stage_layers=None))
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-        # SwiGLU as the args say (`swiglu`) and both families compute: TransformerConfig's default
-        # activation is gelu, which with gated_linear_unit would be GeGLU
         values.update(
             pipeline_model_parallel_size=layout.pp,
             qk_layernorm=self.qk_layernorm,
             mtp_num_layers=self.mtp_layers or None,
             layernorm_epsilon=self.norm_epsilon,
-            activation_func=torch.nn.functional.silu,
             add_qkv_bias=self.add_qkv_bias,
             moe_router_pre_softmax=self.pre_softmax,
             moe_router_topk_scaling_factor=self.topk_scaling_factor,
@@ -336,53 +333,52 @@ def load_legacy_and_run(jobs: list[tuple], keeps: list | None = None) -> list[to
     return [torch.load(o) for _, _, _, o in jobs]
 
 
-def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Family:
-    """The Family a checkpoint's Megatron args describe (GQA or MLA, local spec), e.g. the args
-    `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether
-    the output layer is the word embeddings (`checkpoint.names.embeddings_tied` of the view); None:
-    only when args say so explicitly (`untie_embeddings_and_output_weights` False)."""
-    from mcore_proxy.mcore import megatron_args as ma
-    from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
-    from mcore_proxy.mcore.spec import ModelSpec
-
-    spec = ModelSpec.from_args(args)
-    # absent in older Megatron's args: its default (megatron_args.DEFAULTS), as ModelSpec reads it
-    freq = parse_layer_pattern(ma.arg(args, "moe_layer_freq"), "args moe_layer_freq")
-    mla = ma.arg_bool(args, "multi_latent_attention")
-    # explicit only when `tied` is not given: absent, the tensors decide (`names.embeddings_tied`)
-    untie = getattr(args, "untie_embeddings_and_output_weights", True)
+def family_from_spec(spec, seq_length: int = 16, tied: bool | None = None) -> Family:
+    """The Family a ModelSpec describes (GQA or MLA, local spec), e.g. of the args `convert` writes
+    for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether the output layer
+    is the word embeddings (`ModelView.embeddings_tied`); None: only when the args said so."""
+    needed = "building the model in megatron-core"
+    heads, vocab = spec.require("num_attention_heads", "vocab_size", needed=needed)
     fields = dict(
-        attention="mla" if mla else "gqa",
+        attention="mla" if spec.mla else "gqa",
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
-        num_attention_heads=ma.arg_int(args, "num_attention_heads", minimum=1),
-        ffn_hidden_size=ma.ffn_hidden_size(args),
+        num_attention_heads=heads,
+        ffn_hidden_size=spec.dense_ffn_hidden_size,
         num_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         topk=spec.topk,
-        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+        # per layer, as the spec reads it (first dense layers and noop layers included)
+        moe_layer_freq=tuple(int(L in spec.moe_layers) for L in range(spec.num_layers)),
         shared_expert_size=spec.shared_expert_size,
         score_function=spec.score_function,
         expert_bias=spec.expert_bias,
         num_groups=spec.num_groups,
         group_topk=spec.group_topk,
-        vocab_size=ma.arg_int(args, "padded_vocab_size", minimum=1),
+        vocab_size=vocab,
         seq_length=seq_length,
-        qk_layernorm=ma.arg_bool(args, "qk_layernorm"),
+        activation=spec.activation,
+        qk_layernorm=spec.qk_layernorm,
         mtp_layers=spec.mtp_layers,
-        shared_expert_gate=ma.arg_bool(args, "moe_shared_expert_gate"),
-        topk_scaling_factor=ma.arg_float(args, "moe_router_topk_scaling_factor"),
-        pre_softmax=ma.arg_bool(args, "moe_router_pre_softmax"),
-        position_embedding_type=ma.arg_str(args, "position_embedding_type"),
-        norm_epsilon=ma.norm_epsilon(args),
-        rotary_base=ma.arg_float(args, "rotary_base"),
-        rotary_percent=ma.arg_float(args, "rotary_percent"),
-        add_qkv_bias=ma.arg_bool(args, "add_qkv_bias"),
-        tied_embeddings=(untie is False) if tied is None else tied,
+        shared_expert_gate=spec.shared_expert_gate,
+        topk_scaling_factor=spec.topk_scaling_factor,
+        pre_softmax=spec.pre_softmax,
+        position_embedding_type=spec.position_embedding_type,
+        norm_epsilon=spec.norm_epsilon,
+        rotary_base=spec.rotary_base,
+        rotary_percent=spec.rotary_percent,
+        add_qkv_bias=spec.add_qkv_bias,
+        tied_embeddings=(spec.untie_embeddings is False) if tied is None else tied,
     )
-    if mla:
-        mla_sizes = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-        fields.update({f: ma.arg_int(args, f, minimum=1) for f in mla_sizes})
+    if spec.mla:
+        fields.update(dataclasses.asdict(spec.mla))
     else:
-        fields.update(num_query_groups=ma.num_query_groups(args), kv_channels=ma.kv_channels(args))
+        fields.update(num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels)
     return Family(**fields)
+
+
+def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Family:
+    """`family_from_spec` of the ModelSpec the args describe."""
+    from mcore_proxy.mcore.spec import ModelSpec
+
+    return family_from_spec(ModelSpec.from_args(args), seq_length, tied)

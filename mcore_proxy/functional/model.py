@@ -1,8 +1,9 @@
 """A small Megatron MoE GPT described by its args, built by megatron-core on CPU.
 
-`ToyMoE` holds the architecture (what `toy_from_args` reads from a checkpoint's args, what
-`megatron_args` writes back), `Layout` the parallel layout of one run, `build_gpt` this rank's
-stage of the model (call `functional.cpu.init_distributed` first).
+`ToyMoE` holds the architecture (what `megatron_args` writes as a checkpoint's args;
+`functional.family.family_from_spec` reads a checkpoint's ModelSpec back into its subclass),
+`Layout` the parallel layout of one run, `build_gpt` this rank's stage of the model (call
+`functional.cpu.init_distributed` first).
 """
 
 from __future__ import annotations
@@ -179,34 +180,3 @@ def build_gpt(model: ToyMoE, layout: Layout):
         position_embedding_type="rope",
     )
     return gpt.eval()
-
-
-def toy_from_args(args, where: str | None = None) -> ToyMoE:
-    """The ToyMoE a checkpoint's Megatron args describe (local spec, RMSNorm, RoPE), its MLP
-    activation as the args say (`activation_of_args`). Absent fields take Megatron's defaults
-    from the one table in `mcore_proxy.mcore.megatron_args`."""
-    from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
-    from mcore_proxy.mcore.megatron_args import activation_of_args, arg, arg_bool, arg_int, ffn_hidden_size
-    from mcore_proxy.mcore.spec import ModelSpec
-
-    spec = ModelSpec.from_args(args, where)
-    freq = parse_layer_pattern(arg(args, "moe_layer_freq", where), "args moe_layer_freq")
-    return ToyMoE(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=arg_int(args, "num_attention_heads", where, minimum=1),
-        ffn_hidden_size=ffn_hidden_size(args, where),
-        num_experts=spec.num_experts,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        topk=spec.topk,
-        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
-        shared_expert_size=spec.shared_expert_size,
-        shared_expert_gate=arg_bool(args, "moe_shared_expert_gate", where),
-        score_function=spec.score_function,
-        expert_bias=spec.expert_bias,
-        num_groups=spec.num_groups,
-        group_topk=spec.group_topk,
-        vocab_size=arg_int(args, "padded_vocab_size", where, minimum=1),
-        seq_length=arg_int(args, "seq_length", where, minimum=1),
-        activation=activation_of_args(args, where),
-    )

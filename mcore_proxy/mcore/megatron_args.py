@@ -12,7 +12,7 @@ Values are validated here too: `args` come from whoever made the file, so a fiel
 type is refused by name, never passed on to `int()` and a traceback.
 
 Some defaults are derived from other fields, as Megatron-LM's `validate_args` and
-`core_transformer_config_from_args` derive them: `ffn_hidden_size`, `kv_channels`,
+`core_transformer_config_from_args` derive them: `default_ffn_hidden_size`, `kv_channels`,
 `num_query_groups`, `norm_epsilon`, `max_position_embeddings`, `rope_type` below. Read those
 through their helper, never through `arg`, which gives only the stored default. The argparse
 defaults are Megatron-LM core_v0.16.1's (`megatron/training/arguments.py`; since 0.16 many are
@@ -35,7 +35,7 @@ DEFAULTS: dict[str, object] = {
     "num_attention_heads": REQUIRED,
     "padded_vocab_size": REQUIRED,
     "seq_length": REQUIRED,
-    "ffn_hidden_size": None,  # Megatron derives it from hidden_size (see ffn_hidden_size)
+    "ffn_hidden_size": None,  # Megatron derives it from hidden_size (see default_ffn_hidden_size)
     # attention (argparse defaults; the None ones are derived by the helpers of the same name)
     "kv_channels": None,  # hidden_size // num_attention_heads (see kv_channels)
     "group_query_attention": False,
@@ -260,14 +260,9 @@ def arg_bool(args, name: str, where: str | None = None) -> bool:
     return bool(value)
 
 
-def ffn_hidden_size(args, where: str | None = None) -> int:
-    """Megatron's dense FFN size: the saved value, else its own rule (4h, or 8h/3 rounded down
-    to a multiple of 64 with SwiGLU)."""
-    value = arg_int(args, "ffn_hidden_size", where, minimum=1)
-    if value is not None:
-        return value
-    hidden = arg_int(args, "hidden_size", where, minimum=1)
-    return int(4 * hidden * 2 / 3 / 64) * 64 if arg_bool(args, "swiglu", where) else 4 * hidden
+def default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
+    """Megatron-LM's validate_args: 4h, or 8h/3 rounded down to a multiple of 64 with SwiGLU."""
+    return int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
 
 
 def kv_channels(args, where: str | None = None) -> int:

@@ -1,4 +1,11 @@
-"""ModelSpec: the architecture facts every stage needs, read from Megatron `args`.
+"""ModelSpec: the one description of a model's structure, read once from Megatron `args`.
+
+Every stage asks the ModelSpec: selection (routing), convert and the writers (layers, experts),
+`estimate` (sizes, attention), `verify --functional`, `distill` and the functional runs (what
+megatron-core builds: attention, positions, norms, embeddings, activation). `ModelSpec.from_args`
+is the only reader of Megatron/MindSpeed args for model structure outside the formats; the HF
+format builds its ModelSpec from args it derives from config.json. Structure fields the args do
+not hold are None, and `require` names them when a stage needs them.
 
 Layer ids are strings: `"L"` for global 0-based decoder layer L (canonical
 `decoder.layers.{L}`), `"mtp.k"` for MTP layer k (canonical `mtp.layers.{k}.transformer_layer`).
@@ -10,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mcore_proxy.core.errors import CheckpointError, ProxyError
 from mcore_proxy.mcore.layer_pattern import MAX_LAYERS, parse_layer_pattern
+from mcore_proxy.mcore import megatron_args as ma
 from mcore_proxy.mcore.megatron_args import DEFAULTS, arg, arg_bool, arg_int, arg_str
 from mcore_proxy.mcore.pipeline_layout import noop_layer_ids
 
@@ -52,6 +60,17 @@ def moe_layer_pattern(num_layers: int, moe_layer_freq, where: str | None = None)
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-latent attention sizes (Megatron argument names; DeepSeek's config names in brackets)."""
+
+    q_lora_rank: int | None  # [q_lora_rank]; None: no query compression (linear_q_proj)
+    kv_lora_rank: int  # [kv_lora_rank]
+    qk_head_dim: int  # [qk_nope_head_dim]
+    qk_pos_emb_head_dim: int  # [qk_rope_head_dim]
+    v_head_dim: int  # [v_head_dim]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Architecture of a Megatron GPT MoE model (units: elements, not bytes)."""
 
@@ -68,11 +87,35 @@ class ModelSpec:
     num_groups: int | None = None
     group_topk: int | None = None
     expert_bias: bool = False
-    gated_linear_unit: bool = True
     # MindSpeed --noop-layers: 0-based global layers counted in num_layers that hold no tensors
     # (pipeline_layout.py point 3); never in moe_layers
     noop_layers: tuple[int, ...] = ()
+    # routing beyond the top-k
+    shared_expert_gate: bool = False
+    topk_scaling_factor: float | None = None  # None: routing weights are not scaled
+    pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
+    # what building the model in megatron-core needs beyond routing; None where the args lack a
+    # size (`require` names it)
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None  # key/value heads as megatron-core runs the model
+    kv_channels: int | None = None  # the GQA/MHA head dim
+    mla: MLA | None = None
+    qk_layernorm: bool = False
+    add_qkv_bias: bool = False
+    add_bias_linear: bool = False
+    normalization: str = "RMSNorm"  # or "LayerNorm" (weight and bias)
+    norm_epsilon: float = 1e-5
+    position_embedding_type: str = "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    activation: str = "swiglu"  # one of megatron_args.ACTIVATIONS
+    vocab_size: int | None = None  # the embedding's rows (padded_vocab_size)
+    seq_length: int | None = None
+    # what the args say of tying (None: nothing; then the tensors decide, `ModelView.embeddings_tied`):
+    # not compared, since the writers state it and a copy of a model is the same model
+    untie_embeddings: bool | None = field(default=None, compare=False)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
+    source: str | None = field(default=None, compare=False, repr=False)  # the file the args come from
 
     def __post_init__(self):
         if self.num_experts and not 0 < self.topk <= self.num_experts:
@@ -83,6 +126,21 @@ class ModelSpec:
         """Every MoE layer id, decoder layers first, then MTP layers."""
         mtp = [f"mtp.{k}" for k in range(self.mtp_layers)] if self.moe_layers else []
         return [str(L) for L in self.moe_layers] + mtp
+
+    @property
+    def dense_ffn_hidden_size(self) -> int:
+        """The dense MLP width megatron-core builds: the saved size, else Megatron's own rule."""
+        return self.ffn_hidden_size or ma.default_ffn_hidden_size(self.hidden_size, self.activation == "swiglu")
+
+    def require(self, *names: str, needed: str):
+        """The fields `names`, or one sentence naming the first one the args lacked and the file."""
+        for name in names:
+            if getattr(self, name) is None:
+                raise CheckpointError(
+                    f"the Megatron args{' in ' + self.source if self.source else ''} lack {name}, which "
+                    f"{needed} needs; add it to the args or re-save the checkpoint"
+                )
+        return tuple(getattr(self, name) for name in names)
 
     @classmethod
     def from_args(cls, args, where: str | None = None) -> "ModelSpec":
@@ -121,12 +179,78 @@ class ModelSpec:
             mtp_layers=arg_int(args, "mtp_num_layers", where, maximum=MAX_LAYERS) or 0,
             ffn_hidden_size=ffn,
             moe_ffn_hidden_size=arg_int(args, "moe_ffn_hidden_size", where, minimum=1) or ffn,
-            shared_expert_size=arg_int(args, "moe_shared_expert_intermediate_size", where) or None,
+            shared_expert_size=_shared_expert_size(args, where),
             score_function=arg_str(args, "moe_router_score_function", where) or "softmax",
-            num_groups=arg_int(args, "moe_router_num_groups", where) or None,
-            group_topk=arg_int(args, "moe_router_group_topk", where) or None,
+            # MindSpeed-LLM's DeepSeek spellings where Megatron's are absent
+            num_groups=_first_int(args, ("moe_router_num_groups", "n_group"), where),
+            group_topk=_first_int(args, ("moe_router_group_topk", "topk_group"), where),
             expert_bias=arg_bool(args, "moe_router_enable_expert_bias", where),
-            gated_linear_unit=arg_bool(args, "swiglu", where) or arg_bool(args, "gated_linear_unit", where),
             noop_layers=tuple(sorted(noop)),
+            shared_expert_gate=arg_bool(args, "moe_shared_expert_gate", where),
+            topk_scaling_factor=ma.arg_float(args, "moe_router_topk_scaling_factor", where),
+            pre_softmax=arg_bool(args, "moe_router_pre_softmax", where),
             extra={"hash_layers": [str(i) for i in range(min(hashed, len(pattern))) if pattern[i]]} if hashed else {},
+            source=where,
+            **_build_facts(args, where),
         )
+
+
+def _present(args, name: str) -> bool:
+    return args is not None and getattr(args, name, None) is not None
+
+
+def _first_int(args, names: tuple[str, ...], where: str | None) -> int | None:
+    """The first of `names` the args hold a non-zero integer for (None: none of them)."""
+    return next((v for n in names if (v := arg_int(args, n, where))), None)
+
+
+def _shared_expert_size(args, where: str | None) -> int | None:
+    """All shared experts' width: Megatron's moe_shared_expert_intermediate_size, else MindSpeed-LLM's
+    --n-shared-experts times the routed experts' width."""
+    size = arg_int(args, "moe_shared_expert_intermediate_size", where)
+    if size:
+        return size
+    n = arg_int(args, "n_shared_experts", where)
+    width = _first_int(args, ("moe_ffn_hidden_size", "moe_intermediate_size"), where)
+    return n * width if n and width else None
+
+
+def _build_facts(args, where: str | None) -> dict:
+    """What megatron-core builds beyond routing: attention, positions, norms, embeddings. A size
+    without a safe default that the args lack is None (routing-only stages never need it)."""
+    heads = arg_int(args, "num_attention_heads", where, minimum=1) if _present(args, "num_attention_heads") else None
+    # MindSpeed-LLM spells the MLA switch and two of its head dims its own way
+    mla = arg_bool(args, "multi_latent_attention", where) or arg_bool(args, "multi_head_latent_attention", where)
+    facts = dict(
+        num_attention_heads=heads,
+        qk_layernorm=arg_bool(args, "qk_layernorm", where),
+        add_qkv_bias=arg_bool(args, "add_qkv_bias", where),
+        add_bias_linear=arg_bool(args, "add_bias_linear", where),
+        normalization=arg_str(args, "normalization", where),
+        norm_epsilon=ma.norm_epsilon(args, where),
+        position_embedding_type=arg_str(args, "position_embedding_type", where),
+        rotary_base=ma.arg_float(args, "rotary_base", where),
+        rotary_percent=ma.arg_float(args, "rotary_percent", where),
+        activation=ma.activation_of_args(args, where),
+        vocab_size=next(
+            (arg_int(args, n, where, minimum=1) for n in ("padded_vocab_size", "vocab_size") if _present(args, n)), None
+        ),
+        seq_length=arg_int(args, "seq_length", where, minimum=1) if _present(args, "seq_length") else None,
+        untie_embeddings=(
+            arg_bool(args, "untie_embeddings_and_output_weights", where)
+            if _present(args, "untie_embeddings_and_output_weights")
+            else None
+        ),
+    )
+    if mla:
+        spelled = lambda name, mindspeed: name if _present(args, name) or not _present(args, mindspeed) else mindspeed  # noqa: E731
+        facts["mla"] = MLA(
+            q_lora_rank=arg_int(args, "q_lora_rank", where, minimum=1),
+            kv_lora_rank=arg_int(args, "kv_lora_rank", where, minimum=1),
+            qk_head_dim=arg_int(args, spelled("qk_head_dim", "qk_nope_head_dim"), where, minimum=1),
+            qk_pos_emb_head_dim=arg_int(args, spelled("qk_pos_emb_head_dim", "qk_rope_head_dim"), where, minimum=1),
+            v_head_dim=arg_int(args, "v_head_dim", where, minimum=1),
+        )
+    elif heads is not None:
+        facts.update(num_query_groups=ma.num_query_groups(args, where), kv_channels=ma.kv_channels(args, where))
+    return facts

@@ -12,7 +12,7 @@ is what a proxy changes in that layer's output (the shared experts and everythin
 identical and cancel). Routing follows megatron-core's TopKRouter without group limits: softmax
 scores taken over the top-k logits (pre-softmax off, Megatron's default) or sigmoid scores with
 the expert bias added for the choice only and the chosen scores normalised (top-k > 1).
-Experts are SwiGLU (`--swiglu`), GELU-gated or GELU MLPs (`activation_of`), weights as in
+Experts are SwiGLU (`--swiglu`), GELU-gated or GELU MLPs (`ModelSpec.activation`), weights as in
 DESIGN.md 4.3.
 """
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcore_proxy.core.errors import PlanError
-from mcore_proxy.mcore.megatron_args import activation_of_args
 from mcore_proxy.mcore.spec import layer_module_prefix
 
 
@@ -62,11 +61,6 @@ def expert_outputs(points: np.ndarray, fc1: np.ndarray, fc2: np.ndarray, activat
         gate, up = np.split(h, 2, axis=1)
         h = (_silu(gate) if activation == "swiglu" else _gelu(gate)) * up
     return h @ fc2.T
-
-
-def activation_of(view) -> str:
-    """The experts' activation from the checkpoint's args (`megatron_args.activation_of_args`)."""
-    return activation_of_args(view.args)
 
 
 @dataclass(frozen=True, repr=False)
@@ -139,7 +133,7 @@ def layer_function(view, layer_id: str, stats_layer, router_weight: np.ndarray) 
     live = np.flatnonzero(freq > 0)
     points = stats_layer.proto_sum[live] / freq[live, None]
     outputs = np.empty((live.size, spec.num_experts, spec.hidden_size), dtype=np.float32)
-    activation = activation_of(view)
+    activation = view.spec.activation
     for e in range(spec.num_experts):
         fc1_name, fc2_name = expert_weight_names(layer_id, e)
         fc1, fc2 = as_float64(view.get(fc1_name)), as_float64(view.get(fc2_name))

@@ -23,7 +23,6 @@ from mcore_proxy.select.constraints import (
     resolve_groups,
 )
 from mcore_proxy.select.plan import Cluster, LayerPlan, SelectionPlan, SourceInfo
-from mcore_proxy.mcore.megatron_args import arg_bool
 from mcore_proxy.mcore.spec import router_weight_name
 from mcore_proxy.core.stats import LayerStats, RoutingStats, layer_sort_key
 
@@ -381,7 +380,7 @@ def _router_source(source, stats: RoutingStats, num_groups, group_topk, score_fu
             num_groups=spec.num_groups if num_groups is None else num_groups,
             group_topk=spec.group_topk if group_topk is None else group_topk,
             score_function=score_function or spec.score_function,
-            pre_softmax=arg_bool(source.args, "moe_router_pre_softmax"),
+            pre_softmax=spec.pre_softmax,
         )
         get = lambda lid: source.get(router_weight_name(lid))  # noqa: E731
         return spec, facts, get, source.iteration, lambda: router_fingerprint(source)

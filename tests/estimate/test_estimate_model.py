@@ -25,12 +25,13 @@ from mcore_proxy.estimate.model import (
     expert_flops_per_token,
     mtp_params,
 )
-from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge
+from mcore_proxy.mcore.spec import ModelSpec
+from mcore_proxy.estimate.sources import from_hf_config, from_preset, from_spec, merge
 from mcore_proxy.testing.fixtures import FIXTURES
 
 
 def arch_of(view, source="fixture"):
-    return merge(from_megatron_args(view.args, view.names(), source))
+    return merge(from_spec(view.spec, view.names(), source))
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
@@ -177,7 +178,7 @@ def built_sizes(tmp_path_factory):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_counts_equal_a_model_megatron_core_builds(built_sizes, model):
     sizes = built_sizes[model]
-    arch = merge(from_megatron_args(_as_args({**_COMMON, **MODELS[model]}), [], "args"))
+    arch = merge(from_spec(ModelSpec.from_args(_as_args({**_COMMON, **MODELS[model]})), [], "args"))
     counted = count_parameters(arch)
     assert counted.total == sum(sizes.values())
     assert counted.experts == sum(v for k, v in sizes.items() if ".experts." in k and "shared" not in k)

@@ -19,7 +19,8 @@ from mcore_proxy.estimate.presets import (
     QWEN3_5_397B_A17B,
     QWEN3_30B_A3B,
 )
-from mcore_proxy.estimate.sources import from_hf_config, from_megatron_args, from_preset, merge, read_hf_config
+from mcore_proxy.mcore.spec import ModelSpec
+from mcore_proxy.estimate.sources import from_hf_config, from_preset, from_spec, merge, read_hf_config
 
 # what a real config.json carries besides the architecture (transformers writes these too)
 NOISE = {
@@ -181,7 +182,7 @@ def test_mindspeed_llm_deepseek_launch_args_count_like_the_preset():
         add_bias_linear=False,
         normalization="RMSNorm",
     )
-    a = merge(from_megatron_args(args, [], "mindspeed args"))
+    a = merge(from_spec(ModelSpec.from_args(args), [], "mindspeed args"))
     assert a.num_layers == 61 and len(a.moe_layers) == 58 and a.num_groups == 8
     assert count_parameters(a) == count_parameters(merge(from_preset("deepseek-v3")))
 
@@ -189,7 +190,7 @@ def test_mindspeed_llm_deepseek_launch_args_count_like_the_preset():
 def test_a_checkpoint_s_own_args_override_a_preset(megatron_ckpt):
     ckpt, _ = megatron_ckpt("deepseek_like_pp2_uneven")
     view = open_checkpoint(ckpt)
-    own = merge(from_megatron_args(view.args, view.names(), "ckpt"))
-    layered = merge(from_preset("deepseek-v3"), from_megatron_args(view.args, view.names(), "ckpt"))
+    own = merge(from_spec(view.spec, view.names(), "ckpt"))
+    layered = merge(from_preset("deepseek-v3"), from_spec(view.spec, view.names(), "ckpt"))
     assert count_parameters(layered) == count_parameters(own)
     assert layered.name == "DeepSeek-V3" and layered.source == "preset deepseek-v3 + ckpt"

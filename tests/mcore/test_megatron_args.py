@@ -9,7 +9,7 @@ import pytest
 
 from mcore_proxy.core.errors import CheckpointError
 from mcore_proxy.mcore import megatron_args as ma
-from mcore_proxy.mcore.megatron_args import DEFAULTS, REQUIRED, TRANSFORMER_CONFIG_NAMES, arg, ffn_hidden_size
+from mcore_proxy.mcore.megatron_args import DEFAULTS, REQUIRED, TRANSFORMER_CONFIG_NAMES, arg
 from mcore_proxy.mcore.spec import ModelSpec
 
 OLDER_MEGATRON_LACKS = (
@@ -94,8 +94,11 @@ def test_wrong_types_are_refused_by_name(field, value):
 
 
 def test_ffn_hidden_size_follows_megatrons_rule_when_absent():
-    assert ffn_hidden_size(argparse.Namespace(hidden_size=96, swiglu=True)) == 256  # int(8*96/3/64)*64
-    assert ffn_hidden_size(argparse.Namespace(hidden_size=96)) == 384
+    def dense(**changes):
+        return ModelSpec.from_args(full_args(hidden_size=96, ffn_hidden_size=dataclasses.MISSING, **changes))
+
+    assert dense().dense_ffn_hidden_size == 256  # int(8*96/3/64)*64
+    assert dense(swiglu=dataclasses.MISSING).dense_ffn_hidden_size == 384
     assert arg(argparse.Namespace(), "expert_tensor_parallel_size") is None
 
 

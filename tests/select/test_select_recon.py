@@ -1,8 +1,6 @@
 """Reconstruction-driven selection (issue 13 item 3): the layer function equals megatron-core's
 MoE layer, and the methods built on it keep K experts, live before dead, on real checkpoints."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -11,7 +9,8 @@ from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.core.errors import PlanError
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.select import run_selection
-from mcore_proxy.select.reconstruct import LayerFunction, activation_of, expert_outputs
+from mcore_proxy.mcore.spec import ModelSpec
+from mcore_proxy.select.reconstruct import LayerFunction, expert_outputs
 from mcore_proxy.select.refine import prune, refine_representatives
 from mcore_proxy.core.stats import load_stats
 
@@ -59,7 +58,7 @@ def test_layer_function_equals_megatron_core_moe_layer(tmp_path, activation):
     got = torch.load(out, weights_only=False)
     w = got["weights"]
     # the model is built as its args say (`--swiglu`: SiLU-gated), the reconstruction reads them so
-    assert activation_of(SimpleNamespace(args=model.megatron_args(Layout()))) == activation
+    assert ModelSpec.from_args(model.megatron_args(Layout())).activation == activation
     outputs = np.stack([expert_outputs(points, w["fc1"][e], w["fc2"][e], activation) for e in range(8)], 1)
     fn = LayerFunction(points @ w["router"].T, outputs, np.ones(12), topk=2)
     np.testing.assert_allclose(fn.output(None), got["full"].numpy(), rtol=1e-4, atol=1e-5)

@@ -39,7 +39,8 @@ ROWS = SHARED_ROWS + (
 
 
 def moe_pattern(config, layers: int, experts: int) -> list[int]:
-    """1 for MoE layers: not in `mlp_only_layers`, and every `decoder_sparse_step`-th."""
+    """1 for MoE layers: not in `mlp_only_layers`, and every `decoder_sparse_step`-th (Qwen2-MoE and
+    Qwen3-MoE alike)."""
     step = config.int("decoder_sparse_step", 1, minimum=1)
     dense = set(config.list("mlp_only_layers", []))
     return [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(layers)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from mcore_proxy.checkpoint.hf.descriptor import E_QWEN
 from mcore_proxy.checkpoint.hf.gqa import QK_NORM_ROWS, QKV_ROW, ROPE_FREQUENCIES, qkv_groups
 from mcore_proxy.checkpoint.hf.mapping import SHARED_ROWS
+from mcore_proxy.checkpoint.hf.qwen2_moe import moe_pattern
 from mcore_proxy.checkpoint.hf.megatron_mapping import (
     MegatronMapping,
     dtype_fields,
@@ -33,12 +34,6 @@ from mcore_proxy.mcore import megatron_args as ma
 
 NAME = "Qwen3-MoE"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
-
-
-def _moe_pattern(config, layers: int, experts: int) -> list[int]:
-    step = config.int("decoder_sparse_step", 1, minimum=1)
-    dense = set(config.list("mlp_only_layers", []))
-    return [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(layers)]
 
 
 def args_from_config(config, mtp_layers: int = 0):
@@ -88,7 +83,7 @@ def args_from_config(config, mtp_layers: int = 0):
         num_experts=experts,
         moe_ffn_hidden_size=config.int("moe_intermediate_size", minimum=1),
         moe_router_topk=config.int("num_experts_per_tok", minimum=1),
-        moe_layer_freq=_moe_pattern(config, layers, experts),
+        moe_layer_freq=moe_pattern(config, layers, experts),
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not config.bool("norm_topk_prob", False),
         moe_router_enable_expert_bias=False,
