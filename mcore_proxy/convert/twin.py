@@ -9,8 +9,9 @@ grouped) by the same `PrunedView`, written by the same output rule (`native_writ
 tensor's key and config.json), and loaded by transformers into the proxy twin. The proof holds
 when the proxy twin's logits equal the original twin's with its routers restricted to the kept
 experts (`hf.models.restrict_gates`) within 1e-5 (relative to the logit), in fp32 or, where
-transformers' fp32 kernels round above that, in fp64 with eager experts; and when restricting
-the routers moved the logits at all (else the proof could not have failed). The pruned checkpoint
+transformers' fp32 kernels round above that, in fp64 with eager experts (and softmaxes a router
+asks for in float32 kept in float64); and when restricting the routers moved the logits at all
+(else the proof could not have failed). The pruned checkpoint
 in `save_pretrained`'s spelling (transformers' `revert_weight_conversion`) must equal the proxy
 twin's own, key for key and bit for bit: the spelling a Hub checkpoint uses is proven too.
 
@@ -21,6 +22,7 @@ disk). `inspect` reports it; `convert` refuses a discovered family whose proof f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -149,7 +151,7 @@ def _prove(found: Discovery, start: float) -> Proof:
             model.double()
             if hasattr(model, "set_experts_implementation"):
                 model.set_experts_implementation("eager")
-        with torch.no_grad():
+        with torch.no_grad(), _softmax_keeps_fp64():
             got = proxy(input_ids=tokens, use_cache=False).logits
             with restrict_gates(original, plan):
                 reference = original(input_ids=tokens, use_cache=False).logits
@@ -180,6 +182,30 @@ def saved_twin(architecture: str) -> tuple[dict, HFConfig]:
     model = build_twin(found.twin)
     fill(model, found.family)
     return _saved(model), HFConfig(found.twin, Path(f"<twin of {architecture}>") / "config.json")
+
+
+@contextlib.contextmanager
+def _softmax_keeps_fp64():
+    """Within the fp64 run, a softmax asked for float32 (Gemma-4's router: `softmax(...,
+    dtype=torch.float32)`) stays in float64: else its fp32 rounding, moved by the expert count and
+    by the machine's kernels, decides the proof instead of the arithmetic."""
+    import torch
+
+    softmax = torch.nn.functional.softmax
+
+    def exact(input, dim=None, _stacklevel=3, dtype=None):
+        return softmax(
+            input,
+            dim=dim,
+            _stacklevel=_stacklevel,
+            dtype=torch.float64 if dtype is not None and input.dtype == torch.float64 else dtype,
+        )
+
+    torch.nn.functional.softmax = exact
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = softmax
 
 
 def _close(got, reference) -> bool:

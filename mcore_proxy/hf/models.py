@@ -449,15 +449,19 @@ def mtp_layers(model, folder: str | Path) -> list[MTPLayer]:
 
 
 @torch.no_grad()
-def run_mtp(model, layers: list[MTPLayer], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-    """The main model's decoder, then every MTP depth on its output (for their gates' hooks)."""
+def run_mtp(
+    model, layers: list[MTPLayer], input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict | None = None
+) -> None:
+    """The main model's decoder, then every MTP depth on its output (for their gates' hooks).
+    inputs: further model inputs (an image-text record's `pixel_values`, ...)."""
     device = next(model.parameters()).device
     ids, mask = input_ids.to(device), attention_mask.to(device)
+    more = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (inputs or {}).items()}
     with model_forward(model):
         if not layers:
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            model(input_ids=ids, attention_mask=mask, use_cache=False, **more)
             return
-        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False, **more).last_hidden_state
         for layer in layers:
             mask = mtp_mask(mask)
             hidden = layer(model, ids, mask, hidden)

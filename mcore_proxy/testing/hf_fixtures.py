@@ -463,6 +463,27 @@ DISCOVERED = {
         ),
         0,
     ),
+    # hybrid Mamba / attention / MoE blocks (`layers_block_type`: config.json saves no
+    # num_hidden_layers), the router and its selection bias under `mixer`, a shared expert, inf saved
+    # as transformers' {"__float__": "Infinity"} (time_step_limit)
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            _SMALL,
+            head_dim=8,
+            layers_block_type=["mamba", "moe", "attention", "moe"],
+            n_routed_experts=8,
+            moe_intermediate_size=8,
+            moe_shared_expert_intermediate_size=8,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            ssm_state_size=8,
+            n_groups=1,
+            expand=1,
+        ),
+        0,
+    ),
 }
 # Vision-language wrappers, discovered: the language model's experts are pruned, the vision tower,
 # its projector and their configs copied. Image token ids sit above every calibration word's id.
@@ -490,7 +511,9 @@ VISION_LANGUAGE = {
         "AriaForConditionalGeneration",
         dict(
             text_config=dict(_TEXT, model_type="aria_text", moe_intermediate_size=16, moe_num_experts=8, moe_topk=2),
-            vision_config=dict(_VISION, num_hidden_layers=1),
+            # 980-pixel images (the processor's size) in 14 x 14 patches, 4 queries each
+            vision_config=dict(_VISION, num_hidden_layers=1, image_size=980, patch_size=70),
+            projector_patch_to_query_dict={196: 4},
             image_token_index=VOCAB - 1,
         ),
         0,
@@ -512,7 +535,9 @@ VISION_LANGUAGE = {
                 index_head_dim=8,
                 index_block_size=16,
             ),
-            vision_config=dict(_VISION, num_hidden_layers=1),
+            # 980-pixel images (the processor's size) in 14 x 14 patches, 4 queries each
+            vision_config=dict(_VISION, num_hidden_layers=1, image_size=980, patch_size=70),
+            projector_patch_to_query_dict={196: 4},
             image_token_index=VOCAB - 1,
             video_token_index=VOCAB - 2,
         ),
@@ -694,16 +719,47 @@ def add_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> None
     index_path.write_text(json.dumps(index, indent=2))
 
 
-def save_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer over WORDS (ids below the model's vocab), saved by transformers."""
+def word_tokenizer(marks: dict[str, int] | None = None):
+    """A word-level tokenizer over WORDS (ids below the model's vocab); `marks`: special tokens at
+    the ids the model's config gives them (an image placeholder)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
-    fast.save_pretrained(str(folder))
+    if marks:
+        tok = Tokenizer(models.WordLevel(vocab={**tok.get_vocab(), **marks}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.add_special_tokens(list(marks))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token="[EOS]",
+        extra_special_tokens={"image_token": next(iter(marks))} if marks else None,
+    )
+
+
+def save_tokenizer(folder: Path) -> None:
+    """`word_tokenizer`, saved by transformers."""
+    word_tokenizer().save_pretrained(str(folder))
+
+
+def _aria_processor(config):
+    """Aria's processor at the tiny vision tower's size: its default 980-pixel images become
+    `size_conversion[980]` = 4 image tokens (the projector's queries for 14 x 14 patches)."""
+    from transformers.models.aria import AriaImageProcessorPil, AriaProcessor
+
+    tokens = config.projector_patch_to_query_dict[(980 // config.vision_config.patch_size) ** 2]
+    tokenizer = word_tokenizer({ARIA_IMAGE: config.image_token_id})
+    return AriaProcessor(image_processor=AriaImageProcessorPil(), tokenizer=tokenizer, size_conversion={980: tokens})
+
+
+# fixtures saved with a processor (image-text calibration): those transformers builds without
+# torchvision, which has no build for this torch (Qwen3-VL's needs a video processor)
+ARIA_IMAGE = "<|img|>"
+PROCESSORS = {"aria": _aria_processor}
 
 
 def build(name: str, folder: Path, seed: int = 0) -> Path:
@@ -722,6 +778,8 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
     elif mtp:
         add_shard(folder, "model-mtp.safetensors", _mtp_tensors(model, config, seed))
     save_tokenizer(folder)
+    if name in PROCESSORS:
+        PROCESSORS[name](config).save_pretrained(str(folder))
     return folder
 
 

@@ -15,8 +15,9 @@ def register(sub) -> None:
         help="routing statistics of a Hugging Face model over calibration data",
         writes="routing_stats.safetensors and its .json in DIR",
         description="Run a Hugging Face MoE checkpoint in transformers over JSONL records "
-        "({\"text\": ...} with the checkpoint's tokenizer, or {\"input_ids\": [...]}) and "
-        "write DIR/routing_stats.safetensors (+ .json) for `mcore-proxy select`.",
+        "({\"text\": ...} with the checkpoint's tokenizer, {\"input_ids\": [...]}, or for a "
+        "vision-language model {\"text\": ..., \"image\": \"file.png\"} with the checkpoint's "
+        "processor) and write DIR/routing_stats.safetensors (+ .json) for `mcore-proxy select`.",
     )
     p.add_argument("--hf", type=Path, required=True, metavar="MODEL", help="Hugging Face checkpoint folder")
     p.add_argument("--data", type=Path, required=True, metavar="FILE", help="JSONL calibration data")

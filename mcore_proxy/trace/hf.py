@@ -125,9 +125,9 @@ def collect(
         GateHooks(tracer, hooked) as hooks,
         tqdm(total=max_tokens, unit="tok", desc="collect", disable=not progress) as bar,
     ):
-        for batch in data_batches(data, model_dir, int(config.vocab_size), batch_size, length, max_tokens):
+        for batch in data_batches(data, model_dir, int(config.vocab_size), batch_size, length, max_tokens, images=True):
             hooks.set_batch(batch)
-            run_mtp(model, mtp, batch.input_ids, batch.attention_mask)
+            run_mtp(model, mtp, batch.input_ids, batch.attention_mask, batch.inputs)
             tokens += batch.tokens
             bar.update(batch.tokens)
     stats = tracer.stats()

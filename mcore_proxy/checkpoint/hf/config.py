@@ -31,6 +31,10 @@ def read_json(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> dict:
     )
 
 
+# per-layer lists a config.json may hold instead of num_hidden_layers (`HFConfig.layer_count`)
+LAYER_LISTS = ("layers_block_type",)
+
+
 @dataclass(frozen=True)
 class HFConfig:
     """The parsed `config.json` (`data`) and where it came from (`path`, for messages)."""
@@ -44,6 +48,17 @@ class HFConfig:
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
+
+    def layer_count(self) -> int:
+        """The decoder layers: `num_hidden_layers`, else the length of a per-layer list that
+        transformers derives the count from (NemotronH's `layers_block_type`, saved instead)."""
+        listed = next((k for k in LAYER_LISTS if self.has(k)), None)
+        if self.has("num_hidden_layers") or listed is None:
+            return self.int("num_hidden_layers", minimum=1)
+        value = self.data[listed]
+        if not isinstance(value, list) or not value:
+            raise CheckpointError(f"{self.path}: {listed} is {value!r}, expected one entry per layer; fix config.json")
+        return len(value)
 
     def _value(self, key: str, default):
         value = self.data.get(key, _MISSING)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def _discover(arch: str, data_json: str, where: str) -> Discovery:
     from mcore_proxy.core.optional import require
 
     transformers = require("transformers", why="reading a model family from transformers itself")
-    data = json.loads(data_json)
+    data = special_floats(json.loads(data_json))
     model_type = data.get("model_type")
     mapping = transformers.CONFIG_MAPPING
     config_class = mapping[model_type] if isinstance(model_type, str) and model_type in mapping else None
@@ -176,12 +177,32 @@ def build_twin(config: dict, meta: bool = False):
 
     config_class = transformers.CONFIG_MAPPING[config["model_type"]]
     model_class = getattr(transformers, config["architectures"][0])
-    args = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    args = {
+        k: special_floats(v)
+        for k, v in config.items()
+        if k not in ("model_type", "architectures", "transformers_version")
+    }
     if meta:
         with torch.device("meta"):
             return model_class._from_config(config_class(**args))
     torch.manual_seed(0)
     return model_class._from_config(config_class(**args), dtype=torch.float32).eval()
+
+
+# transformers' save_pretrained writes inf and NaN, which JSON lacks, as {"__float__": "Infinity"}
+# (NemotronH's time_step_limit); its from_pretrained reads them back, and so does discovery
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def special_floats(value):
+    """`value` (parsed JSON) with transformers' encoded special floats as floats."""
+    if isinstance(value, dict):
+        if len(value) == 1 and value.get("__float__") in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[value["__float__"]]
+        return {k: special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [special_floats(v) for v in value]
+    return value
 
 
 def _reason(err: BaseException) -> str:

@@ -139,7 +139,7 @@ class HFNativeView(ModelView):
         self._read_index = (config, wmap, infos)  # handed to the Megatron-named view: read once
         self.family = family or family_of(config)
         text = text_config(config)
-        self.num_layers = text.int("num_hidden_layers", minimum=1)
+        self.num_layers = text.layer_count()
         self._sources: dict[str, _Source] = {}
         self._order: list[str] = []
         spelling: dict[str, tuple[str, str]] = {}

@@ -112,7 +112,7 @@ class HFCheckpoint(ModelView):
         self.mapping = require_mapping(self.family, self.config)
         self.table = self.family.megatron_table()
         self.dequantize_fp8 = dequantize_fp8
-        self.num_layers = self.config.int("num_hidden_layers", minimum=1)
+        self.num_layers = self.config.layer_count()
         self._entries: dict[str, _Entry] = {}
         self._fp8_block = self._block_size(infos)
         self._index(wmap, infos)

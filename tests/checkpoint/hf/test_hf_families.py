@@ -41,6 +41,7 @@ CASES = {
     "cohere2_moe": ("Cohere2Moe", ["0", "1"], ["num_experts"]),
     "hunyuan_v1_moe": ("HunYuanMoEV1", ["0", "1"], ["num_experts"]),
     "exaone_moe": ("ExaoneMoe", ["1", "2"], ["num_experts"]),
+    "nemotron_h": ("NemotronH", ["1", "3"], ["n_routed_experts"]),
     # vision-language wrappers, discovered: the vision tower and projector are copied bit for bit
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", ["0", "1"], ["text_config.num_local_experts"]),
     "aria": ("AriaForConditionalGeneration", ["0", "1"], ["text_config.moe_num_experts"]),
