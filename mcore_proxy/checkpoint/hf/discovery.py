@@ -164,8 +164,10 @@ def _discover_twin(small: dict, where, arch, model_type, text_key, count_keys, t
     roles = expert_indexed(a, b, twin_experts, twin_experts // 2)
     where_arch = (where, arch)
     structure = _structure(roles, dict(a.named_modules()), _tensors(a), where_arch)
-    runtime = _observe(model, structure, twin_experts, text, where_arch)
-    family = _family(arch, model_type, structure, runtime, model, count_keys, text, version)
+    runtime, scoring = _observe(model, structure, twin_experts, text, where_arch)
+    if scoring is None:  # a top-1 twin (few experts, as a proxy's): its router's weights at top-2 tell
+        scoring = _scoring_at_top2(twin_json, text_key, structure, twin_experts, text, where_arch)
+    family = _family(arch, model_type, structure, runtime, scoring, model, count_keys, text, version)
     return Discovery(family, twin_json, twin_experts)
 
 
@@ -358,9 +360,9 @@ def _is_router(name: str, role: tuple, fused_owners: set) -> bool:
 
 
 # -- runtime: the router module, by one forward of the twin ---------------------------------------
-def _observe(model, structure: _Structure, experts: int, text: dict, where_arch) -> Runtime:
+def _observe(model, structure: _Structure, experts: int, text: dict, where_arch) -> tuple[Runtime, str | None]:
     """The module of a decoder layer whose output is (logits [.., E], weights [.., k], ids [.., k])
-    and that holds the router weight."""
+    and that holds the router weight, and the score function its weights follow (`_scoring`)."""
     import torch
 
     layers = {}
@@ -371,9 +373,13 @@ def _observe(model, structure: _Structure, experts: int, text: dict, where_arch)
     router_leaf = structure.router[0]
     seen: dict[str, str] = {}
 
+    scoring: dict[str, str | None] = {}
+
     def note(rest):
         def hook(module, args, out):  # returns None: the output stays as it is
             seen.setdefault(rest, _kind(out, experts))
+            if seen[rest] == "logits_weights_indices":
+                scoring.setdefault(rest, _scoring(*out))
 
         return hook
 
@@ -394,13 +400,46 @@ def _observe(model, structure: _Structure, experts: int, text: dict, where_arch)
         raise _refuse(*where_arch, "has a router whose output is not (logits, weights, expert ids)")
     module = found[0]
     score_bias = structure.score_bias[0] if structure.score_bias else None
-    return Runtime(
+    runtime = Runtime(
         router_module=module,
         router_weight=router_leaf[len(module) + 1 :],
         score_bias=score_bias,
         hash_table=structure.hash_table[0] if structure.hash_table else None,
         auto_class=type(model).__name__,
     )
+    return runtime, scoring.get(module)
+
+
+def _scoring_at_top2(twin_json: dict, text_key, structure, experts: int, text: dict, where_arch) -> str | None:
+    try:
+        return _observe(build_twin(twin.with_topk(twin_json, text_key, 2)), structure, experts, text, where_arch)[1]
+    except Exception:  # transformers' own code refusing top-2 here: the score function stays untold
+        return None
+
+
+def _scoring(logits, weights, ids) -> str | None:
+    """ "softmax" or "sigmoid": which the router's top-k weights follow, told by their ratios
+    (w_i / w_j is exp(l_i - l_j) for a softmax, sigmoid(l_i) / sigmoid(l_j) for sigmoid scores,
+    whatever renormalisation or scaling follows). None where no row tells (top-1, weights of
+    zero) or neither fits (a per-expert scale)."""
+    import torch
+
+    logits, weights = logits.detach().double(), weights.detach().double()
+    chosen = logits.reshape(-1, logits.shape[-1]).gather(-1, ids.reshape(-1, ids.shape[-1]))
+    weights = weights.reshape(chosen.shape)
+    rows = (weights > 0).all(-1)
+    if chosen.shape[-1] < 2 or not rows.any():
+        return None
+    got, chosen = weights[rows].log(), chosen[rows]
+    got = got - got[:, :1]
+    sig = torch.nn.functional.logsigmoid(chosen)
+    errors = {
+        "softmax": float((got - (chosen - chosen[:, :1])).abs().max()),
+        "sigmoid": float((got - (sig - sig[:, :1])).abs().max()),
+    }
+    best, other = sorted(errors, key=errors.get)
+    # fp32 weights hold a ratio to about 1e-6; the two rules part by half a logit difference
+    return best if errors[best] < 1e-4 and errors[other] > 10 * errors[best] else None
 
 
 def _kind(out, experts: int) -> str:
@@ -492,7 +531,9 @@ def _spellings(rests: tuple[str, ...], saved: dict, fused: bool = False) -> tupl
     return names, per_expert, prefixes
 
 
-def _family(arch, model_type, s: _Structure, runtime: Runtime, model, count_keys, text, version) -> MoEFamily:
+def _family(arch, model_type, s: _Structure, runtime: Runtime, scoring, model, count_keys, text, version) -> MoEFamily:
+    """The family record; `scoring`: the score function the router was seen to follow (None: not
+    told apart), where config.json names none."""
     names, saved = _saved_spellings(model, s.fused)
     router, _, p1 = _spellings(s.router, saved)
     router_bias = _spellings(s.router_bias, saved)[0]
@@ -520,7 +561,7 @@ def _family(arch, model_type, s: _Structure, runtime: Runtime, model, count_keys
             count_keys,
             topk=topk,
             groups=groups if all(groups) else None,
-            score_function=(score, "softmax") if score else "softmax",
+            score_function=(score, scoring or "softmax") if score else scoring or "softmax",
         ),
         runtime=runtime,
         layers=tuple(sorted(set(s.prefixes) | p1 | p2)),

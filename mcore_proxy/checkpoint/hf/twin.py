@@ -291,3 +291,14 @@ def with_experts(config: dict, text_key: str | None, count_keys: list[str], old:
             value = text[key]
             text[key] = new if _is_int(value) else [new if x == old else x for x in value]
     return out
+
+
+def with_topk(config: dict, text_key: str | None, k: int) -> dict:
+    """`config` with every top-k key of its text part at `k` (a top-1 twin's weights cannot show
+    its score function)."""
+    out = copy.deepcopy(config)
+    text = out[text_key] if text_key else out
+    for key, value in list(text.items()):
+        if TOPK.search(key) and _is_int(value):
+            text[key] = k
+    return out

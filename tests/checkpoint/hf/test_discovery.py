@@ -28,7 +28,9 @@ def default_config(model_type: str, arch: str, **changes) -> HFConfig:
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "minimax_m2", "ernie4_5_moe"])
 def test_discovery_finds_what_the_declaration_says(hf_model, name):
     """Router, its biases, fused experts and the Hub's per-expert spelling: each discovered
-    pattern is one the declaration holds, and the router module is the one it hooks."""
+    pattern is one the declaration holds, the router module is the one it hooks, and the score
+    function (softmax for Qwen3-MoE, Mixtral, gpt-oss, ERNIE; sigmoid for DeepSeek-V3, MiniMax-M2)
+    the one it declares."""
     config = config_of(hf_model(name))
     found, written = discover(config).family, declared(config.architecture())
     assert found.origin == "discovered" and written.origin == "declared"
@@ -41,6 +43,17 @@ def test_discovery_finds_what_the_declaration_says(hf_model, name):
     assert set(found.experts.per_expert) & set(written.experts.per_expert) or not written.experts.per_expert
     assert found.runtime.router_module == written.runtime.router_module
     assert set(found.config.experts) & set(written.config.experts)
+    # the score function: config.json's where it names one, else the one the router's weights follow
+    scoring = lambda keys: keys.score_function if isinstance(keys.score_function, str) else (  # noqa: E731
+        config.data.get(keys.score_function[0]) or keys.score_function[1]
+    )
+    assert scoring(found.config) == scoring(written.config)
+
+
+@pytest.mark.parametrize("name, scoring", [("nemotron_h", "sigmoid"), ("hunyuan_v1_moe", "softmax")])
+def test_a_router_without_a_config_key_has_the_score_function_its_weights_follow(hf_model, name, scoring):
+    """NemotronH's config names no score function; its router's top-k weights are sigmoid scores."""
+    assert discover(config_of(hf_model(name))).family.config.score_function == scoring
 
 
 @pytest.mark.parametrize(
