@@ -5,7 +5,8 @@ multi-latent attention (`q_lora_rank`, `kv_lora_rank`, head dims), GQA with qk n
 and an explicit head dim, learned absolute positions, partial RoPE, MTP layers, the top-k scaling
 factor.
 `StagedLayout` adds Megatron's `--pipeline-model-parallel-layout` string (which may imply virtual
-stages) to a Layout. `family_from_args` reads a Family from Megatron args; `build_chunks` builds a
+stages) to a Layout. `family_from_spec` builds a Family from a checkpoint's ModelSpec (the one
+reader of its args, `mcore.spec`; `family_from_args` from bare args); `build_chunks` builds a
 rank's model chunks with megatron-core's local spec (`functional.cpu.local_mla_spec` for MLA),
 `run_chunks` runs the fixed tokens through the pipeline, and `load_legacy_and_run` loads legacy
 checkpoints strictly (weights only, nothing in them may run) and returns their logits

@@ -44,10 +44,15 @@ def test_discovery_finds_what_the_declaration_says(hf_model, name):
     assert found.runtime.router_module == written.runtime.router_module
     assert set(found.config.experts) & set(written.config.experts)
     # the score function: config.json's where it names one, else the one the router's weights follow
-    scoring = lambda keys: keys.score_function if isinstance(keys.score_function, str) else (  # noqa: E731
-        config.data.get(keys.score_function[0]) or keys.score_function[1]
-    )
-    assert scoring(found.config) == scoring(written.config)
+    assert scoring(found.config, config) == scoring(written.config, config)
+
+
+def scoring(keys, config: HFConfig) -> str:
+    """A family's score function for `config`: a constant, or a config key with its default."""
+    if isinstance(keys.score_function, str):
+        return keys.score_function
+    key, default = keys.score_function
+    return config.data.get(key) or default
 
 
 @pytest.mark.parametrize("name, scoring", [("nemotron_h", "sigmoid"), ("hunyuan_v1_moe", "softmax")])
