@@ -7,7 +7,8 @@ Per MoE decoder layer (DESIGN.md layer ids "1", "2", ...; MTP layers are not mea
   the plan, equals the original's (each model on its own hidden states).
 Per decoder layer: cosine of the two models' hidden states (the layer's output). On the logits:
 next-token KL(original || proxy) in nats and top-1 agreement of the next-token prediction.
-Every value is a mean over the real (non-padding) tokens.
+Every value is a mean over the real (non-padding) tokens, the image tokens of image-text records
+(`hf.calibration`, through the original's processor) included.
 
 Megatron checkpoints are measured through their Hugging Face conversion (`convert --format hf`
 into a temporary folder; exact for Qwen3-MoE, tests/checkpoint/hf/test_hf_megatron.py), so
@@ -134,7 +135,7 @@ def measure(
         length = max_length or int(getattr(config, "max_position_embeddings", 2048))
         # a Megatron checkpoint carries no tokenizer: text is tokenised by whichever side has one
         words = next((d for d in (o_dir, p_dir) if any((d / n).is_file() for n in TOKENIZER_FILES)), o_dir)
-        batches = data_batches(data, words, int(config.vocab_size), batch_size, length, max_tokens)
+        batches = data_batches(data, words, int(config.vocab_size), batch_size, length, max_tokens, images=True)
         report = compare_models(
             orig, proxy, plan, batches, (orig_path, proxy_path, plan_path), max_tokens=max_tokens, progress=progress
         )
@@ -166,8 +167,8 @@ def compare_models(
         with tqdm(total=max_tokens, unit="tok", desc="fidelity", disable=not progress) as bar:
             for batch in batches:
                 real = batch.attention_mask.reshape(-1) == 1
-                lo, ho = run(orig, batch.input_ids, batch.attention_mask, hidden=True)
-                lp, hp = run(proxy, batch.input_ids, batch.attention_mask, hidden=True)
+                lo, ho = run(orig, batch.input_ids, batch.attention_mask, hidden=True, inputs=batch.inputs)
+                lp, hp = run(proxy, batch.input_ids, batch.attention_mask, hidden=True, inputs=batch.inputs)
                 for i, (a, b) in enumerate(zip(ho, hp)):
                     # per token: [H], or every stream of a hyper-connected layer ([hc, H], DeepSeek-V4) as one vector
                     a, b = (

@@ -91,7 +91,7 @@ def token_ids(
         where = f"{path}:{number}"
         if "image" in record:
             if processor_for is None:
-                raise ProxyError(f"{where}: an image-text record, which only `collect` reads; give text records")
+                raise ProxyError(f"{where}: an image-text record, which only `collect` and `fidelity` read")
             processor = processor or processor_for()
             yield image_text_batch(where, Path(path).parent, record, processor, vocab_size, max_length)
             continue

@@ -341,10 +341,17 @@ def model_forward(model):
 
 
 @torch.no_grad()
-def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, hidden: bool = False):
+def run(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    hidden: bool = False,
+    inputs: dict | None = None,
+):
     """Logits [B, S, V] (float32), and with `hidden` the output of every decoder layer
     [L][B, S, H] (captured by hooks on the layers: transformers' `hidden_states` replaces the
-    last layer's output with the final norm's)."""
+    last layer's output with the final norm's). inputs: further model inputs (an image-text
+    record's `pixel_values`, ...)."""
     device = next(model.parameters()).device
     outputs = []
     with Hooks() as hooks:
@@ -359,6 +366,7 @@ def run(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
                 input_ids=input_ids.to(device),
                 attention_mask=None if attention_mask is None else attention_mask.to(device),
                 use_cache=False,
+                **_on(device, inputs),
             ).logits.float()
     return (logits, outputs) if hidden else logits
 
@@ -455,8 +463,7 @@ def run_mtp(
     """The main model's decoder, then every MTP depth on its output (for their gates' hooks).
     inputs: further model inputs (an image-text record's `pixel_values`, ...)."""
     device = next(model.parameters()).device
-    ids, mask = input_ids.to(device), attention_mask.to(device)
-    more = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (inputs or {}).items()}
+    ids, mask, more = input_ids.to(device), attention_mask.to(device), _on(device, inputs)
     with model_forward(model):
         if not layers:
             model(input_ids=ids, attention_mask=mask, use_cache=False, **more)
@@ -466,6 +473,11 @@ def run_mtp(
             mask = mtp_mask(mask)
             hidden = layer(model, ids, mask, hidden)
             ids = torch.roll(ids, -1, dims=1)
+
+
+def _on(device, inputs: dict | None) -> dict:
+    """`inputs`' tensors on `device`."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (inputs or {}).items()}
 
 
 def mtp_mask(attention_mask: torch.Tensor) -> torch.Tensor:

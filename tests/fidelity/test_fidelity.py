@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mcore_proxy.cli import main
-from mcore_proxy.hf.calibration import data_batches
+from mcore_proxy.hf.calibration import data_batches, load_processor
 from mcore_proxy.fidelity.measure import compare_models, gate_mass_share, measure, next_token_kl, top1
 from mcore_proxy.hf.models import load_model, restrict_gates
 from mcore_proxy.testing.hf_fixtures import calibration_jsonl
@@ -137,3 +137,35 @@ def test_a_plan_of_another_model_is_refused(hf_proxy, data, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert str(other) in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_image_text_records_are_measured_with_their_image_tokens(hf_proxy, tmp_path):
+    """Aria: the proxy equals the restricted original on an image's 4 tokens too, and differs from
+    the unrestricted one."""
+    import numpy as np
+    from PIL import Image
+
+    from mcore_proxy.testing.hf_fixtures import ARIA_IMAGE
+
+    orig, _, plan_path, plan, proxy = hf_proxy("aria")
+    Image.fromarray((np.random.default_rng(3).random((50, 70, 3)) * 255).astype("uint8")).save(tmp_path / "a.png")
+    data = tmp_path / "eval.jsonl"
+    image_text = f"the old stone {ARIA_IMAGE} under the moon"
+    data.write_text(
+        json.dumps({"text": image_text, "image": "a.png"}) + "\n" + json.dumps({"text": "a dog ran"}) + "\n"
+    )
+    original, pruned = load_model(orig), load_model(proxy)
+    with restrict_gates(original, plan):
+        perfect = compare_models(
+            original, pruned, plan, data_batches(data, orig, 128, 8, 64, images=True), progress=False
+        )
+    assert perfect["next_token_kl"] < 1e-9 and perfect["next_token_top1_agreement"] == 1.0
+    assert all(m["gate_mass_share"] == 1.0 for m in perfect["moe_layers"])
+    report = measure(orig, proxy, plan_path, data, progress=False)
+    words = load_processor(orig).tokenizer
+    assert (
+        report["tokens"]
+        == perfect["tokens"]
+        == len(words("a dog ran")["input_ids"]) + len(words(image_text)["input_ids"]) - 1 + 4
+    )
+    assert report["next_token_kl"] > 0
