@@ -535,9 +535,7 @@ VISION_LANGUAGE = {
                 index_head_dim=8,
                 index_block_size=16,
             ),
-            # 980-pixel images (the processor's size) in 14 x 14 patches, 4 queries each
-            vision_config=dict(_VISION, num_hidden_layers=1, image_size=980, patch_size=70),
-            projector_patch_to_query_dict={196: 4},
+            vision_config=dict(_VISION, num_hidden_layers=1),
             image_token_index=VOCAB - 1,
             video_token_index=VOCAB - 2,
         ),
