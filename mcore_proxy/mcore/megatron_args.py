@@ -180,7 +180,7 @@ def arg_int(
     damaged count from sizing a huge allocation)."""
     value = _number(args, name, where)
     if value is None and needed is not None:
-        raise _lacking(name, where, needed)
+        raise lacking(name, where, needed)
     if value is None and DEFAULTS.get(name) is not REQUIRED:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= int(value) <= maximum:
@@ -196,7 +196,7 @@ def arg_float(args, name: str, where: str | None = None, *, needed: str | None =
     value = _number(args, name, where)
     if value is None:
         if needed is not None:
-            raise _lacking(name, where, needed)
+            raise lacking(name, where, needed)
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise CheckpointError(
@@ -211,7 +211,7 @@ def arg_list(args, name: str, where: str | None = None, *, needed: str | None = 
     value = arg(args, name, where)
     if value is None:
         if needed is not None:
-            raise _lacking(name, where, needed)
+            raise lacking(name, where, needed)
         return None
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value
@@ -233,7 +233,7 @@ def _number(args, name: str, where: str | None):
     return value
 
 
-def _lacking(name: str, where: str | None, needed: str) -> CheckpointError:
+def lacking(name: str, where: str | None, needed: str) -> CheckpointError:
     return CheckpointError(
         f"the Megatron args{_where(where)} lack {name}, which {needed} needs; the checkpoint was "
         "saved without it, add it to the args or re-save"

@@ -136,10 +136,7 @@ class ModelSpec:
         """The fields `names`, or one sentence naming the first one the args lacked and the file."""
         for name in names:
             if getattr(self, name) is None:
-                raise CheckpointError(
-                    f"the Megatron args{' in ' + self.source if self.source else ''} lack {name}, which "
-                    f"{needed} needs; add it to the args or re-save the checkpoint"
-                )
+                raise ma.lacking(name, self.source, needed)
         return tuple(getattr(self, name) for name in names)
 
     @classmethod
