@@ -245,7 +245,7 @@ def twin_plan(spec) -> SelectionPlan:
     K = E // 2
     g = torch.Generator().manual_seed(2)
     layers = {}
-    hashed = set(spec.extra.get("hash_layers", ()))
+    hashed = {str(L) for L in spec.hash_layers}
     for lid in spec.moe_layer_ids:
         per = E // groups
         kept = sorted(i * per + int(j) for i in range(groups) for j in torch.randperm(per, generator=g)[: K // groups])

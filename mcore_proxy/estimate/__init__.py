@@ -3,7 +3,7 @@
 `estimate(arch, request)` compares the original model with its proxy (K routed experts per MoE
 layer): parameter counts, bytes of weights, gradients, distributed-optimizer state and
 activations on the most loaded device, the fewest devices each fits on, and the ratios.
-Architectures come from `sources` (presets, HF config.json, a checkpoint's metadata).
+The model is a ModelSpec (mcore/spec.py) from `sources` (presets, HF config.json, a checkpoint's metadata).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from mcore_proxy.core.errors import PlanError, ProxyError
 from mcore_proxy.estimate.memory import DeviceMemory, Layout, Training
-from mcore_proxy.estimate.model import Architecture, ParameterCount, count_parameters, expert_flops_per_token
+from mcore_proxy.estimate.model import ParameterCount, count_parameters, expert_flops_per_token, with_experts
+from mcore_proxy.mcore.spec import ModelSpec
 from mcore_proxy.estimate.search import Constraints, check_constraints, fitting_layouts, least_memory, nearest
 from mcore_proxy.core.units import GIB
 
@@ -45,7 +46,7 @@ class Request:
 class VariantPlan:
     """One model (original or proxy): its parameters and the layouts it fits on, fewest devices first."""
 
-    arch: Architecture
+    arch: ModelSpec
     params: ParameterCount
     layouts: tuple[tuple[Layout, DeviceMemory], ...]
 
@@ -73,7 +74,7 @@ class Estimate:
         return expert_flops_per_token(self.original.arch), expert_flops_per_token(self.proxy.arch)
 
 
-def check_k(arch: Architecture, k: int, ep: int | None) -> None:
+def check_k(arch: ModelSpec, k: int, ep: int | None) -> None:
     """K as `select` will accept it (fewer than E, at least top-k, whole routing groups) and, with
     a fixed EP, divisible by it; ProxyError with the nearest feasible choices otherwise."""
     from mcore_proxy.select.constraints import check_sizes, resolve_groups  # numpy: loaded here only
@@ -99,7 +100,7 @@ def check_k(arch: Architecture, k: int, ep: int | None) -> None:
         )
 
 
-def _plan(arch: Architecture, req: Request) -> VariantPlan:
+def _plan(arch: ModelSpec, req: Request) -> VariantPlan:
     check_constraints(arch, req.constraints)
     found = fitting_layouts(arch, req.training, req.budget, req.constraints)
     if not found:
@@ -112,7 +113,7 @@ def _plan(arch: Architecture, req: Request) -> VariantPlan:
 DEVICE_SIZES_GIB = (8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 141, 192, 288)
 
 
-def _no_fit(arch: Architecture, req: Request) -> str:
+def _no_fit(arch: ModelSpec, req: Request) -> str:
     c = req.constraints
     fixed = " ".join(
         f"{k.upper()}={v}" for k, v in (("tp", c.tp), ("pp", c.pp), ("ep", c.ep), ("etp", c.etp), ("dp", c.dp)) if v
@@ -145,10 +146,10 @@ def _no_fit(arch: Architecture, req: Request) -> str:
     return f"{what}; even the least loaded layout needs {need:.1f} GiB per device"
 
 
-def estimate(arch: Architecture, req: Request) -> Estimate:
+def estimate(arch: ModelSpec, req: Request) -> Estimate:
     """Plan the original and its proxy with `req.num_experts` experts (see the module docstring)."""
     check_k(arch, req.num_experts, req.constraints.ep)
-    return Estimate(req, _plan(arch, req), _plan(arch.with_experts(req.num_experts), req))
+    return Estimate(req, _plan(arch, req), _plan(with_experts(arch, req.num_experts), req))
 
 
 __all__ = [
@@ -157,7 +158,6 @@ __all__ = [
     "VariantPlan",
     "Training",
     "Constraints",
-    "Architecture",
     "estimate",
     "check_k",
     "FORMAT",

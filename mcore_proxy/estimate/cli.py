@@ -89,14 +89,15 @@ def register(sub) -> None:
 
 
 def architecture(args):
-    """The Architecture of the layered sources (preset < config.json < checkpoint args)."""
-    from mcore_proxy.estimate.sources import from_hf_config, from_preset, from_spec, merge, read_hf_config
+    """The ModelSpec of the layered sources (preset < config.json < checkpoint args)."""
+    from mcore_proxy.checkpoint.hf import read_config_json, spec_fields_from_config
+    from mcore_proxy.estimate.sources import from_preset, from_spec, merge
 
     parts = []
     if args.preset:
         parts.append(from_preset(args.preset))
     if args.hf_config:
-        parts.append(from_hf_config(read_hf_config(args.hf_config), str(args.hf_config)))
+        parts.append(spec_fields_from_config(read_config_json(args.hf_config), str(args.hf_config)))
     if args.ckpt:
         from mcore_proxy.checkpoint import open_checkpoint
 

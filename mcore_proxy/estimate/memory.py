@@ -23,13 +23,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mcore_proxy.core.errors import ProxyError
+from mcore_proxy.mcore.spec import ModelSpec
 from mcore_proxy.estimate.model import (
-    Architecture,
     Params,
     all_mtp_params,
     embedding_params,
     final_params,
+    gated_linear_unit,
+    is_moe,
+    compress_ratio,
     layer_params,
+    tied,
 )
 
 # bytes per parameter: (weight, gradient, optimizer state = fp32 main weights and grads + moments)
@@ -142,7 +146,7 @@ class DeviceMemory:
 
 
 @lru_cache(maxsize=1024)
-def stage_params(a: Architecture, stages: tuple[int, ...]) -> tuple[Params, ...]:
+def stage_params(a: ModelSpec, stages: tuple[int, ...]) -> tuple[Params, ...]:
     """Parameters each pipeline stage builds: its layers; the first stage the embedding; the last
     the final norm, the output layer and the MTP layers, plus a copy of the word embedding when
     PP > 1 and the output layer is tied to it or MTP layers need it (megatron-core builds both)."""
@@ -156,7 +160,7 @@ def stage_params(a: Architecture, stages: tuple[int, ...]) -> tuple[Params, ...]
             p += embedding_params(a)
         if s == len(stages) - 1:
             p += final_params(a) + all_mtp_params(a)
-            if len(stages) > 1 and (a.tied_embeddings or a.mtp_layers):
+            if len(stages) > 1 and (tied(a) or a.mtp_layers):
                 p += embedding_params(a)
         out.append(p)
     return tuple(out)
@@ -167,12 +171,12 @@ def device_params(p: Params, layout: Layout) -> tuple[int, int, int]:
     return p.tp // layout.tp + p.replicated, p.expert // (layout.ep * layout.etp), p.buffers
 
 
-def _attention_activations(a: Architecture, layer: int) -> int:
+def _attention_activations(a: ModelSpec, layer: int) -> int:
     """Elements per token the token mixer of `layer` keeps (norm input and output included)."""
     h = a.hidden_size
     if a.v4_attention is not None:
         v, nh = a.v4_attention, a.num_attention_heads
-        ratio = a.compress_ratio(layer)
+        ratio = compress_ratio(a, layer)
         # norm in; wq_a in and q_norm in/out; q, the shared kv; core out = wo_a in; wo_a out = wo_b in
         kept = 2 * h + 2 * v.q_lora_rank + 2 * nh * v.head_dim + 2 * v.head_dim + v.o_groups * v.o_lora_rank
         if ratio:  # the compressor's kv and gate series
@@ -195,7 +199,7 @@ def _attention_activations(a: Architecture, layer: int) -> int:
     return 2 * h + q + 2 * kv + q + gate  # norm in, qkv in, q k v, proj in
 
 
-def layer_activations(a: Architecture, layer: int, tokens: int, tp: int, etp: int) -> tuple[int, int]:
+def layer_activations(a: ModelSpec, layer: int, tokens: int, tp: int, etp: int) -> tuple[int, int]:
     """(elements in the training dtype, fp32 elements) one layer (num_layers + k: MTP layer k)
     keeps per micro-batch on one device (see the module docstring)."""
     h = a.hidden_size
@@ -203,8 +207,8 @@ def layer_activations(a: Architecture, layer: int, tokens: int, tp: int, etp: in
     fp32 = a.num_attention_heads  # flash attention's log-sum-exp
     if a.hyper_connections:  # each mHC mapping keeps its n x H input (fp32)
         fp32 += 2 * a.hyper_connections * h
-    glu = 2 if a.gated_linear_unit else 1
-    if a.is_moe(layer):
+    glu = 2 if gated_linear_unit(a) else 1
+    if is_moe(a, layer):
         f, k = a.moe_ffn_hidden_size, a.topk
         mlp = 2 * h + k * (etp * 2 * h + (glu + 1) * f) + (glu + 1) * a.shared_expert_size
         fp32 += 2 * a.num_experts  # router logits and scores
@@ -213,7 +217,7 @@ def layer_activations(a: Architecture, layer: int, tokens: int, tp: int, etp: in
     return tokens * (attention + mlp) // tp, tokens * fp32 // tp
 
 
-def stage_activations(a: Architecture, layout: Layout, train: Training) -> list[int]:
+def stage_activations(a: ModelSpec, layout: Layout, train: Training) -> list[int]:
     """Activation bytes per stage: in-flight micro-batches x layers, plus the last stage's logits."""
     tokens = train.micro_batch * train.seq_len
     item = 4 if train.precision == "fp32" else 2
@@ -237,7 +241,7 @@ def stage_activations(a: Architecture, layout: Layout, train: Training) -> list[
     return out
 
 
-def device_memory(a: Architecture, layout: Layout, train: Training) -> DeviceMemory:
+def device_memory(a: ModelSpec, layout: Layout, train: Training) -> DeviceMemory:
     """Weights, gradients, distributed-optimizer state and activations of the most loaded device."""
     weight_b, grad_b, optim_b = train.bytes_per_param
     best = None

@@ -1,4 +1,5 @@
-"""The architecture of a Megatron GPT MoE model and its parameters, counted module by module.
+"""The parameters of a Megatron GPT MoE model, counted module by module from its ModelSpec
+(`mcore/spec.py`; `architecture` checks it holds every size a count needs).
 
 Counts are elements, as megatron-core builds the modules (local or Transformer Engine spec:
 the same tensors, fused or not). Each module's parameters are tagged by how Megatron shards
@@ -26,162 +27,99 @@ import dataclasses
 from dataclasses import dataclass
 
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.mcore.spec import MLA
+from mcore_proxy.mcore.spec import MAX_SIZE, ModelSpec
 
 
-# The largest size or count taken from any source (2^31 - 1): far beyond any model's width, expert
-# count or vocabulary, and small enough that products of a few of them stay exact in float64-based
-# reports and in int64 tensors.
-MAX_SIZE = 2**31 - 1
+# the sizes and counts every estimate needs, each an integer in 1..MAX_SIZE
+_SIZES = (
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "topk",
+)
 
 
-@dataclass(frozen=True)
-class Indexer:
-    """DeepSeek-V3.2's sparse-attention indexer in every layer: wq_b, wk, k_norm, weights_proj."""
-
-    n_heads: int
-    head_dim: int
-
-
-@dataclass(frozen=True)
-class LinearAttention:
-    """Gated DeltaNet (transformers' config names in brackets): in_proj of q, k, v, the output
-    gate z and the per-head beta and alpha, a depthwise causal conv over q, k, v, per-head
-    dt_bias and A_log, a gated RMSNorm over the value head dim, out_proj."""
-
-    num_key_heads: int  # [linear_num_key_heads]
-    num_value_heads: int  # [linear_num_value_heads]
-    key_head_dim: int  # [linear_key_head_dim]
-    value_head_dim: int  # [linear_value_head_dim]
-    conv_kernel: int  # [linear_conv_kernel_dim]
-
-
-@dataclass(frozen=True)
-class V4Attention:
-    """DeepSeek-V4's attention: q through a low-rank q_lora_rank (wq_a, q_norm, wq_b), one shared
-    key/value head of head_dim (wkv, kv_norm), heads in o_groups groups each projected to
-    o_lora_rank (wo_a) and mixed to the hidden size (wo_b), per-head sinks. A layer of compress
-    ratio r > 0 adds a KV compressor (wkv, wgate of c*head_dim with c = 2 when r = 4, whose windows
-    overlap, else 1; ape [r, c*head_dim]; norm), and r = 4 (compressed sparse attention) a
-    lightning indexer (its own compressor at index_head_dim, wq_b, weights_proj)."""
-
-    head_dim: int  # [head_dim]
-    q_lora_rank: int  # [q_lora_rank]
-    o_groups: int  # [o_groups]
-    o_lora_rank: int  # [o_lora_rank]
-    index_n_heads: int  # [index_n_heads]
-    index_head_dim: int  # [index_head_dim]
-    compress_ratios: tuple[int, ...]  # [compress_ratios]: per decoder layer, then per MTP layer
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What fixes the parameter count and the activation size of a GPT MoE model."""
-
-    name: str
-    num_layers: int  # decoder layers (MTP layers not included)
-    hidden_size: int
-    vocab_size: int  # the embedding's rows (Megatron's padded_vocab_size)
-    num_attention_heads: int
-    num_query_groups: int  # key/value heads (GQA); equal to the heads for MHA
-    kv_channels: int  # head dimension of q, k, v (not used with MLA)
-    ffn_hidden_size: int  # dense layers' MLP width
-    num_experts: int  # routed experts per MoE layer
-    moe_ffn_hidden_size: int
-    topk: int
-    moe_layers: tuple[int, ...]  # 0-based decoder layers with MoE
-    shared_expert_size: int = 0  # moe_shared_expert_intermediate_size (all shared experts)
-    shared_expert_gate: bool = False
-    mtp_layers: int = 0
-    tied_embeddings: bool = False
-    qk_layernorm: bool = False
-    add_bias_linear: bool = False
-    add_qkv_bias: bool = False
-    gated_linear_unit: bool = True  # SwiGLU: fc1 holds gate and up
-    layernorm_bias: bool = False  # LayerNorm (weight and bias) instead of RMSNorm
-    expert_bias: bool = False  # aux-loss-free routing: an fp32 bias per expert
-    num_groups: int | None = None  # group-limited routing
-    group_topk: int | None = None
-    score_function: str = "softmax"
-    mla: MLA | None = None
-    indexer: Indexer | None = None
-    linear_attention: LinearAttention | None = None
-    linear_layers: tuple[int, ...] = ()  # 0-based decoder layers with linear attention (MTP: full)
-    attention_output_gate: bool = False  # gated attention: q_proj also yields a per-channel gate
-    attention_sinks: bool = False  # a learnable softmax sink per head
-    v4_attention: V4Attention | None = None
-    hyper_connections: int = 0  # mHC residual streams (hc_mult); 0: a plain residual
-    hash_layers: tuple[int, ...] = ()  # MoE layers routed by a [vocab, top-k] token-id table
-    source: str = ""  # where these numbers come from
-
-    def __post_init__(self):
-        for f in (
-            "num_layers",
-            "hidden_size",
-            "vocab_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "kv_channels",
-            "ffn_hidden_size",
-            "num_experts",
-            "moe_ffn_hidden_size",
-            "topk",
-        ):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
-                shown = repr(value) if len(repr(value)) <= 20 else f"a {len(repr(value))}-character value"
-                raise ProxyError(
-                    f"{self.source or self.name}: {f} is {shown}, expected an integer in 1..{MAX_SIZE}; "
-                    "give a complete model configuration"
-                )
-        if not self.moe_layers or not all(0 <= L < self.num_layers for L in self.moe_layers):
+def architecture(**fields) -> ModelSpec:
+    """The ModelSpec `estimate` counts, from its fields, once they are complete: every size of
+    `_SIZES` an integer in 1..MAX_SIZE, a non-empty set of MoE layers, linear-attention layers with
+    their head sizes, hash-routed layers among the MoE ones, a compress ratio per layer. ProxyError
+    naming the source and the field otherwise. Layers are real ones (MindSpeed's no-op layers
+    taken out), 0-based."""
+    where = fields.get("source") or fields.get("name") or "model"
+    for f in _SIZES:
+        value = fields.get(f)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+            shown = repr(value) if len(repr(value)) <= 20 else f"a {len(repr(value))}-character value"
             raise ProxyError(
-                f"{self.source or self.name}: MoE layers {list(self.moe_layers)} are not a "
-                f"non-empty subset of 0..{self.num_layers - 1}; estimate needs a MoE model"
+                f"{where}: {f} is {shown}, expected an integer in 1..{MAX_SIZE}; give a complete model configuration"
             )
-        if self.topk > self.num_experts:
-            raise ProxyError(f"{self.source or self.name}: top-k {self.topk} exceeds the {self.num_experts} experts")
-        where = self.source or self.name
-        if self.linear_layers and (
-            self.linear_attention is None or not all(0 <= L < self.num_layers for L in self.linear_layers)
-        ):
-            raise ProxyError(
-                f"{where}: linear-attention layers {list(self.linear_layers)} need the linear_* "
-                f"head sizes and must lie in 0..{self.num_layers - 1}"
-            )
-        if not set(self.hash_layers) <= set(self.moe_layers):
-            raise ProxyError(f"{where}: hash-routed layers {list(self.hash_layers)} are not all MoE layers")
-        if self.v4_attention is not None and len(self.v4_attention.compress_ratios) < self.num_layers:
-            raise ProxyError(
-                f"{where}: {len(self.v4_attention.compress_ratios)} compress ratios for "
-                f"{self.num_layers} layers; give one per decoder layer"
-            )
+    layers, moe = fields["num_layers"], tuple(fields.get("moe_layers") or ())
+    if not moe or not all(0 <= L < layers for L in moe):
+        raise ProxyError(
+            f"{where}: MoE layers {list(moe)} are not a non-empty subset of 0..{layers - 1}; estimate needs a MoE model"
+        )
+    if fields["topk"] > fields["num_experts"]:
+        raise ProxyError(f"{where}: top-k {fields['topk']} exceeds the {fields['num_experts']} experts")
+    linear = fields.get("linear_layers") or ()
+    if linear and (fields.get("linear_attention") is None or not all(0 <= L < layers for L in linear)):
+        raise ProxyError(
+            f"{where}: linear-attention layers {list(linear)} need the linear_* "
+            f"head sizes and must lie in 0..{layers - 1}"
+        )
+    if not set(fields.get("hash_layers") or ()) <= set(moe):
+        raise ProxyError(f"{where}: hash-routed layers {list(fields['hash_layers'])} are not all MoE layers")
+    v4 = fields.get("v4_attention")
+    if v4 is not None and len(v4.compress_ratios) < layers:
+        raise ProxyError(
+            f"{where}: {len(v4.compress_ratios)} compress ratios for {layers} layers; give one per decoder layer"
+        )
+    # a width estimate multiplies: no shared experts is 0 (ModelSpec's None: the args did not say)
+    return ModelSpec(**{**fields, "shared_expert_size": fields.get("shared_expert_size") or 0})
 
-    def with_experts(self, k: int) -> "Architecture":
-        """The proxy: the same model with K routed experts per MoE layer."""
-        return dataclasses.replace(self, num_experts=k)
 
-    @property
-    def mtp_is_moe(self) -> bool:
-        """Megatron builds MTP layers with the last decoder layer's spec."""
-        return (self.num_layers - 1) in self.moe_layers
+def with_experts(a: ModelSpec, k: int) -> ModelSpec:
+    """The proxy: the same model with K routed experts per MoE layer."""
+    return dataclasses.replace(a, num_experts=k)
 
-    def is_moe(self, layer: int) -> bool:
-        """Layer `layer` (0-based; num_layers + k is MTP layer k) has a MoE block."""
-        return self.mtp_is_moe if layer >= self.num_layers else layer in self.moe_layers
 
-    def compress_ratio(self, layer: int) -> int:
-        """DeepSeek-V4: the layer's KV compress ratio; an MTP layer without its own ratio takes the
-        last decoder layer's (Megatron's MTP spec is the last layer's)."""
-        ratios = self.v4_attention.compress_ratios
-        return ratios[layer] if layer < len(ratios) else ratios[self.num_layers - 1]
+def tied(a: ModelSpec) -> bool:
+    """The output layer is the word embedding: only where the source says so."""
+    return a.untie_embeddings is False
 
-    @property
-    def attention_kind(self) -> str:
-        if self.v4_attention is not None:
-            return "V4 (CSA/HCA)"
-        kind = "MLA" if self.mla else "GQA" if self.num_query_groups < self.num_attention_heads else "MHA"
-        return f"{kind} + linear (Gated DeltaNet)" if self.linear_layers else kind
+
+def mtp_is_moe(a: ModelSpec) -> bool:
+    """Megatron builds MTP layers with the last decoder layer's spec."""
+    return (a.num_layers - 1) in a.moe_layers
+
+
+def is_moe(a: ModelSpec, layer: int) -> bool:
+    """Layer `layer` (0-based; num_layers + k is MTP layer k) has a MoE block."""
+    return mtp_is_moe(a) if layer >= a.num_layers else layer in a.moe_layers
+
+
+def compress_ratio(a: ModelSpec, layer: int) -> int:
+    """DeepSeek-V4: the layer's KV compress ratio; an MTP layer without its own ratio takes the
+    last decoder layer's (Megatron's MTP spec is the last layer's)."""
+    ratios = a.v4_attention.compress_ratios
+    return ratios[layer] if layer < len(ratios) else ratios[a.num_layers - 1]
+
+
+def attention_kind(a: ModelSpec) -> str:
+    if a.v4_attention is not None:
+        return "V4 (CSA/HCA)"
+    kind = "MLA" if a.mla else "GQA" if a.num_query_groups < a.num_attention_heads else "MHA"
+    return f"{kind} + linear (Gated DeltaNet)" if a.linear_layers else kind
+
+
+def gated_linear_unit(a: ModelSpec) -> bool:
+    """fc1 holds gate and up (SwiGLU, GeGLU)."""
+    return a.activation != "gelu"
 
 
 @dataclass(frozen=True)
@@ -213,28 +151,28 @@ class Params:
         return self.trained + self.buffers
 
 
-def _norm(a: Architecture, width: int) -> int:
-    return width * (2 if a.layernorm_bias else 1)
+def _norm(a: ModelSpec, width: int) -> int:
+    return width * (2 if a.normalization == "LayerNorm" else 1)
 
 
-def _hyper_connection(a: Architecture) -> int:
+def _hyper_connection(a: ModelSpec) -> int:
     """One mHC mapping: fn [(2 + n) n, n H], base [(2 + n) n], scale [3] (pre, post, comb)."""
     n = a.hyper_connections
     return (2 + n) * n * n * a.hidden_size + (2 + n) * n + 3 if n else 0
 
 
-def _hyper_head(a: Architecture) -> int:
+def _hyper_head(a: ModelSpec) -> int:
     """The final collapse of the n streams: hc_head fn [n, n H], base [n], scale [1]."""
     n = a.hyper_connections
     return n * n * a.hidden_size + n + 1 if n else 0
 
 
-def _v4_attention(a: Architecture, layer: int) -> Params:
+def _v4_attention(a: ModelSpec, layer: int) -> Params:
     v, h, nh = a.v4_attention, a.hidden_size, a.num_attention_heads
     replicated = v.q_lora_rank * h + v.q_lora_rank + v.head_dim * h + v.head_dim  # wq_a, q_norm, wkv, kv_norm
     tp = nh * v.head_dim * v.q_lora_rank  # wq_b
     tp += v.o_groups * v.o_lora_rank * (nh * v.head_dim // v.o_groups) + h * v.o_groups * v.o_lora_rank  # wo_a, wo_b
-    ratio = a.compress_ratio(layer)
+    ratio = compress_ratio(a, layer)
 
     def compressor(dim: int) -> int:
         c = 2 if ratio == 4 else 1  # ratio 4 windows overlap: two series per token
@@ -248,7 +186,7 @@ def _v4_attention(a: Architecture, layer: int) -> Params:
     return Params(tp=tp, replicated=replicated)
 
 
-def _linear_attention(a: Architecture) -> Params:
+def _linear_attention(a: ModelSpec) -> Params:
     g, h = a.linear_attention, a.hidden_size
     kd, vd = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
     conv = 2 * kd + vd  # the channels the causal conv runs over: q, k, v
@@ -257,7 +195,7 @@ def _linear_attention(a: Architecture) -> Params:
     return Params(tp=tp, replicated=g.value_head_dim)  # the gated RMSNorm over a value head
 
 
-def attention_params(a: Architecture, layer: int = 0) -> Params:
+def attention_params(a: ModelSpec, layer: int = 0) -> Params:
     """Input norm and token mixer of layer `layer` (num_layers + k: MTP layer k), with its mHC
     mappings when the residual has several streams."""
     h = a.hidden_size
@@ -296,13 +234,13 @@ def attention_params(a: Architecture, layer: int = 0) -> Params:
     return Params(tp=tp, replicated=replicated)
 
 
-def _mlp(a: Architecture, width: int, bias: bool) -> int:
+def _mlp(a: ModelSpec, width: int, bias: bool) -> int:
     """fc1 (gate and up with GLU) and fc2 of an MLP of `width`, with their biases."""
-    fc1 = (2 if a.gated_linear_unit else 1) * width
+    fc1 = (2 if gated_linear_unit(a) else 1) * width
     return (fc1 + width) * a.hidden_size + ((fc1 + a.hidden_size) if bias else 0)
 
 
-def mlp_params(a: Architecture, moe: bool, hashed: bool = False) -> Params:
+def mlp_params(a: ModelSpec, moe: bool, hashed: bool = False) -> Params:
     """Pre-MLP norm and the dense MLP, or the MoE block (router, routed and shared experts). A
     hash-routed block keeps a [vocab, top-k] token-to-expert table instead of an expert bias."""
     h = a.hidden_size
@@ -320,12 +258,12 @@ def mlp_params(a: Architecture, moe: bool, hashed: bool = False) -> Params:
     return norm + block
 
 
-def layer_params(a: Architecture, layer: int) -> Params:
+def layer_params(a: ModelSpec, layer: int) -> Params:
     """One decoder layer (0-based; num_layers + k: MTP layer k's transformer layer)."""
-    return attention_params(a, layer) + mlp_params(a, a.is_moe(layer), layer in a.hash_layers)
+    return attention_params(a, layer) + mlp_params(a, is_moe(a, layer), layer in a.hash_layers)
 
 
-def mtp_params(a: Architecture, depth: int = 0) -> Params:
+def mtp_params(a: ModelSpec, depth: int = 0) -> Params:
     """One MTP layer: enorm, hnorm, eh_proj [H, 2H] (column-parallel; DeepSeek-V4 splits it into
     e_proj and h_proj of [H, H]), a transformer layer, final norm, and with mHC its own hc_head."""
     h = a.hidden_size
@@ -333,22 +271,22 @@ def mtp_params(a: Architecture, depth: int = 0) -> Params:
     return layer + Params(tp=2 * h * h, replicated=3 * _norm(a, h) + _hyper_head(a))
 
 
-def all_mtp_params(a: Architecture) -> Params:
+def all_mtp_params(a: ModelSpec) -> Params:
     p = Params()
     for depth in range(a.mtp_layers):
         p += mtp_params(a, depth)
     return p
 
 
-def embedding_params(a: Architecture) -> Params:
+def embedding_params(a: ModelSpec) -> Params:
     return Params(tp=a.vocab_size * a.hidden_size)
 
 
-def final_params(a: Architecture) -> Params:
+def final_params(a: ModelSpec) -> Params:
     """Final norm (after the mHC head collapses the streams) and the output layer (absent when
     tied to the embedding)."""
     out = Params(replicated=_norm(a, a.hidden_size) + _hyper_head(a))
-    return out if a.tied_embeddings else out + Params(tp=a.vocab_size * a.hidden_size)
+    return out if tied(a) else out + Params(tp=a.vocab_size * a.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -361,14 +299,14 @@ class ParameterCount:
     buffers: int  # of non_expert: not trained (router expert bias)
 
 
-def count_parameters(a: Architecture) -> ParameterCount:
+def count_parameters(a: ModelSpec) -> ParameterCount:
     p = embedding_params(a) + final_params(a) + all_mtp_params(a)
     for layer in range(a.num_layers):
         p += layer_params(a, layer)
     return ParameterCount(total=p.total, experts=p.expert, non_expert=p.total - p.expert, buffers=p.buffers)
 
 
-def activated_parameters(a: Architecture) -> int:
+def activated_parameters(a: ModelSpec) -> int:
     """Trained parameters one token of the main model goes through: every layer, its top-k routed
     experts, the final norm and the output layer; not the embedding table (a row lookup, no
     product) nor the MTP layers. The count model cards publish as "activated" (DeepSeek-V3's
@@ -376,13 +314,13 @@ def activated_parameters(a: Architecture) -> int:
     active = final_params(a).trained
     for layer in range(a.num_layers):
         p = layer_params(a, layer)
-        active += p.trained - p.expert + (p.expert * a.topk // a.num_experts if a.is_moe(layer) else 0)
+        active += p.trained - p.expert + (p.expert * a.topk // a.num_experts if is_moe(a, layer) else 0)
     return active
 
 
-def expert_flops_per_token(a: Architecture) -> int:
+def expert_flops_per_token(a: ModelSpec) -> int:
     """Forward FLOPs of the routed experts per token (2 per multiply-add): top-k experts of
     fc1 + fc2 in every MoE layer, MTP included. Does not depend on the number of experts."""
     per_expert = 2 * _mlp(a, a.moe_ffn_hidden_size, False)
-    moe_layers = len(a.moe_layers) + (a.mtp_layers if a.mtp_is_moe else 0)
+    moe_layers = len(a.moe_layers) + (a.mtp_layers if mtp_is_moe(a) else 0)
     return a.topk * per_expert * moe_layers

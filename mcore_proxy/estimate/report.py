@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mcore_proxy.estimate import FORMAT, GIB, Estimate, VariantPlan
+from mcore_proxy.estimate.model import attention_kind
 
 
 def _variant_dict(v: VariantPlan) -> dict:
@@ -38,7 +39,7 @@ def to_dict(e: Estimate) -> dict:
             "num_experts": a.num_experts,
             "topk": a.topk,
             "moe_ffn_hidden_size": a.moe_ffn_hidden_size,
-            "attention": a.attention_kind,
+            "attention": attention_kind(a),
         },
         "training": {
             "micro_batch": t.micro_batch,

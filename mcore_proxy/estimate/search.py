@@ -25,7 +25,7 @@ from mcore_proxy.estimate.memory import (
     stage_layers,
     stage_params,
 )
-from mcore_proxy.estimate.model import Architecture
+from mcore_proxy.mcore.spec import ModelSpec
 
 TP_CHOICES = (1, 2, 4, 8)
 
@@ -47,7 +47,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_problem(a: Architecture, tp: int) -> str | None:
+def tp_problem(a: ModelSpec, tp: int) -> str | None:
     """Why Megatron cannot split this model over `tp` tensor-parallel ranks (None: it can)."""
     sizes = {"attention heads": a.num_attention_heads, "vocabulary rows": a.vocab_size, "MLP width": a.ffn_hidden_size}
     if a.mla is None and a.v4_attention is None:  # MLA's latent and V4's one shared head are whole
@@ -64,7 +64,7 @@ def tp_problem(a: Architecture, tp: int) -> str | None:
     return f"TP={tp} does not divide the {' and '.join(bad)}" if bad else None
 
 
-def valid_tps(a: Architecture, node: int) -> list[int]:
+def valid_tps(a: ModelSpec, node: int) -> list[int]:
     return [t for t in TP_CHOICES if t <= node and tp_problem(a, t) is None]
 
 
@@ -74,7 +74,7 @@ def allowed_devices(n: int, node: int) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def _stage_terms(a: Architecture, stages: tuple[int, ...], tp: int, ep: int, etp: int, train: Training):
+def _stage_terms(a: ModelSpec, stages: tuple[int, ...], tp: int, ep: int, etp: int, train: Training):
     """Per stage: (bytes that do not shrink with DP, dense optimizer bytes, expert optimizer bytes)."""
     weight_b, grad_b, optim_b = train.bytes_per_param
     probe = Layout(tp=tp, pp=len(stages), ep=ep, etp=etp, dp=ep * etp, stages=stages)
@@ -98,7 +98,7 @@ def _smallest_dp(terms, budget: int, tp: int, ep: int, etp: int, base: int) -> i
     return base * max(1, math.ceil(need / base))
 
 
-def _shapes(a: Architecture, c: Constraints):
+def _shapes(a: ModelSpec, c: Constraints):
     """Every valid (TP, PP stages, EP, ETP) under the constraints, with the DP step they need:
     EP x ETP must divide TP x DP, so DP is a multiple of lcm(TP, EP x ETP) / TP."""
     for tp in [c.tp] if c.tp else valid_tps(a, c.devices_per_node):
@@ -111,7 +111,7 @@ def _shapes(a: Architecture, c: Constraints):
                     yield tp, stages, ep, etp, math.lcm(tp, ep * etp) // tp
 
 
-def fitting_layouts(a: Architecture, train: Training, budget: int, c: Constraints) -> list[tuple[Layout, DeviceMemory]]:
+def fitting_layouts(a: ModelSpec, train: Training, budget: int, c: Constraints) -> list[tuple[Layout, DeviceMemory]]:
     """Every (TP, PP, EP, ETP) at its smallest fitting DP, fewest devices first, then least memory."""
     found = []
     for tp, stages, ep, etp, base in _shapes(a, c):
@@ -130,7 +130,7 @@ def fitting_layouts(a: Architecture, train: Training, budget: int, c: Constraint
     return found
 
 
-def least_memory(a: Architecture, train: Training, c: Constraints) -> tuple[Layout, DeviceMemory] | None:
+def least_memory(a: ModelSpec, train: Training, c: Constraints) -> tuple[Layout, DeviceMemory] | None:
     """The layout within the device bound whose most loaded device needs the least memory (each
     shape at its largest DP, where the optimizer state is spread thinnest)."""
     best = None
@@ -148,7 +148,7 @@ def least_memory(a: Architecture, train: Training, c: Constraints) -> tuple[Layo
     return best
 
 
-def check_constraints(a: Architecture, c: Constraints) -> None:
+def check_constraints(a: ModelSpec, c: Constraints) -> None:
     """ProxyError naming the fixed size that cannot work for this model, with the nearest valid ones."""
     if c.tp and (problem := tp_problem(a, c.tp)):
         raise ProxyError(f"--tp {c.tp}: {problem}; nearest valid: {nearest(c.tp, valid_tps(a, 64), '--tp')}")

@@ -1,321 +1,30 @@
-"""Architectures from the three inputs of `estimate`: a preset, an HF config.json, a checkpoint.
+"""The model `estimate` counts, from its three inputs: a preset, an HF config.json, a checkpoint.
 
-Each source yields a partial dict of `Architecture` fields; `merge` layers them (preset, then
-config.json, then the checkpoint's own args, later ones override) and validates the result.
-HF configs are read as plain JSON with transformers' field names (Qwen3MoeConfig,
-Qwen2MoeConfig, Qwen3NextConfig, Qwen3_5MoeTextConfig, DeepseekV3Config and DeepSeek-V3.2's
-additions, Kimi-K2's `kimi_k2`, Glm4MoeConfig, DeepseekV4Config, GptOssConfig); a vision-language
-config is read through its `text_config`; transformers is not needed. Every size and count it
-gives must be a JSON integer in 0..MAX_SIZE (`config_int`): 1.5 or 1e308 is refused by name.
-A checkpoint contributes its ModelSpec (read once from its Megatron/MindSpeed `args` by the
-format) and, for what only tensors show, the tensor names it holds (metadata only: no tensor
-bytes are read).
+Each source yields a partial dict of ModelSpec fields; `merge` layers them (preset, then
+config.json, then the checkpoint's own args, later ones override) and checks the result
+(`model.architecture`). config.json and the presets (config.json values) are read by the HF format
+(`checkpoint.hf.spec_fields_from_config`). A checkpoint contributes its ModelSpec (read once from
+its Megatron/MindSpeed `args` by the format) and, for what only tensors show, the tensor names it
+holds (metadata only: no tensor bytes are read).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from mcore_proxy.checkpoint.hf import EXPERT_COUNT_KEYS
-from mcore_proxy.core.jsonfile import read_json_object
+from mcore_proxy.checkpoint.hf import spec_fields_from_config
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.mcore.spec import MLA
-from mcore_proxy.estimate.model import MAX_SIZE, Architecture, Indexer, LinearAttention, V4Attention
+from mcore_proxy.estimate.model import architecture
 from mcore_proxy.estimate.presets import PRESETS
-
-# transformers' defaults where a config.json may leave a field out, per model_type
-# (configuration_qwen3_moe.py, configuration_qwen2_moe.py, configuration_qwen3_next.py,
-# configuration_qwen3_5_moe.py, configuration_deepseek_v3.py, configuration_glm4_moe.py,
-# configuration_deepseek_v4.py, configuration_gpt_oss.py of transformers 5)
-_LINEAR_DEFAULTS = {
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "full_attention_interval": 4,
-}
-_HF_DEFAULTS = {
-    "qwen3_moe": {
-        "tie_word_embeddings": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "attention_bias": False,
-    },
-    "qwen2_moe": {"tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "qwen3_next": {
-        "tie_word_embeddings": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "attention_bias": False,
-        "linear_num_value_heads": 32,
-        **_LINEAR_DEFAULTS,
-    },
-    "qwen3_5_moe_text": {
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "linear_num_value_heads": 32,
-        **_LINEAR_DEFAULTS,
-    },
-    "deepseek_v3": {
-        "tie_word_embeddings": False,
-        "first_k_dense_replace": 3,
-        "moe_layer_freq": 1,
-        "n_shared_experts": 1,
-        "attention_bias": False,
-    },
-    "glm4_moe": {
-        "tie_word_embeddings": False,
-        "first_k_dense_replace": 1,
-        "n_shared_experts": 1,
-        "attention_bias": False,
-        "use_qk_norm": False,
-        "num_nextn_predict_layers": 1,
-    },
-    "deepseek_v4": {
-        "tie_word_embeddings": False,
-        "n_shared_experts": 1,
-        "scoring_func": "sqrtsoftplus",
-        "hc_mult": 4,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "num_nextn_predict_layers": 1,
-    },
-    "gpt_oss": {"tie_word_embeddings": False, "attention_bias": True},
-}
-_HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"]
-_HF_DEFAULTS["kimi_k2"] = _HF_DEFAULTS["deepseek_v3"]  # Kimi-K2 is built as DeepseekV3 by transformers
-_HF_DEFAULTS["qwen3_5_moe"] = _HF_DEFAULTS["qwen3_5_moe_text"]
-# DeepSeek-V4's attention kinds as its config spells them (layer_types) and their compress ratios
-# (DeepseekV4Config.default_compress_rates), and its default count of hash-routed layers
-_V4_RATIOS = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-_V4_DEFAULT_HASH_LAYERS = 3
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """config.json (or a model folder holding one) as a dict; ProxyError naming the file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    return read_json_object(path, "model config", "pass the model's config.json or its folder")
-
-
-def config_int(value, key: str, source: str) -> int:
-    """A size or count of a config.json (`hidden_size`, `num_experts`, ...): a JSON integer in
-    0..MAX_SIZE. ProxyError naming the key for a non-integer (1.5, 1e308, "256", true: transformers
-    builds no layer of such a width) or for an integer out of range."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProxyError(
-            f"{source}: {key} is {_as_json(value)}, not an integer; a size or count in a config.json is a "
-            "whole number such as 4096"
-        )
-    if not 0 <= value <= MAX_SIZE:
-        shown = value if len(str(abs(value))) <= 16 else f"a {len(str(abs(value)))}-digit number"
-        raise ProxyError(f"{source}: {key} is {shown}, outside 0..{MAX_SIZE}, which no model's size is; fix the config")
-    return value
-
-
-def _as_json(value) -> str:
-    """A config value as the file spells it (true, 1e+308, NaN, "256"), cut at 40 characters."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):  # not from a JSON file (a preset or a caller's dict)
-        text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _sizes(cfg: dict, source: str):
-    """(get, need): a config's sizes by key, checked by `config_int`. get(key, default) returns
-    `default` when the key is absent or null; need(key) refuses an absent key."""
-
-    def get(key: str, default=None) -> int | None:
-        value = cfg.get(key)
-        return default if value is None else config_int(value, key, source)
-
-    def need(key: str) -> int:
-        return config_int(_require(cfg, key, source), key, source)
-
-    return get, need
-
-
-def from_hf_config(cfg: dict, source: str) -> dict:
-    """Architecture fields from transformers-style config values (sizes checked by `config_int`)."""
-    if isinstance(cfg.get("text_config"), dict):  # a vision-language model: its language model
-        outer = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
-        cfg = {**outer, **cfg["text_config"]}
-    kind = cfg.get("model_type", "")
-    cfg = {**_HF_DEFAULTS.get(kind, {}), **cfg}
-    get, need = _sizes(cfg, source)
-    layers = need("num_hidden_layers")
-    # every family's spelling of E (the family records' `ConfigKeys.experts`)
-    experts = next((get(key) for key in EXPERT_COUNT_KEYS if get(key)), None)
-    if not experts:
-        raise ProxyError(f"{source}: no {' / '.join(EXPERT_COUNT_KEYS)}; estimate needs a MoE model")
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    moe_ffn = get("moe_intermediate_size") or need("intermediate_size")  # Mixtral, gpt-oss: one width
-    # gpt-oss's own config spells top-k experts_per_token (transformers: num_experts_per_tok)
-    topk = get("num_experts_per_tok") or get("experts_per_token")
-    if topk is None:
-        need("num_experts_per_tok")
-    out = dict(
-        num_layers=layers,
-        hidden_size=hidden,
-        vocab_size=need("vocab_size"),
-        num_attention_heads=heads,
-        num_query_groups=get("num_key_value_heads") or heads,
-        # no heads: 0, which Architecture refuses by name (instead of a division by zero)
-        kv_channels=get("head_dim") or (hidden // heads if heads else 0),
-        ffn_hidden_size=get("intermediate_size") or moe_ffn,
-        num_experts=experts,
-        moe_ffn_hidden_size=moe_ffn,
-        topk=topk,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        # Qwen2-MoE's q/k/v projections always carry biases; the others follow attention_bias
-        add_qkv_bias=bool(cfg.get("attention_bias")) or kind == "qwen2_moe",
-        # MTP modules: DeepSeek, GLM, Qwen3-Next spell them num_nextn_predict_layers, Qwen3.5
-        # mtp_num_hidden_layers (transformers' Glm4MoeConfig: num_mtp_layers)
-        mtp_layers=get("num_nextn_predict_layers") or get("mtp_num_hidden_layers") or get("num_mtp_layers") or 0,
-        source=source,
-    )
-    if kind == "deepseek_v4" or "o_groups" in cfg:
-        out.update(_deepseek_v4(cfg, out, source))
-    elif "n_routed_experts" in cfg:  # DeepSeek-V3 style: dense first layers, shared experts, groups, bias
-        out.update(_deepseek_v3(cfg, out, source))
-    else:  # Qwen-MoE: every decoder_sparse_step-th layer outside mlp_only_layers
-        step, dense = get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
-        out["moe_layers"] = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        out["shared_expert_size"] = get("shared_expert_intermediate_size") or 0
-        out["shared_expert_gate"] = bool(out["shared_expert_size"])  # Qwen2-MoE's sigmoid gate
-        out["qk_layernorm"] = kind.startswith("qwen3")
-        out.update(_linear_attention(cfg, layers, kind, source))
-        if kind == "gpt_oss":  # biased o_proj, experts and router (Megatron: add_bias_linear); sinks
-            out.update(add_bias_linear=True, attention_sinks=True)
-    return out
-
-
-def _deepseek_v3(cfg: dict, out: dict, source: str) -> dict:
-    """DeepSeek-V3 style (DeepSeek-V3/V3.2, Kimi-K2, GLM-4.5): dense first layers, shared experts,
-    group-limited routing, an expert bias; MLA when kv_lora_rank is set, else GQA; V3.2's indexer."""
-    get, need = _sizes(cfg, source)
-    layers, moe_ffn = out["num_layers"], out["moe_ffn_hidden_size"]
-    first, freq = need("first_k_dense_replace"), get("moe_layer_freq") or 1
-    found = dict(
-        moe_layers=tuple(i for i in range(layers) if i >= first and i % freq == 0),
-        shared_expert_size=(get("n_shared_experts") or 0) * moe_ffn,
-        num_groups=get("n_group"),
-        group_topk=get("topk_group"),
-        score_function=cfg.get("scoring_func", "sigmoid"),
-        expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
-    )
-    if get("kv_lora_rank"):  # MLA (DeepSeek, Kimi-K2): q_a/kv_a norms are Megatron's qk_layernorm
-        found["mla"] = MLA(
-            q_lora_rank=get("q_lora_rank") or None,
-            kv_lora_rank=need("kv_lora_rank"),
-            qk_head_dim=need("qk_nope_head_dim"),
-            qk_pos_emb_head_dim=need("qk_rope_head_dim"),
-            v_head_dim=need("v_head_dim"),
-        )
-        found["qk_layernorm"] = True
-    else:  # GQA (GLM-4.5/4.6/4.7): q/k norms when use_qk_norm
-        found["qk_layernorm"] = bool(cfg.get("use_qk_norm"))
-    if get("index_n_heads"):
-        found["indexer"] = Indexer(n_heads=need("index_n_heads"), head_dim=need("index_head_dim"))
-    return found
-
-
-def _linear_attention(cfg: dict, layers: int, kind: str, source: str) -> dict:
-    """Qwen3-Next / Qwen3.5: Gated DeltaNet layers (layer_types, else every layer but each
-    full_attention_interval-th) beside gated full attention. Sliding-window layers (gpt-oss's
-    layer_types) hold the same parameters as full attention and change nothing here."""
-    types = cfg.get("layer_types")
-    hybrid = (
-        kind in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
-        or "linear_num_value_heads" in cfg
-        or (types is not None and "linear_attention" in types)
-    )
-    if not hybrid:
-        return {}
-    get, need = _sizes(cfg, source)
-    if types is None:
-        interval = get("full_attention_interval") or 4
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    linear = tuple(i for i, t in enumerate(types[:layers]) if t == "linear_attention")
-    return dict(
-        linear_layers=linear,
-        attention_output_gate=bool(cfg.get("attn_output_gate", True)),
-        linear_attention=LinearAttention(
-            num_key_heads=need("linear_num_key_heads"),
-            num_value_heads=need("linear_num_value_heads"),
-            key_head_dim=need("linear_key_head_dim"),
-            value_head_dim=need("linear_value_head_dim"),
-            conv_kernel=need("linear_conv_kernel_dim"),
-        )
-        if linear
-        else None,
-    )
-
-
-def _deepseek_v4(cfg: dict, out: dict, source: str) -> dict:
-    """DeepSeek-V4: every layer MoE, the first hash-routed (mlp_layer_types, else num_hash_layers),
-    a KV compress ratio per layer (compress_ratios, trailing entries for the MTP layers; else
-    layer_types with compress_rates; else DeepseekV4Config's default), one shared key/value head,
-    hyper-connections (hc_mult)."""
-    get, need = _sizes(cfg, source)
-    layers, moe_ffn = out["num_layers"], out["moe_ffn_hidden_size"]
-    if cfg.get("mlp_layer_types"):
-        hashed = tuple(i for i, t in enumerate(cfg["mlp_layer_types"][:layers]) if t == "hash_moe")
-    else:
-        hashed = tuple(range(min(layers, get("num_hash_layers", _V4_DEFAULT_HASH_LAYERS))))
-    if cfg.get("compress_ratios"):
-        ratios = tuple(config_int(r, "compress_ratios", source) for r in cfg["compress_ratios"])
-    else:
-        rates = {**_V4_RATIOS, **(cfg.get("compress_rates") or {})}
-        types = cfg.get("layer_types") or (
-            ["heavily_compressed_attention"] * min(layers, 2)
-            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)]
-        )
-        unknown = sorted(set(types[:layers]) - set(rates))
-        if unknown:
-            raise ProxyError(f"{source}: DeepSeek-V4 layer_types {unknown} are not among {sorted(rates)}")
-        ratios = tuple(config_int(rates[t], f"compress_rates[{t!r}]", source) for t in types[:layers])
-    return dict(
-        moe_layers=tuple(range(layers)),
-        hash_layers=hashed,
-        ffn_hidden_size=moe_ffn,
-        shared_expert_size=(get("n_shared_experts") or 0) * moe_ffn,
-        score_function=cfg.get("scoring_func", "sqrtsoftplus"),
-        expert_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
-        attention_sinks=True,
-        hyper_connections=get("hc_mult") or 0,
-        v4_attention=V4Attention(
-            head_dim=need("head_dim"),
-            q_lora_rank=need("q_lora_rank"),
-            o_groups=need("o_groups"),
-            o_lora_rank=need("o_lora_rank"),
-            index_n_heads=need("index_n_heads"),
-            index_head_dim=need("index_head_dim"),
-            compress_ratios=ratios,
-        ),
-    )
-
-
-def _require(cfg: dict, key: str, source: str):
-    if cfg.get(key) is None:
-        raise ProxyError(f"{source}: no {key!r}; pass a complete config.json (transformers field names)")
-    return cfg[key]
+from mcore_proxy.mcore.spec import ModelSpec
 
 
 def from_preset(name: str) -> dict:
     if name not in PRESETS:
         raise ProxyError(f"--preset {name!r} is not one of {', '.join(sorted(PRESETS))}")
-    return {**from_hf_config(PRESETS[name], f"preset {name}"), "name": PRESETS[name]["name"]}
+    return {**spec_fields_from_config(PRESETS[name], f"preset {name}"), "name": PRESETS[name]["name"]}
 
 
-def from_spec(spec, names: list[str], source: str) -> dict:
-    """Architecture fields from a checkpoint's ModelSpec (its args, read once by the format);
+def from_spec(spec: ModelSpec, names: list[str], source: str) -> dict:
+    """The fields of a checkpoint's ModelSpec `estimate` counts (its args, read once by the format);
     where the args leave a size unknown (None) it is left to a preset or config.json (merge names
     what is still missing). The tensor names (none: unknown) add what hand-made args leave out: a
     flag off by default is on when its tensors are there, one on by default (biases, LayerNorm) is
@@ -327,6 +36,7 @@ def from_spec(spec, names: list[str], source: str) -> dict:
     # parameters, for even pipeline stages): count the real layers only
     real = [L for L in range(spec.num_layers) if L not in spec.noop_layers]
     mla = spec.mla
+    layernorm = present(spec.normalization == "LayerNorm", "layernorm.bias", "layer_norm_bias")
     if mla is None and has("linear_kv_down_proj", "kv_layernorm"):
         raise ProxyError(
             f"{source}: the tensors are multi-latent attention's but the args do not say "
@@ -348,12 +58,12 @@ def from_spec(spec, names: list[str], source: str) -> dict:
         shared_expert_size=spec.shared_expert_size or 0,
         shared_expert_gate=spec.shared_expert_gate or has("shared_expert_gate", "shared_experts.gate_weight"),
         mtp_layers=spec.mtp_layers,
-        tied_embeddings=not (has("output_layer.weight") if spec.untie_embeddings is None else spec.untie_embeddings),
+        untie_embeddings=has("output_layer.weight") if spec.untie_embeddings is None else spec.untie_embeddings,
         qk_layernorm=spec.qk_layernorm or has("q_layernorm"),
         add_bias_linear=present(spec.add_bias_linear, "linear_proj.bias"),
         add_qkv_bias=spec.add_qkv_bias or has("linear_qkv.bias"),
-        gated_linear_unit=spec.activation != "gelu",
-        layernorm_bias=present(spec.normalization == "LayerNorm", "layernorm.bias", "layer_norm_bias"),
+        activation=spec.activation,
+        normalization="LayerNorm" if layernorm else "RMSNorm",
         expert_bias=spec.expert_bias or has("router.expert_bias"),
         score_function=spec.score_function,
         num_groups=spec.num_groups,
@@ -365,7 +75,7 @@ def from_spec(spec, names: list[str], source: str) -> dict:
     return out
 
 
-def merge(*parts: dict) -> Architecture:
+def merge(*parts: dict) -> ModelSpec:
     """Later parts override earlier ones (each part holds only what its source knows); the
     name is the first one given."""
     fields: dict = {}
@@ -377,4 +87,4 @@ def merge(*parts: dict) -> Architecture:
     missing = [f for f in ("num_layers", "hidden_size", "num_experts", "moe_layers") if f not in fields]
     if missing:
         raise ProxyError(f"{fields['source']}: {', '.join(missing)} unknown; pass --preset or --hf-config")
-    return Architecture(**fields)
+    return architecture(**fields)

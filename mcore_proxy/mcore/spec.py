@@ -22,6 +22,10 @@ from mcore_proxy.mcore.megatron_args import DEFAULTS, arg, arg_bool, arg_int, ar
 from mcore_proxy.mcore.pipeline_layout import noop_layer_ids
 
 
+# The largest size or count taken from any source (2^31 - 1): far beyond any model's width, expert
+# count or vocabulary, and small enough that products of a few of them stay exact in float64-based
+# reports and in int64 tensors.
+MAX_SIZE = 2**31 - 1
 MAX_EXPERTS = 1 << 16  # routed experts per layer: far above any real model, bounds per-expert tables
 
 
@@ -71,6 +75,45 @@ class MLA:
 
 
 @dataclass(frozen=True)
+class Indexer:
+    """DeepSeek-V3.2's sparse-attention indexer in every layer: wq_b, wk, k_norm, weights_proj."""
+
+    n_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet (transformers' config names in brackets): in_proj of q, k, v, the output
+    gate z and the per-head beta and alpha, a depthwise causal conv over q, k, v, per-head
+    dt_bias and A_log, a gated RMSNorm over the value head dim, out_proj."""
+
+    num_key_heads: int  # [linear_num_key_heads]
+    num_value_heads: int  # [linear_num_value_heads]
+    key_head_dim: int  # [linear_key_head_dim]
+    value_head_dim: int  # [linear_value_head_dim]
+    conv_kernel: int  # [linear_conv_kernel_dim]
+
+
+@dataclass(frozen=True)
+class V4Attention:
+    """DeepSeek-V4's attention: q through a low-rank q_lora_rank (wq_a, q_norm, wq_b), one shared
+    key/value head of head_dim (wkv, kv_norm), heads in o_groups groups each projected to
+    o_lora_rank (wo_a) and mixed to the hidden size (wo_b), per-head sinks. A layer of compress
+    ratio r > 0 adds a KV compressor (wkv, wgate of c*head_dim with c = 2 when r = 4, whose windows
+    overlap, else 1; ape [r, c*head_dim]; norm), and r = 4 (compressed sparse attention) a
+    lightning indexer (its own compressor at index_head_dim, wq_b, weights_proj)."""
+
+    head_dim: int  # [head_dim]
+    q_lora_rank: int  # [q_lora_rank]
+    o_groups: int  # [o_groups]
+    o_lora_rank: int  # [o_lora_rank]
+    index_n_heads: int  # [index_n_heads]
+    index_head_dim: int  # [index_head_dim]
+    compress_ratios: tuple[int, ...]  # [compress_ratios]: per decoder layer, then per MTP layer
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Architecture of a Megatron GPT MoE model (units: elements, not bytes)."""
 
@@ -111,11 +154,22 @@ class ModelSpec:
     activation: str = "swiglu"  # one of megatron_args.ACTIVATIONS
     vocab_size: int | None = None  # the embedding's rows (padded_vocab_size)
     seq_length: int | None = None
+    # token mixers and residuals beyond GQA and MLA (what `estimate` counts; HF config.json names
+    # them, Megatron args of megatron-core 0.16 do not)
+    indexer: Indexer | None = None  # DeepSeek-V3.2's sparse-attention indexer in every layer
+    linear_attention: LinearAttention | None = None
+    linear_layers: tuple[int, ...] = ()  # 0-based decoder layers with linear attention (MTP: full)
+    attention_output_gate: bool = False  # gated attention: q_proj also yields a per-channel gate
+    attention_sinks: bool = False  # a learnable softmax sink per head
+    v4_attention: V4Attention | None = None
+    hyper_connections: int = 0  # mHC residual streams (hc_mult); 0: a plain residual
+    hash_layers: tuple[int, ...] = ()  # 0-based MoE decoder layers routed by a [vocab, top-k] token-id table
     # what the args say of tying (None: nothing; then the tensors decide, `ModelView.embeddings_tied`):
     # not compared, since the writers state it and a copy of a model is the same model
     untie_embeddings: bool | None = field(default=None, compare=False)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
     source: str | None = field(default=None, compare=False, repr=False)  # the file the args come from
+    name: str = field(default="", compare=False, repr=False)  # what a report calls the model
 
     def __post_init__(self):
         if self.num_experts and not 0 < self.topk <= self.num_experts:
@@ -186,7 +240,7 @@ class ModelSpec:
             shared_expert_gate=arg_bool(args, "moe_shared_expert_gate", where),
             topk_scaling_factor=ma.arg_float(args, "moe_router_topk_scaling_factor", where),
             pre_softmax=arg_bool(args, "moe_router_pre_softmax", where),
-            extra={"hash_layers": [str(i) for i in range(min(hashed, len(pattern))) if pattern[i]]} if hashed else {},
+            hash_layers=tuple(i for i in range(min(hashed, len(pattern))) if pattern[i]),
             source=where,
             **_build_facts(args, where),
         )

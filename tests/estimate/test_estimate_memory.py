@@ -16,10 +16,10 @@ from mcore_proxy.estimate.memory import (
     stage_layers,
     stage_params,
 )
-from mcore_proxy.estimate.model import Architecture, count_parameters, embedding_params
+from mcore_proxy.estimate.model import architecture, count_parameters, embedding_params
 from mcore_proxy.estimate.sources import from_preset, merge
 
-SMALL = Architecture(
+SMALL = architecture(
     name="small",
     num_layers=4,
     hidden_size=256,
@@ -79,14 +79,14 @@ def test_embedding_copies_live_where_megatron_builds_them():
     assert one[0].tp + one[0].replicated < two[0].tp + two[0].replicated + two[1].tp + two[1].replicated
     # PP=2 with MTP: the last stage also holds the word embedding (MTP's input)
     assert sum(p.total for p in two) - sum(p.total for p in one) == emb
-    tied = dataclasses.replace(SMALL, tied_embeddings=True)
+    tied = dataclasses.replace(SMALL, untie_embeddings=False)
     assert sum(p.total for p in stage_params(tied, (2, 2))) - count_parameters(tied).total == emb
 
 
 def test_activations_match_korthikanti_for_a_dense_gpt_layer():
     """Korthikanti et al. 2022, Table 2 (selective recomputation, sequence parallel): 34 s b h / t
     bytes per layer, 2 s b h of which are the two dropout masks a dropout-free run does not keep."""
-    gpt = dataclasses.replace(SMALL, moe_layers=(1,), num_layers=2, gated_linear_unit=False, ffn_hidden_size=4 * 256)
+    gpt = dataclasses.replace(SMALL, moe_layers=(1,), num_layers=2, activation="gelu", ffn_hidden_size=4 * 256)
     s, b, h, t = 2048, 2, 256, 2
     acts = stage_activations(
         gpt, Layout(tp=t, pp=2, ep=1, etp=1, dp=1, stages=(1, 1)), Training(micro_batch=b, seq_len=s)

@@ -21,12 +21,15 @@ from mcore_proxy.estimate.model import (
     activated_parameters,
     all_mtp_params,
     attention_params,
+    compress_ratio,
     count_parameters,
     expert_flops_per_token,
     mtp_params,
+    with_experts,
 )
 from mcore_proxy.mcore.spec import ModelSpec
-from mcore_proxy.estimate.sources import from_hf_config, from_preset, from_spec, merge
+from mcore_proxy.checkpoint.hf import spec_fields_from_config
+from mcore_proxy.estimate.sources import from_preset, from_spec, merge
 from mcore_proxy.testing.fixtures import FIXTURES
 
 
@@ -369,7 +372,7 @@ TRANSFORMERS_SIZES = {
 @pytest.mark.parametrize("family", sorted(TRANSFORMERS_SIZES))
 def test_counts_equal_what_transformers_builds(family):
     cfg, size = TRANSFORMERS_SIZES[family]
-    a = merge(from_hf_config(cfg, family))
+    a = merge(spec_fields_from_config(cfg, family))
     assert count_parameters(a).total - all_mtp_params(a).total == size
 
 
@@ -384,7 +387,7 @@ def test_deepseek_v4_mtp_layer_is_the_release_s():
     moe = e * 3 * f * h + e + e * h + 3 * f * h  # routed experts, gate.bias, gate.weight, shared expert
     mhc = 2 * ((2 + hc) * hc * hc * h + (2 + hc) * hc + 3) + (hc * hc * h + hc + 1)  # hc_attn, hc_ffn, hc_head
     expected = attention + moe + mhc + 2 * h * h + 5 * h  # e_proj, h_proj; attn/ffn norms, enorm, hnorm, norm
-    assert pro.compress_ratio(pro.num_layers) == 0 and pro.hash_layers == (0, 1, 2)
+    assert compress_ratio(pro, pro.num_layers) == 0 and pro.hash_layers == (0, 1, 2)
     assert mtp_params(pro).total == expected
     flash = merge(from_preset("deepseek-v4-flash"))
     assert attention_params(flash, flash.num_layers) == attention_params(flash, 0)  # both sliding only
@@ -425,5 +428,5 @@ def test_mla_counts_agree_with_megatrons_theoretical_formula(preset):
 
 def test_expert_flops_per_token_do_not_depend_on_the_number_of_experts():
     a = merge(from_preset("qwen3-30b-a3b"))
-    assert expert_flops_per_token(a) == expert_flops_per_token(a.with_experts(48))
+    assert expert_flops_per_token(a) == expert_flops_per_token(with_experts(a, 48))
     assert expert_flops_per_token(a) == 8 * 2 * 3 * 2048 * 768 * 48

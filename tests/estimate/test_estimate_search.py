@@ -9,11 +9,11 @@ import pytest
 from mcore_proxy.core.errors import ProxyError
 from mcore_proxy.estimate import DEVICE_SIZES_GIB, GIB, Request, estimate
 from mcore_proxy.estimate.memory import Layout, Training, device_memory, stage_layers
-from mcore_proxy.estimate.model import Architecture
+from mcore_proxy.estimate.model import architecture
 from mcore_proxy.estimate.search import Constraints, allowed_devices, check_constraints, fitting_layouts, valid_tps
 from mcore_proxy.estimate.sources import from_preset, merge
 
-MID = Architecture(
+MID = architecture(
     name="mid",
     num_layers=12,
     hidden_size=1024,

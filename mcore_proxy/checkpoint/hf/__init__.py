@@ -11,11 +11,12 @@ transformers 5 builds (no remote code).
   the config.json <-> Megatron args translations, `gqa`: what the GQA ones share; `mapping`: the row types and pure
   transforms; `checks`: config.json against the
   tensors; `fp8`: DeepSeek's block scales);
-- `writer.HFWriter`: either kind of view as an HF folder (the format interface's Writer).
+- `writer.HFWriter`: either kind of view as an HF folder (the format interface's Writer);
+- `structure`: a config.json as the ModelSpec fields `estimate` counts (`spec_fields_from_config`).
 
 What callers outside this package use is imported from here (the names in `__all__`), never from
 the modules above (`tests/test_package_imports.py`): the FORMAT record, the family registry
-(`declared`, `discovered`, EXPERT_COUNT_KEYS) that finds routers in transformers models, the
+(`declared`, `discovered`) that finds routers in transformers models, the
 names of the quantization schemes `ModelView.quantized_schemes` reports, and what the twin proof
 (`convert/twin.py`) reads and writes an in-memory twin with.
 """
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 from mcore_proxy.checkpoint.hf.config import HFConfig
 from mcore_proxy.checkpoint.hf.discovery import FULL_LIST, Discovery, build_twin, discovered
-from mcore_proxy.checkpoint.hf.families import EXPERT_COUNT_KEYS, declared
+from mcore_proxy.checkpoint.hf.families import declared
 from mcore_proxy.checkpoint.hf.folder import is_hf_checkpoint
 from mcore_proxy.checkpoint.hf.native import StateDictView, open_hf
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, proxy_config
 from mcore_proxy.checkpoint.hf.quant import INT4_PACKED, MXFP4
 from mcore_proxy.checkpoint.hf.reader import HFCheckpoint
+from mcore_proxy.checkpoint.hf.structure import read_config_json, spec_fields_from_config
 from mcore_proxy.checkpoint.hf.writer import HFWriter
 from mcore_proxy.checkpoint.interface import Format
 
@@ -43,7 +45,6 @@ FORMAT = Format(
 )
 
 __all__ = [
-    "EXPERT_COUNT_KEYS",
     "FORMAT",
     "FULL_LIST",
     "Discovery",
@@ -58,4 +59,6 @@ __all__ = [
     "is_hf_checkpoint",
     "native_outputs",
     "proxy_config",
+    "read_config_json",
+    "spec_fields_from_config",
 ]

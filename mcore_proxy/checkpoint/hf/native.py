@@ -254,7 +254,11 @@ class HFNativeView(ModelView):
             if isinstance(keys.score_function, str)
             else str(text.data.get(keys.score_function[0]) or keys.score_function[1])
         )
-        hashed = sorted(n.split(".")[2] for n in self._sources if n.endswith(ROUTER_LEAVES[HASH_TABLE]))
+        hashed = sorted(
+            int(n.split(".")[2])
+            for n in self._sources
+            if n.startswith("decoder.") and n.endswith(ROUTER_LEAVES[HASH_TABLE])
+        )
         return ModelSpec(
             num_layers=self.num_layers,
             hidden_size=text.int("hidden_size", minimum=1),
@@ -267,7 +271,8 @@ class HFNativeView(ModelView):
             group_topk=groups[1],
             moe_ffn_hidden_size=first_int(self.config, ("moe_intermediate_size", "intermediate_size"), 0) or None,
             expert_bias=any(n.endswith(".mlp.router.expert_bias") for n in self._sources),
-            extra={"hf_family": self.family.name, "hash_layers": hashed},
+            hash_layers=tuple(hashed),
+            extra={"hf_family": self.family.name},
         )
 
     def _check(self, spec: ModelSpec) -> None:

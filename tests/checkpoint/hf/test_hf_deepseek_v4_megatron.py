@@ -168,7 +168,7 @@ def test_megatron_tensors_equal_the_hf_source_under_the_mapping(v4, fmt):
     for name in hf.names():
         got, want = megatron.get(name), hf.get(name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
-    assert megatron.spec.extra["hash_layers"] == ["0"]
+    assert megatron.spec.hash_layers == (0,)
 
 
 @pytest.mark.parametrize("fmt", OUTPUTS)
