@@ -125,41 +125,16 @@ def stage_hf(work: Path) -> None:
 
 def _patch_megatron(mlm: str):
     """Make the dev tree build and run on CPU without Transformer Engine (see the module docstring)."""
-    import contextlib
 
     sys.path.insert(0, mlm)
+    sys.path.insert(1, str(ROOT))  # after the dev tree: its megatron is the one imported
+    from mcore_proxy.functional.cpu import stub_cuda_for_cpu
+
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.nvtx.range_push = lambda *a, **k: None
-    torch.cuda.nvtx.range_pop = lambda *a, **k: None
-    from megatron.core.tensor_parallel import random as mrandom
-
-    @contextlib.contextmanager
-    def fork(self, name=None):
-        yield
-
-    mrandom.CudaRNGStatesTracker.fork = fork
-    mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.states_.__setitem__(name, seed)
-    from megatron.core.transformer.moe import moe_utils
-
-    for symbol in (
-        "te_general_gemm",
-        "fused_topk_with_score_function",
-        "fused_permute",
-        "fused_unpermute",
-        "fused_permute_with_probs",
-        "fused_sort_chunks_by_index",
-        "fused_sort_chunks_by_index_with_probs",
-        "fused_compute_score_for_moe_aux_loss",
-        "fused_moe_aux_loss",
-    ):
-        if not hasattr(moe_utils, symbol):
-            setattr(moe_utils, symbol, None)
+    stub_cuda_for_cpu()  # the CUDA and TE stand-ins verify --functional uses too
 
     class LocalLinear(nn.Module):
         """TELinear(parallel_mode="duplicated") stand-in: replicated, TE's call shape and extra state."""

@@ -41,13 +41,17 @@ class _GroupedGemmModule:
     ops = _GroupedGemmOps
 
 
-def patch_megatron_for_cpu() -> None:
-    """Idempotent; safe in every spawned rank."""
-    global _PATCHED
-    if _PATCHED:
-        return
+def stub_cuda_for_cpu() -> None:
+    """What any megatron-core (0.16.1, and Megatron-LM's dev tree, which
+    bench/deepseek_v4_megatron_dev.py runs) needs to build and run on a CPU-only torch: the CUDA
+    device, synchronisation and NVTX ranges as no-ops, the CUDA RNG tracker's fork without a CUDA
+    generator, and the Transformer Engine symbols MoE utilities reference set to None where absent.
+    Idempotent; no formula changes."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
 
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -73,6 +77,14 @@ def patch_megatron_for_cpu() -> None:
     ):
         if not hasattr(moe_utils, symbol):
             setattr(moe_utils, symbol, None)
+
+
+def patch_megatron_for_cpu() -> None:
+    """Idempotent; safe in every spawned rank."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    stub_cuda_for_cpu()
 
     from megatron.core.transformer.moe import experts, grouped_gemm_util
 
