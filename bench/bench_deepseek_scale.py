@@ -40,7 +40,7 @@ alternative), so the two variants differ in naming only and the truncated depths
 
 megatron-core cannot build a 256-expert 61-layer model on a 2-core box, so `write_checkpoint`
 writes the rank files itself, as Megatron-LM's `save_checkpoint` would: `torch.save` of
-{args (argparse.Namespace, from the same `Family.megatron_args` the megatron-core fixtures use),
+{args (argparse.Namespace, from the same `ToyMoE.megatron_args` the megatron-core fixtures use),
 checkpoint_version 3.0, iteration, model (rank-local names and shapes, `_extra_state` None for
 every local linear), optimizer, opt_param_scheduler, rng_state,
 num_floating_point_operations_so_far}. tests/bench/test_bench_deepseek_scale.py generates the
@@ -90,14 +90,15 @@ from mcore_proxy.checkpoint.mindspeed_llm import (
     megatron_to_mindspeed,
 )
 from mcore_proxy.functional.model import Layout
-from mcore_proxy.testing.families import DEEPSEEK_V3, Family
+from mcore_proxy.functional.model import ToyMoE
+from mcore_proxy.testing.families import DEEPSEEK_V3
 
 HERE = Path(__file__).resolve().parent
 MIB, GIB = 2**20, 2**30
 ITERATION = 1000
 
 
-def scale_model(num_layers: int = 61) -> Family:
+def scale_model(num_layers: int = 61) -> ToyMoE:
     """DeepSeek-V3's structure (layer/expert counts, routing, MLA, MTP) at reduced width."""
     return dataclasses.replace(
         DEEPSEEK_V3,
@@ -122,7 +123,7 @@ def scale_model(num_layers: int = 61) -> Family:
     )
 
 
-def smoke_model(num_layers: int = 5) -> Family:
+def smoke_model(num_layers: int = 5) -> ToyMoE:
     """The same structure at test size: 32 experts (8 groups), H 32."""
     return dataclasses.replace(DEEPSEEK_V3, num_layers=num_layers, moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3))
 
@@ -143,7 +144,7 @@ def stage_counts(num_layers: int, pp: int) -> list[int]:
 # -- the checkpoint ----------------------------------------------------------------------------
 
 
-def megatron_args(model: Family, counts: list[int], ep: int, stages: str = "first-last") -> argparse.Namespace:
+def megatron_args(model: ToyMoE, counts: list[int], ep: int, stages: str = "first-last") -> argparse.Namespace:
     """args as the saving job's Megatron-LM (or MindSpeed-LLM, `stages="num-layer-list"`) leaves them."""
     pp = len(counts)
     even = len(set(counts)) == 1
@@ -173,7 +174,7 @@ def megatron_args(model: Family, counts: list[int], ep: int, stages: str = "firs
     return args
 
 
-def mindspeed_llm_args(args: argparse.Namespace, model: Family) -> argparse.Namespace:
+def mindspeed_llm_args(args: argparse.Namespace, model: ToyMoE) -> argparse.Namespace:
     """`args` as MindSpeed-LLM's DeepSeek-V3 recipe leaves them (module docstring): its flags'
     spellings added beside the megatron-core ones the reader reads (`multi_latent_attention`,
     `qk_head_dim`, `qk_pos_emb_head_dim`, `mtp_num_layers`)."""
@@ -243,7 +244,7 @@ def _linear(out: dict, key: str, shape, seed_name: str, memo: dict | None = None
 
 
 def layer_tensors(
-    model: Family,
+    model: ToyMoE,
     prefix: str,
     seed_prefix: str,
     moe: bool,
@@ -301,7 +302,7 @@ def layer_tensors(
     return out
 
 
-def planted(model: Family, layer_id: str, tokens: int):
+def planted(model: ToyMoE, layer_id: str, tokens: int):
     """The planted routing of one MoE layer (`"12"` or `"mtp.0"`): its router [E, H] and statistics."""
     from mcore_proxy.select.synthetic import planted_layer
 
@@ -317,7 +318,7 @@ def planted(model: Family, layer_id: str, tokens: int):
 
 
 def rank_state(
-    model: Family, counts: list[int], pp_rank: int, ep_rank: int, ep: int, routers: dict, memo: dict | None = None
+    model: ToyMoE, counts: list[int], pp_rank: int, ep_rank: int, ep: int, routers: dict, memo: dict | None = None
 ) -> dict:
     """Rank (tp 0, pp_rank, ep_rank)'s `model` entry: the stage's layers with local numbers, the
     embedding on the first stage, and on the last the final norm, the MTP layer beside its own
@@ -358,13 +359,13 @@ def rank_state(
     return out
 
 
-def moe_layer_ids(model: Family) -> list[str]:
+def moe_layer_ids(model: ToyMoE) -> list[str]:
     return [str(L) for L, f in enumerate(model.moe_layer_freq) if f] + [f"mtp.{d}" for d in range(model.mtp_layers)]
 
 
 def write_checkpoint(
     root: Path,
-    model: Family,
+    model: ToyMoE,
     pp: int,
     ep: int,
     stages: str = "first-last",

@@ -1,11 +1,11 @@
 """megatron-core models of the families mcore-proxy supports, built from a checkpoint's args, on CPU.
 
-`Family` extends `functional.model.ToyMoE` with what DeepSeek-V3- and Qwen3-MoE-shaped models add:
+A `functional.model.ToyMoE` describes what DeepSeek-V3- and Qwen3-MoE-shaped models hold:
 multi-latent attention (`q_lora_rank`, `kv_lora_rank`, head dims), GQA with qk norms, q/k/v biases
 and an explicit head dim, learned absolute positions, partial RoPE, MTP layers, the top-k scaling
 factor.
 `StagedLayout` adds Megatron's `--pipeline-model-parallel-layout` string (which may imply virtual
-stages) to a Layout. `family_from_spec` builds a Family from a checkpoint's ModelSpec (the one
+stages) to a Layout. `family_from_spec` builds a ToyMoE from a checkpoint's ModelSpec (the one
 reader of its args, `mcore.spec`; `family_from_args` from bare args); `build_chunks` builds a
 rank's model chunks with megatron-core's local spec (`functional.cpu.local_mla_spec` for MLA),
 `run_chunks` runs the fixed tokens through the pipeline, and `load_legacy_and_run` loads legacy
@@ -32,115 +32,6 @@ from mcore_proxy.mcore.pipeline_layout import split_stages
 
 
 @dataclass(frozen=True)
-class Family(ToyMoE):
-    """A ToyMoE with the attention, position and MTP options of DeepSeek-V3 and Qwen3-MoE.
-
-    attention: "gqa" (`linear_qkv`, `num_query_groups`, head dim `kv_channels`) or "mla"
-    (`linear_q_down_proj` [q_lora, H], `linear_q_up_proj` [heads*(qk+rope), q_lora],
-    `linear_kv_down_proj` [kv_lora+rope, H], `linear_kv_up_proj` [heads*(qk+v), kv_lora]; with
-    q_lora_rank None a single `linear_q_proj`). qk_layernorm: q/k norms for GQA, q/kv latent norms
-    for MLA (the local MLA spec has none without it).
-    """
-
-    attention: str = "gqa"
-    num_query_groups: int | None = None
-    kv_channels: int | None = None
-    qk_layernorm: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 16
-    qk_head_dim: int = 8
-    qk_pos_emb_head_dim: int = 4
-    v_head_dim: int = 8
-    position_embedding_type: str = "rope"
-    mtp_layers: int = 0
-    topk_scaling_factor: float | None = None
-    pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
-    norm_epsilon: float = 1e-5  # megatron's default layernorm_epsilon
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0  # RoPE on this share of each head's channels (GLM-4.5: 0.5)
-    add_qkv_bias: bool = False  # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
-    tied_embeddings: bool = False  # megatron's default: the output layer is the word embeddings
-
-    def __post_init__(self):
-        if self.attention not in ("gqa", "mla"):
-            raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
-
-    def transformer_config(self, layout: Layout):
-        """megatron-core's TransformerConfig (MLATransformerConfig for MLA) of this model at `layout`."""
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-        # built at PP 1 first: the base class knows no layout string, and 5 layers over PP 2 need one
-        # (or a first-stage size, set below with the real PP)
-        base = super().transformer_config(dataclasses.replace(layout, pp=1, first_stage_layers=None))
-        values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-        values.update(
-            pipeline_model_parallel_size=layout.pp,
-            qk_layernorm=self.qk_layernorm,
-            mtp_num_layers=self.mtp_layers or None,
-            layernorm_epsilon=self.norm_epsilon,
-            add_qkv_bias=self.add_qkv_bias,
-            moe_router_pre_softmax=self.pre_softmax,
-            moe_router_topk_scaling_factor=self.topk_scaling_factor,
-            pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
-            num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        )
-        if self.attention == "gqa":
-            values.update(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
-            return type(base)(**values)
-        values.update(
-            multi_latent_attention=True,
-            q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_head_dim=self.qk_head_dim,
-            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
-            v_head_dim=self.v_head_dim,
-            rope_type="rope",
-            num_query_groups=None,
-            kv_channels=None,
-        )
-        return MLATransformerConfig(**values)
-
-    def megatron_args(self, layout: Layout):
-        """`args` as Megatron-LM's argparse and validate_args leave them for this model."""
-        args = super().megatron_args(layout)
-        mla = self.attention == "mla"
-        text = getattr(layout, "pipeline_layout", None)
-        vpp = getattr(layout, "vpp", None)
-        heads = self.num_attention_heads
-        vars(args).update(
-            multi_latent_attention=mla,
-            qk_layernorm=self.qk_layernorm,
-            group_query_attention=not mla and self.num_query_groups not in (None, heads),
-            num_query_groups=(self.num_query_groups or heads) if not mla else heads,
-            kv_channels=self.kv_channels or self.hidden_size // heads,
-            q_lora_rank=self.q_lora_rank if mla else None,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_head_dim=self.qk_head_dim,
-            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
-            v_head_dim=self.v_head_dim,
-            rope_type="rope" if mla else None,
-            rotary_scaling_factor=1.0,
-            rotary_base=self.rotary_base,
-            rotary_percent=self.rotary_percent,
-            add_qkv_bias=self.add_qkv_bias,
-            norm_epsilon=self.norm_epsilon,
-            position_embedding_type=self.position_embedding_type,
-            max_position_embeddings=self.seq_length,
-            untie_embeddings_and_output_weights=not self.tied_embeddings,
-            mtp_num_layers=self.mtp_layers or None,
-            mtp_loss_scaling_factor=0.1,
-            moe_router_topk_scaling_factor=self.topk_scaling_factor,
-            moe_router_pre_softmax=self.pre_softmax,
-            pipeline_model_parallel_layout=text,
-            virtual_pipeline_model_parallel_size=vpp,
-            num_layers_per_virtual_pipeline_stage=None,
-            num_virtual_stages_per_pipeline_rank=None,
-            overlap_p2p_comm=vpp is not None,
-        )
-        return args
-
-
-@dataclass(frozen=True)
 class StagedLayout(Layout):
     """A Layout with Megatron's `pipeline_model_parallel_layout` string (None: even stages)."""
 
@@ -160,7 +51,7 @@ def vpp_of(layout: Layout) -> int | None:
     return getattr(layout, "vpp", None)
 
 
-def build_chunks(model: Family, layout: Layout) -> list:
+def build_chunks(model: ToyMoE, layout: Layout) -> list:
     """This rank's model chunks (one per virtual stage) as Megatron-LM's gpt_builder builds them
     (call inside the layout's parallel state). MTP layers use the spec of the model's last
     decoder layer, also on a stage without decoder layers (`gpt_builders.py`)."""
@@ -217,7 +108,7 @@ def _recv(src: int) -> torch.Tensor:
     return out
 
 
-def run_chunks(chunks: list, model: Family, tokens: torch.Tensor) -> torch.Tensor | None:
+def run_chunks(chunks: list, model: ToyMoE, tokens: torch.Tensor) -> torch.Tensor | None:
     """One forward pass of the fixed tokens through the pipeline (chunks in Megatron's
     interleaved order, activations passed by p2p around the PP ring); on the last stage the
     logits of every output-layer call as [1 + mtp_layers, b, s, V] (main head first), else None."""
@@ -252,7 +143,7 @@ def state_keys(chunks: list) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
 
 
-def embedding_ranks(model: Family, layout: Layout):
+def embedding_ranks(model: ToyMoE, layout: Layout):
     """Megatron-LM's `get_embedding_ranks` (pretrain_gpt.py) for this model: the ranks whose word
     embeddings are kept equal are the first stage, the last one if embeddings are tied, and every
     stage with MTP layers. megatron-core's default (first and last stage) would
@@ -275,7 +166,7 @@ def embedding_ranks(model: Family, layout: Layout):
     return ranks
 
 
-def enter_layout(rank: int, world: int, port: int, model: Family, layout: Layout) -> None:
+def enter_layout(rank: int, world: int, port: int, model: ToyMoE, layout: Layout) -> None:
     """gloo group on first use, then megatron's parallel state for `layout` (and this model's
     embedding group)."""
     from megatron.core import parallel_state as ps
@@ -334,8 +225,8 @@ def load_legacy_and_run(jobs: list[tuple], keeps: list | None = None) -> list[to
     return [torch.load(o) for _, _, _, o in jobs]
 
 
-def family_from_spec(spec, seq_length: int = 16, tied: bool | None = None) -> Family:
-    """The Family a ModelSpec describes (GQA or MLA, local spec), e.g. of the args `convert` writes
+def family_from_spec(spec, seq_length: int = 16, tied: bool | None = None) -> ToyMoE:
+    """The ToyMoE a ModelSpec describes (GQA or MLA, local spec), e.g. of the args `convert` writes
     for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether the output layer
     is the word embeddings (`ModelView.embeddings_tied`); None: only when the args said so."""
     needed = "building the model in megatron-core"
@@ -375,10 +266,10 @@ def family_from_spec(spec, seq_length: int = 16, tied: bool | None = None) -> Fa
         fields.update(dataclasses.asdict(spec.mla))
     else:
         fields.update(num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels)
-    return Family(**fields)
+    return ToyMoE(**fields)
 
 
-def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> Family:
+def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> ToyMoE:
     """`family_from_spec` of the ModelSpec the args describe."""
     from mcore_proxy.mcore.spec import ModelSpec
 

@@ -1,7 +1,8 @@
 """A small Megatron MoE GPT described by its args, built by megatron-core on CPU.
 
-`ToyMoE` holds the architecture (what `megatron_args` writes as a checkpoint's args;
-`functional.family.family_from_spec` reads a checkpoint's ModelSpec back into its subclass),
+`ToyMoE` holds the architecture (what `megatron_args` writes as a checkpoint's args and
+`transformer_config` builds; `functional.family.family_from_spec` reads a checkpoint's ModelSpec
+back into one),
 `Layout` the parallel layout of one run, `build_gpt` this rank's stage of the model (call
 `functional.cpu.init_distributed` first).
 """
@@ -19,8 +20,17 @@ from mcore_proxy.mcore.megatron_args import ACTIVATIONS
 
 @dataclass(frozen=True)
 class ToyMoE:
-    """Architecture of a small MoE GPT as megatron-core builds it with its local (non-TE) spec:
-    RMSNorm, RoPE, no biases (megatron-core argument names where they exist)."""
+    """A small MoE GPT as megatron-core builds it with its local (non-TE) spec: RMSNorm, no linear
+    biases (megatron-core argument names where they exist), with the attention, position and MTP
+    options of DeepSeek-V3- and Qwen3-MoE-shaped models.
+
+    attention: "gqa" (`linear_qkv`, `num_query_groups`, head dim `kv_channels`) or "mla"
+    (`linear_q_down_proj` [q_lora, H], `linear_q_up_proj` [heads*(qk+rope), q_lora],
+    `linear_kv_down_proj` [kv_lora+rope, H], `linear_kv_up_proj` [heads*(qk+v), kv_lora]; with
+    q_lora_rank None a single `linear_q_proj`). qk_layernorm: q/k norms for GQA, q/kv latent norms
+    for MLA (the local MLA spec has none without it). `router_std` and `weight_seed` are how the
+    test fixtures fill the weights, not structure.
+    """
 
     num_layers: int = 4
     hidden_size: int = 32
@@ -41,16 +51,55 @@ class ToyMoE:
     router_std: float = 1.0  # wide router rows: decisive, diverse routing
     weight_seed: int = 0  # different seeds: different router and expert weights
     activation: str = "swiglu"  # experts' and dense MLPs': "swiglu", "geglu" or "gelu"
+    attention: str = "gqa"
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    qk_layernorm: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 8
+    qk_pos_emb_head_dim: int = 4
+    v_head_dim: int = 8
+    position_embedding_type: str = "rope"
+    mtp_layers: int = 0
+    topk_scaling_factor: float | None = None
+    pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
+    norm_epsilon: float = 1e-5  # megatron's default layernorm_epsilon
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # RoPE on this share of each head's channels (GLM-4.5: 0.5)
+    add_qkv_bias: bool = False  # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
+    tied_embeddings: bool = False  # megatron's default: the output layer is the word embeddings
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+
+    @property
+    def _freq(self) -> int | list[int]:
+        return list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
 
     def transformer_config(self, layout: "Layout"):
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        """megatron-core's TransformerConfig (MLATransformerConfig for MLA) of this model at `layout`
+        (a `family.StagedLayout` adds its pipeline layout string)."""
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-        freq = list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
-        return TransformerConfig(
+        mla = self.attention == "mla"
+        attention = (
+            dict(
+                multi_latent_attention=True,
+                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_head_dim=self.qk_head_dim,
+                qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+                v_head_dim=self.v_head_dim,
+                rope_type="rope",
+            )
+            if mla
+            else dict(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
+        )
+        return (MLATransformerConfig if mla else TransformerConfig)(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -58,7 +107,7 @@ class ToyMoE:
             num_moe_experts=self.num_experts,
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             moe_router_topk=self.topk,
-            moe_layer_freq=freq,
+            moe_layer_freq=self._freq,
             moe_shared_expert_intermediate_size=self.shared_expert_size,
             moe_shared_expert_gate=self.shared_expert_gate,
             moe_router_score_function=self.score_function,
@@ -69,11 +118,17 @@ class ToyMoE:
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=layout.grouped,
+            moe_router_pre_softmax=self.pre_softmax,
+            moe_router_topk_scaling_factor=self.topk_scaling_factor,
             # Megatron-LM's --swiglu: SiLU-gated (core_transformer_config_from_args); GELU otherwise
             gated_linear_unit=self.activation != "gelu",
             activation_func=torch.nn.functional.silu if self.activation == "swiglu" else torch.nn.functional.gelu,
             add_bias_linear=False,
+            add_qkv_bias=self.add_qkv_bias,
+            qk_layernorm=self.qk_layernorm,
             normalization="RMSNorm",
+            layernorm_epsilon=self.norm_epsilon,
+            mtp_num_layers=self.mtp_layers or None,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             use_cpu_initialization=True,
@@ -82,51 +137,79 @@ class ToyMoE:
             bf16=False,
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
+            pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
             num_layers_in_first_pipeline_stage=layout.first_stage_layers,
             sequence_parallel=False,
+            **attention,
         )
 
     def megatron_args(self, layout: "Layout") -> argparse.Namespace:
-        """`args` as Megatron training pickles them: argparse names, a megatron enum, and the
-        `signal.Signals` member Megatron-LM keeps as `exit_signal` (both pickled by name by early
-        Python 3.11 releases: testing/enum_forms.py)."""
+        """`args` as Megatron-LM's argparse and validate_args leave them for this model: argparse
+        names, a megatron enum, and the `signal.Signals` member Megatron-LM keeps as `exit_signal`
+        (both pickled by name by early Python 3.11 releases: testing/enum_forms.py)."""
         from megatron.core.transformer.enums import AttnBackend
 
-        freq = list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
+        mla, heads = self.attention == "mla", self.num_attention_heads
+        vpp = getattr(layout, "vpp", None)
         return argparse.Namespace(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
+            num_attention_heads=heads,
             ffn_hidden_size=self.ffn_hidden_size,
             num_experts=self.num_experts,
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             moe_router_topk=self.topk,
-            moe_layer_freq=freq,
+            moe_layer_freq=self._freq,
             moe_shared_expert_intermediate_size=self.shared_expert_size,
             moe_shared_expert_gate=self.shared_expert_gate,
             moe_router_score_function=self.score_function,
             moe_router_enable_expert_bias=self.expert_bias,
             moe_router_num_groups=self.num_groups,
             moe_router_group_topk=self.group_topk,
+            moe_router_topk_scaling_factor=self.topk_scaling_factor,
+            moe_router_pre_softmax=self.pre_softmax,
             moe_grouped_gemm=layout.grouped,
             moe_token_dispatcher_type="allgather",
             swiglu=self.activation == "swiglu",
             gated_linear_unit=self.activation != "gelu",
             add_bias_linear=False,
+            add_qkv_bias=self.add_qkv_bias,
             normalization="RMSNorm",
+            norm_epsilon=self.norm_epsilon,
+            multi_latent_attention=mla,
+            qk_layernorm=self.qk_layernorm,
+            group_query_attention=not mla and self.num_query_groups not in (None, heads),
+            num_query_groups=(self.num_query_groups or heads) if not mla else heads,
+            kv_channels=self.kv_channels or self.hidden_size // heads,
+            q_lora_rank=self.q_lora_rank if mla else None,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_head_dim=self.qk_head_dim,
+            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope_type="rope" if mla else None,
+            rotary_scaling_factor=1.0,
+            rotary_base=self.rotary_base,
+            rotary_percent=self.rotary_percent,
             padded_vocab_size=self.vocab_size,
             seq_length=self.seq_length,
             max_position_embeddings=self.seq_length,
-            position_embedding_type="rope",
+            position_embedding_type=self.position_embedding_type,
+            untie_embeddings_and_output_weights=not self.tied_embeddings,
+            mtp_num_layers=self.mtp_layers or None,
+            mtp_loss_scaling_factor=0.1,
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
             decoder_first_pipeline_num_layers=layout.first_stage_layers,
             decoder_last_pipeline_num_layers=None,
+            pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
+            virtual_pipeline_model_parallel_size=vpp,
             num_layers_per_virtual_pipeline_stage=None,
+            num_virtual_stages_per_pipeline_rank=None,
+            overlap_p2p_comm=vpp is not None,
             use_distributed_optimizer=False,
             bf16=False,
             fp16=False,
@@ -162,7 +245,10 @@ class Layout:
 
 
 def build_gpt(model: ToyMoE, layout: Layout):
-    """Build this rank's pipeline stage of the GPT model (call after init_distributed)."""
+    """Build this rank's pipeline stage of the GPT model (call after init_distributed): GQA or MHA
+    with RoPE, untied, no MTP, no virtual stages; `functional.family.build_chunks` builds any ToyMoE."""
+    if model.attention == "mla" or model.mtp_layers or model.tied_embeddings or model.position_embedding_type != "rope":
+        raise ValueError(f"build_gpt builds plain GQA models; build {model} with functional.family.build_chunks")
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec

@@ -1,6 +1,6 @@
 """Tiny DeepSeek-V3- and Qwen3-MoE-shaped megatron-core models, saved and loaded as Megatron does.
 
-The models (`Family`, `StagedLayout`, `family_from_args`, `build_chunks`, `run_chunks`) are
+The models (`functional.model.ToyMoE`, `StagedLayout`, `family_from_args`, `build_chunks`, `run_chunks`) are
 library code in `mcore_proxy.functional.family` (what `verify --functional` runs); this module adds
 the fixtures: the two families, their layouts, and jobs that fill layout-independent global
 weights (`global_weights.fill_global_weights`, plus expert biases by global layer), so a model
@@ -29,7 +29,6 @@ from mcore_proxy.checkpoint.iteration import TRACKER, folder_name
 from mcore_proxy.checkpoint.safe_globals import torch_load_allowing
 from mcore_proxy.functional.cpu import destroy_distributed, free_port
 from mcore_proxy.functional.family import (
-    Family,
     StagedLayout,
     build_chunks,
     enter_layout,
@@ -37,7 +36,7 @@ from mcore_proxy.functional.family import (
     run_chunks,
     state_keys,
 )
-from mcore_proxy.functional.model import Layout
+from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
 from mcore_proxy.testing.build import legacy_rank_dir, training_extras
 from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, iteration_dir
@@ -51,7 +50,6 @@ __all__ = [
     "QWEN3_MOE_HF",
     "QWEN3_MOE_TIED",
     "QWEN3_MOE_TIED_LAYOUT",
-    "Family",
     "FamilyCheckpoint",
     "Job",
     "StagedLayout",
@@ -78,7 +76,7 @@ class Job:
     (`functional.run.restrict_routers`, the reference a proxy must reproduce).
     """
 
-    model: Family
+    model: ToyMoE
     layout: Layout
     seed: int = 0
     save_legacy: str | None = None
@@ -97,7 +95,7 @@ class Job:
             raise ValueError("a job either saves freshly filled weights or loads them")
 
 
-def fill_weights(chunks: list, model: Family, seed: int) -> None:
+def fill_weights(chunks: list, model: ToyMoE, seed: int) -> None:
     """Global weights for every parameter, and for every router's expert-bias buffer a vector
     keyed by its global layer (MTP depths after the decoder), the same on every rank."""
     fill_global_weights(chunks, seed=seed, router_std=model.router_std)
@@ -211,7 +209,7 @@ def run_jobs(jobs: list[Job], world: int | None = None) -> None:
 # DeepSeek-V3 in miniature: MLA with q_lora (q/kv latent norms), v head dim != qk head dim,
 # 3 dense layers first, 32 routed experts in 8 groups (top-4 groups, top-8, sigmoid scores with
 # expert bias, scaling factor 2.5), one shared expert, one MTP layer, rope (inside MLA).
-DEEPSEEK_V3 = Family(
+DEEPSEEK_V3 = ToyMoE(
     attention="mla",
     num_layers=5,
     hidden_size=32,
@@ -247,7 +245,7 @@ DEEPSEEK_V3_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="Ettt
 # `learned_absolute` (`embedding.position_embeddings.weight`) instead of Qwen3's rope, so that one
 # fixture has it; with MTP beside a second chunk megatron-core 0.16.1 cannot save it in torch_dist
 # (two main replicas of the key: docs/families.md).
-QWEN3_MOE = Family(
+QWEN3_MOE = ToyMoE(
     attention="gqa",
     num_layers=4,
     hidden_size=32,
@@ -288,7 +286,7 @@ class FamilyCheckpoint:
     """One saved family fixture: the same weights in both formats, and their reference logits."""
 
     name: str
-    model: Family
+    model: ToyMoE
     layout: Layout
     legacy: Path
     torch_dist: Path
@@ -297,7 +295,7 @@ class FamilyCheckpoint:
 
 
 def save_jobs(
-    name: str, model: Family, layout: Layout, base: Path, seed: int | None = None
+    name: str, model: ToyMoE, layout: Layout, base: Path, seed: int | None = None
 ) -> tuple[Job, FamilyCheckpoint]:
     """The job saving fixture `name` under `base` (legacy/, torch_dist/, logits.pt) and its record
     (global weights of `seed`, by default the model's weight_seed)."""
