@@ -10,12 +10,63 @@ back into one),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 from dataclasses import dataclass
 
 import torch
 
 from mcore_proxy.mcore.megatron_args import ACTIVATIONS
+
+
+# what short args leave to Megatron's defaults, and the fields that set it (at their defaults then)
+ARGS_LEFT_TO_DEFAULTS = (
+    "multi_latent_attention",
+    "qk_layernorm",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "rotary_base",
+    "rotary_percent",
+    "add_qkv_bias",
+    "norm_epsilon",
+    "untie_embeddings_and_output_weights",
+    "mtp_num_layers",
+    "mtp_loss_scaling_factor",
+    "moe_router_topk_scaling_factor",
+    "moe_router_pre_softmax",
+    "pipeline_model_parallel_layout",
+    "virtual_pipeline_model_parallel_size",
+    "num_virtual_stages_per_pipeline_rank",
+    "overlap_p2p_comm",
+)
+_FAMILY_FIELDS = (
+    "attention",
+    "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "position_embedding_type",
+    "mtp_layers",
+    "topk_scaling_factor",
+    "pre_softmax",
+    "norm_epsilon",
+    "rotary_base",
+    "rotary_percent",
+    "add_qkv_bias",
+    "tied_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -69,12 +120,20 @@ class ToyMoE:
     rotary_percent: float = 1.0  # RoPE on this share of each head's channels (GLM-4.5: 0.5)
     add_qkv_bias: bool = False  # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
     tied_embeddings: bool = False  # megatron's default: the output layer is the word embeddings
+    # the saved args leave attention, positions, norms, tying and MTP to Megatron's defaults
+    # (`ARGS_LEFT_TO_DEFAULTS`), as hand-made args and the quickstart's do; for plain models only
+    short_args: bool = False
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
         if self.attention not in ("gqa", "mla"):
             raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        changed = [
+            f.name for f in dataclasses.fields(self) if f.name in _FAMILY_FIELDS and getattr(self, f.name) != f.default
+        ]
+        if self.short_args and changed:
+            raise ValueError(f"short args would leave {changed[0]} to Megatron's default: only for plain models")
 
     @property
     def _freq(self) -> int | list[int]:
@@ -153,7 +212,7 @@ class ToyMoE:
 
         mla, heads = self.attention == "mla", self.num_attention_heads
         vpp = getattr(layout, "vpp", None)
-        return argparse.Namespace(
+        args = argparse.Namespace(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=heads,
@@ -222,6 +281,9 @@ class ToyMoE:
             ckpt_format="torch",
             iteration=0,
         )
+        for name in ARGS_LEFT_TO_DEFAULTS if self.short_args else ():
+            delattr(args, name)
+        return args
 
 
 @dataclass(frozen=True)

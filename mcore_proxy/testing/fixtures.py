@@ -1,7 +1,9 @@
 """The named tiny Megatron checkpoints the tests, examples and benchmarks build.
 
 Each entry pairs a ToyMoE architecture with the layout it is saved at; `build_fixture` saves it
-with megatron-core in spawned gloo ranks (legacy format) plus the reference logits.
+with megatron-core in spawned gloo ranks (legacy format) plus the reference logits. Their args are
+short (`ToyMoE.short_args`): attention, positions, norms and tying are left to Megatron's
+defaults, as in hand-made args, so every reader is tested on args that leave them out.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from mcore_proxy.testing.cache import build_lock
 
 FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
     # SequentialMLP, softmax top-2 of 8, TP=2 PP=2 EP=2 (8 ranks)
-    "seq_tp2_pp2_ep2": (ToyMoE(), Layout(tp=2, pp=2, ep=2)),
+    "seq_tp2_pp2_ep2": (ToyMoE(short_args=True), Layout(tp=2, pp=2, ep=2)),
     # GroupedMLP (weight1/weight2, as MindSpeed-LLM writes with --moe-grouped-gemm), EP=4
-    "grouped_ep4": (ToyMoE(weight_seed=1), Layout(tp=1, pp=1, ep=4, grouped=True)),
+    "grouped_ep4": (ToyMoE(weight_seed=1, short_args=True), Layout(tp=1, pp=1, ep=4, grouped=True)),
     # expert TP differs from attention TP: some mp_rank folders legitimately do not exist
-    "seq_tp2_etp1_ep2": (ToyMoE(weight_seed=2), Layout(tp=2, pp=1, ep=2, etp=1)),
+    "seq_tp2_etp1_ep2": (ToyMoE(weight_seed=2, short_args=True), Layout(tp=2, pp=1, ep=2, etp=1)),
     # DeepSeek-like: dense first layer, shared experts with gate, sigmoid scores with expert
     # bias, group-limited routing (16 experts in 4 groups, top-2 groups, top-4), uneven stages (1 + 3)
     "deepseek_like_pp2_uneven": (
@@ -37,6 +39,7 @@ FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
             num_groups=4,
             group_topk=2,
             topk=4,
+            short_args=True,
         ),
         Layout(tp=1, pp=2, ep=2, first_stage_layers=1),
     ),
