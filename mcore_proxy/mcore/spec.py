@@ -250,6 +250,11 @@ def _present(args, name: str) -> bool:
     return args is not None and getattr(args, name, None) is not None
 
 
+def _size(args, name: str, where: str | None) -> int | None:
+    """A size the args may lack (no safe default): a positive integer, or None where absent."""
+    return arg_int(args, name, where, minimum=1) if _present(args, name) else None
+
+
 def _first_int(args, names: tuple[str, ...], where: str | None) -> int | None:
     """The first of `names` the args hold a non-zero integer for (None: none of them)."""
     return next((v for n in names if (v := arg_int(args, n, where))), None)
@@ -269,7 +274,7 @@ def _shared_expert_size(args, where: str | None) -> int | None:
 def _build_facts(args, where: str | None) -> dict:
     """What megatron-core builds beyond routing: attention, positions, norms, embeddings. A size
     without a safe default that the args lack is None (routing-only stages never need it)."""
-    heads = arg_int(args, "num_attention_heads", where, minimum=1) if _present(args, "num_attention_heads") else None
+    heads = _size(args, "num_attention_heads", where)
     # MindSpeed-LLM spells the MLA switch and two of its head dims its own way
     mla = arg_bool(args, "multi_latent_attention", where) or arg_bool(args, "multi_head_latent_attention", where)
     facts = dict(
@@ -283,10 +288,8 @@ def _build_facts(args, where: str | None) -> dict:
         rotary_base=ma.arg_float(args, "rotary_base", where),
         rotary_percent=ma.arg_float(args, "rotary_percent", where),
         activation=ma.activation_of_args(args, where),
-        vocab_size=next(
-            (arg_int(args, n, where, minimum=1) for n in ("padded_vocab_size", "vocab_size") if _present(args, n)), None
-        ),
-        seq_length=arg_int(args, "seq_length", where, minimum=1) if _present(args, "seq_length") else None,
+        vocab_size=_size(args, "padded_vocab_size", where) or _size(args, "vocab_size", where),
+        seq_length=_size(args, "seq_length", where),
         untie_embeddings=(
             arg_bool(args, "untie_embeddings_and_output_weights", where)
             if _present(args, "untie_embeddings_and_output_weights")

@@ -165,7 +165,7 @@ def _discover_twin(small: dict, where, arch, model_type, text_key, count_keys, t
     where_arch = (where, arch)
     structure = _structure(roles, dict(a.named_modules()), _tensors(a), where_arch)
     runtime, scoring = _observe(model, structure, twin_experts, text, where_arch)
-    if scoring is None:  # a top-1 twin (few experts, as a proxy's): its router's weights at top-2 tell
+    if scoring is None and _score_key(text) is None:  # a top-1 twin (as a proxy's) of a config naming none
         scoring = _scoring_at_top2(twin_json, text_key, structure, twin_experts, text, where_arch)
     family = _family(arch, model_type, structure, runtime, scoring, model, count_keys, text, version)
     return Discovery(family, twin_json, twin_experts)
@@ -179,11 +179,8 @@ def build_twin(config: dict, meta: bool = False):
 
     config_class = transformers.CONFIG_MAPPING[config["model_type"]]
     model_class = getattr(transformers, config["architectures"][0])
-    args = {
-        k: special_floats(v)
-        for k, v in config.items()
-        if k not in ("model_type", "architectures", "transformers_version")
-    }
+    # a twin is made from a config object's values, whose special floats are floats already
+    args = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
     if meta:
         with torch.device("meta"):
             return model_class._from_config(config_class(**args))
@@ -551,7 +548,7 @@ def _family(arch, model_type, s: _Structure, runtime: Runtime, scoring, model, c
     model_copied = {"lm_head.*"} | {_numbered_glob(k) for n in outside for k in (n, *saved.get(n, ()))}
     topk = tuple(k for k in text if twin.TOPK.search(k)) or ("num_experts_per_tok",)
     groups = tuple(next((k for k in text if rx.search(k)), "") for rx in (twin.GROUPS, twin.TOPK_GROUP))
-    score = next((k for k in twin.SCORE_FUNCTION if isinstance(text.get(k), str)), None)
+    score = _score_key(text)
     return MoEFamily(
         arch.removesuffix("ForCausalLM"),
         (arch,),
@@ -561,7 +558,8 @@ def _family(arch, model_type, s: _Structure, runtime: Runtime, scoring, model, c
             count_keys,
             topk=topk,
             groups=groups if all(groups) else None,
-            score_function=(score, scoring or "softmax") if score else scoring or "softmax",
+            # a config.json without the key gets the config class's default, as in transformers
+            score_function=(score, text[score]) if score else scoring or "softmax",
         ),
         runtime=runtime,
         layers=tuple(sorted(set(s.prefixes) | p1 | p2)),
@@ -570,6 +568,11 @@ def _family(arch, model_type, s: _Structure, runtime: Runtime, scoring, model, c
         notes=f"discovered from transformers {version} ({model_type})",
         origin="discovered",
     )
+
+
+def _score_key(text: dict) -> str | None:
+    """The config key that names the router's score function, if the config class has one."""
+    return next((k for k in twin.SCORE_FUNCTION if isinstance(text.get(k), str)), None)
 
 
 def _in_lists(rest: str, per_expert: tuple[str, ...]) -> bool:

@@ -61,6 +61,14 @@ def test_a_router_without_a_config_key_has_the_score_function_its_weights_follow
     assert discover(config_of(hf_model(name))).family.config.score_function == scoring
 
 
+def test_a_named_score_function_defaults_to_the_config_classs_value():
+    """DeepSeek-V4's config class names its score function (scoring_func, sqrtsoftplus, which
+    neither softmax nor sigmoid ratios fit): a config.json that leaves the key out scores as
+    transformers would build it, not as softmax."""
+    found = discover(default_config("deepseek_v4", "DeepseekV4ForCausalLM")).family
+    assert found.config.score_function == ("scoring_func", "sqrtsoftplus")
+
+
 @pytest.mark.parametrize(
     "config,words",
     [
