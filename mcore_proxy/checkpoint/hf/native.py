@@ -271,6 +271,7 @@ class HFNativeView(ModelView):
             group_topk=groups[1],
             moe_ffn_hidden_size=first_int(self.config, ("moe_intermediate_size", "intermediate_size"), 0) or None,
             expert_bias=any(n.endswith(".mlp.router.expert_bias") for n in self._sources),
+            vocab_size=text.int("vocab_size", None, minimum=1),
             hash_layers=tuple(hashed),
             extra={"hf_family": self.family.name},
         )
