@@ -20,52 +20,22 @@ from mcore_proxy.mcore.megatron_args import ACTIVATIONS
 
 
 # what short args leave to Megatron's defaults, and the fields that set it (at their defaults then)
-ARGS_LEFT_TO_DEFAULTS = (
-    "multi_latent_attention",
-    "qk_layernorm",
-    "group_query_attention",
-    "num_query_groups",
-    "kv_channels",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "rope_type",
-    "rotary_scaling_factor",
-    "rotary_base",
-    "rotary_percent",
-    "add_qkv_bias",
-    "norm_epsilon",
-    "untie_embeddings_and_output_weights",
-    "mtp_num_layers",
-    "mtp_loss_scaling_factor",
-    "moe_router_topk_scaling_factor",
-    "moe_router_pre_softmax",
-    "pipeline_model_parallel_layout",
-    "virtual_pipeline_model_parallel_size",
-    "num_virtual_stages_per_pipeline_rank",
-    "overlap_p2p_comm",
+ARGS_LEFT_TO_DEFAULTS = tuple(
+    (
+        "multi_latent_attention qk_layernorm group_query_attention num_query_groups kv_channels q_lora_rank "
+        "kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type rotary_scaling_factor rotary_base "
+        "rotary_percent add_qkv_bias norm_epsilon untie_embeddings_and_output_weights mtp_num_layers "
+        "mtp_loss_scaling_factor moe_router_topk_scaling_factor moe_router_pre_softmax "
+        "pipeline_model_parallel_layout virtual_pipeline_model_parallel_size "
+        "num_virtual_stages_per_pipeline_rank overlap_p2p_comm"
+    ).split()
 )
-_FAMILY_FIELDS = (
-    "attention",
-    "num_query_groups",
-    "kv_channels",
-    "qk_layernorm",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "position_embedding_type",
-    "mtp_layers",
-    "topk_scaling_factor",
-    "pre_softmax",
-    "norm_epsilon",
-    "rotary_base",
-    "rotary_percent",
-    "add_qkv_bias",
-    "tied_embeddings",
+_FAMILY_FIELDS = tuple(
+    (
+        "attention num_query_groups kv_channels qk_layernorm q_lora_rank kv_lora_rank qk_head_dim "
+        "qk_pos_emb_head_dim v_head_dim position_embedding_type mtp_layers topk_scaling_factor pre_softmax "
+        "norm_epsilon rotary_base rotary_percent add_qkv_bias tied_embeddings"
+    ).split()
 )
 
 
