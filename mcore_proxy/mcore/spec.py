@@ -5,7 +5,9 @@ Every stage asks the ModelSpec: selection (routing), convert and the writers (la
 megatron-core builds: attention, positions, norms, embeddings, activation). `ModelSpec.from_args`
 is the only reader of Megatron/MindSpeed args for model structure outside the formats; the HF
 format builds its ModelSpec from args it derives from config.json. Structure fields the args do
-not hold are None, and `require` names them when a stage needs them.
+not hold are None, and `require` names them when a stage needs them. The token mixers megatron-core
+0.16 args do not describe (DeepSeek-V3.2's indexer, Gated DeltaNet, DeepSeek-V4's attention, mHC)
+are filled from config.json by the HF format (`checkpoint.hf.spec_fields_from_config`) for `estimate`.
 
 Layer ids are strings: `"L"` for global 0-based decoder layer L (canonical
 `decoder.layers.{L}`), `"mtp.k"` for MTP layer k (canonical `mtp.layers.{k}.transformer_layer`).
