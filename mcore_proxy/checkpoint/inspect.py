@@ -98,7 +98,7 @@ def describe(view: ModelView) -> dict:
         "files": files,
         "file_bytes": file_bytes,
         "tensors": len(names),
-        "hash_layers": [str(L) for L in spec.hash_layers],
+        "hash_layers": spec.hash_layer_ids,
         "quantization": sorted({q.scheme for q in find_quantized(names)}),
         "support": None if descriptor is None else family_support(descriptor, info.format_info.config),
     }

@@ -245,7 +245,7 @@ def twin_plan(spec) -> SelectionPlan:
     K = E // 2
     g = torch.Generator().manual_seed(2)
     layers = {}
-    hashed = {str(L) for L in spec.hash_layers}
+    hashed = set(spec.hash_layer_ids)
     for lid in spec.moe_layer_ids:
         per = E // groups
         kept = sorted(i * per + int(j) for i in range(groups) for j in torch.randperm(per, generator=g)[: K // groups])

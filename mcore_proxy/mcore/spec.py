@@ -184,6 +184,11 @@ class ModelSpec:
         return [str(L) for L in self.moe_layers] + mtp
 
     @property
+    def hash_layer_ids(self) -> list[str]:
+        """The layer ids of the hash-routed MoE layers (decoder layers only)."""
+        return [str(L) for L in self.hash_layers]
+
+    @property
     def dense_ffn_hidden_size(self) -> int:
         """The dense MLP width megatron-core builds: the saved size, else Megatron's own rule."""
         return self.ffn_hidden_size or ma.default_ffn_hidden_size(self.hidden_size, self.activation == "swiglu")

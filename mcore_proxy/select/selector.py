@@ -504,7 +504,7 @@ def run_selection(
             "select from a checkpoint (a ModelView), not bare router weights"
         )
     layer_ids = spec.moe_layer_ids if spec is not None else stats.layer_ids
-    hashed = {str(L) for L in spec.hash_layers} if spec is not None else set()
+    hashed = set(spec.hash_layer_ids) if spec is not None else set()
     unobserved = {lid: why for lid, why in stats.meta.get("unobserved_layers", {}).items() if lid in layer_ids}
     layers, details = {}, {}
     for lid in progress(layer_ids) if progress else layer_ids:
