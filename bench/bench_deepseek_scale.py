@@ -89,8 +89,8 @@ from mcore_proxy.checkpoint.mindspeed_llm import (
     MLADims,
     megatron_to_mindspeed,
 )
-from mcore_proxy.functional.model import Layout
-from mcore_proxy.functional.model import ToyMoE
+from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.mcore.spec import MLA
 from mcore_proxy.testing.families import DEEPSEEK_V3
 
 HERE = Path(__file__).resolve().parent
@@ -106,18 +106,14 @@ def scale_model(num_layers: int = 61) -> ToyMoE:
         hidden_size=256,
         num_attention_heads=8,
         ffn_hidden_size=768,
-        q_lora_rank=96,
-        kv_lora_rank=32,
-        qk_head_dim=32,
-        qk_pos_emb_head_dim=16,
-        v_head_dim=32,
+        mla=MLA(q_lora_rank=96, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32),
         num_experts=256,
         moe_ffn_hidden_size=96,
         shared_expert_size=96,
         topk=8,
         num_groups=8,
         group_topk=4,
-        moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3),
+        moe_layers=tuple(range(3, num_layers)),
         vocab_size=4096,
         seq_length=4096,
     )
@@ -125,7 +121,7 @@ def scale_model(num_layers: int = 61) -> ToyMoE:
 
 def smoke_model(num_layers: int = 5) -> ToyMoE:
     """The same structure at test size: 32 experts (8 groups), H 32."""
-    return dataclasses.replace(DEEPSEEK_V3, num_layers=num_layers, moe_layer_freq=(0,) * 3 + (1,) * (num_layers - 3))
+    return dataclasses.replace(DEEPSEEK_V3, num_layers=num_layers, moe_layers=tuple(range(3, num_layers)))
 
 
 def stage_counts(num_layers: int, pp: int) -> list[int]:
@@ -160,7 +156,7 @@ def megatron_args(model: ToyMoE, counts: list[int], ep: int, stages: str = "firs
     if not even:
         args.decoder_last_pipeline_num_layers = counts[-1]
     if stages == "num-layer-list":  # MindSpeed-LLM: --num-layer-list, --first-k-dense-replace, int freq
-        dense = model.moe_layer_freq.index(1)
+        dense = model.moe_layers[0]
         vars(args).update(
             num_layer_list=",".join(map(str, counts)),
             decoder_first_pipeline_num_layers=None,
@@ -180,8 +176,8 @@ def mindspeed_llm_args(args: argparse.Namespace, model: ToyMoE) -> argparse.Name
     `qk_head_dim`, `qk_pos_emb_head_dim`, `mtp_num_layers`)."""
     vars(args).update(
         multi_head_latent_attention=True,
-        qk_nope_head_dim=model.qk_head_dim,
-        qk_rope_head_dim=model.qk_pos_emb_head_dim,
+        qk_nope_head_dim=model.mla.qk_head_dim,
+        qk_rope_head_dim=model.mla.qk_pos_emb_head_dim,
         mla_mm_split=False,
         moe_grouped_gemm=True,
         moe_tp_extend_ep=True,
@@ -257,7 +253,7 @@ def layer_tensors(
     every EP rank holds the same replicated tensors), `experts` the global ids this EP rank holds,
     `memo` replicated tensors already drawn (see `_randn`)."""
     h, heads = model.hidden_size, model.num_attention_heads
-    qk, rope, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+    qk, rope, v = model.mla.qk_head_dim, model.mla.qk_pos_emb_head_dim, model.mla.v_head_dim
     out: dict = {}
 
     def w(key, shape):
@@ -268,12 +264,12 @@ def layer_tensors(
 
     norm("input_layernorm", h)
     w("self_attention.linear_proj", (h, heads * v))
-    w("self_attention.linear_q_down_proj", (model.q_lora_rank, h))
-    w("self_attention.linear_q_up_proj", (heads * (qk + rope), model.q_lora_rank))
-    w("self_attention.linear_kv_down_proj", (model.kv_lora_rank + rope, h))
-    w("self_attention.linear_kv_up_proj", (heads * (qk + v), model.kv_lora_rank))
-    norm("self_attention.q_layernorm", model.q_lora_rank)
-    norm("self_attention.kv_layernorm", model.kv_lora_rank)
+    w("self_attention.linear_q_down_proj", (model.mla.q_lora_rank, h))
+    w("self_attention.linear_q_up_proj", (heads * (qk + rope), model.mla.q_lora_rank))
+    w("self_attention.linear_kv_down_proj", (model.mla.kv_lora_rank + rope, h))
+    w("self_attention.linear_kv_up_proj", (heads * (qk + v), model.mla.kv_lora_rank))
+    norm("self_attention.q_layernorm", model.mla.q_lora_rank)
+    norm("self_attention.kv_layernorm", model.mla.kv_lora_rank)
     norm("pre_mlp_layernorm", h)
     if not moe:
         w("mlp.linear_fc1", (2 * model.ffn_hidden_size, h))
@@ -338,7 +334,7 @@ def rank_state(
         out["embedding.word_embeddings.weight"] = _randn((v, h), "embedding.word_embeddings.weight", memo=memo)
     for i in range(counts[pp_rank]):
         L = start + i
-        moe = bool(model.moe_layer_freq[L])
+        moe = L in model.moe_layers
         out.update(
             layer_tensors(model, f"decoder.layers.{i}", f"decoder.layers.{L}", moe, routers.get(str(L)), experts, memo)
         )
@@ -360,7 +356,7 @@ def rank_state(
 
 
 def moe_layer_ids(model: ToyMoE) -> list[str]:
-    return [str(L) for L, f in enumerate(model.moe_layer_freq) if f] + [f"mtp.{d}" for d in range(model.mtp_layers)]
+    return model.moe_layer_ids
 
 
 def write_checkpoint(

@@ -94,6 +94,7 @@ BLOCK = 1_048_573  # elements of the tiled random block of expert tensors (prime
 
 def wide_model():
     """DeepSeek-V3's expert width and counts; attention heads, dense FFN and vocab reduced (docstring)."""
+    from mcore_proxy.mcore.spec import MLA
     from mcore_proxy.testing.families import DEEPSEEK_V3
 
     return dataclasses.replace(
@@ -102,18 +103,14 @@ def wide_model():
         hidden_size=7168,
         num_attention_heads=8,
         ffn_hidden_size=1024,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_head_dim=128,
-        qk_pos_emb_head_dim=64,
-        v_head_dim=128,
+        mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128),
         num_experts=256,
         moe_ffn_hidden_size=2048,
         shared_expert_size=2048,
         topk=8,
         num_groups=8,
         group_topk=4,
-        moe_layer_freq=(0, 1),
+        moe_layers=(1,),
         mtp_layers=0,
         vocab_size=1024,
         seq_length=4096,
@@ -125,7 +122,7 @@ def smoke_model():
     experts of FFN 8, 8 groups), 1 dense + 1 MoE layer, no MTP."""
     from mcore_proxy.testing.families import DEEPSEEK_V3
 
-    return dataclasses.replace(DEEPSEEK_V3, num_layers=2, moe_layer_freq=(0, 1), mtp_layers=0)
+    return dataclasses.replace(DEEPSEEK_V3, num_layers=2, moe_layers=(1,), mtp_layers=0)
 
 
 def _scale_bench():

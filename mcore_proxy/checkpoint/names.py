@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mcore_proxy.core.errors import CheckpointError
-from mcore_proxy.mcore.layer_pattern import parse_layer_pattern
 from mcore_proxy.mcore.megatron_args import arg
+from mcore_proxy.mcore.spec import homogeneous_layers
 
 # -- canonical names ---------------------------------------------------------------------------
 
@@ -381,22 +381,6 @@ class KeyStyle:
                 )
             return prefix + _DIST_EXPERTS + e.group(2), index + (expert,), sizes + (self.num_experts,)
         return prefix + _rename(rest, self.local_spec, to_dist=True), index, sizes
-
-
-def homogeneous_layers(args) -> bool:
-    """Whether megatron's TransformerBlock stacks layers on one axis (its `non_homogeneous_layers`
-    test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs,
-    not DeepSeek-V4's hybrid attention (Megatron-LM dev sets `hetereogenous_dist_checkpoint` for it)."""
-    if arg(args, "experimental_attention_variant") == "dsv4_hybrid" or arg(args, "hetereogenous_dist_checkpoint"):
-        return False
-    for attr in ("moe_layer_freq", "linear_attention_freq"):
-        # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings: the safe parser, never eval
-        value = parse_layer_pattern(arg(args, attr), f"args {attr}")
-        if isinstance(value, list) or (isinstance(value, int) and value > 1):
-            return False
-    if arg(args, "heterogeneous_layers_config_path") or arg(args, "heterogeneous_layers_config_encoded_json"):
-        return False
-    return True
 
 
 def uses_local_spec(args) -> bool:

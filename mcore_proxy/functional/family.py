@@ -29,6 +29,7 @@ from mcore_proxy.functional.cpu import destroy_distributed, free_port, init_dist
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.functional.run import causal_inputs, fixed_tokens, rank_coords, restrict_routers, writes_folder
 from mcore_proxy.mcore.pipeline_layout import split_stages
+from mcore_proxy.mcore.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -225,52 +226,19 @@ def load_legacy_and_run(jobs: list[tuple], keeps: list | None = None) -> list[to
     return [torch.load(o) for _, _, _, o in jobs]
 
 
-def family_from_spec(spec, seq_length: int = 16, tied: bool | None = None) -> ToyMoE:
-    """The ToyMoE a ModelSpec describes (GQA or MLA, local spec), e.g. of the args `convert` writes
-    for a Hugging Face model; `seq_length` sizes the fixed tokens. `tied`: whether the output layer
-    is the word embeddings (`ModelView.embeddings_tied`); None: only when the args said so."""
-    needed = "building the model in megatron-core"
-    heads, vocab = spec.require("num_attention_heads", "vocab_size", needed=needed)
-    fields = dict(
-        attention="mla" if spec.mla else "gqa",
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=heads,
-        ffn_hidden_size=spec.dense_ffn_hidden_size,
-        num_experts=spec.num_experts,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        topk=spec.topk,
-        # per layer, as the spec reads it (first dense layers and noop layers included)
-        moe_layer_freq=tuple(int(L in spec.moe_layers) for L in range(spec.num_layers)),
-        shared_expert_size=spec.shared_expert_size,
-        score_function=spec.score_function,
-        expert_bias=spec.expert_bias,
-        num_groups=spec.num_groups,
-        group_topk=spec.group_topk,
-        vocab_size=vocab,
-        seq_length=seq_length,
-        activation=spec.activation,
-        qk_layernorm=spec.qk_layernorm,
-        mtp_layers=spec.mtp_layers,
-        shared_expert_gate=spec.shared_expert_gate,
-        topk_scaling_factor=spec.topk_scaling_factor,
-        pre_softmax=spec.pre_softmax,
-        position_embedding_type=spec.position_embedding_type,
-        norm_epsilon=spec.norm_epsilon,
-        rotary_base=spec.rotary_base,
-        rotary_percent=spec.rotary_percent,
-        add_qkv_bias=spec.add_qkv_bias,
-        tied_embeddings=(spec.untie_embeddings is False) if tied is None else tied,
+def family_from_spec(spec: ModelSpec, seq_length: int = 16, tied: bool | None = None) -> ToyMoE:
+    """The ToyMoE of a ModelSpec (its fields, Megatron's dense width where the args lack it), e.g.
+    of the args `convert` writes for a Hugging Face model; `seq_length` sizes the fixed tokens.
+    `tied`: whether the output layer is the word embeddings (`ModelView.embeddings_tied`); None:
+    only when the args said so."""
+    spec.require("num_attention_heads", "vocab_size", needed="building the model in megatron-core")
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)}
+    untie = spec.untie_embeddings is not False if tied is None else not tied
+    return ToyMoE(
+        **{**fields, "ffn_hidden_size": spec.dense_ffn_hidden_size, "seq_length": seq_length, "untie_embeddings": untie}
     )
-    if spec.mla:
-        fields.update(dataclasses.asdict(spec.mla))
-    else:
-        fields.update(num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels)
-    return ToyMoE(**fields)
 
 
 def family_from_args(args, seq_length: int = 16, tied: bool | None = None) -> ToyMoE:
     """`family_from_spec` of the ModelSpec the args describe."""
-    from mcore_proxy.mcore.spec import ModelSpec
-
     return family_from_spec(ModelSpec.from_args(args), seq_length, tied)

@@ -1,9 +1,8 @@
 """A small Megatron MoE GPT described by its args, built by megatron-core on CPU.
 
-`ToyMoE` holds the architecture (what `megatron_args` writes as a checkpoint's args and
-`transformer_config` builds; `functional.family.family_from_spec` reads a checkpoint's ModelSpec
-back into one),
-`Layout` the parallel layout of one run, `build_gpt` this rank's stage of the model (call
+`ToyMoE` is a ModelSpec with small defaults and its weight fill (what `megatron_args` writes as a
+checkpoint's args and `transformer_config` builds; `functional.family.family_from_spec` makes one
+of a checkpoint's ModelSpec), `Layout` the parallel layout of one run, `build_gpt` this rank's stage of the model (call
 `functional.cpu.init_distributed` first).
 """
 
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_proxy.mcore.megatron_args import ACTIVATIONS
+from mcore_proxy.mcore.spec import MLA, ModelSpec
 
 
 # what short args leave to Megatron's defaults, and the fields that set it (at their defaults then)
@@ -30,105 +30,87 @@ ARGS_LEFT_TO_DEFAULTS = tuple(
         "num_virtual_stages_per_pipeline_rank overlap_p2p_comm"
     ).split()
 )
-_FAMILY_FIELDS = tuple(
+# the fields short args need at their defaults (what they leave to Megatron's defaults)
+_LEFT_FIELDS = tuple(
     (
-        "attention num_query_groups kv_channels qk_layernorm q_lora_rank kv_lora_rank qk_head_dim "
-        "qk_pos_emb_head_dim v_head_dim position_embedding_type mtp_layers topk_scaling_factor pre_softmax "
-        "norm_epsilon rotary_base rotary_percent add_qkv_bias tied_embeddings"
+        "num_query_groups kv_channels qk_layernorm mla position_embedding_type mtp_layers topk_scaling_factor "
+        "pre_softmax norm_epsilon rotary_base rotary_percent add_qkv_bias untie_embeddings"
     ).split()
 )
+# Megatron-LM's argparse defaults of the MLA sizes, which its args hold for any attention
+_MLA_ARG_DEFAULTS = MLA(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
 
 
 @dataclass(frozen=True)
-class ToyMoE:
-    """A small MoE GPT as megatron-core builds it with its local (non-TE) spec: RMSNorm, no linear
-    biases (megatron-core argument names where they exist), with the attention, position and MTP
-    options of DeepSeek-V3- and Qwen3-MoE-shaped models.
+class ToyMoE(ModelSpec):
+    """A ModelSpec as megatron-core builds it here, with small defaults and how the weights are filled.
 
-    attention: "gqa" (`linear_qkv`, `num_query_groups`, head dim `kv_channels`) or "mla"
-    (`linear_q_down_proj` [q_lora, H], `linear_q_up_proj` [heads*(qk+rope), q_lora],
-    `linear_kv_down_proj` [kv_lora+rope, H], `linear_kv_up_proj` [heads*(qk+v), kv_lora]; with
-    q_lora_rank None a single `linear_q_proj`). qk_layernorm: q/k norms for GQA, q/kv latent norms
-    for MLA (the local MLA spec has none without it). `router_std` and `weight_seed` are how the
-    test fixtures fill the weights, not structure.
+    Built with megatron-core's local (non-TE) spec: RMSNorm and no linear biases (whatever
+    `normalization` and `add_bias_linear` say), GQA (`linear_qkv`, `num_query_groups`, head dim
+    `kv_channels`) or, with `mla`, multi-latent attention (`linear_q_down_proj` [q_lora, H],
+    `linear_q_up_proj` [heads*(qk+rope), q_lora], `linear_kv_down_proj` [kv_lora+rope, H],
+    `linear_kv_up_proj` [heads*(qk+v), kv_lora]; with q_lora_rank None a single `linear_q_proj`).
+    qk_layernorm: q/k norms for GQA, q/kv latent norms for MLA (the local MLA spec has none
+    without it). The token mixers megatron-core 0.16 does not build (indexer, linear attention,
+    DeepSeek-V4 attention, mHC, hash routing) are not built. `router_std` and `weight_seed` are
+    how the test fixtures fill the weights, not structure.
     """
 
     num_layers: int = 4
     hidden_size: int = 32
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 64  # dense layers
     num_experts: int = 8
-    moe_ffn_hidden_size: int = 16
     topk: int = 2
-    moe_layer_freq: int | tuple[int, ...] = 1
-    shared_expert_size: int | None = None
-    shared_expert_gate: bool = False
-    score_function: str = "softmax"
-    expert_bias: bool = False
-    num_groups: int | None = None
-    group_topk: int | None = None
+    moe_layers: tuple[int, ...] | None = None  # None: every layer
+    ffn_hidden_size: int = 64  # dense layers
+    moe_ffn_hidden_size: int = 16
+    num_attention_heads: int = 4
     vocab_size: int = 128
     seq_length: int = 16
+    untie_embeddings: bool = True  # False: the output layer is the word embeddings (Megatron's default)
     router_std: float = 1.0  # wide router rows: decisive, diverse routing
     weight_seed: int = 0  # different seeds: different router and expert weights
-    activation: str = "swiglu"  # experts' and dense MLPs': "swiglu", "geglu" or "gelu"
-    attention: str = "gqa"
-    num_query_groups: int | None = None
-    kv_channels: int | None = None
-    qk_layernorm: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 16
-    qk_head_dim: int = 8
-    qk_pos_emb_head_dim: int = 4
-    v_head_dim: int = 8
-    position_embedding_type: str = "rope"
-    mtp_layers: int = 0
-    topk_scaling_factor: float | None = None
-    pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
-    norm_epsilon: float = 1e-5  # megatron's default layernorm_epsilon
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0  # RoPE on this share of each head's channels (GLM-4.5: 0.5)
-    add_qkv_bias: bool = False  # biases of linear_qkv (Qwen2-MoE, GLM-4.5)
-    tied_embeddings: bool = False  # megatron's default: the output layer is the word embeddings
     # the saved args leave attention, positions, norms, tying and MTP to Megatron's defaults
     # (`ARGS_LEFT_TO_DEFAULTS`), as hand-made args and the quickstart's do; for plain models only
     short_args: bool = False
 
     def __post_init__(self):
+        if self.moe_layers is None:
+            object.__setattr__(self, "moe_layers", tuple(range(self.num_layers)))
+        if self.moe_layers != tuple(range(self.num_layers)):
+            object.__setattr__(self, "stacked_layers", False)  # a per-layer moe_layer_freq
+        super().__post_init__()
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
-        if self.attention not in ("gqa", "mla"):
-            raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
-        changed = [
-            f.name for f in dataclasses.fields(self) if f.name in _FAMILY_FIELDS and getattr(self, f.name) != f.default
-        ]
+        if not set(self.moe_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"moe_layers {self.moe_layers} are not all below num_layers={self.num_layers}")
+        defaults = {f.name: f.default for f in dataclasses.fields(ToyMoE)}
+        changed = [name for name in _LEFT_FIELDS if getattr(self, name) != defaults[name]]
         if self.short_args and changed:
             raise ValueError(f"short args would leave {changed[0]} to Megatron's default: only for plain models")
 
     @property
+    def tied_embeddings(self) -> bool:
+        """The output layer is the word embeddings."""
+        return not self.untie_embeddings
+
+    @property
     def _freq(self) -> int | list[int]:
-        return list(self.moe_layer_freq) if isinstance(self.moe_layer_freq, tuple) else self.moe_layer_freq
+        """Megatron's `moe_layer_freq`: 1 for stacked layers (every layer MoE), else 1/0 per layer."""
+        if self.stacked_layers:
+            return 1
+        return [int(L in self.moe_layers) for L in range(self.num_layers)]
 
     def transformer_config(self, layout: "Layout"):
         """megatron-core's TransformerConfig (MLATransformerConfig for MLA) of this model at `layout`
         (a `family.StagedLayout` adds its pipeline layout string)."""
         from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-        mla = self.attention == "mla"
         attention = (
-            dict(
-                multi_latent_attention=True,
-                q_lora_rank=self.q_lora_rank,
-                kv_lora_rank=self.kv_lora_rank,
-                qk_head_dim=self.qk_head_dim,
-                qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
-                v_head_dim=self.v_head_dim,
-                rope_type="rope",
-            )
-            if mla
+            dict(multi_latent_attention=True, rope_type="rope", **dataclasses.asdict(self.mla))
+            if self.mla
             else dict(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
         )
-        return (MLATransformerConfig if mla else TransformerConfig)(
+        return (MLATransformerConfig if self.mla else TransformerConfig)(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -180,7 +162,7 @@ class ToyMoE:
         (both pickled by name by early Python 3.11 releases: testing/enum_forms.py)."""
         from megatron.core.transformer.enums import AttnBackend
 
-        mla, heads = self.attention == "mla", self.num_attention_heads
+        mla, heads = self.mla is not None, self.num_attention_heads
         vpp = getattr(layout, "vpp", None)
         args = argparse.Namespace(
             num_layers=self.num_layers,
@@ -212,11 +194,7 @@ class ToyMoE:
             group_query_attention=not mla and self.num_query_groups not in (None, heads),
             num_query_groups=(self.num_query_groups or heads) if not mla else heads,
             kv_channels=self.kv_channels or self.hidden_size // heads,
-            q_lora_rank=self.q_lora_rank if mla else None,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_head_dim=self.qk_head_dim,
-            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
-            v_head_dim=self.v_head_dim,
+            **dataclasses.asdict(self.mla or _MLA_ARG_DEFAULTS),
             rope_type="rope" if mla else None,
             rotary_scaling_factor=1.0,
             rotary_base=self.rotary_base,
@@ -225,7 +203,7 @@ class ToyMoE:
             seq_length=self.seq_length,
             max_position_embeddings=self.seq_length,
             position_embedding_type=self.position_embedding_type,
-            untie_embeddings_and_output_weights=not self.tied_embeddings,
+            untie_embeddings_and_output_weights=self.untie_embeddings,
             mtp_num_layers=self.mtp_layers or None,
             mtp_loss_scaling_factor=0.1,
             tensor_model_parallel_size=layout.tp,
@@ -279,7 +257,7 @@ class Layout:
 def build_gpt(model: ToyMoE, layout: Layout):
     """Build this rank's pipeline stage of the GPT model (call after init_distributed): GQA or MHA
     with RoPE, untied, no MTP, no virtual stages; `functional.family.build_chunks` builds any ToyMoE."""
-    if model.attention == "mla" or model.mtp_layers or model.tied_embeddings or model.position_embedding_type != "rope":
+    if model.mla or model.mtp_layers or model.tied_embeddings or model.position_embedding_type != "rope":
         raise ValueError(f"build_gpt builds plain GQA models; build {model} with functional.family.build_chunks")
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel

@@ -65,6 +65,22 @@ def moe_layer_pattern(num_layers: int, moe_layer_freq, where: str | None = None)
     return pattern
 
 
+def homogeneous_layers(args) -> bool:
+    """Whether megatron's TransformerBlock stacks layers on one axis (its `non_homogeneous_layers`
+    test): no `moe_layer_freq` / `linear_attention_freq` list or int > 1, no heterogeneous specs,
+    not DeepSeek-V4's hybrid attention (Megatron-LM dev sets `hetereogenous_dist_checkpoint` for it)."""
+    if arg(args, "experimental_attention_variant") == "dsv4_hybrid" or arg(args, "hetereogenous_dist_checkpoint"):
+        return False
+    for attr in ("moe_layer_freq", "linear_attention_freq"):
+        # MindSpeed/Megatron accept "([0]*3+[1]*58)" strings: the safe parser, never eval
+        value = parse_layer_pattern(arg(args, attr), f"args {attr}")
+        if isinstance(value, list) or (isinstance(value, int) and value > 1):
+            return False
+    if arg(args, "heterogeneous_layers_config_path") or arg(args, "heterogeneous_layers_config_encoded_json"):
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class MLA:
     """Multi-latent attention sizes (Megatron argument names; DeepSeek's config names in brackets)."""
@@ -132,6 +148,10 @@ class ModelSpec:
     num_groups: int | None = None
     group_topk: int | None = None
     expert_bias: bool = False
+    # megatron-core stacks the decoder layers on one torch_dist axis (`homogeneous_layers`); a
+    # moe_layer_freq list makes them per-layer even when it is all ones. How they are keyed, not
+    # what they compute: not compared
+    stacked_layers: bool = field(default=True, compare=False)
     # MindSpeed --noop-layers: 0-based global layers counted in num_layers that hold no tensors
     # (pipeline_layout.py point 3); never in moe_layers
     noop_layers: tuple[int, ...] = ()
@@ -248,6 +268,7 @@ class ModelSpec:
             topk_scaling_factor=ma.arg_float(args, "moe_router_topk_scaling_factor", where),
             pre_softmax=arg_bool(args, "moe_router_pre_softmax", where),
             hash_layers=tuple(i for i in range(min(hashed, len(pattern))) if pattern[i]),
+            stacked_layers=homogeneous_layers(args),
             source=where,
             **_build_facts(args, where),
         )

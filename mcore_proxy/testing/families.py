@@ -37,6 +37,7 @@ from mcore_proxy.functional.family import (
     state_keys,
 )
 from mcore_proxy.functional.model import Layout, ToyMoE
+from mcore_proxy.mcore.spec import MLA
 from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
 from mcore_proxy.testing.build import legacy_rank_dir, training_extras
 from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, iteration_dir
@@ -210,21 +211,16 @@ def run_jobs(jobs: list[Job], world: int | None = None) -> None:
 # 3 dense layers first, 32 routed experts in 8 groups (top-4 groups, top-8, sigmoid scores with
 # expert bias, scaling factor 2.5), one shared expert, one MTP layer, rope (inside MLA).
 DEEPSEEK_V3 = ToyMoE(
-    attention="mla",
     num_layers=5,
     hidden_size=32,
     num_attention_heads=4,
     ffn_hidden_size=64,
-    q_lora_rank=20,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
+    mla=MLA(q_lora_rank=20, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6),
     qk_layernorm=True,
     num_experts=32,
     moe_ffn_hidden_size=8,
     topk=8,
-    moe_layer_freq=(0, 0, 0, 1, 1),
+    moe_layers=(3, 4),
     shared_expert_size=16,
     score_function="sigmoid",
     expert_bias=True,
@@ -246,7 +242,6 @@ DEEPSEEK_V3_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, pipeline_layout="Ettt
 # fixture has it; with MTP beside a second chunk megatron-core 0.16.1 cannot save it in torch_dist
 # (two main replicas of the key: docs/families.md).
 QWEN3_MOE = ToyMoE(
-    attention="gqa",
     num_layers=4,
     hidden_size=32,
     num_attention_heads=4,
@@ -268,7 +263,7 @@ QWEN3_MOE_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1, grouped=True)
 QWEN3_MOE_HF = dataclasses.replace(
     QWEN3_MOE,
     position_embedding_type="rope",
-    moe_layer_freq=(0, 1, 1, 1),
+    moe_layers=(1, 2, 3),
     norm_epsilon=1e-6,
     rotary_base=1e6,
     weight_seed=5,
@@ -277,7 +272,7 @@ QWEN3_MOE_HF = dataclasses.replace(
 # Megatron's default of tied embeddings (no --untie-embeddings-and-output-weights) at PP 2: the last
 # stage's `output_layer.weight` is its copy of the word embeddings (legacy), a replica of
 # `embedding.word_embeddings.weight` (torch_dist); SequentialMLP
-QWEN3_MOE_TIED = dataclasses.replace(QWEN3_MOE_HF, tied_embeddings=True, weight_seed=6)
+QWEN3_MOE_TIED = dataclasses.replace(QWEN3_MOE_HF, untie_embeddings=False, weight_seed=6)
 QWEN3_MOE_TIED_LAYOUT = StagedLayout(tp=2, pp=2, ep=2, etp=1)
 
 

@@ -31,7 +31,7 @@ FIXTURES: dict[str, tuple[ToyMoE, Layout]] = {
         ToyMoE(
             num_layers=4,
             num_experts=16,
-            moe_layer_freq=(0, 1, 1, 1),
+            moe_layers=(1, 2, 3),
             shared_expert_size=24,
             shared_expert_gate=True,
             score_function="sigmoid",

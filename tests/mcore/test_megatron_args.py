@@ -218,3 +218,16 @@ def test_hf_readers_of_the_quickstart_args_get_megatrons_values():
     assert (config["num_key_value_heads"], config["head_dim"], config["rms_norm_eps"]) == (4, 8, 1e-5)
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
     assert config["max_position_embeddings"] == 16
+
+
+def test_a_toy_models_args_read_back_as_the_same_model():
+    """ToyMoE is a ModelSpec: the args it writes describe it field for field (MLA, dense layers
+    first, MTP, tying, stacked layers), so a checkpoint's spec builds the model that saved it."""
+    from mcore_proxy.functional.family import family_from_args
+    from mcore_proxy.functional.model import Layout
+    from mcore_proxy.testing.families import DEEPSEEK_V3, QWEN3_MOE_HF, QWEN3_MOE_TIED
+
+    for model in (DEEPSEEK_V3, QWEN3_MOE_HF, QWEN3_MOE_TIED):
+        back = family_from_args(model.megatron_args(Layout()), seq_length=model.seq_length)
+        assert dataclasses.replace(back, weight_seed=model.weight_seed) == model
+        assert back.stacked_layers == model.stacked_layers  # torch_dist keys the layers alike
