@@ -102,64 +102,41 @@ class ToyMoE(ModelSpec):
 
     def transformer_config(self, layout: "Layout"):
         """megatron-core's TransformerConfig (MLATransformerConfig for MLA) of this model at `layout`
-        (a `family.StagedLayout` adds its pipeline layout string)."""
+        (a `family.StagedLayout` adds its pipeline layout string), made from its full args as
+        Megatron-LM's `core_transformer_config_from_args` makes it: every args field the config has,
+        the expert count and norm epsilon renamed, the activation of `--swiglu`; then what a CPU run
+        without training sets (no dropout, no load balancing, fp32 stages, CPU initialisation)."""
         from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-        attention = (
-            dict(multi_latent_attention=True, rope_type="rope", **dataclasses.asdict(self.mla))
-            if self.mla
-            else dict(num_query_groups=self.num_query_groups, kv_channels=self.kv_channels)
-        )
-        return (MLATransformerConfig if self.mla else TransformerConfig)(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            ffn_hidden_size=self.ffn_hidden_size,
+        config = MLATransformerConfig if self.mla else TransformerConfig
+        known = {f.name for f in dataclasses.fields(config)}
+        args = {name: value for name, value in vars(self._full_args(layout)).items() if name in known}
+        return config(
+            **args,
             num_moe_experts=self.num_experts,
-            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_topk=self.topk,
-            moe_layer_freq=self._freq,
-            moe_shared_expert_intermediate_size=self.shared_expert_size,
-            moe_shared_expert_gate=self.shared_expert_gate,
-            moe_router_score_function=self.score_function,
-            moe_router_enable_expert_bias=self.expert_bias,
-            moe_router_num_groups=self.num_groups,
-            moe_router_group_topk=self.group_topk,
+            layernorm_epsilon=self.norm_epsilon,
+            activation_func=torch.nn.functional.silu if self.activation == "swiglu" else torch.nn.functional.gelu,
+            num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+            pipeline_dtype=torch.float32,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=layout.grouped,
-            moe_router_pre_softmax=self.pre_softmax,
-            moe_router_topk_scaling_factor=self.topk_scaling_factor,
-            # Megatron-LM's --swiglu: SiLU-gated (core_transformer_config_from_args); GELU otherwise
-            gated_linear_unit=self.activation != "gelu",
-            activation_func=torch.nn.functional.silu if self.activation == "swiglu" else torch.nn.functional.gelu,
-            add_bias_linear=False,
-            add_qkv_bias=self.add_qkv_bias,
-            qk_layernorm=self.qk_layernorm,
-            normalization="RMSNorm",
-            layernorm_epsilon=self.norm_epsilon,
-            mtp_num_layers=self.mtp_layers or None,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             use_cpu_initialization=True,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
-            bf16=False,
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            pipeline_model_parallel_layout=getattr(layout, "pipeline_layout", None),
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp,
-            num_layers_in_first_pipeline_stage=layout.first_stage_layers,
             sequence_parallel=False,
-            **attention,
         )
 
     def megatron_args(self, layout: "Layout") -> argparse.Namespace:
         """`args` as Megatron-LM's argparse and validate_args leave them for this model: argparse
         names, a megatron enum, and the `signal.Signals` member Megatron-LM keeps as `exit_signal`
-        (both pickled by name by early Python 3.11 releases: testing/enum_forms.py)."""
+        (both pickled by name by early Python 3.11 releases: testing/enum_forms.py). With
+        `short_args`, without the fields Megatron's defaults give (`ARGS_LEFT_TO_DEFAULTS`)."""
+        args = self._full_args(layout)
+        for name in ARGS_LEFT_TO_DEFAULTS if self.short_args else ():
+            delattr(args, name)
+        return args
+
+    def _full_args(self, layout: "Layout") -> argparse.Namespace:
         from megatron.core.transformer.enums import AttnBackend
 
         mla, heads = self.mla is not None, self.num_attention_heads
@@ -229,8 +206,6 @@ class ToyMoE(ModelSpec):
             ckpt_format="torch",
             iteration=0,
         )
-        for name in ARGS_LEFT_TO_DEFAULTS if self.short_args else ():
-            delattr(args, name)
         return args
 
 
