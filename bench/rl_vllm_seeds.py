@@ -17,6 +17,8 @@ placed in the engine where it lives (`engine=`), on from step ONSET:
   tie_flip+replay: the same with the fix R3 (`--routing-replay`);
 - router_precision: vLLM's router logits in bf16 (the trainer's stay fp32); and
   router_precision+replay: the same with R3;
+- router_fp8: vLLM's router logits in fp8 E4M3 (FP8 rollout inference); and router_fp8+replay:
+  the same with R3;
 - precision_fp8: the rollout's logits in fp8 (E4M3), in vLLM only; and precision_fp8+no_tis: the
   same trained without TIS (`--no-tis`), so that TIS is the fix compared.
 Then `mcore-proxy compare` over the seeds: each fault against the baseline on the metrics it is
@@ -59,6 +61,8 @@ CONDITIONS = {  # label -> (MCORE_PROXY_FAULTS, extra arguments)
     "tie_flip+replay": (f"router_tie_flip:margin=0.3,engine=rollout,start={ONSET}", ["--routing-replay"]),
     "router_precision": (f"router_precision:dtype=bf16,engine=rollout,start={ONSET}", []),
     "router_precision+replay": (f"router_precision:dtype=bf16,engine=rollout,start={ONSET}", ["--routing-replay"]),
+    "router_fp8": (f"router_precision:dtype=fp8,engine=rollout,start={ONSET}", []),
+    "router_fp8+replay": (f"router_precision:dtype=fp8,engine=rollout,start={ONSET}", ["--routing-replay"]),
     "precision_fp8": (f"logprob_precision:dtype=fp8,engine=rollout,start={ONSET}", []),
     "precision_fp8+no_tis": (f"logprob_precision:dtype=fp8,engine=rollout,start={ONSET}", ["--no-tis"]),
 }
@@ -105,6 +109,20 @@ COMPARES = {
         "router_precision+replay",
         "router_precision",
         "router_precision+replay",
+        ["logprob_diff", "rollout_kl"],
+    ),
+    "router fp8": (
+        "none",
+        "router_fp8",
+        "none",
+        "router_fp8",
+        ["routing_disagreement", "logprob_diff", "rollout_kl"],
+    ),
+    "fix: routing replay, router fp8": (
+        "router_fp8",
+        "router_fp8+replay",
+        "router_fp8",
+        "router_fp8+replay",
         ["logprob_diff", "rollout_kl"],
     ),
     "fix: TIS, fp8 precision": (

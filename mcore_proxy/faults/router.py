@@ -86,7 +86,7 @@ class RouterNoise(Injector):
 
 
 class RouterPrecision(Injector):
-    """logits rounded to bf16 or fp16 (and cast back): a router run in low precision."""
+    """logits rounded to bf16, fp16 or fp8 E4M3 (and cast back): a router run in low precision."""
 
     kind = "router_precision"
     sites = ("router", "gate", "vllm_router")

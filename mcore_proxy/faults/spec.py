@@ -107,9 +107,10 @@ LAYERS = {"layers": (_layers, None, True)}
 KINDS: dict[str, dict] = {
     # Gaussian noise of `std` (logit units) added to every router logit.
     "router_noise": {"std": (_std, 0.05, False), **LAYERS},
-    # Router logits rounded to bf16/fp16 (a router computed in low precision: the rollout engine's
-    # default where the trainer keeps its router in fp32, as `--moe-router-dtype fp32` does).
-    "router_precision": {"dtype": (_choice("bf16", "fp16"), "bf16", False), **LAYERS},
+    # Router logits rounded to bf16/fp16/fp8 (E4M3) (a router computed in low precision: the rollout
+    # engine's default, or its FP8 inference, where the trainer keeps its router in fp32, as
+    # `--moe-router-dtype fp32` does).
+    "router_precision": {"dtype": (_choice("bf16", "fp16", "fp8"), "bf16", False), **LAYERS},
     # The k-th and (k+1)-th router logits swapped where they are less than `margin` apart (logit
     # units): near-ties broken the other way, as another engine's summation order does.
     "router_tie_flip": {"margin": (_std, 0.01, False), **LAYERS},

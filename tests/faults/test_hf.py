@@ -83,6 +83,9 @@ def test_router_faults_change_the_routing_and_switch_off_exactly(model):
     with faults.inject("router_tie_flip:margin=100,engine=trainer", model=model):
         flipped, _ = routed(model)
     assert all(not torch.equal(flipped[i][2], base[i][2]) for i in base)  # every token's 2nd choice
+    with faults.inject("router_precision:dtype=fp8", model=model):
+        fp8, _ = routed(model)  # an FP8 rollout's router: logits on E4M3's grid, top-k from those
+    assert all(torch.equal(fp8[i][0], base[i][0].to(torch.float8_e4m3fn).float()) for i in base)
 
 
 def test_expert_noise_and_logprob_precision(model):
