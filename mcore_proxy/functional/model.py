@@ -2,8 +2,8 @@
 
 `ToyMoE` is a ModelSpec with small defaults and its weight fill (what `megatron_args` writes as a
 checkpoint's args and `transformer_config` builds; `functional.family.family_from_spec` makes one
-of a checkpoint's ModelSpec), `Layout` the parallel layout of one run, `build_gpt` this rank's stage of the model (call
-`functional.cpu.init_distributed` first).
+of a checkpoint's ModelSpec), `Layout` the parallel layout of one run, `build_gpt` this rank's
+stage of the model (call `functional.cpu.init_distributed` first).
 """
 
 from __future__ import annotations
