@@ -321,6 +321,8 @@ def main() -> int:
         help="a subset (e.g. none omission with more --steps): only the compares they cover, no campaign",
     )
     args = ap.parse_args()
+    if args.seeds < 2:
+        ap.error("--seeds must be 2 or more: compare over seeds needs them (a verdict needs 4 of 5)")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     full = args.conditions == list(CONDITIONS)
     py = vllm_python()
