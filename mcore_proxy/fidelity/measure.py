@@ -125,17 +125,18 @@ def measure(
 ) -> dict:
     """Load both models (converting Megatron checkpoints to HF) and measure them over `data`;
     returns the report (JSON-ready, see the module docstring)."""
+    from mcore_proxy.checkpoint.formats import open_checkpoint
     from mcore_proxy.hf.calibration import data_batches
     from mcore_proxy.select.plan import load_plan
 
     plan = load_plan(plan_path)
     with as_hf(Path(orig_path), "--orig") as o_dir, as_hf(Path(proxy_path), "--proxy") as p_dir:
-        orig, proxy = load_model(o_dir, device), load_model(p_dir, device)
-        config = text_config_of(orig)
-        length = max_length or int(getattr(config, "max_position_embeddings", 2048))
+        o_view = open_checkpoint(o_dir)
+        orig, proxy = load_model(o_view, device), load_model(p_dir, device)
+        length = max_length or int(getattr(text_config_of(orig), "max_position_embeddings", 2048))
         # a Megatron checkpoint carries no tokenizer: text is tokenised by whichever side has one
         words = next((d for d in (o_dir, p_dir) if any((d / n).is_file() for n in TOKENIZER_FILES)), o_dir)
-        batches = data_batches(data, words, int(config.vocab_size), batch_size, length, max_tokens, images=True)
+        batches = data_batches(data, words, o_view.spec.vocab_size, batch_size, length, max_tokens, images=True)
         report = compare_models(
             orig, proxy, plan, batches, (orig_path, proxy_path, plan_path), max_tokens=max_tokens, progress=progress
         )
@@ -203,7 +204,7 @@ def compare_models(
             }
             for lid in sorted(masks, key=int)
         ],
-        "hidden_cosine": [sums.mean(f"cos.{i}") for i in range(text_config_of(orig).num_hidden_layers)],
+        "hidden_cosine": [sums.mean(key) for key in sums.count if key.startswith("cos.")],  # layer by layer
         "next_token_kl": sums.mean("kl"),
         "next_token_top1_agreement": sums.mean("next_top1"),
     }

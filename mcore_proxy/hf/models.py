@@ -67,12 +67,14 @@ def family_of_model(model):
     return found
 
 
-def load_model(folder: str | Path, device: str = "cpu"):
-    """The checkpoint in `folder` as a transformers model in eval mode (its own dtype), built by
-    its family's Auto class."""
+def load_model(source, device: str = "cpu"):
+    """The checkpoint `source` (an HF folder, or its view already opened, which is not read again)
+    as a transformers model in eval mode (its own dtype), built by its family's Auto class."""
     from mcore_proxy.checkpoint.formats import open_checkpoint
 
-    view = open_checkpoint(folder)  # refuses what transformers would load unsafely or wrongly
+    # opening refuses what transformers would load unsafely or wrongly
+    view = open_checkpoint(source) if isinstance(source, (str, Path)) else source
+    folder = view.info.path
     family = view.info.format_info.descriptor
     _check_quantized_loads(view, folder)
     transformers = require_transformers()

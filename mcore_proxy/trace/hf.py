@@ -103,13 +103,14 @@ def collect(
     out = Path(out_dir) / STATS_NAME
     if out.exists():
         raise OutputError(f"{out}: already exists; choose another -o folder or remove it first")
-    model = load_model(model_dir, device)
+    view = open_checkpoint(model_dir)
+    model = load_model(view, device)
     mtp = mtp_layers(model, model_dir)
     hooked = dict(mark_routers(model))
     hooked.update({f"mtp.{layer.depth}": layer.layer.mlp.gate for layer in mtp})
     config = text_config_of(model)
     length = max_length or int(getattr(config, "max_position_embeddings", 2048))
-    unobserved = {lid: UNOBSERVED for lid in open_checkpoint(model_dir).spec.moe_layer_ids if lid not in hooked}
+    unobserved = {lid: UNOBSERVED for lid in view.spec.moe_layer_ids if lid not in hooked}
     meta = {
         "source": source_info(),
         "model": str(Path(model_dir).absolute()),
