@@ -93,14 +93,9 @@ def tied(a: ModelSpec) -> bool:
     return a.untie_embeddings is False
 
 
-def mtp_is_moe(a: ModelSpec) -> bool:
-    """Megatron builds MTP layers with the last decoder layer's spec."""
-    return (a.num_layers - 1) in a.moe_layers
-
-
 def is_moe(a: ModelSpec, layer: int) -> bool:
     """Layer `layer` (0-based; num_layers + k is MTP layer k) has a MoE block."""
-    return mtp_is_moe(a) if layer >= a.num_layers else layer in a.moe_layers
+    return a.mtp_is_moe if layer >= a.num_layers else layer in a.moe_layers
 
 
 def compress_ratio(a: ModelSpec, layer: int) -> int:
@@ -322,5 +317,5 @@ def expert_flops_per_token(a: ModelSpec) -> int:
     """Forward FLOPs of the routed experts per token (2 per multiply-add): top-k experts of
     fc1 + fc2 in every MoE layer, MTP included. Does not depend on the number of experts."""
     per_expert = 2 * _mlp(a, a.moe_ffn_hidden_size, False)
-    moe_layers = len(a.moe_layers) + (a.mtp_layers if mtp_is_moe(a) else 0)
+    moe_layers = len(a.moe_layers) + (a.mtp_layers if a.mtp_is_moe else 0)
     return a.topk * per_expert * moe_layers

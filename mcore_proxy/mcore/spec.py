@@ -198,9 +198,16 @@ class ModelSpec:
             raise CheckpointError(f"top-k {self.topk} is not in 1..num_experts={self.num_experts}")
 
     @property
+    def mtp_is_moe(self) -> bool:
+        """Megatron builds MTP layers with the spec of the last decoder layer (Megatron-LM's
+        gpt_builders); MindSpeed's noop layers hold no tensors, so the last one that does."""
+        real = [L for L in range(self.num_layers) if L not in self.noop_layers]
+        return bool(real) and real[-1] in self.moe_layers
+
+    @property
     def moe_layer_ids(self) -> list[str]:
-        """Every MoE layer id, decoder layers first, then MTP layers."""
-        mtp = [f"mtp.{k}" for k in range(self.mtp_layers)] if self.moe_layers else []
+        """Every MoE layer id, decoder layers first, then MTP layers (when `mtp_is_moe`)."""
+        mtp = [f"mtp.{k}" for k in range(self.mtp_layers)] if self.mtp_is_moe else []
         return [str(L) for L in self.moe_layers] + mtp
 
     @property

@@ -231,3 +231,13 @@ def test_a_toy_models_args_read_back_as_the_same_model():
         back = family_from_args(model.megatron_args(Layout()), seq_length=model.seq_length)
         assert dataclasses.replace(back, weight_seed=model.weight_seed) == model
         assert back.stacked_layers == model.stacked_layers  # torch_dist keys the layers alike
+
+
+def test_mtp_layers_are_moe_when_the_last_decoder_layer_holding_tensors_is():
+    """Megatron builds MTP with the last decoder layer's spec: a dense last layer makes a dense MTP
+    layer (no router to read), while MindSpeed's trailing noop layers (DeepSeek-V3's 61 of 64) do not."""
+    base = dict(num_layers=6, hidden_size=64, num_experts=8, moe_router_topk=2, mtp_num_layers=1)
+    dense_last = ModelSpec.from_args(argparse.Namespace(**base, moe_layer_freq=[1, 1, 1, 1, 1, 0]))
+    noop_last = ModelSpec.from_args(argparse.Namespace(**base, moe_layer_freq=1, noop_layers="4,5"))
+    assert dense_last.moe_layer_ids == ["0", "1", "2", "3", "4"] and not dense_last.mtp_is_moe
+    assert noop_last.moe_layer_ids == ["0", "1", "2", "3", "mtp.0"] and noop_last.mtp_is_moe
