@@ -178,7 +178,7 @@ def verify(orig: Path, proxy: Path, plan_path: Path, functional: bool = False, p
 def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
     """Both Hugging Face checkpoints run in transformers on CPU on fixed tokens; the proxy's
     logits must equal the source's when its gates may only choose the kept experts."""
-    from mcore_proxy.hf.models import load_model, restrict_gates, run
+    from mcore_proxy.hf.models import load_model, restrict_gates, run, vocab_size
 
     if plan.router.topk != source.spec.topk:
         raise ProxyError(
@@ -187,7 +187,7 @@ def hf_functional_check(source: ModelView, proxy: ModelView, plan) -> dict:
             "(the bit-for-bit comparison still runs) or convert to a Megatron format"
         )
     orig_model, proxy_model = load_model(source), load_model(proxy)
-    vocab = source.spec.vocab_size
+    vocab = vocab_size(source)
     tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
     with restrict_gates(orig_model, plan):
         ref = run(orig_model, tokens)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from mcore_proxy.core.errors import ProxyError
-from mcore_proxy.hf.models import Routes, load_model, mark_routers, router_weight, run, text_config_of
+from mcore_proxy.hf.models import Routes, load_model, mark_routers, router_weight, run, text_config_of, vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -136,7 +136,7 @@ def measure(
         length = max_length or int(getattr(text_config_of(orig), "max_position_embeddings", 2048))
         # a Megatron checkpoint carries no tokenizer: text is tokenised by whichever side has one
         words = next((d for d in (o_dir, p_dir) if any((d / n).is_file() for n in TOKENIZER_FILES)), o_dir)
-        batches = data_batches(data, words, o_view.spec.vocab_size, batch_size, length, max_tokens, images=True)
+        batches = data_batches(data, words, vocab_size(o_view), batch_size, length, max_tokens, images=True)
         report = compare_models(
             orig, proxy, plan, batches, (orig_path, proxy_path, plan_path), max_tokens=max_tokens, progress=progress
         )

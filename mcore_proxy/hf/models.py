@@ -94,6 +94,14 @@ def load_model(source, device: str = "cpu"):
     return model.to(device_of(device)).eval()
 
 
+def vocab_size(view) -> int:
+    """The text model's vocabulary of an HF view, from its ModelSpec; ProxyError naming the
+    folder's config.json where it has none."""
+    if view.spec.vocab_size is None:
+        raise ProxyError(f"{Path(view.info.path) / 'config.json'}: has no vocab_size; add the model's vocabulary size")
+    return view.spec.vocab_size
+
+
 def _check_quantized_loads(view, folder) -> None:
     """Quantized weights load on CPU as transformers dequantizes them (MXFP4 by itself, FP8 and
     DeepSeek-V4's FP4 through accelerate); compressed-tensors int4 needs its own package."""

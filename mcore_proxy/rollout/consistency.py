@@ -158,10 +158,9 @@ def read_sequences(data: Path, model_dir: Path, max_sequences: int, max_length: 
     `collect` reads it, with the model's tokenizer); windows of one token have no log-prob."""
     from mcore_proxy.checkpoint.formats import open_checkpoint
     from mcore_proxy.hf.calibration import load_tokenizer, token_ids, windows
+    from mcore_proxy.hf.models import vocab_size
 
-    vocab = open_checkpoint(model_dir).spec.vocab_size
-    if vocab is None:
-        raise ProxyError(f"{model_dir / 'config.json'}: has no vocab_size; add the model's vocabulary size")
+    vocab = vocab_size(open_checkpoint(model_dir))
     out: list[list[int]] = []
     for ids in token_ids(Path(data), lambda: load_tokenizer(model_dir), vocab):
         out += [w for w in windows(ids, max_length) if len(w) >= 2]

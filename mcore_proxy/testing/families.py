@@ -37,8 +37,8 @@ from mcore_proxy.functional.family import (
     state_keys,
 )
 from mcore_proxy.functional.model import Layout, ToyMoE
-from mcore_proxy.mcore.spec import MLA
 from mcore_proxy.functional.run import fixed_tokens, rank_coords, restrict_routers, writes_folder
+from mcore_proxy.mcore.spec import MLA
 from mcore_proxy.testing.build import legacy_rank_dir, training_extras
 from mcore_proxy.testing.dist_ckpt import CONTENT_METADATA, iteration_dir
 from mcore_proxy.testing.global_weights import fill_global_weights
