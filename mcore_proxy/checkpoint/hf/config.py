@@ -7,12 +7,14 @@ and the key in its message. Nothing in the folder is imported or executed: `auto
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
 from mcore_proxy.core.jsonfile import read_json_object
 from mcore_proxy.core.errors import CheckpointError
+from mcore_proxy.mcore.spec import MAX_SIZE
 
 CONFIG = "config.json"
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; refuse a file that is not one
@@ -71,12 +73,11 @@ class HFConfig:
         return value
 
     def int(self, key: str, default=_MISSING, minimum: int = 0) -> int:
+        """A size or count (`config_int`); `default` when the key is absent or null."""
         value = self._value(key, default)
         if value is default and default is not _MISSING:
             return value
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-            raise CheckpointError(f"{self.path}: {key} is {value!r}, expected an integer >= {minimum}; fix config.json")
-        return int(value)
+        return config_int(value, key, self.path, minimum)
 
     def float(self, key: str, default=_MISSING) -> float:
         value = self._value(key, default)
@@ -137,3 +138,29 @@ class HFConfig:
         params.setdefault("rope_type", params.pop("type", "default"))
         params.setdefault("rope_theta", 10000.0)
         return params
+
+
+def config_int(value, key: str, source, minimum: int = 0) -> int:
+    """A size or count of a config.json (`hidden_size`, `num_experts`, ...): a JSON integer in
+    minimum..MAX_SIZE. CheckpointError naming `source` and the key for a non-integer (1.5, 1e308,
+    "256", true: transformers builds no layer of such a width) or an integer out of range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CheckpointError(
+            f"{source}: {key} is {_as_json(value)}, not an integer; a size or count in a config.json is a "
+            "whole number such as 4096"
+        )
+    if not minimum <= value <= MAX_SIZE:
+        shown = value if len(str(abs(value))) <= 16 else f"a {len(str(abs(value)))}-digit number"
+        raise CheckpointError(
+            f"{source}: {key} is {shown}, outside {minimum}..{MAX_SIZE}, which no model's size is; fix the config"
+        )
+    return int(value)
+
+
+def _as_json(value) -> str:
+    """A config value as the file spells it (true, 1e+308, NaN, "256"), cut at 40 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # not from a JSON file (a preset or a caller's dict)
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
