@@ -102,11 +102,6 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
         else:
             self.pending.add(name)
 
-    def run_now(self, name: str, module) -> None:
-        self.pending.discard(name)
-        for callback in self.callbacks.get(name, ()):
-            callback(module)
-
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.pending or getattr(self._busy, "name", None) == fullname:
             return None

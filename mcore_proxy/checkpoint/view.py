@@ -157,10 +157,6 @@ class ModelView(ABC):
             "scales; leave the option out"
         )
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.names():
-            yield name, self.get(name)
-
 
 class DictModelView(ModelView):
     """A ModelView over an in-memory dict (tests, small models, pruned results)."""

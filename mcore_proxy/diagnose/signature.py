@@ -266,10 +266,3 @@ def _nonfinite_fields(base: Series, fault: Series) -> dict:
     """The NaN/inf counts of a (baseline, faulted) pair, as MetricSignature fields."""
     onset = int(fault.nonfinite_steps[0]) if fault.nonfinite else None
     return dict(nonfinite_base=base.nonfinite, nonfinite_fault=fault.nonfinite, nonfinite_onset=onset)
-
-
-def fault_signature(baseline, fault, metrics: dict[str, tuple[Series, Series]], label: str = "") -> FaultSignature:
-    """metrics: name -> (baseline series, fault series), already restricted to the steps to use."""
-    return FaultSignature(
-        str(baseline), str(fault), {m: metric_signature(m, b, f) for m, (b, f) in metrics.items()}, label
-    )

@@ -535,16 +535,6 @@ class _Derivation:
         return sd
 
 
-def mindspeed_v4_state_dicts(
-    hf_folder: Path, *, tp: int = 1, pp: int = 1, ep: int = 1, grouped_gemm: bool = False
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Rank folder name -> the model state dict MindSpeed-LLM's converter writes there."""
-    d = _Derivation(Path(hf_folder), tp, pp, ep, grouped_gemm)
-    return {
-        rank_folder(t, p, e, pp=pp, ep=ep): d.stage(p, t, e) for p in range(pp) for e in range(ep) for t in range(tp)
-    }
-
-
 def dropped_release_keys(hf_folder: Path) -> list[str]:
     """Release keys of `hf_folder` the conversion never reads (for the fixture: the MTP layer's
     compressor and indexer)."""

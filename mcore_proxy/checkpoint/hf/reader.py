@@ -310,10 +310,6 @@ class HFCheckpoint(ModelView):
             return torch_dtype(row.dtypes[1])
         return torch.bfloat16 if self.dequantize_fp8 and dtype == quant.FP8 else dtype
 
-    def hf_keys(self, name: str) -> list[str]:
-        """The HF keys a canonical tensor is read from (for messages and inspect)."""
-        return [p.key for p in self._parts(name)[1]]
-
     def dequantized(self) -> "HFCheckpoint":
         if self.hf.fp8_block is None:
             return super().dequantized()
