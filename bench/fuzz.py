@@ -119,21 +119,13 @@ def _build_megatron_inputs(corpus: Path, legacy_ckpt: Path, megatron_dist: Path 
     from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.cli import main
     from mcore_proxy.select import select_experts
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import stats_like
     from mcore_proxy.core.stats import save_stats
 
     shutil.copytree(legacy_ckpt, corpus / "legacy")
     view = open_checkpoint(corpus / "legacy")
     spec = view.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=KEEP,
-        hidden=spec.hidden_size,
-        tokens=500,
-        seed=3,
-    )
+    stats = stats_like(spec, KEEP, tokens=500, seed=3)
     save_stats(stats, corpus / "stats.safetensors")
     select_experts(view, stats, KEEP, target_ep=1).save(corpus / "plan.json")
     quiet = ["--target-tp", "1", "--target-pp", "1", "--target-ep", "1"]

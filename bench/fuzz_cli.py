@@ -89,7 +89,7 @@ def build_corpus(work: Path, legacy_ckpt: Path) -> Path:
     from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.cli import main
     from mcore_proxy.core.stats import RoutingStats, save_stats
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import stats_like
 
     corpus = work / "corpus"
     if (corpus / "done").is_file():
@@ -99,9 +99,7 @@ def build_corpus(work: Path, legacy_ckpt: Path) -> Path:
     shutil.copytree(legacy_ckpt, corpus / "original")
     shutil.copytree(legacy_ckpt, corpus / "other")
     spec = open_checkpoint(corpus / "original").spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids, topk=spec.topk, num_experts=spec.num_experts, clusters=KEEP, hidden=spec.hidden_size, seed=5
-    )
+    stats = stats_like(spec, KEEP, seed=5)
     (corpus / "trace").mkdir()
     for rank in (0, 1):
         meta = {"rank": rank, "world_size": 2, "model_layers": list(spec.moe_layer_ids), "source": "planted"}

@@ -103,6 +103,31 @@ def planted_stats(layer_ids: list[str], topk: int = 2, **kwargs) -> tuple[Routin
     return stats, layers
 
 
+def stats_like(spec, clusters: int, **kwargs) -> RoutingStats:
+    """Planted statistics over a ModelSpec's MoE layers, in its shape (top-k, E, hidden size), with
+    `clusters` clusters per layer; kwargs as for `planted_layer` (tokens, seed, ...)."""
+    return planted_stats(
+        spec.moe_layer_ids,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        clusters=clusters,
+        hidden=spec.hidden_size,
+        **kwargs,
+    )[0]
+
+
+def planted_plan(view, keep: int, path=None, *, tokens: int = 2000, seed: int = 3, **options):
+    """The real selection (`select_experts` with `options`; multiview by default) of `keep`
+    experts per MoE layer of `view`, on `stats_like` statistics with `keep` clusters; saved to
+    `path` when given. For tests and benchmarks that need a plan without a trace."""
+    from mcore_proxy.select.selector import select_experts
+
+    plan = select_experts(view, stats_like(view.spec, keep, tokens=tokens, seed=seed), keep, **options)
+    if path is not None:
+        plan.save(path)
+    return plan
+
+
 def plan_labels(layer_plan, num_experts: int) -> np.ndarray:
     """Cluster index of every expert [E] from a LayerPlan's clusters (-1: in no cluster)."""
     labels = np.full(num_experts, -1, dtype=np.int64)

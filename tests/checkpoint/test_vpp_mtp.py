@@ -21,8 +21,7 @@ from mcore_proxy.checkpoint.legacy import LegacyCheckpoint
 from mcore_proxy.checkpoint.target import resolve_target
 from mcore_proxy.checkpoint.torchfile import TorchFile
 from mcore_proxy.cli import main
-from mcore_proxy.select import select_experts
-from mcore_proxy.select.synthetic import planted_stats
+from mcore_proxy.select.synthetic import planted_plan
 from mcore_proxy.testing import build, global_weights, trace_runs, vpp_mtp
 from mcore_proxy.functional.model import Layout, ToyMoE
 from mcore_proxy.testing.cache import build_lock
@@ -147,17 +146,7 @@ def converted(saved, tmp_path_factory):
     vpp = LegacyCheckpoint(saved["vpp"][0])
     pp2 = write_checkpoint(vpp, tmp / "vpp_pp2", resolve_target(vpp, pp=2), progress=False)
 
-    spec = mtp.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=K,
-        hidden=spec.hidden_size,
-        tokens=2000,
-        seed=3,
-    )
-    plan = select_experts(mtp, stats, K, target_ep=1)
+    plan = planted_plan(mtp, K, target_ep=1)
     plan_path = plan.save(tmp / "plan.json")
     proxy = tmp / "proxy"
     assert main(["convert", str(saved["mtp"][0]), "--plan", str(plan_path), "-o", str(proxy), "--target-ep", "1"]) == 0

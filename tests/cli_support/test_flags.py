@@ -233,20 +233,12 @@ def both(capsys, *argv) -> tuple[str, dict]:
 def real_stats(megatron_ckpt, tmp_path):
     """A real checkpoint and statistics shaped like it (planted clusters, saved by save_stats)."""
     from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import stats_like
     from mcore_proxy.core.stats import save_stats
 
     ckpt, _ = megatron_ckpt(FIXTURE)
     spec = open_checkpoint(ckpt).spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=4,
-        hidden=spec.hidden_size,
-        tokens=500,
-        seed=1,
-    )
+    stats = stats_like(spec, 4, tokens=500, seed=1)
     return ckpt, save_stats(stats, tmp_path / "routing_stats.safetensors")
 
 

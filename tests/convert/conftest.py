@@ -5,27 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.select import select_experts
-from mcore_proxy.select.synthetic import planted_stats
+from mcore_proxy.select import synthetic
 
 KEEP = {"seq_tp2_pp2_ep2": 4, "grouped_ep4": 4, "deepseek_like_pp2_uneven": 8}
 
 
 def make_plan(ckpt, num_experts: int, path, target_ep: int = 1, method: str = "multiview"):
-    view = open_checkpoint(ckpt)
-    spec = view.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=num_experts,
-        hidden=spec.hidden_size,
-        tokens=2000,
-        seed=3,
-    )
-    plan = select_experts(view, stats, num_experts, method=method, target_ep=target_ep)
-    plan.save(path)
-    return plan
+    return synthetic.planted_plan(open_checkpoint(ckpt), num_experts, path, target_ep=target_ep, method=method)
 
 
 @pytest.fixture(scope="session")

@@ -44,19 +44,11 @@ def enum_form_ckpt(family_ckpt, tmp_path_factory):
 def enum_stats(family_ckpt, tmp_path_factory):
     """Routing statistics planted on the fixture's MoE layers (what select reads)."""
     from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import stats_like
     from mcore_proxy.core.stats import save_stats
 
     spec = open_checkpoint(family_ckpt[NAME].legacy).spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=KEEP,
-        hidden=spec.hidden_size,
-        tokens=1000,
-        seed=5,
-    )
+    stats = stats_like(spec, KEEP, tokens=1000, seed=5)
     return save_stats(stats, tmp_path_factory.mktemp("enum-stats") / "stats.safetensors")
 
 

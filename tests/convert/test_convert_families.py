@@ -15,31 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcore_proxy.checkpoint import open_checkpoint
 from mcore_proxy.cli import main
 from mcore_proxy.select.plan import load_plan
+from mcore_proxy.select.synthetic import planted_plan
 from mcore_proxy.testing.families import StagedLayout, load_and_run
-
-
-def make_plan(ckpt, num_experts: int, path, target_ep: int = 1):
-    """Multiview selection on planted statistics shaped like the checkpoint (as conftest.make_plan)."""
-    from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.select import select_experts
-    from mcore_proxy.select.synthetic import planted_stats
-
-    view = open_checkpoint(ckpt)
-    spec = view.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=num_experts,
-        hidden=spec.hidden_size,
-        tokens=2000,
-        seed=3,
-    )
-    plan = select_experts(view, stats, num_experts, method="multiview", target_ep=target_ep)
-    plan.save(path)
-    return plan
 
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
@@ -128,7 +108,8 @@ def pipeline(family_ckpt, tmp_path_factory, digest):
         == 0
     )
     plans, proxies, jobs, keeps = {"deepseek_v3_mla": load_plan(tmp / "deepseek_v3_mla.json")}, {}, [], []
-    plans["qwen3_moe"] = make_plan(family_ckpt["qwen3_moe"].legacy, KEEP, tmp / "qwen3_moe.json", target_ep=1)
+    qwen3 = open_checkpoint(family_ckpt["qwen3_moe"].legacy)
+    plans["qwen3_moe"] = planted_plan(qwen3, KEEP, tmp / "qwen3_moe.json", target_ep=1)
     for name in ("deepseek_v3_mla", "qwen3_moe"):
         ckpt = family_ckpt[name]
         keep = {lid: plans[name].kept(lid) for lid in plans[name].layer_ids}
@@ -163,7 +144,6 @@ def test_proxy_equals_the_restricted_original(family_ckpt, pipeline, case_id):
 def test_the_written_args_describe_a_plain_stage_split(family_ckpt, pipeline):
     """No layout string nor virtual stages in the proxy's args (megatron-core builds it from
     first/last stage sizes), and the launch flags say so."""
-    from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.checkpoint.formats import writer_of
     from mcore_proxy.convert.pipeline import launch_flags
 
@@ -192,7 +172,6 @@ def test_the_written_layout_string_is_what_megatron_core_builds(family_ckpt, pip
     embedding on the first chunk and again beside the MTP layer, the final norm with the last
     decoder layer (MTP is on), the output layer on the last chunk; the args are Megatron-LM's for
     that flag (raw string, VPP 2, no stage sizes) and so are the launch flags and inspect."""
-    from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.checkpoint.torchfile import TorchFile
 
     proxies, *_ = pipeline
@@ -251,8 +230,6 @@ def test_the_source_layout_is_kept_by_default(family_ckpt, pipeline, capsys):
     assert main(["convert", str(family_ckpt["deepseek_v3_mla"].legacy), "-o", str(out), "--target-ep", "1"]) == 0
     text = capsys.readouterr().out
     assert "--pipeline-model-parallel-layout 'Ettt|tt|m|L'" in text and "without: --pipeline" not in text
-    from mcore_proxy.checkpoint import open_checkpoint
-
     assert open_checkpoint(out).layout.pipeline_layout == "Ettt|tt|m|L"
 
 
@@ -338,7 +315,6 @@ def test_a_layout_string_replaces_first_last_stage_sizes(megatron_ckpt, tmp_path
     """A source saved with --decoder-first-pipeline-num-layers 1 (no MTP) written with a layout
     string: the flags say to drop the stage sizes, the args clear them, the final norm and the output
     layer go to the last chunk, and the proxy reads back tensor for tensor."""
-    from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.checkpoint.torchfile import load_weights_only
 
     src, _ = megatron_ckpt("deepseek_like_pp2_uneven")

@@ -48,22 +48,9 @@ def _keys(root) -> set[str]:
 
 def _plan(view, path, target_ep: int):
     """Multiview selection of KEEP experts on planted statistics shaped like `view`."""
-    from mcore_proxy.select import select_experts
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import planted_plan
 
-    spec = view.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=KEEP,
-        hidden=spec.hidden_size,
-        tokens=2000,
-        seed=3,
-    )
-    plan = select_experts(view, stats, KEEP, method="multiview", target_ep=target_ep)
-    plan.save(path)
-    return plan
+    return planted_plan(view, KEEP, path, target_ep=target_ep)
 
 
 @pytest.fixture(scope="module")

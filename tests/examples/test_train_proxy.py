@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from mcore_proxy.checkpoint import open_checkpoint
-from mcore_proxy.select import select_experts
-from mcore_proxy.select.synthetic import planted_stats
+from mcore_proxy.select.synthetic import planted_plan
 from mcore_proxy.functional.cpu import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,17 +30,7 @@ def launched(megatron_ckpt, tmp_path_factory, digest):
     ckpt, _ = megatron_ckpt("deepseek_like_pp2_uneven")
     before = digest(ckpt)
     work = tmp_path_factory.mktemp("train_proxy")
-    view = open_checkpoint(ckpt)
-    stats, _ = planted_stats(
-        view.spec.moe_layer_ids,
-        topk=view.spec.topk,
-        num_experts=16,
-        clusters=8,
-        hidden=view.spec.hidden_size,
-        tokens=2000,
-        seed=3,
-    )
-    select_experts(view, stats, 8, target_ep=1).save(work / "plan.json")
+    planted_plan(open_checkpoint(ckpt), 8, work / "plan.json", target_ep=1)
     r = subprocess.run(
         ["bash", str(SCRIPT), str(ckpt), str(work / "plan.json"), str(work / "run")],
         cwd=REPO,

@@ -223,19 +223,11 @@ def test_a_forced_select_that_fails_to_write_leaves_the_old_plan(megatron_ckpt, 
     import sys
 
     from mcore_proxy.checkpoint import open_checkpoint
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import stats_like
 
     ckpt, _ = megatron_ckpt("seq_tp2_pp2_ep2")
     spec = open_checkpoint(ckpt).spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=4,
-        hidden=spec.hidden_size,
-        tokens=500,
-        seed=1,
-    )
+    stats = stats_like(spec, 4, tokens=500, seed=1)
     stats_path = save_stats(stats, tmp_path / "routing_stats.safetensors")
     out = tmp_path / "plan.json"
     argv = [

@@ -6,21 +6,14 @@ import json
 from mcore_proxy.checkpoint import open_checkpoint, router_fingerprint
 from mcore_proxy.cli import main
 from mcore_proxy.select import load_plan
-from mcore_proxy.select.synthetic import planted_stats
+from mcore_proxy.select.synthetic import stats_like
 from mcore_proxy.core.stats import save_stats
 
 
 def stats_for(ckpt, tmp_path):
     view = open_checkpoint(ckpt)
     spec = view.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=4,
-        hidden=spec.hidden_size,
-        tokens=2000,
-    )
+    stats = stats_like(spec, 4, tokens=2000)
     return view, save_stats(stats, tmp_path / "routing_stats.safetensors")
 
 

@@ -137,20 +137,10 @@ def synthetic_plan(folder, path):
     """A plan for the checkpoint in `folder` made by the real selection on planted statistics."""
     from mcore_proxy.checkpoint import open_checkpoint
     from mcore_proxy.select import select_experts
-    from mcore_proxy.select.synthetic import planted_stats
+    from mcore_proxy.select.synthetic import stats_like
 
     view = open_checkpoint(folder)
-    spec = view.spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=4,
-        hidden=spec.hidden_size,
-        tokens=300,
-        seed=1,
-    )
-    select_experts(view, stats, spec.num_experts // 2).save(path)
+    select_experts(view, stats_like(view.spec, 4, tokens=300, seed=1), view.spec.num_experts // 2).save(path)
     return path
 
 

@@ -23,8 +23,7 @@ from mcore_proxy.cli import main
 from mcore_proxy.functional.model import Layout
 from mcore_proxy.functional.run import fixed_tokens, load_and_run
 from mcore_proxy.hf.models import load_model, run
-from mcore_proxy.select import select_experts
-from mcore_proxy.select.synthetic import planted_stats
+from mcore_proxy.select.synthetic import planted_plan
 from mcore_proxy.testing.fixtures import FIXTURES
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
@@ -37,19 +36,7 @@ UNSAID = ("kv_channels", "num_query_groups", "norm_epsilon", "rotary_base", "unt
 def _plan(ckpt, keep: int, path):
     """K = `keep` experts per layer chosen by the real selection from statistics planted in the
     checkpoint's shape (as tests/convert/conftest.py makes its plans)."""
-    spec = open_checkpoint(ckpt).spec
-    stats, _ = planted_stats(
-        spec.moe_layer_ids,
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        clusters=keep,
-        hidden=spec.hidden_size,
-        tokens=2000,
-        seed=3,
-    )
-    plan = select_experts(open_checkpoint(ckpt), stats, keep, method="multiview")
-    plan.save(path)
-    return plan
+    return planted_plan(open_checkpoint(ckpt), keep, path)
 
 
 @pytest.mark.parametrize("how", ["plan", "dry-run", "no plan"])
