@@ -68,13 +68,13 @@ def _plan(src: Path, work: Path) -> Path:
                 [
                     "select",
                     "--ckpt",
-                    str(src),
+                    src,
                     "--stats",
-                    str(work / "stats" / "routing_stats.safetensors"),
+                    work / "stats" / "routing_stats.safetensors",
                     "--num-experts",
                     "4",
                     "-o",
-                    str(plan),
+                    plan,
                 ]
             )
             == 0

@@ -130,20 +130,7 @@ def _build_megatron_inputs(corpus: Path, legacy_ckpt: Path, megatron_dist: Path 
     select_experts(view, stats, KEEP, target_ep=1).save(corpus / "plan.json")
     quiet = ["--target-tp", "1", "--target-pp", "1", "--target-ep", "1"]
     assert main(["convert", str(corpus / "legacy"), "-o", str(corpus / "dist"), "--format", "torch_dist", *quiet]) == 0
-    assert (
-        main(
-            [
-                "convert",
-                str(corpus / "legacy"),
-                "--plan",
-                str(corpus / "plan.json"),
-                "-o",
-                str(corpus / "proxy"),
-                *quiet,
-            ]
-        )
-        == 0
-    )
+    assert main(["convert", corpus / "legacy", "--plan", corpus / "plan.json", "-o", corpus / "proxy", *quiet]) == 0
     if megatron_dist is not None:
         shutil.copytree(megatron_dist, corpus / "mdist")
     (corpus / "done").write_text("ok")
@@ -570,22 +557,7 @@ def _build_hf_inputs(root: Path, cache: Path) -> None:
         d.mkdir()
         shutil.copytree(hf_fixtures.build_cached(name, cache), d / "model")
         data = hf_fixtures.calibration_jsonl(d / "data.jsonl", records=8)
-        assert (
-            main(
-                [
-                    "collect",
-                    "--hf",
-                    str(d / "model"),
-                    "--data",
-                    str(data),
-                    "-o",
-                    str(d / "collect"),
-                    "--batch-size",
-                    "8",
-                ]
-            )
-            == 0
-        )
+        assert main(["collect", "--hf", d / "model", "--data", data, "-o", d / "collect", "--batch-size", "8"]) == 0
         for suffix in (".safetensors", ".json"):
             (d / "collect" / f"routing_stats{suffix}").rename(d / f"stats{suffix}")
         shutil.rmtree(d / "collect")
@@ -594,13 +566,13 @@ def _build_hf_inputs(root: Path, cache: Path) -> None:
                 [
                     "select",
                     "--ckpt",
-                    str(d / "model"),
+                    d / "model",
                     "--stats",
-                    str(d / "stats.safetensors"),
+                    d / "stats.safetensors",
                     "--num-experts",
-                    str(HF_KEEP),
+                    HF_KEEP,
                     "-o",
-                    str(d / "plan.json"),
+                    d / "plan.json",
                 ]
             )
             == 0

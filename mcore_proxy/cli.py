@@ -96,7 +96,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     """Parse; a usage error shows the usage of the (sub)command it belongs to, not the top level's."""
     from mcore_proxy.cli_support.flags import empty_argument, finish
 
-    argv = sys.argv[1:] if argv is None else list(argv)
+    # a caller's paths and numbers are taken as the words they print as (main(["select", "-k", 4]))
+    argv = sys.argv[1:] if argv is None else [str(word) for word in argv]
     args, extra = parser.parse_known_args(argv)
     command_parser = getattr(args, "_parser", parser)
     if extra:
@@ -176,7 +177,9 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list | None = None) -> int:
+    """Run one command line (`argv`: its words, default sys.argv[1:]; a Path or a number is taken as
+    its text) and return its exit code."""
     from mcore_proxy.runtime.interrupts import signal_name, stop_on_signals
 
     args = parse(build_parser(), argv)

@@ -78,30 +78,10 @@ def hf_proxy(hf_model, tmp_path_factory):
         if name not in made:
             orig, base = hf_model(name), tmp_path_factory.mktemp(f"hf-{name}")
             data = calibration_jsonl(base / "data.jsonl", records=32)
-            assert (
-                main(
-                    ["collect", "--hf", str(orig), "--data", str(data), "-o", str(base / "stats"), "--batch-size", "8"]
-                )
-                == 0
-            )
+            assert main(["collect", "--hf", orig, "--data", data, "-o", base / "stats", "--batch-size", "8"]) == 0
             stats, plan_path, proxy = base / "stats" / "routing_stats.safetensors", base / "plan.json", base / "proxy"
             half = open_checkpoint(orig).spec.num_experts // 2
-            assert (
-                main(
-                    [
-                        "select",
-                        "--ckpt",
-                        str(orig),
-                        "--stats",
-                        str(stats),
-                        "--num-experts",
-                        str(half),
-                        "-o",
-                        str(plan_path),
-                    ]
-                )
-                == 0
-            )
+            assert main(["select", "--ckpt", orig, "--stats", stats, "--num-experts", half, "-o", plan_path]) == 0
             assert main(["convert", str(orig), "--plan", str(plan_path), "-o", str(proxy)]) == 0
             made[name] = (orig, stats, plan_path, load_plan(plan_path), proxy)
         return made[name]

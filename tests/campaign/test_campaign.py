@@ -71,11 +71,11 @@ def test_campaign_builds_a_library_with_the_earliest_warnings(tmp_path, capsys):
             [
                 "compare",
                 "--run",
-                str(work / "runs" / "noise@0.6" / "metrics.jsonl"),
+                work / "runs" / "noise@0.6" / "metrics.jsonl",
                 "--baseline",
-                str(work / "runs" / "baseline" / "metrics.jsonl"),
+                work / "runs" / "baseline" / "metrics.jsonl",
                 "--library",
-                str(work / "library.json"),
+                work / "library.json",
                 "--json",
             ]
         )

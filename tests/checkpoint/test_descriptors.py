@@ -49,9 +49,9 @@ def many_ranks(hf_model, hf_proxy, tmp_path_factory):
         main(
             [
                 "convert",
-                str(hf_model("qwen3_moe")),
+                hf_model("qwen3_moe"),
                 "-o",
-                str(out),
+                out,
                 "--format",
                 "legacy",
                 "--target-tp",

@@ -156,18 +156,7 @@ def converted(saved, tmp_path_factory):
     assert main(["convert", str(saved["pp1"][0]), "-o", str(pp1_vpp), "--target-pp", "2", "--target-vpp", "2"]) == 0
     assert (
         main(
-            [
-                "convert",
-                str(saved["mtp"][0]),
-                "--plan",
-                str(plan_path),
-                "-o",
-                str(proxy_vpp),
-                "--target-ep",
-                "1",
-                "--target-vpp",
-                "2",
-            ]
+            ["convert", saved["mtp"][0], "--plan", plan_path, "-o", proxy_vpp, "--target-ep", "1", "--target-vpp", "2"]
         )
         == 0
     )
@@ -306,11 +295,11 @@ def test_target_vpp_loads_in_megatron_core_with_virtual_stages(saved, converted,
             [
                 "verify",
                 "--orig",
-                str(saved["mtp"][0]),
+                saved["mtp"][0],
                 "--proxy",
-                str(converted["proxy_vpp"]),
+                converted["proxy_vpp"],
                 "--plan",
-                str(converted["proxy"].parent / "plan.json"),
+                converted["proxy"].parent / "plan.json",
             ]
         )
         == 0

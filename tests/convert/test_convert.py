@@ -33,9 +33,9 @@ def test_legacy_to_torch_dist_and_back_is_bit_identical(megatron_ckpt, tmp_path)
         main(
             [
                 "convert",
-                str(ckpt),
+                ckpt,
                 "-o",
-                str(dist),
+                dist,
                 "--format",
                 "torch_dist",
                 "--target-tp",

@@ -70,17 +70,17 @@ def select_and_convert(ckpt, stats, tmp_path, target_ep: int = 1):
         main(
             [
                 "convert",
-                str(ckpt),
+                ckpt,
                 "--plan",
-                str(plan),
+                plan,
                 "-o",
-                str(out),
+                out,
                 "--target-tp",
                 "1",
                 "--target-pp",
                 "1",
                 "--target-ep",
-                str(target_ep),
+                target_ep,
             ]
         )
         == 0

@@ -96,13 +96,13 @@ def pipeline(family_ckpt, tmp_path_factory, digest):
             [
                 "select",
                 "--ckpt",
-                str(deepseek.legacy),
+                deepseek.legacy,
                 "--stats",
-                str(traces[0] / "routing_stats.safetensors"),
+                traces[0] / "routing_stats.safetensors",
                 "-k",
-                str(KEEP),
+                KEEP,
                 "-o",
-                str(tmp / "deepseek_v3_mla.json"),
+                tmp / "deepseek_v3_mla.json",
             ]
         )
         == 0
@@ -198,9 +198,9 @@ def test_the_written_layout_string_is_what_megatron_core_builds(family_ckpt, pip
         main(
             [
                 "convert",
-                str(family_ckpt["deepseek_v3_mla"].legacy),
+                family_ckpt["deepseek_v3_mla"].legacy,
                 "-o",
-                str(out.parent / "dry"),
+                out.parent / "dry",
                 "--dry-run",
                 "--target-pp",
                 "2",
@@ -275,11 +275,11 @@ def test_inspect_and_verify_functional(family_ckpt, pipeline, name, capsys):
             [
                 "verify",
                 "--orig",
-                str(ckpt.legacy),
+                ckpt.legacy,
                 "--proxy",
-                str(proxy),
+                proxy,
                 "--plan",
-                str(Path(proxy).parent / f"{name}.json"),
+                Path(proxy).parent / f"{name}.json",
                 "--functional",
             ]
         )

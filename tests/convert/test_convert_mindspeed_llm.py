@@ -135,11 +135,11 @@ def proxies(derived, tmp_path_factory):
         main(
             [
                 "convert",
-                str(roots[SPLIT_EXTEND]),
+                roots[SPLIT_EXTEND],
                 "--plan",
-                str(tmp / "plan.json"),
+                tmp / "plan.json",
                 "-o",
-                str(out["megatron"]),
+                out["megatron"],
                 "--target-tp",
                 "1",
                 "--target-pp",
@@ -156,11 +156,11 @@ def proxies(derived, tmp_path_factory):
         main(
             [
                 "convert",
-                str(roots[SPLIT_EXTEND]),
+                roots[SPLIT_EXTEND],
                 "--plan",
-                str(tmp / "plan.json"),
+                tmp / "plan.json",
                 "-o",
-                str(out["mindspeed"]),
+                out["mindspeed"],
                 "--target-tp",
                 "2",
                 "--target-pp",
@@ -232,11 +232,11 @@ def test_indexer_tensors_round_trip_and_are_kept(derived, tmp_path, which):
         main(
             [
                 "convert",
-                str(roots[how]),
+                roots[how],
                 "--plan",
-                str(tmp_path / "plan.json"),
+                tmp_path / "plan.json",
                 "-o",
-                str(out),
+                out,
                 "--target-tp",
                 "1",
                 "--target-pp",
@@ -279,9 +279,9 @@ def test_other_formats_and_expert_layouts(derived, tmp_path, capsys):
         main(
             [
                 "convert",
-                str(src),
+                src,
                 "-o",
-                str(tmp_path / "dist"),
+                tmp_path / "dist",
                 "--format",
                 "torch_dist",
                 "--target-tp",
@@ -303,9 +303,9 @@ def test_other_formats_and_expert_layouts(derived, tmp_path, capsys):
         main(
             [
                 "convert",
-                str(src),
+                src,
                 "-o",
-                str(tmp_path / "grouped"),
+                tmp_path / "grouped",
                 "--expert-layout",
                 "grouped",
                 "--target-tp",
@@ -341,11 +341,11 @@ def test_verify_functional_on_the_mindspeed_named_proxy(derived, proxies, capsys
             [
                 "verify",
                 "--orig",
-                str(roots[SPLIT_EXTEND]),
+                roots[SPLIT_EXTEND],
                 "--proxy",
-                str(out["mindspeed"]),
+                out["mindspeed"],
                 "--plan",
-                str(out["mindspeed"].parent / "plan.json"),
+                out["mindspeed"].parent / "plan.json",
                 "--functional",
             ]
         )
@@ -357,11 +357,6 @@ def test_verify_functional_on_the_mindspeed_named_proxy(derived, proxies, capsys
 
 def test_mindspeed_llm_names_for_a_gqa_model_are_refused(family_ckpt, tmp_path, capsys):
     """Qwen3-MoE (GQA) has no MindSpeed-LLM-specific names: asking for them is one sentence."""
-    assert (
-        main(
-            ["convert", str(family_ckpt["qwen3_moe"].legacy), "-o", str(tmp_path / "out"), "--naming", "mindspeed-llm"]
-        )
-        == 2
-    )
+    assert main(["convert", family_ckpt["qwen3_moe"].legacy, "-o", tmp_path / "out", "--naming", "mindspeed-llm"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "grouped-query attention" in err and not (tmp_path / "out").exists()

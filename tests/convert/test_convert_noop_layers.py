@@ -135,22 +135,7 @@ def test_noop_layers_refused_where_not_written(noop_source, tmp_path, capsys, ta
     _, derived, plan_path, _, _ = noop_source
     out = tmp_path / "proxy"
     assert (
-        main(
-            [
-                "convert",
-                str(derived),
-                "--plan",
-                str(plan_path),
-                "-o",
-                str(out),
-                *target,
-                "--target-tp",
-                "1",
-                "--target-ep",
-                "1",
-            ]
-        )
-        == 2
+        main(["convert", derived, "--plan", plan_path, "-o", out, *target, "--target-tp", "1", "--target-ep", "1"]) == 2
     )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "noop layers [2, 5]" in err and named in err, err

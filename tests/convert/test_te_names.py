@@ -224,9 +224,9 @@ def converted(te_copy, tmp_path_factory, planted_plan):
                 main(
                     [
                         "convert",
-                        str(tmp / case),
+                        tmp / case,
                         "-o",
-                        str(loadable),
+                        loadable,
                         "--format",
                         "legacy",
                         "--target-tp",

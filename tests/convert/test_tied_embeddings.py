@@ -125,19 +125,7 @@ def test_verify_functional_on_a_tied_proxy(family_ckpt, proxies, capsys):
     _, _, out, plan = proxies
     case = IDS[1]  # legacy, PP 2: the copy is in the proxy's last stage
     assert (
-        main(
-            [
-                "verify",
-                "--orig",
-                str(family_ckpt[NAME].legacy),
-                "--proxy",
-                str(out[case]),
-                "--plan",
-                str(plan),
-                "--functional",
-            ]
-        )
-        == 0
+        main(["verify", "--orig", family_ckpt[NAME].legacy, "--proxy", out[case], "--plan", plan, "--functional"]) == 0
     ), capsys.readouterr()
 
 

@@ -50,41 +50,13 @@ def test_a_proxy_is_perfect_against_the_restricted_original_and_measurably_not_a
     assert all(m["gate_mass_share"] == 1.0 and m["top1_routing_agreement"] == 1.0 for m in perfect["moe_layers"])
 
     out = tmp_path / "report"
-    assert (
-        main(
-            [
-                "fidelity",
-                "--orig",
-                str(orig),
-                "--proxy",
-                str(proxy),
-                "--plan",
-                str(plan_path),
-                "--data",
-                str(data),
-                "-o",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    argv = ["fidelity", "--orig", str(orig), "--proxy", str(proxy), "--plan", str(plan_path), "--data", str(data)]
+    argv += ["-o", str(out)]
+    assert main(argv) == 0
     report = json.loads((out / "fidelity.json").read_text())
     assert (out / "fidelity.png").stat().st_size > 10_000
     if name == "qwen3_moe":  # an existing report is refused without --force, replaced with it
-        argv = [
-            "fidelity",
-            "--orig",
-            str(orig),
-            "--proxy",
-            str(proxy),
-            "--plan",
-            str(plan_path),
-            "--data",
-            str(data),
-            "-o",
-            str(out),
-            "--json",
-        ]
+        argv.append("--json")
         assert main(argv) == 2 and json.loads((out / "fidelity.json").read_text()) == report
         capsys.readouterr()
         assert main(argv + ["--force"]) == 0
@@ -118,22 +90,7 @@ def test_a_plan_of_another_model_is_refused(hf_proxy, data, tmp_path, capsys):
     other = hf_proxy("deepseek_v3")[2]
     capsys.readouterr()  # the fixtures' own output when this test builds them (run alone)
     assert (
-        main(
-            [
-                "fidelity",
-                "--orig",
-                str(orig),
-                "--proxy",
-                str(proxy),
-                "--plan",
-                str(other),
-                "--data",
-                str(data),
-                "-o",
-                str(tmp_path / "r"),
-            ]
-        )
-        == 2
+        main(["fidelity", "--orig", orig, "--proxy", proxy, "--plan", other, "--data", data, "-o", tmp_path / "r"]) == 2
     )
     err = capsys.readouterr().err
     assert str(other) in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

@@ -42,7 +42,7 @@ def test_select_writes_the_plan_and_prints_a_summary(tmp_path, cli_model, capsys
             "--ckpt",
             "CKPT",
             "--stats",
-            str(stats_path),
+            stats_path,
             "--num-experts",
             "8",
             "--target-ep",
@@ -52,7 +52,7 @@ def test_select_writes_the_plan_and_prints_a_summary(tmp_path, cli_model, capsys
             "--weights",
             "1,2,1",
             "-o",
-            str(out),
+            out,
         ]
     )
     assert code == 0 and opened == ["CKPT"]
@@ -74,7 +74,7 @@ def test_select_with_report_and_flatten(tmp_path, cli_model, capsys):
             "--ckpt",
             "C",
             "--stats",
-            str(stats_path),
+            stats_path,
             "-k",
             "4",
             "--group-policy",
@@ -82,9 +82,9 @@ def test_select_with_report_and_flatten(tmp_path, cli_model, capsys):
             "--method",
             "router+proto",
             "--report",
-            str(rep),
+            rep,
             "-o",
-            str(out),
+            out,
         ]
     )
     assert code == 0
@@ -141,17 +141,7 @@ def test_proxy_topk_auto_keeps_the_share_of_experts_a_token_uses(tmp_path, cli_m
 
 def test_missing_stats_file_names_it(tmp_path, cli_model, capsys):
     code = main(
-        [
-            "select",
-            "--ckpt",
-            "C",
-            "--stats",
-            str(tmp_path / "nope.safetensors"),
-            "-k",
-            "8",
-            "-o",
-            str(tmp_path / "plan.json"),
-        ]
+        ["select", "--ckpt", "C", "--stats", tmp_path / "nope.safetensors", "-k", "8", "-o", tmp_path / "plan.json"]
     )
     assert code == 2 and "nope.safetensors: routing-statistics file not found" in capsys.readouterr().err
 

@@ -46,17 +46,17 @@ def test_coact_alone_keeps_k_at_every_k_through_the_cli(sparse_traced, tmp_path,
                 [
                     "select",
                     "--ckpt",
-                    str(ckpt),
+                    ckpt,
                     "--stats",
-                    str(stats),
+                    stats,
                     "-k",
-                    str(k),
+                    k,
                     "--method",
                     "coact",
                     "--coact-mode",
                     mode,
                     "-o",
-                    str(out),
+                    out,
                 ]
             )
             == 0

@@ -53,15 +53,15 @@ def test_with_matplotlib_both_commands_draw(sparse_traced, tmp_path):
             [
                 "select",
                 "--ckpt",
-                str(ckpt),
+                ckpt,
                 "--stats",
-                str(stats),
+                stats,
                 "-k",
                 "4",
                 "--report",
-                str(tmp_path / "report"),
+                tmp_path / "report",
                 "-o",
-                str(tmp_path / "plan.json"),
+                tmp_path / "plan.json",
             ]
         )
         == 0

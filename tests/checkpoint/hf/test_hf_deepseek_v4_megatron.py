@@ -96,12 +96,7 @@ def test_megatron_args_and_launch_flags_are_megatron_lm_devs(v4, capsys):
     assert (args.activation_func_clamp_value, args.moe_layer_freq, args.mtp_num_layers) == (10.0, [1] * 4, 1)
     assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (1, 2)
     capsys.readouterr()
-    assert (
-        main(
-            ["convert", str(v4["src"]), "-o", str(v4["legacy"].parent / "dry"), "--format", "legacy", *EP2, "--dry-run"]
-        )
-        == 0
-    )
+    assert main(["convert", v4["src"], "-o", v4["legacy"].parent / "dry", "--format", "legacy", *EP2, "--dry-run"]) == 0
     printed = capsys.readouterr().out
     for flag in (
         "--experimental-attention-variant dsv4_hybrid",

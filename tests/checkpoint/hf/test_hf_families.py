@@ -162,23 +162,7 @@ def test_fidelity(hf_proxy, tmp_path, capsys, name):
     orig, _, plan_path, _, proxy = hf_proxy(name)
     data = calibration_jsonl(tmp_path / "eval.jsonl", records=8, seed=3)
     capsys.readouterr()
-    assert (
-        main(
-            [
-                "fidelity",
-                "--orig",
-                str(orig),
-                "--proxy",
-                str(proxy),
-                "--plan",
-                str(plan_path),
-                "--data",
-                str(data),
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert main(["fidelity", "--orig", orig, "--proxy", proxy, "--plan", plan_path, "--data", data, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] > 0 and 0 < report["next_token_kl"]
     assert all(0 < layer["gate_mass_share"] < 1 for layer in report["moe_layers"])

@@ -158,22 +158,7 @@ def test_hf_to_megatron_with_a_plan_prints_the_proxys_expert_count(hf_proxy, tmp
     """From HF every model flag comes from config.json's args, but the expert count and routing
     flags are the plan's: the proxy has K experts, not the source's E."""
     orig, _, plan_path, plan, _ = hf_proxy("qwen3_moe")
-    assert (
-        main(
-            [
-                "convert",
-                str(orig),
-                "--plan",
-                str(plan_path),
-                "-o",
-                str(tmp_path / "m"),
-                "--format",
-                "legacy",
-                "--dry-run",
-            ]
-        )
-        == 0
-    )
+    assert main(["convert", orig, "--plan", plan_path, "-o", tmp_path / "m", "--format", "legacy", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert f"--num-experts {plan.num_experts} " in text and f"--moe-router-topk {plan.router.topk} " in text
     assert text.count("--num-experts ") == 1 and "--hidden-size " in text
