@@ -91,12 +91,6 @@ def _check_pair(orig, proxy, plan, paths) -> dict[str, torch.Tensor]:
             f"{paths[2]}: plan layers {decoder} do not match the MoE layers of "
             f"{paths[0]} ({sorted(og, key=int)}) and {paths[1]} ({sorted(pg, key=int)})"
         )
-    vocab = text_config_of(orig).vocab_size, text_config_of(proxy).vocab_size
-    if vocab[0] != vocab[1]:
-        raise ProxyError(
-            f"{paths[1]}: vocabulary of {vocab[1]} differs from the original's {vocab[0]} ({paths[0]}); "
-            "compare a proxy with its own original"
-        )
     masks = {}
     for lid in og:
         kept, E, K = plan.kept(lid), router_weight(og[lid]).shape[0], router_weight(pg[lid]).shape[0]
@@ -131,12 +125,18 @@ def measure(
 
     plan = load_plan(plan_path)
     with as_hf(Path(orig_path), "--orig") as o_dir, as_hf(Path(proxy_path), "--proxy") as p_dir:
-        o_view = open_checkpoint(o_dir)
-        orig, proxy = load_model(o_view, device), load_model(p_dir, device)
+        o_view, p_view = open_checkpoint(o_dir), open_checkpoint(p_dir)
+        vocab = vocab_size(o_view), vocab_size(p_view)
+        if vocab[0] != vocab[1]:
+            raise ProxyError(
+                f"{proxy_path}: vocabulary of {vocab[1]} differs from the original's {vocab[0]} ({orig_path}); "
+                "compare a proxy with its own original"
+            )
+        orig, proxy = load_model(o_view, device), load_model(p_view, device)
         length = max_length or int(getattr(text_config_of(orig), "max_position_embeddings", 2048))
         # a Megatron checkpoint carries no tokenizer: text is tokenised by whichever side has one
         words = next((d for d in (o_dir, p_dir) if any((d / n).is_file() for n in TOKENIZER_FILES)), o_dir)
-        batches = data_batches(data, words, vocab_size(o_view), batch_size, length, max_tokens, images=True)
+        batches = data_batches(data, words, vocab[0], batch_size, length, max_tokens, images=True)
         report = compare_models(
             orig, proxy, plan, batches, (orig_path, proxy_path, plan_path), max_tokens=max_tokens, progress=progress
         )
