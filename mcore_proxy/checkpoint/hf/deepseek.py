@@ -29,7 +29,7 @@ from __future__ import annotations
 from functools import partial
 
 from mcore_proxy.checkpoint.hf.descriptor import E_ROUTED
-from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, SHARED_ROWS, Ignored, Row
+from mcore_proxy.checkpoint.hf.mapping import GLU, MTP, ROPE_LAST, SHARED_ROWS, Ignored, Row
 from mcore_proxy.checkpoint.hf.megatron_mapping import (
     MegatronMapping,
     dtype_fields,
@@ -81,17 +81,19 @@ _MLA = (
         Row("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
     )
 )
-_INDEXER = (
-    Row("self_attention.core_attention.indexer.linear_wq_b.weight", "self_attn.indexer.wq_b.weight"),
-    Row("self_attention.core_attention.indexer.linear_wk.weight", "self_attn.indexer.wk.weight"),
-    Row("self_attention.core_attention.indexer.k_norm.weight", "self_attn.indexer.k_norm.weight"),
-    Row("self_attention.core_attention.indexer.k_norm.bias", "self_attn.indexer.k_norm.bias"),
+# the indexer's query and key rows (and its key norm) hold each head's rotated dims where
+# transformers keeps them first and megatron-core last (`mapping.rope_last_order`, `_rope_layout`)
+_INDEXER_ROWS = (
+    Row("self_attention.core_attention.indexer.linear_wq_b.weight", "self_attn.indexer.wq_b.weight", ROPE_LAST),
+    Row("self_attention.core_attention.indexer.linear_wk.weight", "self_attn.indexer.wk.weight", ROPE_LAST),
+    Row("self_attention.core_attention.indexer.k_norm.weight", "self_attn.indexer.k_norm.weight", ROPE_LAST),
+    Row("self_attention.core_attention.indexer.k_norm.bias", "self_attn.indexer.k_norm.bias", ROPE_LAST),
     Row("self_attention.core_attention.indexer.linear_weights_proj.weight", "self_attn.indexer.weights_proj.weight"),
 )
 _IGNORED = MTP_COPIES + (
     Ignored("self_attn.rotary_emb.inv_freq", "layer", "RoPE frequencies, recomputed from rope_theta"),
 )
-ROWS = {V3: _MLA, V32: _MLA + _INDEXER}
+ROWS = {V3: _MLA, V32: _MLA + _INDEXER_ROWS}
 HF_GROUP_SCORE_EXPERTS = 2  # transformers scores a routing group by the sum of its 2 best experts
 
 
@@ -301,6 +303,13 @@ def _claims(view, *, family: str) -> bool:
     return any(".core_attention.indexer." in n for n in view.names()) == (family == V32)
 
 
+def _rope_layout(args) -> tuple[int, int, bool]:
+    """The V3.2 indexer's head size, its rotated dims, and that transformers rotates them as halves
+    (`rotate_half`; megatron-core: interleaved pairs)."""
+    head_dim = ma.arg_int(args, "dsa_indexer_head_dim", minimum=1, needed=f"{V32}'s indexer")
+    return head_dim, ma.arg_int(args, "qk_pos_emb_head_dim", minimum=1, needed=f"{V32}'s indexer"), True
+
+
 def _mapping(name: str) -> MegatronMapping:
     return MegatronMapping(
         (_ARCH[name],),
@@ -309,6 +318,7 @@ def _mapping(name: str) -> MegatronMapping:
         partial(_config_from_args, family=name),
         ignored=_IGNORED,
         claims=partial(_claims, family=name),
+        rope_layout=_rope_layout if name == V32 else None,
     )
 
 

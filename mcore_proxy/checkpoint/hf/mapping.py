@@ -13,6 +13,9 @@ A family (`qwen3_moe.py`, `deepseek.py`, `mixtral.py`, `qwen2_moe.py`, `glm4_moe
   pick   canonical [1] = element `index` of one HF tensor [n] (DeepSeek-V4's `hc_attn_scale` [3] is
          megatron's `alpha_pre`, `alpha_post`, `alpha_res`); the rows of one HF pattern ("siblings")
          are written back as its elements in `index` order
+  rope_last  one HF tensor with its rows reordered per head (`rope_last_order`, sizes from the
+         mapping's `rope_layout`): DeepSeek-V3.2's indexer, whose rotated dims transformers keeps
+         first and megatron-core last
 A row's `dtypes` (HF dtype, canonical dtype) casts a tensor whose two frameworks store it
 differently (DeepSeek-V4's hash table: int64 in transformers, int32 in Megatron-LM).
 
@@ -39,10 +42,10 @@ from mcore_proxy.core.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-COPY, GLU, QKV, FUSED, PICK = "copy", "glu", "qkv", "fused", "pick"
+COPY, GLU, QKV, FUSED, PICK, ROPE_LAST = "copy", "glu", "qkv", "fused", "pick", "rope_last"
 MODEL, LAYER, MTP = "model", "layer", "mtp"
 SCALE_SUFFIX = "_scale_inv"
-_PARTS = {COPY: 1, GLU: 2, QKV: 3, FUSED: 1, PICK: 1}
+_PARTS = {COPY: 1, GLU: 2, QKV: 3, FUSED: 1, PICK: 1, ROPE_LAST: 1}
 
 _HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")  # DeepSeek-V4's release: `layers.{i}.`
 _HF_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")  # DeepSeek-V4's MTP block `mtp.{k}.`
@@ -279,11 +282,35 @@ def qkv_split(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tupl
     return q.reshape(-1, *h), k.reshape(-1, *h), v.reshape(-1, *h)
 
 
+def rope_last_order(rows: int, head_dim: int, rope: int, interleave: bool) -> list[int]:
+    """The HF row each canonical row is read from, for a tensor of `rows` = heads x `head_dim` rows
+    whose first `rope` rows of each head transformers rotates (DeepSeek-V3.2's indexer: `wq_b`
+    [heads*d, q_lora], `wk` [d, H], `k_norm` [d]). megatron-core 0.16.1's DSA indexer rotates the
+    last `rope` of each head (`dsa.py`, `_apply_rope`) and, under multi-latent attention, pairs them
+    interleaved (x0 x1, x2 x3, ...), where transformers' `rotate_half` pairs x_i with x_{i+rope/2}
+    (`interleave`: put each such pair side by side). Canonical = HF[order]; HF = canonical[argsort]."""
+    if rows % head_dim or rope > head_dim or rope % 2:
+        raise CheckpointError(f"{rows} rows are not whole heads of {head_dim} with {rope} rotated dims")
+    half = rope // 2
+    rotated = [j for i in range(half) for j in (i, i + half)] if interleave else list(range(rope))
+    per_head = list(range(rope, head_dim)) + rotated
+    return [h * head_dim + r for h in range(rows // head_dim) for r in per_head]
+
+
+def rope_last(tensor: torch.Tensor, layout: tuple[int, int, bool], inverse: bool = False) -> torch.Tensor:
+    """HF rows -> canonical (`rope_last_order`), or back with `inverse`; layout: (head_dim, rotated
+    dims, interleave), the mapping's `rope_layout`."""
+    import torch
+
+    order = torch.tensor(rope_last_order(tensor.shape[0], *layout))
+    return tensor[torch.argsort(order)] if inverse else tensor[order]
+
+
 def joined_shape(transform: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """Canonical shape from the HF parts' shapes (no data read)."""
     if transform == FUSED:
         return tuple(shapes[0][1:])
-    if transform == COPY:
+    if transform in (COPY, ROPE_LAST):
         return tuple(shapes[0])
     if transform == PICK:
         return (1,) + tuple(shapes[0][1:])

@@ -31,6 +31,8 @@ class MegatronMapping:
     ignored: tuple = ()  # mapping.Ignored
     mtp_prefix: str | None = None  # where HF keeps MTP layer k when not at `model.layers.{N + k}.`
     qkv_groups: Callable | None = None  # (args) -> (heads, groups, head_dim) for the qkv transform
+    # (args) -> (head_dim, rotated dims, interleave) for the rope_last transform (`mapping.rope_last_order`)
+    rope_layout: Callable | None = None
     # (view) -> bool: a Megatron checkpoint of this family's shape. Megatron -> HF writes the first
     # family of the registry whose mapping claims the view, else the one marked `default` (whose
     # checks then say what the model lacks); claims are only what tells the families apart,

@@ -30,10 +30,12 @@ from mcore_proxy.checkpoint.hf.mapping import (
     MODEL,
     MTP,
     PICK,
+    ROPE_LAST,
     QKV,
     SCALE_SUFFIX,
     Row,
     canonical_name,
+    rope_last,
     glu_join,
     joined_shape,
     qkv_join,
@@ -203,10 +205,11 @@ class HFCheckpoint(ModelView):
                 f"{' (fused experts)' if row.transform == FUSED else ''}; only per-tensor "
                 "float8_e4m3fn weights with *_scale_inv are supported"
             )
-        if row.transform == QKV and not self.dequantize_fp8:
+        if row.transform in (QKV, ROPE_LAST) and not self.dequantize_fp8:
             raise CheckpointError(
                 f"{self.path / file}: {key} is FP8 with block scales, which cannot follow the "
-                "per-group q/k/v interleave; pass --dequantize-fp8 to read it as bf16"
+                f"{'per-group q/k/v interleave' if row.transform == QKV else 'reordering of its rotated dims'}; "
+                "pass --dequantize-fp8 to read it as bf16"
             )
 
     def _add(self, name: str, row: Row, part: int, piece: _Part, key: str) -> None:
@@ -295,6 +298,8 @@ class HFCheckpoint(ModelView):
             return qkv_join(*tensors, groups=self.mapping.qkv_groups(self.args)[1])
         if row.transform == PICK:
             return tensors[0][row.index : row.index + 1].clone()
+        if row.transform == ROPE_LAST:
+            return rope_last(tensors[0], self.mapping.rope_layout(self.args))
         return tensors[0]
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -27,12 +27,14 @@ from mcore_proxy.checkpoint.hf.mapping import (
     MTP,
     PICK,
     QKV,
+    ROPE_LAST,
     SCALE_SUFFIX,
     Row,
     canonical_name,
     glu_split,
     hf_name,
     qkv_split,
+    rope_last,
     split_canonical,
 )
 from mcore_proxy.checkpoint.hf.native_writer import native_outputs, native_source
@@ -206,14 +208,17 @@ def plan_shards(groups: list[list[Out]], max_bytes: int) -> list[Shard]:
     return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(s)) for i, s in enumerate(shards)]
 
 
-def _pieces(view: ModelView, family: MoEFamily, tensor: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """The HF pieces of one canonical tensor: itself, [gate, up], or [q, k, v]."""
-    if count == 1:
-        return [tensor]
-    if count == 2:
+def _pieces(view: ModelView, family: MoEFamily, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The HF pieces of canonical tensor `name`: itself, [gate, up], [q, k, v], or its rows in HF's order."""
+    row = _row_for(family, name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name)[0]
+    if row.transform == GLU:
         return list(glu_split(tensor))
-    heads, groups, head_dim = family.megatron.qkv_groups(view.args)
-    return list(qkv_split(tensor, heads, groups, head_dim))
+    if row.transform == QKV:
+        heads, groups, head_dim = family.megatron.qkv_groups(view.args)
+        return list(qkv_split(tensor, heads, groups, head_dim))
+    if row.transform == ROPE_LAST:
+        return [rope_last(tensor, family.megatron.rope_layout(view.args), inverse=True)]
+    return [tensor]
 
 
 class HFWriter(Writer):
@@ -360,7 +365,7 @@ def _write_megatron_named(view: ModelView, family: MoEFamily, writer: StreamingW
         count = _count(shard.tensors, i)
         if shard.tensors[i].gather:  # a pick row's HF tensor: its elements from their canonical tensors
             tensor = torch.cat([tensor] + [view.get(n) for n in shard.tensors[i].gather])
-        for out, piece in zip(shard.tensors[i : i + count], _pieces(view, family, tensor, count)):
+        for out, piece in zip(shard.tensors[i : i + count], _pieces(view, family, shard.tensors[i].source, tensor)):
             writer.write(out.key, piece.to(out.dtype))
         if progress is not None:
             progress(tensor.numel() * tensor.element_size())
