@@ -97,7 +97,18 @@ def patch_megatron_for_cpu() -> None:
     _lift_grouped_mlp_bf16_assert(experts.GroupedMLP)
     _keep_tied_embeddings_on_cpu()
     _mla_sees_te_absent()
+    _dsa_without_hadamard_kernel()
     _PATCHED = True
+
+
+def _dsa_without_hadamard_kernel() -> None:
+    """megatron-core's DSA indexer rotates its queries and keys by `fast_hadamard_transform`, a CUDA
+    kernel that asserts bf16 (`dsa.rotate_activation`). The scaled Hadamard matrix is orthonormal and
+    rotates both, and the indexer uses them only in q . k, so its scores are the same without it:
+    the identity stands in."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    dsa.rotate_activation = lambda x: x
 
 
 def _mla_sees_te_absent() -> None:
@@ -113,9 +124,10 @@ def _mla_sees_te_absent() -> None:
     multi_latent_attention.HAVE_TE = bool(te_ext.HAVE_TE)
 
 
-def local_mla_spec(spec):
+def local_mla_spec(spec, dsa: bool = False):
     """Copy of a layer or block spec whose MLA layers use `MLACoreAttention` instead of the local
-    `DotProductAttention` (GQA layers are left alone).
+    `DotProductAttention` (GQA layers are left alone), or with `dsa` megatron-core's DSA core
+    attention and indexer (DeepSeek-V3.2; `_dsa_core_attention`).
 
     `MultiLatentAttention.__init__` builds its core attention with `k_channels` and `v_channels`
     (query/key head dim qk + rope, value head dim v), which only `TEDotProductAttention`
@@ -132,7 +144,7 @@ def local_mla_spec(spec):
     def walk(obj):
         if isinstance(obj, MLASelfAttentionSubmodules):
             if obj.core_attention is DotProductAttention:
-                obj.core_attention = _mla_core_attention_class()
+                obj.core_attention = _dsa_core_attention() if dsa else _mla_core_attention_class()
         elif isinstance(obj, (list, tuple)):
             for item in obj:
                 walk(item)
@@ -146,6 +158,47 @@ def local_mla_spec(spec):
 
 
 _MLA_CORE_ATTENTION = None
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """What TELinear(parallel_mode="duplicated") computes: the whole linear, no bias, on every TP
+    rank (the DSA indexer's wq_b, wk and weights_proj), for megatron-core's local spec, which has
+    no such module. Returns (output, None) as megatron's linears do, and keeps TE's `_extra_state`
+    key (its FP8 metadata, empty without FP8), so checkpoints of TE models load strictly."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, **_):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size))
+        with torch.no_grad():
+            init_method(self.weight)
+
+    def forward(self, x: torch.Tensor):
+        return torch.nn.functional.linear(x, self.weight), None
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def _dsa_core_attention():
+    """megatron-core 0.16.1's DSA core attention (`DSAttention` with its `DSAIndexer`) as a module
+    spec built from local modules: its stock spec needs Transformer Engine (`backend.linear()`)."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    indexer = dsa.DSAIndexerSubmodules(
+        linear_wq_b=DuplicatedLinear,
+        linear_wk=DuplicatedLinear,
+        k_norm=WrappedTorchNorm,
+        linear_weights_proj=DuplicatedLinear,
+    )
+    return ModuleSpec(
+        module=dsa.DSAttention,
+        submodules=dsa.DSAttentionSubmodules(indexer=ModuleSpec(module=dsa.DSAIndexer, submodules=indexer)),
+    )
 
 
 def _mla_core_attention_class():

@@ -68,12 +68,14 @@ def build_chunks(model: ToyMoE, layout: Layout) -> list:
     vpp = vpp_of(layout)
     chunks = []
     for vp in range(vpp) if vpp else [None]:
+        dsa = model.indexer is not None
         spec = local_mla_spec(
-            get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp)
+            get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp),
+            dsa,
         )
         mtp = None
         if model.mtp_layers:
-            last = local_mla_spec(get_gpt_decoder_layer_specs(config, False, "RMSNorm", vp_stage=vp)[-1])
+            last = local_mla_spec(get_gpt_decoder_layer_specs(config, False, "RMSNorm", vp_stage=vp)[-1], dsa)
             mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp)
         chunks.append(
             GPTModel(

@@ -51,8 +51,9 @@ class ToyMoE(ModelSpec):
     `linear_q_up_proj` [heads*(qk+rope), q_lora], `linear_kv_down_proj` [kv_lora+rope, H],
     `linear_kv_up_proj` [heads*(qk+v), kv_lora]; with q_lora_rank None a single `linear_q_proj`).
     qk_layernorm: q/k norms for GQA, q/kv latent norms for MLA (the local MLA spec has none
-    without it). The token mixers megatron-core 0.16 does not build (indexer, linear attention,
-    DeepSeek-V4 attention, mHC, hash routing) are not built. `router_std` and `weight_seed` are
+    without it); `indexer`: megatron-core's DSA core attention (`functional.cpu.local_mla_spec`). The
+    token mixers megatron-core 0.16 does not build (linear attention, DeepSeek-V4 attention, mHC,
+    hash routing) are not built. `router_std` and `weight_seed` are
     how the test fixtures fill the weights, not structure.
     """
 
@@ -206,6 +207,10 @@ class ToyMoE(ModelSpec):
             ckpt_format="torch",
             iteration=0,
         )
+        if self.indexer is not None:  # DeepSeek-V3.2's sparse attention (megatron-core's DSA)
+            args.experimental_attention_variant = "dsa"
+            args.dsa_indexer_n_heads, args.dsa_indexer_head_dim = self.indexer.n_heads, self.indexer.head_dim
+            args.dsa_indexer_topk, args.dsa_indexer_loss_coeff = self.indexer.topk, 0.0
         return args
 
 

@@ -94,10 +94,12 @@ class MLA:
 
 @dataclass(frozen=True)
 class Indexer:
-    """DeepSeek-V3.2's sparse-attention indexer in every layer: wq_b, wk, k_norm, weights_proj."""
+    """DeepSeek-V3.2's sparse-attention indexer in every layer: wq_b, wk, k_norm, weights_proj
+    (Megatron: `experimental_attention_variant` "dsa", `dsa_indexer_*`)."""
 
-    n_heads: int
-    head_dim: int
+    n_heads: int  # [index_n_heads]
+    head_dim: int  # [index_head_dim]
+    topk: int | None = None  # [index_topk]: tokens each query attends to (building only; not a size)
 
 
 @dataclass(frozen=True)
@@ -342,4 +344,10 @@ def _build_facts(args, where: str | None) -> dict:
         )
     elif heads is not None:
         facts.update(num_query_groups=ma.num_query_groups(args, where), kv_channels=ma.kv_channels(args, where))
+    if arg_str(args, "experimental_attention_variant", where) == "dsa":
+        facts["indexer"] = Indexer(
+            n_heads=arg_int(args, "dsa_indexer_n_heads", where, minimum=1),
+            head_dim=arg_int(args, "dsa_indexer_head_dim", where, minimum=1),
+            topk=arg_int(args, "dsa_indexer_topk", where, minimum=1),
+        )
     return facts
