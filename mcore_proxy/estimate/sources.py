@@ -68,6 +68,7 @@ def from_spec(spec: ModelSpec, names: list[str], source: str) -> dict:
         score_function=spec.score_function,
         num_groups=spec.num_groups,
         group_topk=spec.group_topk,
+        indexer=spec.indexer,  # DeepSeek-V3.2's, as the args say (`experimental_attention_variant` "dsa")
         source=source,
     )
     out = {k: v for k, v in out.items() if v is not None}  # unknown here: left to a preset

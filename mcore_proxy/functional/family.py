@@ -66,9 +66,8 @@ def build_chunks(model: ToyMoE, layout: Layout) -> list:
 
     config = model.transformer_config(layout)
     vpp = vpp_of(layout)
-    chunks = []
+    chunks, dsa = [], model.indexer is not None
     for vp in range(vpp) if vpp else [None]:
-        dsa = model.indexer is not None
         spec = local_mla_spec(
             get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp),
             dsa,

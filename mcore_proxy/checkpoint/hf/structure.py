@@ -181,7 +181,9 @@ def _deepseek_v3(c: HFConfig, out: dict) -> dict:
     else:  # GQA (GLM-4.5/4.6/4.7): q/k norms when use_qk_norm
         found["qk_layernorm"] = bool(cfg.get("use_qk_norm"))
     if c.int("index_n_heads", 0):
-        found["indexer"] = Indexer(n_heads=c.int("index_n_heads"), head_dim=c.int("index_head_dim"))
+        found["indexer"] = Indexer(
+            n_heads=c.int("index_n_heads"), head_dim=c.int("index_head_dim"), topk=c.int("index_topk", None)
+        )
     return found
 
 
