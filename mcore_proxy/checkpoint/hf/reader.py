@@ -30,15 +30,15 @@ from mcore_proxy.checkpoint.hf.mapping import (
     MODEL,
     MTP,
     PICK,
-    ROPE_LAST,
     QKV,
+    ROPE_LAST,
     SCALE_SUFFIX,
     Row,
     canonical_name,
-    rope_last,
     glu_join,
     joined_shape,
     qkv_join,
+    rope_last,
     split_hf_key,
 )
 from mcore_proxy.checkpoint.hf.safetensors_io import TensorInfo, read_tensor

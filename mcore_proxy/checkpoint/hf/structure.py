@@ -111,7 +111,7 @@ def spec_fields_from_config(cfg: dict, source: str) -> dict:
     cfg = c.data
     layers = c.int("num_hidden_layers")
     # every family's spelling of E (the family records' `ConfigKeys.experts`)
-    experts = next((c.int(key) for key in EXPERT_COUNT_KEYS if c.int(key, 0)), None)
+    experts = next(filter(None, (c.int(key, 0) for key in EXPERT_COUNT_KEYS)), None)
     if not experts:
         raise ProxyError(f"{source}: no {' / '.join(EXPERT_COUNT_KEYS)}; estimate needs a MoE model")
     heads, hidden = c.int("num_attention_heads"), c.int("hidden_size")
